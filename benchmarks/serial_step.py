@@ -1,0 +1,179 @@
+"""Serial training-step speed: hpcnn vs plain NumPy matmuls of the same shapes vs PyTorch.
+
+One BLAS thread, float32. For each model it reports samples/s of a full step (forward, backward,
+SGD update), the achieved FLOP/s as a fraction of the FLOP/s of exactly the step's matmuls run
+back to back in plain NumPy (measured in the same run), and, where ``torch`` imports, the same
+model's step in PyTorch. Results go to runs/bench/serial_step.h5 (tables ``mlp`` and ``gpt``).
+
+    OMP_NUM_THREADS=1 python benchmarks/serial_step.py [--repeats=20]
+
+Models: MLP 4 x Linear(1024, 1024) with ReLU, batch 256 (as in shared MEASURED.md);
+GPT-tiny 4 blocks, dim 128, 4 heads, context 64, vocab 81, batch 32.
+"""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hpcnn.log.results import save_table  # noqa: E402
+from hpcnn.nn import models  # noqa: E402
+from hpcnn.nn.optim import SGD  # noqa: E402
+
+REPEATS = 20
+for a in sys.argv[1:]:
+    if a.startswith("--repeats="):
+        REPEATS = int(a.split("=", 1)[1])
+
+
+def timeit(fn, repeats=REPEATS, warmup=3):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def hpcnn_step(model, x, y, opt):
+    def step():
+        model.zero_grad()
+        loss, caches = model.forward(x, y)
+        model.backward(caches, need_dx=False)
+        opt.step(1e-3)
+    return step
+
+
+def matmul_reference(shapes):
+    """The step's matmuls, (b, m, k) @ (b, k, n) each, run back to back in NumPy: (fn, flops)."""
+    rng = np.random.default_rng(0)
+    ops = [(rng.standard_normal((b, m, k), dtype=np.float32)[0 if b == 1 else slice(None)],
+            rng.standard_normal((b, k, n), dtype=np.float32)[0 if b == 1 else slice(None)])
+           for b, m, k, n in shapes]
+    flops = sum(2.0 * b * m * k * n for b, m, k, n in shapes)
+    return (lambda: [a @ b for a, b in ops]), flops
+
+
+def mlp_case():
+    B, D, L = 256, 1024, 4
+    model = models.mlp(D, [D] * (L - 1), D, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((B, D), dtype=np.float32)
+    y = rng.integers(0, D, size=B)
+    # forward x@W per layer; backward x^T@dy per layer and dy@W^T for all but the first layer
+    shapes = [(1, B, D, D)] * L + [(1, D, B, D)] * L + [(1, B, D, D)] * (L - 1)
+    return "mlp", model, x, y, B, shapes
+
+
+def gpt_case():
+    B, T, C, H, V, L = 32, 64, 128, 4, 81, 4
+    model = models.gpt(V, T, L, C, H, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, V, size=(B, T))
+    y = rng.integers(0, V, size=(B, T))
+    N, hs = B * T, C // H
+    # per linear: forward, dx and dW (same flops); attention: q k^T and att v forward, and
+    # 4 batched products backward (d_att, dv, dq, dk)
+    lin = [(1, N, C, 3 * C), (1, N, C, C), (1, N, C, 4 * C), (1, N, 4 * C, C)]
+    per_block = lin * 3 + [(B * H, T, hs, T)] * 2 + [(B * H, T, T, hs)] * 4
+    shapes = per_block * L + [(1, N, C, V)] * 3
+    return "gpt", model, x, y, B, shapes
+
+
+def torch_step(name, B):
+    try:
+        import torch
+        import torch.nn as tnn
+        import torch.nn.functional as F
+    except ImportError:
+        return None, "torch not importable"
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if name == "mlp":
+        D = 1024
+        layers = []
+        for i in range(4):
+            layers.append(tnn.Linear(D, D))
+            if i < 3:
+                layers.append(tnn.ReLU())
+        net = tnn.Sequential(*layers)
+        x = torch.randn(B, D)
+        y = torch.randint(0, D, (B,))
+    else:
+        T, C, H, V, L = 64, 128, 4, 81, 4
+
+        class Block(tnn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln1, self.ln2 = tnn.LayerNorm(C), tnn.LayerNorm(C)
+                self.qkv, self.proj = tnn.Linear(C, 3 * C), tnn.Linear(C, C)
+                self.fc, self.out = tnn.Linear(C, 4 * C), tnn.Linear(4 * C, C)
+
+            def forward(self, x):
+                b, t, c = x.shape
+                q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+                q, k, v = (z.view(b, t, H, c // H).transpose(1, 2) for z in (q, k, v))
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+                return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+        class GPT(tnn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte, self.wpe = tnn.Embedding(V, C), tnn.Embedding(T, C)
+                self.blocks = tnn.ModuleList(Block() for _ in range(L))
+                self.ln, self.head = tnn.LayerNorm(C), tnn.Linear(C, V, bias=False)
+
+            def forward(self, idx):
+                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+                for blk in self.blocks:
+                    x = blk(x)
+                return self.head(self.ln(x)).view(-1, V)
+
+        net = GPT()
+        x = torch.randint(0, V, (B, T))
+        y = torch.randint(0, V, (B * T,))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    return step, torch.__version__
+
+
+def main():
+    out = os.path.join("runs", "bench", "serial_step.h5")
+    print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, repeats {REPEATS} (median)")
+    for case in (mlp_case, gpt_case):
+        name, model, x, y, B, shapes = case()
+        t_ours = timeit(hpcnn_step(model, x, y, SGD(model.params, momentum=0.9)))
+        ref, flops = matmul_reference(shapes)
+        t_mm = timeit(ref)
+        tstep, tver = torch_step(name, B)
+        t_torch = timeit(tstep) if tstep else float("nan")
+        row = {"model": name, "batch": B, "hpcnn_step_s": t_ours, "hpcnn_samples_per_s": B / t_ours,
+               "matmul_only_s": t_mm, "matmul_gflops": flops / t_mm / 1e9,
+               "hpcnn_gflops": flops / t_ours / 1e9, "fraction_of_matmul_rate": t_mm / t_ours,
+               "torch_step_s": t_torch, "torch_samples_per_s": B / t_torch,
+               "hpcnn_over_torch": t_torch / t_ours}
+        print(f"{name}: hpcnn {t_ours * 1e3:7.2f} ms/step ({B / t_ours:8.1f} samples/s, "
+              f"{row['hpcnn_gflops']:.1f} GFLOP/s) | matmuls alone {t_mm * 1e3:7.2f} ms "
+              f"({row['matmul_gflops']:.1f} GFLOP/s) -> {100 * row['fraction_of_matmul_rate']:.1f} % "
+              f"of the matmul rate | torch {tver}: {t_torch * 1e3:7.2f} ms/step -> hpcnn/torch "
+              f"samples/s = {row['hpcnn_over_torch']:.2f}x")
+        save_table(out, name, [row], attrs={"threads": os.environ.get("OMP_NUM_THREADS", ""),
+                                            "torch": tver, "repeats": REPEATS})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

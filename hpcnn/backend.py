@@ -1,0 +1,98 @@
+"""Array backend: ``xp`` is NumPy or CuPy, chosen once per process.
+
+The device comes from :func:`set_device` (called by the training loop from the config) or, before
+that, from the ``HPCNN_DEVICE`` environment variable (``cpu`` or ``gpu``; default ``cpu``). Layer
+code imports the module and uses ``backend.xp`` so that the choice made at start-up is seen
+everywhere::
+
+    from hpcnn import backend as B
+    y = B.xp.matmul(x, w)
+
+MPI moves host memory unless the library is CUDA-aware; :func:`to_host` / :func:`to_device` stage
+arrays across, and :func:`sync` synchronises the CuPy stream before an MPI call reads a buffer.
+Only the NumPy path is exercised on the CPU-only test machine; the CuPy path is kept correct by
+construction (every array operation goes through ``xp``).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy
+
+xp = numpy
+device = "cpu"
+DEFAULT_DTYPE = numpy.float32   # training dtype; float64 for gradient checks and exactness tests
+
+_DEVICES = ("cpu", "gpu")
+
+
+def set_device(name: str | None = None) -> str:
+    """Select NumPy (``"cpu"``) or CuPy (``"gpu"``); ``None`` reads ``HPCNN_DEVICE``."""
+    global xp, device
+    name = (name or os.environ.get("HPCNN_DEVICE") or "cpu").lower()
+    if name not in _DEVICES:
+        raise ValueError(f"unknown device {name!r}; expected one of {_DEVICES}")
+    if name == "gpu":
+        try:
+            import cupy
+        except ImportError as e:  # pragma: no cover - needs a GPU machine
+            raise RuntimeError("device 'gpu' needs CuPy: pip install 'hpcnn[gpu]'") from e
+        xp = cupy
+    else:
+        xp = numpy
+    device = name
+    return device
+
+
+def dtype_of(name) -> numpy.dtype:
+    """``"float32"``/``"float64"`` (or a dtype) -> a floating NumPy dtype, checked."""
+    dt = numpy.dtype(name)
+    if dt not in (numpy.float32, numpy.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dt}")
+    return dt
+
+
+def asarray(a, dtype=None):
+    """Host or device array -> an array of the current backend (copies host data to the device)."""
+    return xp.asarray(a, dtype=dtype)
+
+
+def to_host(a):
+    """Any backend array -> a NumPy array (no copy on the CPU)."""
+    if isinstance(a, numpy.ndarray) or numpy.isscalar(a):
+        return a
+    return a.get()  # pragma: no cover - CuPy
+
+
+def to_device(a):
+    """NumPy array -> the backend's array (no copy on the CPU)."""
+    return xp.asarray(a)
+
+
+def sync() -> None:
+    """Wait for queued device work, so that an MPI call sees finished buffers (no-op on CPU)."""
+    if xp is not numpy:  # pragma: no cover - CuPy
+        xp.cuda.get_current_stream().synchronize()
+
+
+def nbytes(shape, dtype) -> int:
+    """Bytes of an array of ``shape`` and ``dtype`` (used by ``spec()``)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * numpy.dtype(dtype).itemsize
+
+
+set_device()
+
+
+def uniform(key, shape, dtype):
+    """Uniform [0, 1) numbers drawn from a generator keyed by the integer tuple ``key``.
+
+    Counter-based use: the same key gives the same numbers, so a block that keys its draws by
+    (seed, call counter) reproduces them when the counter is restored (rematerialization).
+    """
+    if xp is numpy:
+        return numpy.random.default_rng(list(key)).random(shape, dtype=dtype)
+    seed = int(numpy.random.SeedSequence(list(key)).generate_state(1)[0])  # pragma: no cover
+    return xp.random.default_rng(seed).random(shape, dtype=dtype)  # pragma: no cover

@@ -1,0 +1,121 @@
+"""The ``hpcnn`` command: train, info, report.
+
+::
+
+    hpcnn train --model=mlp --epochs=20            # serial
+    mpiexec -n 1 python -m mpi4py -m hpcnn train   # under MPI (an exception aborts every rank)
+    hpcnn info                                     # versions, MPI library, backend, BLAS threads
+    hpcnn report runs/mlp-digits-s0.h5             # curves and step times as PNG
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+USAGE = """usage: hpcnn <command> [options]
+
+commands:
+  train [--key=value ...]   train a model (hpcnn train --help lists the options)
+  info                      versions, MPI library, backend, BLAS threads
+  report RUN.h5 [OUT.png]   plot a run log's curves and step times
+"""
+
+
+def _under_mpi() -> bool:
+    """True when launched by an MPI starter (or mpi4py is already loaded)."""
+    if "mpi4py.MPI" in sys.modules:
+        return True
+    keys = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+    return any(k in os.environ for k in keys)
+
+
+def cmd_train(args) -> int:
+    from hpcnn.config import ConfigError, TrainConfig, describe, parse_overrides
+    if any(a in ("-h", "--help") for a in args):
+        print("usage: hpcnn train [--key=value ...]\n\noptions (default, meaning):\n" + describe(TrainConfig))
+        return 0
+    try:
+        cfg = parse_overrides(args).resolved()
+    except ConfigError as e:
+        print(f"hpcnn train: {e}", file=sys.stderr)
+        return 2
+    from hpcnn.train import train
+    comm = None
+    if _under_mpi():
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args))
+    if comm is None or comm.Get_rank() == 0:
+        keys = [k for k in ("loss", "test_acc", "test_loss", "val_loss", "unigram_entropy") if k in result]
+        print("result: " + ", ".join(f"{k}={result[k]:.4f}" for k in keys)
+              + f", steps={result['steps']}, wall={result['wall_s']:.1f}s, log={result['log']}")
+    return 0
+
+
+def info_lines() -> list[str]:
+    import numpy
+    import hpcnn
+    from hpcnn import backend as B
+    lines = [f"hpcnn {hpcnn.__version__}", f"python {platform.python_version()} ({sys.executable})",
+             f"numpy {numpy.__version__}"]
+    for mod in ("scipy", "h5py", "matplotlib", "mpi4py", "sklearn", "cupy"):
+        try:
+            m = __import__(mod)
+            lines.append(f"{mod} {m.__version__}")
+        except ImportError:
+            lines.append(f"{mod} not installed")
+    try:
+        from mpi4py import MPI
+        lines.append("MPI library: " + MPI.Get_library_version().splitlines()[0].strip())
+        lines.append(f"MPI standard {'.'.join(map(str, MPI.Get_version()))}, "
+                     f"world size {MPI.COMM_WORLD.Get_size()}")
+    except ImportError:
+        lines.append("MPI library: none (mpi4py not importable)")
+    lines.append(f"backend: {B.device} ({B.xp.__name__}), default dtype {numpy.dtype(B.DEFAULT_DTYPE)}")
+    try:
+        from threadpoolctl import threadpool_info
+        for p in threadpool_info():
+            lines.append(f"BLAS: {p.get('internal_api')} {p.get('version')} "
+                         f"({p.get('architecture')}), {p.get('num_threads')} threads")
+    except ImportError:
+        lines.append("BLAS threads: unknown (pip install threadpoolctl)")
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                      "HPCNN_DEVICE") if k in os.environ}
+    lines.append(f"environment: {env or 'no thread or device variables set'}")
+    return lines
+
+
+def cmd_info(args) -> int:
+    print("\n".join(info_lines()))
+    return 0
+
+
+def cmd_report(args) -> int:
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: hpcnn report RUN.h5 [OUT.png]")
+        return 0 if args else 2
+    from hpcnn.log.report import make_report, summary
+    path = args[0]
+    if not os.path.exists(path):
+        print(f"hpcnn report: no such file: {path}", file=sys.stderr)
+        return 2
+    png = make_report(path, args[1] if len(args) > 1 else None)
+    print(summary(path))
+    print(f"wrote {png}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "info": cmd_info, "report": cmd_report}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd = COMMANDS.get(argv[0])
+    if cmd is None:
+        print(f"hpcnn: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return cmd(argv[1:])

@@ -1,0 +1,144 @@
+"""Figures and text summaries made from a run log (HDF5 only; never imports MPI).
+
+::
+
+    python -c "from hpcnn.log.report import make_report, summary; \\
+               print(summary('runs/mlp.h5')); make_report('runs/mlp.h5')"
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .runlog import RunData, read_run
+
+THROUGHPUT_NAMES = ("samples_per_s", "samples_per_sec", "samples_s", "tokens_per_s", "throughput")
+
+
+def _model_name(config: dict) -> str:
+    """``config["model"]`` as a string, or its ``name`` when it is a nested dict; "" if absent."""
+    model = config.get("model", config.get("model_name", ""))
+    if isinstance(model, dict):
+        model = model.get("name", model.get("kind", ""))
+    return str(model)
+
+
+def _finite(run: RunData, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(step, value)`` of a metric with the NaN (not logged) rows removed."""
+    step, y = run.metrics["step"], run.metrics[name]
+    keep = np.isfinite(y)
+    return step[keep], y[keep]
+
+
+def _names(run: RunData, test) -> list[str]:
+    return sorted(k for k in run.metrics if k != "step" and test(k) and np.isfinite(run.metrics[k]).any())
+
+
+def _accuracy_names(run: RunData) -> list[str]:
+    return _names(run, lambda k: "acc" in k)
+
+
+def _best_test_accuracy(run: RunData) -> tuple[str, float] | None:
+    """The test accuracy metric (``test_*`` first, then ``val_*``/``eval_*``, then any) and its max."""
+    names = _accuracy_names(run)
+    for prefix in ("test", "val", "eval", ""):
+        for name in names:
+            if name.startswith(prefix):
+                return name, float(np.nanmax(run.metrics[name]))
+    return None
+
+
+def summary(h5_path) -> str:
+    """A few lines describing a run: steps, final loss, best test accuracy, median step time, status.
+
+    Parameters
+    ----------
+    h5_path : str or os.PathLike
+        Run log written by :class:`hpcnn.log.RunLog`.
+
+    Returns
+    -------
+    str
+    """
+    run = read_run(h5_path)
+    step = run.metrics.get("step", np.zeros(0, dtype=np.int64))
+    model = _model_name(run.config)
+    lines = [f"run      {run.path}" + (f" ({model})" if model else ""),
+             f"status   {run.status}, world size {run.attrs.get('world_size', '?')}, "
+             f"backend {run.attrs.get('backend', '?')}"]
+    lines.append(f"steps    {len(step)}" + (f" (last step {int(step[-1])})" if len(step) else ""))
+    if "loss" in run.metrics and np.isfinite(run.metrics["loss"]).any():
+        s, y = _finite(run, "loss")
+        lines.append(f"loss     final {y[-1]:.6g} at step {int(s[-1])}, min {y.min():.6g}")
+    best = _best_test_accuracy(run)
+    if best is not None:
+        lines.append(f"accuracy best {best[0]} {best[1]:.4f}")
+    if "step_time" in run.metrics and np.isfinite(run.metrics["step_time"]).any():
+        lines.append(f"time     median step_time {np.nanmedian(run.metrics['step_time']) * 1e3:.3f} ms")
+    return "\n".join(lines)
+
+
+def make_report(h5_path, png_path=None) -> str:
+    """Draw the training curves of one run into a PNG (matplotlib, Agg backend).
+
+    Panels, each only when its data exist: loss (every metric whose name contains ``loss``),
+    accuracy (names containing ``acc``), ``step_time`` with its median, and throughput
+    (``samples_per_s`` or a similar name).
+
+    Parameters
+    ----------
+    h5_path : str or os.PathLike
+        Run log written by :class:`hpcnn.log.RunLog`.
+    png_path : str or os.PathLike, optional
+        Output file; default: ``h5_path`` with the suffix ``.png``.
+
+    Returns
+    -------
+    str
+        The PNG path.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = read_run(h5_path)
+    png_path = os.fspath(png_path) if png_path is not None else os.path.splitext(run.path)[0] + ".png"
+    panels = []
+    for title, names in (("loss", _names(run, lambda k: "loss" in k)),
+                         ("accuracy", _accuracy_names(run)),
+                         ("step time", _names(run, lambda k: k == "step_time")),
+                         ("throughput", _names(run, lambda k: k in THROUGHPUT_NAMES))):
+        if names:
+            panels.append((title, names))
+    n = max(len(panels), 1)
+    ncols = 1 if n == 1 else 2
+    nrows = (n + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.6 * nrows), squeeze=False)
+    for ax, (title, names) in zip(axes.flat, panels):
+        for name in names:
+            s, y = _finite(run, name)
+            scale = 1e3 if name == "step_time" else 1.0
+            ax.plot(s, y * scale, marker="o" if len(s) < 30 else None, ms=3, label=name)
+            if name == "step_time":
+                med = float(np.median(y)) * scale
+                ax.axhline(med, color="k", ls="--", lw=1)
+                ax.annotate(f"median {med:.3g} ms", xy=(0.98, 0.95), xycoords="axes fraction",
+                            ha="right", va="top")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel({"step time": "ms", "throughput": "per second"}.get(title, title))
+        if title == "loss" and all(np.nanmin(run.metrics[k]) > 0 for k in names):
+            ax.set_yscale("log")
+        ax.legend(loc="best", fontsize="small")
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if not panels:
+        axes.flat[0].text(0.5, 0.5, "no metrics logged", ha="center", va="center")
+    model = _model_name(run.config)
+    fig.suptitle(f"{model or os.path.basename(run.path)}  [{run.status}]")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path

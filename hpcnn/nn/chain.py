@@ -1,0 +1,127 @@
+"""A model is a chain of blocks followed by a loss."""
+from __future__ import annotations
+
+from hpcnn.nn.core import Block, BlockSpec
+
+
+class Chain:
+    """Blocks run in order, then the loss.
+
+    ``forward(x, targets) -> (loss, caches)`` and ``backward(caches) -> dx`` (dx is None when the
+    first block takes integer tokens). ``chain[i:j]`` is a sub-chain sharing the same blocks (and
+    parameters): pipeline stages are slices; the loss belongs to the slice that reaches the end.
+    """
+
+    def __init__(self, blocks, loss=None, name: str = "chain"):
+        self.blocks: list[Block] = list(blocks)
+        self.loss = loss
+        self.name = name
+
+    # -- structure ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self.blocks))
+            if step != 1:
+                raise ValueError("a sub-chain is a contiguous slice (step 1)")
+            loss = self.loss if stop == len(self.blocks) else None
+            return Chain(self.blocks[start:stop], loss, name=f"{self.name}[{start}:{stop}]")
+        return self.blocks[idx]
+
+    @property
+    def params(self):
+        return [p for b in self.blocks for p in b.params]
+
+    def num_params(self) -> int:
+        return sum(p.size for p in self.params)
+
+    def zero_grad(self) -> None:
+        for b in self.blocks:
+            b.zero_grad()
+
+    def train(self, mode: bool = True) -> "Chain":
+        for b in self.blocks:
+            b.train(mode)
+        return self
+
+    def eval(self) -> "Chain":
+        return self.train(False)
+
+    def rng_state(self):
+        return [b.rng_state() for b in self.blocks]
+
+    def set_rng_state(self, state) -> None:
+        for b, s in zip(self.blocks, state):
+            b.set_rng_state(s)
+
+    # -- compute --------------------------------------------------------------------------------
+    def forward_blocks(self, x):
+        """Run the blocks (not the loss): returns the output and the list of caches."""
+        caches = []
+        for b in self.blocks:
+            x, c = b.forward(x)
+            caches.append(c)
+        return x, caches
+
+    def backward_blocks(self, dy, caches, need_dx: bool = True):
+        """Backward through the blocks in reverse; returns the input gradient.
+
+        With ``need_dx=False`` the first block computes only its parameter gradients when it can
+        (a block with ``backward_weight``), saving one matmul; the return value is then None.
+        """
+        for i in range(len(self.blocks) - 1, -1, -1):
+            b, c = self.blocks[i], caches[i]
+            if i == 0 and not need_dx and hasattr(b, "backward_weight"):
+                b.backward_weight(dy, c)
+                return None
+            dy = b.backward(dy, c)
+        return dy
+
+    def forward(self, x, targets):
+        """Blocks then loss: returns (loss value, caches incl. the loss cache last)."""
+        if self.loss is None:
+            raise ValueError(f"{self.name} has no loss: use forward_blocks")
+        out, caches = self.forward_blocks(x)
+        loss, lc = self.loss.forward(out, targets)
+        caches.append(lc)
+        return loss, caches
+
+    def backward(self, caches, dloss: float = 1.0, need_dx: bool = True):
+        """Backward of loss then blocks; accumulates parameter gradients, returns dx."""
+        dy = self.loss.backward(dloss, caches[-1])
+        return self.backward_blocks(dy, caches[:-1], need_dx)
+
+    def predict(self, x, batch_size: int | None = None):
+        """Outputs of the blocks in eval mode (dropout off), in batches if asked; mode restored."""
+        modes = [b.training for b in self.blocks]
+        self.eval()
+        try:
+            if batch_size is None:
+                return self.forward_blocks(x)[0]
+            from hpcnn import backend as B
+            parts = [self.forward_blocks(x[i:i + batch_size])[0]
+                     for i in range(0, x.shape[0], batch_size)]
+            return B.xp.concatenate(parts, axis=0)
+        finally:
+            for b, m in zip(self.blocks, modes):
+                b.train(m)
+
+    # -- cost -----------------------------------------------------------------------------------
+    def spec(self, x_shape, include_loss: bool = True) -> list[BlockSpec]:
+        """Per-block specs for input shape ``x_shape`` (and the loss's last, if present)."""
+        specs = []
+        shape = tuple(x_shape)
+        for b in self.blocks:
+            s = b.spec(shape)
+            specs.append(s)
+            shape = s.out_shape
+        if include_loss and self.loss is not None:
+            dtype = getattr(self.blocks[-1], "dtype", None) if self.blocks else None
+            specs.append(self.loss.spec(shape, dtype) if dtype is not None else self.loss.spec(shape))
+        return specs
+
+    def __repr__(self) -> str:
+        inner = ", ".join(type(b).__name__ for b in self.blocks)
+        return f"Chain({self.name}: {inner}; loss={type(self.loss).__name__})"

@@ -1,0 +1,140 @@
+"""The block contract every method in hpcnn schedules: forward/backward with a caller-owned cache.
+
+::
+
+    y, cache = block.forward(x)      # cache: exactly what backward needs, owned by the caller
+    dx = block.backward(dy, cache)   # accumulates into p.grad for p in block.params; returns dL/dx
+    block.spec(x_shape)              # BlockSpec from shapes alone (never measured)
+
+A block keeps no per-call state on ``self``: a pipeline holds one cache per micro-batch in flight,
+rematerialization drops a cache and runs ``forward`` again, offloading moves a cache's arrays away
+and back. Stochastic blocks (dropout) own a random generator whose state the caller can save and
+restore (:meth:`Block.rng_state`), so a recomputed forward draws the same mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy
+
+from hpcnn import backend as B
+
+
+class Parameter:
+    """A trainable array and its gradient (same shape and dtype, accumulated by ``backward``)."""
+
+    __slots__ = ("data", "grad", "name")
+
+    def __init__(self, data, name: str):
+        self.data = data
+        self.grad = B.xp.zeros_like(data)
+        self.name = name
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def size(self) -> int:
+        return int(self.data.size)
+
+    def __repr__(self) -> str:
+        return f"Parameter({self.name}, shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What a block costs for an input shape, from shapes alone.
+
+    flops_fwd/flops_bwd count multiply-adds as 2 FLOPs (backward includes both the input and the
+    weight gradient). bytes_x is the input, bytes_y the output, bytes_cache what ``forward`` keeps
+    for ``backward`` (arrays shared with x are counted too: it is what must stay alive),
+    bytes_params the parameters (the gradients are as large again). comm_bytes is what one
+    forward+backward sends per rank (zero for serial blocks).
+    """
+
+    name: str
+    in_shape: tuple
+    out_shape: tuple
+    flops_fwd: float
+    flops_bwd: float
+    bytes_x: int
+    bytes_y: int
+    bytes_cache: int
+    bytes_params: int
+    comm_bytes: int = 0
+    children: tuple = field(default=(), compare=False)
+
+    def __add__(self, other: "BlockSpec") -> "BlockSpec":
+        """Sequential composition: self then other."""
+        return BlockSpec(
+            name=f"{self.name}+{other.name}", in_shape=self.in_shape, out_shape=other.out_shape,
+            flops_fwd=self.flops_fwd + other.flops_fwd, flops_bwd=self.flops_bwd + other.flops_bwd,
+            bytes_x=self.bytes_x, bytes_y=other.bytes_y,
+            bytes_cache=self.bytes_cache + other.bytes_cache,
+            bytes_params=self.bytes_params + other.bytes_params,
+            comm_bytes=self.comm_bytes + other.comm_bytes,
+            children=self.children + other.children)
+
+    @staticmethod
+    def compose(name: str, specs) -> "BlockSpec":
+        """The spec of running ``specs`` one after the other, named ``name``, children kept."""
+        specs = list(specs)
+        total = specs[0]
+        for s in specs[1:]:
+            total = total + s
+        return replace(total, name=name, children=tuple(specs))
+
+
+class Block:
+    """Base class: subclasses set ``self.params`` and implement forward/backward/spec."""
+
+    name = "block"
+    training = True
+
+    def __init__(self):
+        self.params: list[Parameter] = []
+
+    def forward(self, x):
+        raise NotImplementedError
+
+    def backward(self, dy, cache):
+        raise NotImplementedError
+
+    def spec(self, x_shape) -> BlockSpec:
+        raise NotImplementedError
+
+    # Stochastic blocks override these three; deterministic blocks have no RNG state.
+    def rng_state(self):
+        return None
+
+    def set_rng_state(self, state) -> None:
+        return None
+
+    def train(self, mode: bool = True) -> "Block":
+        self.training = mode
+        return self
+
+    def eval(self) -> "Block":
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad[...] = 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+def init_rng(seed: int, *key) -> numpy.random.Generator:
+    """A NumPy generator for one parameter tensor, keyed by (seed, block index, ...).
+
+    Initial values are drawn on the host from a key that names the tensor, so they are the same
+    whatever device runs the model and however the chain is later split into stages or shards.
+    """
+    return numpy.random.default_rng([int(seed), *[int(k) for k in key]])
+
+
+def param_from_host(values: numpy.ndarray, dtype, name: str) -> Parameter:
+    """Host values -> a Parameter of the backend's array type in ``dtype``."""
+    return Parameter(B.asarray(values.astype(dtype, copy=False)), name)

@@ -1,0 +1,208 @@
+"""Elementary blocks: Linear, ReLU, GELU, LayerNorm, Dropout.
+
+Each forward returns ``(y, cache)``; each backward quotes the forward line it differentiates.
+Inputs may have any number of leading dimensions: ``(..., C)``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy  # host-side initial values only; array code goes through B.xp
+
+from hpcnn import backend as B
+from hpcnn.nn.core import Block, BlockSpec, init_rng, param_from_host
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _rows(shape) -> int:
+    n = 1
+    for d in shape[:-1]:
+        n *= int(d)
+    return n
+
+
+class Linear(Block):
+    """y = x W + b, with W of shape (in, out).
+
+    The backward is split in two halves, :meth:`backward_input` (dx) and :meth:`backward_weight`
+    (dW, db), so that zero-bubble pipeline schedules can run them at different times.
+    """
+
+    def __init__(self, n_in, n_out, *, bias=True, seed=0, index=0, init_std=None,
+                 dtype=B.DEFAULT_DTYPE, name="linear"):
+        super().__init__()
+        self.name, self.n_in, self.n_out, self.dtype = name, int(n_in), int(n_out), B.dtype_of(dtype)
+        std = init_std if init_std is not None else 1.0 / math.sqrt(n_in)
+        w = init_rng(seed, index, 0).standard_normal((n_in, n_out)) * std
+        self.weight = param_from_host(w, self.dtype, f"{name}.weight")
+        self.params = [self.weight]
+        self.bias = None
+        if bias:
+            self.bias = param_from_host(numpy.zeros(n_out), self.dtype, f"{name}.bias")
+            self.params.append(self.bias)
+
+    def forward(self, x):
+        if x.shape[-1] != self.n_in:
+            raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.n_in}")
+        y = B.xp.matmul(x, self.weight.data)            # (..., out)
+        if self.bias is not None:
+            y += self.bias.data
+        return y, x
+
+    def backward(self, dy, cache):
+        self.backward_weight(dy, cache)
+        return self.backward_input(dy, cache)
+
+    def backward_input(self, dy, cache):
+        """dx = dy W^T  (from y = x W)."""
+        return B.xp.matmul(dy, self.weight.data.T)     # (..., in)
+
+    def backward_weight(self, dy, cache):
+        """dW += x^T dy, db += sum(dy)  (from y = x W + b)."""
+        x2 = cache.reshape(-1, self.n_in)               # (N, in)
+        dy2 = dy.reshape(-1, self.n_out)                # (N, out)
+        self.weight.grad += B.xp.matmul(x2.T, dy2)      # (in, out)
+        if self.bias is not None:
+            self.bias.grad += dy2.sum(axis=0)
+
+    def spec(self, x_shape):
+        n = _rows(x_shape)
+        out_shape = tuple(x_shape[:-1]) + (self.n_out,)
+        mm = 2.0 * n * self.n_in * self.n_out
+        nb = B.nbytes(x_shape, self.dtype)
+        return BlockSpec(self.name, tuple(x_shape), out_shape, mm + (n * self.n_out if self.bias else 0),
+                         2 * mm + (n * self.n_out if self.bias else 0),
+                         nb, B.nbytes(out_shape, self.dtype), nb,
+                         sum(B.nbytes(p.shape, self.dtype) for p in self.params))
+
+
+class ReLU(Block):
+    """y = max(x, 0); the cache is y (whose sign is the derivative)."""
+
+    name = "relu"
+
+    def __init__(self, dtype=B.DEFAULT_DTYPE):
+        super().__init__()
+        self.dtype = B.dtype_of(dtype)
+
+    def forward(self, x):
+        y = B.xp.maximum(x, 0)
+        return y, y
+
+    def backward(self, dy, cache):
+        return B.xp.multiply(dy, cache > 0)              # dy * 1[y > 0]
+
+    def spec(self, x_shape):
+        nb = B.nbytes(x_shape, self.dtype)
+        n = nb // self.dtype.itemsize
+        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), n, 2 * n, nb, nb, nb, 0)
+
+
+class GELU(Block):
+    """GELU, tanh form: y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Cache: x and the tanh."""
+
+    name = "gelu"
+
+    def __init__(self, dtype=B.DEFAULT_DTYPE):
+        super().__init__()
+        self.dtype = B.dtype_of(dtype)
+
+    def forward(self, x):
+        xp = B.xp
+        t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+        y = 0.5 * x * (1.0 + t)
+        return y, (x, t)
+
+    def backward(self, dy, cache):
+        x, t = cache
+        # dy/dx = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+        dt = (1.0 - t * t) * (_SQRT_2_OVER_PI * (1.0 + 0.134145 * x * x))
+        return dy * (0.5 * (1.0 + t) + 0.5 * x * dt)
+
+    def spec(self, x_shape):
+        nb = B.nbytes(x_shape, self.dtype)
+        n = nb // self.dtype.itemsize
+        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), 10 * n, 14 * n, nb, nb, 2 * nb, 0)
+
+
+class LayerNorm(Block):
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dimension.
+
+    Cache: x_hat (the normalised input) and rstd = 1/sqrt(var + eps), both for the backward.
+    """
+
+    def __init__(self, dim, *, eps=1e-5, dtype=B.DEFAULT_DTYPE, name="ln"):
+        super().__init__()
+        self.name, self.dim, self.eps, self.dtype = name, int(dim), float(eps), B.dtype_of(dtype)
+        self.gamma = param_from_host(numpy.ones(dim), self.dtype, f"{name}.weight")
+        self.beta = param_from_host(numpy.zeros(dim), self.dtype, f"{name}.bias")
+        self.params = [self.gamma, self.beta]
+
+    def forward(self, x):
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.dim}")
+        xp = B.xp
+        mean = x.mean(axis=-1, keepdims=True)            # (..., 1)
+        xc = x - mean
+        var = xp.mean(xc * xc, axis=-1, keepdims=True)   # (..., 1)
+        rstd = 1.0 / xp.sqrt(var + self.eps)
+        xhat = xc * rstd                                 # (..., C)
+        y = xhat * self.gamma.data + self.beta.data
+        return y, (xhat, rstd)
+
+    def backward(self, dy, cache):
+        xhat, rstd = cache
+        C = self.dim
+        self.gamma.grad += (dy * xhat).reshape(-1, C).sum(axis=0)   # from y = xhat*gamma + beta
+        self.beta.grad += dy.reshape(-1, C).sum(axis=0)
+        g = dy * self.gamma.data                                    # dL/dxhat
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))  (from xhat = (x - mean) * rstd)
+        return rstd * (g - g.mean(axis=-1, keepdims=True)
+                       - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+
+    def spec(self, x_shape):
+        nb = B.nbytes(x_shape, self.dtype)
+        n = nb // self.dtype.itemsize
+        rows = _rows(x_shape)
+        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), 8 * n, 12 * n, nb, nb,
+                         nb + rows * self.dtype.itemsize, 2 * self.dim * self.dtype.itemsize)
+
+
+class Dropout(Block):
+    """y = x * mask / (1 - p) in training, identity in eval. Cache: the scaled mask.
+
+    Masks are drawn from a generator keyed by (seed, call counter): :meth:`rng_state` is the
+    counter, so restoring it before a recomputed forward reproduces the same mask.
+    """
+
+    def __init__(self, p=0.0, *, seed=0, index=0, dtype=B.DEFAULT_DTYPE, name="dropout"):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name}: dropout probability must be in [0, 1), got {p}")
+        self.name, self.p, self.dtype = name, float(p), B.dtype_of(dtype)
+        self.seed, self.index, self.calls = int(seed), int(index), 0
+
+    def rng_state(self):
+        return self.calls
+
+    def set_rng_state(self, state):
+        self.calls = int(state)
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x, None
+        u = B.uniform((self.seed, self.index, self.calls), x.shape, x.dtype)
+        self.calls += 1
+        mask = (u >= self.p) * x.dtype.type(1.0 / (1.0 - self.p))   # (..., C)
+        return x * mask, mask
+
+    def backward(self, dy, cache):
+        return dy if cache is None else dy * cache                   # from y = x * mask
+
+    def spec(self, x_shape):
+        nb = B.nbytes(x_shape, self.dtype)
+        n = nb // self.dtype.itemsize
+        active = self.p > 0.0
+        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), n if active else 0,
+                         n if active else 0, nb, nb, nb if active else 0, 0)

@@ -1,0 +1,63 @@
+"""Softmax cross-entropy, the last stage of every classification chain."""
+from __future__ import annotations
+
+from hpcnn import backend as B
+from hpcnn.nn.core import BlockSpec
+
+
+class SoftmaxCrossEntropy:
+    """Mean over the batch of -log softmax(logits)[target], skipping ``ignore_index`` targets.
+
+    ``forward(logits, targets) -> (loss, cache)`` with logits ``(..., V)`` and integer targets
+    ``(...)``; ``backward(dloss, cache) -> dlogits``. Numerically stable: the row maximum is
+    subtracted before exponentiating. Cache: the softmax probabilities, the targets, the mask of
+    counted rows and their number. ``reduction="sum"`` returns the sum instead of the mean (data
+    parallelism with unequal shares combines sums).
+    """
+
+    name = "xent"
+    params: list = []
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.ignore_index, self.reduction = int(ignore_index), reduction
+
+    def forward(self, logits, targets):
+        xp = B.xp
+        V = logits.shape[-1]
+        if targets.shape != logits.shape[:-1]:
+            raise ValueError(f"targets shape {targets.shape} != logits shape without the last "
+                             f"dimension {logits.shape[:-1]}")
+        z = logits.reshape(-1, V)                                  # (N, V)
+        t = targets.reshape(-1)                                    # (N,)
+        valid = t != self.ignore_index
+        tt = xp.where(valid, t, 0)
+        if tt.size and (int(tt.min()) < 0 or int(tt.max()) >= V):
+            raise ValueError(f"targets must lie in [0, {V}) or equal ignore_index "
+                             f"{self.ignore_index}; got range [{int(tt.min())}, {int(tt.max())}]")
+        zmax = z.max(axis=1, keepdims=True)
+        e = xp.exp(z - zmax)                                       # (N, V)
+        s = e.sum(axis=1, keepdims=True)
+        rows = xp.arange(z.shape[0])
+        # -log p[t] = log(sum exp(z - zmax)) - (z[t] - zmax)
+        nll = xp.log(s[:, 0]) - (z[rows, tt] - zmax[:, 0])
+        count = int(valid.sum())
+        total = (nll * valid).sum()
+        loss = float(total) if self.reduction == "sum" else float(total) / max(count, 1)
+        e /= s                                                     # probabilities, in place
+        return loss, (e, tt, valid, count, logits.shape)
+
+    def backward(self, dloss, cache):
+        """dlogits = (softmax - onehot(target)) * dloss / count on counted rows, 0 elsewhere."""
+        p, tt, valid, count, shape = cache
+        d = p.copy()
+        d[B.xp.arange(d.shape[0]), tt] -= 1.0
+        scale = dloss if self.reduction == "sum" else dloss / max(count, 1)
+        d *= (valid * scale).astype(d.dtype)[:, None]
+        return d.reshape(shape)
+
+    def spec(self, x_shape, dtype=B.DEFAULT_DTYPE):
+        nb = B.nbytes(x_shape, dtype)
+        n = nb // B.dtype_of(dtype).itemsize
+        return BlockSpec(self.name, tuple(x_shape), (), 5 * n, 3 * n, nb, 8, nb, 0)

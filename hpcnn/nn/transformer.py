@@ -1,0 +1,352 @@
+"""GPT blocks: token + position Embedding, CausalSelfAttention, MLPBlock, pre-LN TransformerBlock.
+
+Each forward returns ``(y, cache)``; each backward quotes the forward line it differentiates.
+Activations are ``(B, T, C)``: batch, time, channels; attention heads are ``(B, nh, T, hs)`` with
+``C = nh * hs``. The layout follows karpathy/nanoGPT ``model.py``; the attention backward uses
+the FlashAttention identity ``rowsum(dP * P) = rowsum(dO * O)`` (Dao et al. 2022, Alg. 2) so
+the softmax backward needs no extra ``(B, nh, T, T)`` temporary.
+
+Initial values depend only on ``(seed, index)`` of the outer block: sub-block ``k`` of the block
+keyed ``index`` is keyed :func:`sub_index` ``(index, k)``, so a chain split into pipeline stages
+or shards draws the same weights and the same dropout masks.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy  # host-side initial values and dtypes only; array code goes through B.xp
+
+from hpcnn import backend as B
+from hpcnn.nn.core import Block, BlockSpec, init_rng, param_from_host
+from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear
+
+_SUB = 1 << 62   # sub-block keys live above any top-level chain index
+
+
+def sub_index(index: int, k: int) -> int:
+    """The init/dropout key of sub-block ``k`` (0 <= k < 16) of the block keyed ``index``.
+
+    ``2**62 + 16 * index + k``: injective in ``(index, k)``, and each nesting level lands in its
+    own range, so a sub-block never shares a key with a top-level block or another level.
+    """
+    if not 0 <= k < 16:
+        raise ValueError(f"sub-block number must be in [0, 16), got {k}")
+    return _SUB + 16 * int(index) + int(k)
+
+
+def _check_btc(name, x, dim):
+    if x.ndim != 3 or x.shape[-1] != dim:
+        raise ValueError(f"{name}: expected input (B, T, {dim}), got shape {tuple(x.shape)}")
+    return x.shape
+
+
+def _residual_spec(name, x_shape, dtype):
+    """y = x + f(x): one add forward, one add of the skip gradient backward; nothing cached."""
+    nb = B.nbytes(x_shape, dtype)
+    n = nb // numpy.dtype(dtype).itemsize
+    return BlockSpec(name, tuple(x_shape), tuple(x_shape), n, n, nb, nb, 0, 0)
+
+
+class Embedding(Block):
+    """y = wte[tokens] + wpe[:T]: learned token and position embeddings.
+
+    Parameters: vocab, dim, max_len; init normal(0, 0.02) keyed (seed, index, 0) for wte and
+    (seed, index, 1) for wpe.
+    forward(tokens int (B, T)) -> (B, T, dim); cache: the tokens. backward returns None (the
+    input is discrete) after accumulating into wte.grad and wpe.grad.
+    """
+
+    def __init__(self, vocab, dim, max_len, *, seed=0, index=0, dtype=B.DEFAULT_DTYPE,
+                 name="embed"):
+        super().__init__()
+        self.name, self.dtype = name, B.dtype_of(dtype)
+        self.vocab, self.dim, self.max_len = int(vocab), int(dim), int(max_len)
+        wte = init_rng(seed, index, 0).standard_normal((self.vocab, self.dim)) * 0.02
+        wpe = init_rng(seed, index, 1).standard_normal((self.max_len, self.dim)) * 0.02
+        self.wte = param_from_host(wte, self.dtype, f"{name}.wte")
+        self.wpe = param_from_host(wpe, self.dtype, f"{name}.wpe")
+        self.params = [self.wte, self.wpe]
+
+    def forward(self, tokens):
+        if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"{self.name}: tokens must be integers of shape (B, T), got "
+                             f"{tokens.dtype} {tuple(tokens.shape)}")
+        T = tokens.shape[1]
+        if T > self.max_len:
+            raise ValueError(f"{self.name}: sequence length {T} > max_len {self.max_len}")
+        if tokens.size:
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.vocab:
+                raise ValueError(f"{self.name}: token ids must lie in [0, {self.vocab}), "
+                                 f"got range [{lo}, {hi}]")
+        y = self.wte.data[tokens]                        # (B, T, C)
+        y += self.wpe.data[:T]                           # (T, C) broadcast over B
+        return y, tokens
+
+    def backward(self, dy, cache):
+        xp = B.xp
+        tokens = cache
+        T, C = tokens.shape[1], self.dim
+        # from y += wpe[:T]
+        self.wpe.grad[:T] += dy.sum(axis=0)              # (T, C)
+        # from y = wte[tokens]: scatter-add rows, repeated tokens accumulate (exact, in order)
+        g = self.wte.grad
+        if g.flags.c_contiguous:                         # 1-D add.at: numpy's fast path
+            idx = (tokens.reshape(-1, 1) * C + xp.arange(C)).reshape(-1)   # (B*T*C,)
+            xp.add.at(g.reshape(-1), idx, dy.reshape(-1))
+        else:
+            xp.add.at(g, tokens, dy)
+        return None
+
+    def spec(self, x_shape):
+        Bn, T = x_shape
+        out_shape = (Bn, T, self.dim)
+        nb_tok = B.nbytes(x_shape, numpy.int64)
+        ny = Bn * T * self.dim
+        return BlockSpec(self.name, tuple(x_shape), out_shape, ny, 2 * ny, nb_tok,
+                         B.nbytes(out_shape, self.dtype), nb_tok,
+                         sum(B.nbytes(p.shape, self.dtype) for p in self.params))
+
+
+class CausalSelfAttention(Block):
+    """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, projection.
+
+    forward(x (B, T, C)) -> (B, T, C). Cache: the qkv input (x), the qkv output with q already
+    scaled by 1/sqrt(hs), the attention probabilities, the attention-dropout mask (or None) and
+    the merged head output y (the input of ``proj``). ``init_std`` is the std of the qkv weights,
+    ``proj_std`` that of the output projection (GPT-2: 0.02 / sqrt(2 n_layers); default init_std).
+    """
+
+    def __init__(self, dim, n_heads, *, dropout=0.0, seed=0, index=0, init_std=0.02,
+                 proj_std=None, dtype=B.DEFAULT_DTYPE, name="attn"):
+        super().__init__()
+        dim, n_heads = int(dim), int(n_heads)
+        if n_heads <= 0 or dim % n_heads != 0:
+            raise ValueError(f"{name}: dim ({dim}) must be a multiple of n_heads ({n_heads})")
+        self.name, self.dim, self.n_heads, self.dtype = name, dim, n_heads, B.dtype_of(dtype)
+        self.head_size = dim // n_heads
+        self.scale = 1.0 / math.sqrt(self.head_size)
+        proj_std = init_std if proj_std is None else proj_std
+        self.qkv = Linear(dim, 3 * dim, seed=seed, index=sub_index(index, 0), init_std=init_std,
+                          dtype=dtype, name=f"{name}.qkv")
+        self.proj = Linear(dim, dim, seed=seed, index=sub_index(index, 1), init_std=proj_std,
+                           dtype=dtype, name=f"{name}.proj")
+        self.attn_drop = Dropout(dropout, seed=seed, index=sub_index(index, 2), dtype=dtype,
+                                 name=f"{name}.drop")
+        self.params = self.qkv.params + self.proj.params
+        self._masks = {}   # T -> boolean (T, T) upper triangle: a memo, not per-call state
+
+    def _causal(self, T):
+        mask = self._masks.get(T)
+        if mask is None or not isinstance(mask, B.xp.ndarray):
+            mask = B.xp.triu(B.xp.ones((T, T), dtype=bool), k=1)   # (T, T) True = future
+            self._masks[T] = mask
+        return mask
+
+    def _heads(self, qkv):
+        """(B, T, 3C) -> q, k, v views, each (B, nh, T, hs)."""
+        Bn, T, _ = qkv.shape
+        return qkv.reshape(Bn, T, 3, self.n_heads, self.head_size).transpose(2, 0, 3, 1, 4)
+
+    def rng_state(self):
+        return self.attn_drop.rng_state()
+
+    def set_rng_state(self, state):
+        self.attn_drop.set_rng_state(state)
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.attn_drop.train(mode)
+        return self
+
+    def forward(self, x):
+        xp = B.xp
+        Bn, T, C = _check_btc(self.name, x, self.dim)
+        nh, hs = self.n_heads, self.head_size
+        qkv, c_qkv = self.qkv.forward(x)                         # (B, T, 3C)
+        qkv[..., :C] *= self.scale                               # q / sqrt(hs), in place
+        q, k, v = self._heads(qkv)                               # (B, nh, T, hs) views
+        att = xp.matmul(q, k.swapaxes(-1, -2))                   # (B, nh, T, T)
+        xp.copyto(att, -xp.inf, where=self._causal(T))           # no attention to the future
+        att -= att.max(axis=-1, keepdims=True)                   # (B, nh, T, 1) row max: stable
+        xp.exp(att, out=att)
+        att /= att.sum(axis=-1, keepdims=True)                   # softmax probabilities, in place
+        att_d, c_drop = self.attn_drop.forward(att)              # (B, nh, T, T)
+        y = xp.empty((Bn, T, nh, hs), dtype=att.dtype)           # (B, T, nh, hs)
+        xp.matmul(att_d, v, out=y.transpose(0, 2, 1, 3))         # (B, nh, T, hs) view of y
+        y = y.reshape(Bn, T, C)                                  # (B, T, C) heads merged
+        out, c_proj = self.proj.forward(y)                       # (B, T, C)
+        return out, (c_qkv, qkv, att, c_drop, c_proj)
+
+    def backward(self, dy, cache):
+        xp = B.xp
+        c_qkv, qkv, att, c_drop, y = cache
+        Bn, T, C = y.shape
+        nh, hs = self.n_heads, self.head_size
+        q, k, v = self._heads(qkv)                               # (B, nh, T, hs), q pre-scaled
+        # from: out, c_proj = self.proj.forward(y)
+        dyc = self.proj.backward(dy, y)                          # (B, T, C)
+        dyh = dyc.reshape(Bn, T, nh, hs).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
+        dqkv = xp.empty((Bn, T, 3, nh, hs), dtype=dyc.dtype)     # (B, T, 3, nh, hs)
+        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)               # (B, nh, T, hs) views
+        # from: xp.matmul(att_d, v, out=y...)  ->  dv = att_d^T dy, datt_d = dy v^T
+        att_d = att if c_drop is None else att * c_drop          # (B, nh, T, T) recomputed
+        xp.matmul(att_d.swapaxes(-1, -2), dyh, out=dv)
+        datt = xp.matmul(dyh, v.swapaxes(-1, -2))                # (B, nh, T, T)
+        # from: att_d, c_drop = self.attn_drop.forward(att)
+        datt = self.attn_drop.backward(datt, c_drop)
+        # from: att /= att.sum(...) after exp:  ds = att * (datt - rowsum(datt * att));
+        # rowsum(datt * att) = rowsum over hs of (dy * y) per head, a (B, T, C) product
+        D = (dyc * y).reshape(Bn, T, nh, hs).sum(axis=-1)        # (B, T, nh)
+        datt -= D.transpose(0, 2, 1)[..., None]                  # (B, nh, T, 1) broadcast
+        datt *= att                                              # masked entries: att = 0
+        # from: att = xp.matmul(q, k.swapaxes(-1, -2)) with q scaled in place by 1/sqrt(hs)
+        xp.matmul(datt, k, out=dq)
+        dq *= self.scale
+        xp.matmul(datt.swapaxes(-1, -2), q, out=dk)
+        # from: qkv, c_qkv = self.qkv.forward(x)
+        return self.qkv.backward(dqkv.reshape(Bn, T, 3 * C), c_qkv)   # (B, T, C)
+
+    def spec(self, x_shape):
+        Bn, T, C = x_shape
+        nh, hs, dt = self.n_heads, self.head_size, self.dtype
+        att_shape, n_att, nx = (Bn, nh, T, T), Bn * nh * T * T, Bn * T * C
+        mm = 2.0 * n_att * hs   # one batched (T x hs)(hs x T) or (T x T)(T x hs) product
+        qkv_shape = (Bn, T, 3 * C)
+        # scores + softmax: fwd q scale, q k^T, 5 per score (max, sub, exp, sum, div);
+        # bwd dq, dk products, dq scale, D = rowsum(dy*y) (2 per element), 2 per score.
+        scores = BlockSpec(f"{self.name}.scores", qkv_shape, att_shape,
+                           mm + nx + 5 * n_att, 2 * mm + 3 * nx + 2 * n_att,
+                           B.nbytes(qkv_shape, dt), B.nbytes(att_shape, dt),
+                           B.nbytes(qkv_shape, dt) + B.nbytes(att_shape, dt), 0)
+        # y = att_d v: fwd one product; bwd dv and datt products (+ att * mask recomputed).
+        redo = n_att if self.attn_drop.p > 0 else 0
+        av = BlockSpec(f"{self.name}.av", att_shape, tuple(x_shape), mm, 2 * mm + redo,
+                       B.nbytes(att_shape, dt), B.nbytes(x_shape, dt), 0, 0)
+        return BlockSpec.compose(self.name, [self.qkv.spec(x_shape), scores,
+                                             self.attn_drop.spec(att_shape), av,
+                                             self.proj.spec(x_shape)])
+
+
+class MLPBlock(Block):
+    """y = Dropout(Linear(GELU(Linear(x)))): (B, T, C) -> (B, T, hidden) -> (B, T, C).
+
+    No residual and no norm inside (the TransformerBlock adds those). Cache: the caches of fc,
+    GELU, proj and dropout, in that order.
+    """
+
+    def __init__(self, dim, hidden=None, *, dropout=0.0, seed=0, index=0, init_std=0.02,
+                 proj_std=None, dtype=B.DEFAULT_DTYPE, name="mlp"):
+        super().__init__()
+        self.name, self.dim, self.dtype = name, int(dim), B.dtype_of(dtype)
+        self.hidden = 4 * self.dim if hidden is None else int(hidden)
+        proj_std = init_std if proj_std is None else proj_std
+        self.fc = Linear(dim, self.hidden, seed=seed, index=sub_index(index, 0),
+                         init_std=init_std, dtype=dtype, name=f"{name}.fc")
+        self.act = GELU(dtype=dtype)
+        self.proj = Linear(self.hidden, dim, seed=seed, index=sub_index(index, 1),
+                           init_std=proj_std, dtype=dtype, name=f"{name}.proj")
+        self.drop = Dropout(dropout, seed=seed, index=sub_index(index, 2), dtype=dtype,
+                            name=f"{name}.drop")
+        self.params = self.fc.params + self.proj.params
+
+    def rng_state(self):
+        return self.drop.rng_state()
+
+    def set_rng_state(self, state):
+        self.drop.set_rng_state(state)
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.drop.train(mode)
+        return self
+
+    def forward(self, x):
+        h, c_fc = self.fc.forward(x)                 # (B, T, H)
+        g, c_act = self.act.forward(h)               # (B, T, H)
+        o, c_proj = self.proj.forward(g)             # (B, T, C)
+        o, c_drop = self.drop.forward(o)             # (B, T, C)
+        return o, (c_fc, c_act, c_proj, c_drop)
+
+    def backward(self, dy, cache):
+        c_fc, c_act, c_proj, c_drop = cache
+        do = self.drop.backward(dy, c_drop)          # from o, c_drop = self.drop.forward(o)
+        dg = self.proj.backward(do, c_proj)          # from o, c_proj = self.proj.forward(g)
+        dh = self.act.backward(dg, c_act)            # from g, c_act = self.act.forward(h)
+        return self.fc.backward(dh, c_fc)            # from h, c_fc = self.fc.forward(x)
+
+    def spec(self, x_shape):
+        h_shape = tuple(x_shape[:-1]) + (self.hidden,)
+        return BlockSpec.compose(self.name, [self.fc.spec(x_shape), self.act.spec(h_shape),
+                                             self.proj.spec(h_shape), self.drop.spec(x_shape)])
+
+
+class TransformerBlock(Block):
+    """Pre-LN GPT block: x = x + Dropout(attn(ln1(x))); x = x + mlp(ln2(x)).
+
+    ``params`` is ln1, attn, ln2, mlp in that order. :meth:`rng_state` is the tuple of the
+    attention-dropout, residual-dropout and MLP-dropout states. The residual stream needs no
+    cache: the cache is the sub-blocks' caches.
+    """
+
+    def __init__(self, dim, n_heads, *, hidden=None, dropout=0.0, seed=0, index=0,
+                 init_std=0.02, proj_std=None, dtype=B.DEFAULT_DTYPE, name="block"):
+        super().__init__()
+        self.name, self.dim, self.dtype = name, int(dim), B.dtype_of(dtype)
+        kw = dict(seed=seed, dtype=dtype)
+        self.ln1 = LayerNorm(dim, dtype=dtype, name=f"{name}.ln1")
+        self.attn = CausalSelfAttention(dim, n_heads, dropout=dropout, index=sub_index(index, 1),
+                                        init_std=init_std, proj_std=proj_std,
+                                        name=f"{name}.attn", **kw)
+        self.drop = Dropout(dropout, index=sub_index(index, 2), name=f"{name}.drop", **kw)
+        self.ln2 = LayerNorm(dim, dtype=dtype, name=f"{name}.ln2")
+        self.mlp = MLPBlock(dim, hidden, dropout=dropout, index=sub_index(index, 4),
+                            init_std=init_std, proj_std=proj_std, name=f"{name}.mlp", **kw)
+        self.params = self.ln1.params + self.attn.params + self.ln2.params + self.mlp.params
+
+    def rng_state(self):
+        return (self.attn.rng_state(), self.drop.rng_state(), self.mlp.rng_state())
+
+    def set_rng_state(self, state):
+        s_attn, s_drop, s_mlp = state
+        self.attn.set_rng_state(s_attn)
+        self.drop.set_rng_state(s_drop)
+        self.mlp.set_rng_state(s_mlp)
+
+    def train(self, mode=True):
+        super().train(mode)
+        for b in (self.ln1, self.attn, self.drop, self.ln2, self.mlp):
+            b.train(mode)
+        return self
+
+    def forward(self, x):
+        _check_btc(self.name, x, self.dim)
+        h1, c_ln1 = self.ln1.forward(x)              # (B, T, C)
+        a, c_attn = self.attn.forward(h1)            # (B, T, C)
+        a, c_drop = self.drop.forward(a)             # (B, T, C)
+        a += x                                       # x1 = x + drop(attn(ln1(x))); a is ours
+        h2, c_ln2 = self.ln2.forward(a)              # (B, T, C)
+        y, c_mlp = self.mlp.forward(h2)              # (B, T, C)
+        y += a                                       # y = x1 + mlp(ln2(x1)); y is ours
+        return y, (c_ln1, c_attn, c_drop, c_ln2, c_mlp)
+
+    def backward(self, dy, cache):
+        c_ln1, c_attn, c_drop, c_ln2, c_mlp = cache
+        # from: y += a  (y = x1 + mlp(ln2(x1)))
+        dh2 = self.mlp.backward(dy, c_mlp)
+        dx1 = self.ln2.backward(dh2, c_ln2)          # (B, T, C), a fresh array
+        dx1 += dy
+        # from: a += x  (x1 = x + drop(attn(ln1(x))))
+        da = self.drop.backward(dx1, c_drop)
+        dh1 = self.attn.backward(da, c_attn)
+        dx = self.ln1.backward(dh1, c_ln1)           # (B, T, C), a fresh array
+        dx += dx1
+        return dx
+
+    def spec(self, x_shape):
+        x_shape = tuple(x_shape)
+        return BlockSpec.compose(self.name, [
+            self.ln1.spec(x_shape), self.attn.spec(x_shape), self.drop.spec(x_shape),
+            _residual_spec(f"{self.name}.res1", x_shape, self.dtype),
+            self.ln2.spec(x_shape), self.mlp.spec(x_shape),
+            _residual_spec(f"{self.name}.res2", x_shape, self.dtype)])

@@ -1,0 +1,5 @@
+"""Test configuration: the tests folder is importable (gradcheck helpers, MPI launcher)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))

@@ -1,0 +1,139 @@
+"""Finite-difference checks (float64) of the elementary blocks and the loss, and their specs."""
+import numpy as np
+import pytest
+
+from gradcheck import check_block_gradients
+from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU
+from hpcnn.nn.loss import SoftmaxCrossEntropy
+
+F64 = np.float64
+
+
+def _x(shape, seed=1):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 7)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_gradients(shape, bias):
+    blk = Linear(7, 4, bias=bias, seed=3, dtype=F64)
+    check_block_gradients(blk, _x(shape))
+
+
+def test_linear_split_backward_equals_whole():
+    blk = Linear(6, 5, seed=1, dtype=F64)
+    x, dy = _x((4, 6)), _x((4, 5), 2)
+    y, c = blk.forward(x)
+    dx = blk.backward(dy, c)
+    gw = blk.weight.grad.copy()
+    blk.zero_grad()
+    dx2 = blk.backward_input(dy, c)
+    blk.backward_weight(dy, c)
+    np.testing.assert_array_equal(dx, dx2)
+    np.testing.assert_array_equal(gw, blk.weight.grad)
+
+
+def test_relu_gradients():
+    x = _x((6, 5))
+    x[np.abs(x) < 1e-3] = 0.5          # keep away from the kink
+    check_block_gradients(ReLU(dtype=F64), x)
+
+
+def test_gelu_gradients_and_value():
+    x = _x((4, 9))
+    check_block_gradients(GELU(dtype=F64), x)
+    y, _ = GELU(dtype=F64).forward(np.array([0.0, 1.0, -1.0]))
+    # tanh-form GELU reference values
+    np.testing.assert_allclose(y, [0.0, 0.8411919906082768, -0.15880800939172324], rtol=1e-12)
+
+
+def test_layernorm_gradients():
+    ln = LayerNorm(6, dtype=F64)
+    rng = np.random.default_rng(0)
+    ln.gamma.data[:] = rng.standard_normal(6)
+    ln.beta.data[:] = rng.standard_normal(6)
+    check_block_gradients(ln, _x((3, 4, 6)))
+    y, _ = ln.forward(_x((3, 6)))
+
+
+def test_layernorm_normalises():
+    y, _ = LayerNorm(16, dtype=F64).forward(_x((5, 16)) * 3 + 2)
+    np.testing.assert_allclose(y.mean(-1), 0, atol=1e-12)
+    np.testing.assert_allclose(y.var(-1), 1, rtol=1e-4)
+
+
+def test_dropout_mask_reproducible_and_gradients():
+    d = Dropout(0.3, seed=5, dtype=F64)
+    x = _x((8, 10))
+    s = d.rng_state()
+    y1, _ = d.forward(x)
+    y2, _ = d.forward(x)
+    assert not np.array_equal(y1, y2)            # a new mask each call
+    d.set_rng_state(s)
+    y3, _ = d.forward(x)
+    np.testing.assert_array_equal(y1, y3)        # restored state -> same mask
+    kept = y1 != 0
+    np.testing.assert_allclose(y1[kept], x[kept] / 0.7)
+    assert 0.5 < kept.mean() < 0.9
+    check_block_gradients(d, x)
+    d.eval()
+    y, c = d.forward(x)
+    assert y is x and c is None
+
+
+def test_dropout_rejects_bad_p():
+    with pytest.raises(ValueError, match="1.5"):
+        Dropout(1.5)
+
+
+def test_cross_entropy_value_gradient_and_ignore():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 5, 7)) * 3
+    t = rng.integers(0, 7, size=(2, 5))
+    t[0, 1] = t[1, 4] = -100
+    ce = SoftmaxCrossEntropy()
+    loss, cache = ce.forward(logits, t)
+    z = logits.reshape(-1, 7)
+    lse = np.log(np.exp(z).sum(1))
+    tt = t.reshape(-1)
+    keep = tt != -100
+    ref = np.mean(lse[keep] - z[keep, tt[keep]])
+    assert abs(loss - ref) < 1e-12
+    g = ce.backward(1.0, cache)
+    eps = 1e-6
+    for i in [(0, 0, 3), (1, 2, 0), (0, 1, 2), (1, 4, 6)]:
+        lp, lm = logits.copy(), logits.copy()
+        lp[i] += eps
+        lm[i] -= eps
+        num = (ce.forward(lp, t)[0] - ce.forward(lm, t)[0]) / (2 * eps)
+        assert abs(num - g[i]) < 1e-8, (i, num, g[i])
+    assert np.all(g[0, 1] == 0) and np.all(g[1, 4] == 0)
+
+
+def test_cross_entropy_is_stable_for_huge_logits():
+    logits = np.array([[1e4, 0.0, -1e4]])
+    loss, _ = SoftmaxCrossEntropy().forward(logits, np.array([0]))
+    assert loss == 0.0
+    loss, _ = SoftmaxCrossEntropy().forward(logits, np.array([1]))
+    assert abs(loss - 1e4) < 1e-9
+
+
+def test_cross_entropy_errors():
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        SoftmaxCrossEntropy().forward(np.zeros((2, 3)), np.array([0, 3]))
+    with pytest.raises(ValueError, match="targets shape"):
+        SoftmaxCrossEntropy().forward(np.zeros((2, 3)), np.array([0, 1, 2]))
+
+
+def test_specs_match_arrays():
+    x = _x((4, 3, 8))
+    for blk in (Linear(8, 5, dtype=F64), ReLU(dtype=F64), GELU(dtype=F64), LayerNorm(8, dtype=F64)):
+        y, cache = blk.forward(x)
+        s = blk.spec(x.shape)
+        assert s.out_shape == y.shape
+        assert s.bytes_x == x.nbytes and s.bytes_y == y.nbytes
+        arrays = cache if isinstance(cache, tuple) else (cache,)
+        assert s.bytes_cache == sum(a.nbytes for a in arrays), blk
+    lin = Linear(8, 5, dtype=F64).spec((4, 3, 8))
+    assert lin.flops_fwd == 2 * 12 * 8 * 5 + 12 * 5
+    assert lin.bytes_params == (8 * 5 + 5) * 8
