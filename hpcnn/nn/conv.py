@@ -97,9 +97,9 @@ class Conv2d(Block):
         cols, (n, c, h, w) = cache
         ho, wo = dy.shape[2], dy.shape[3]
         dy2 = dy.transpose(1, 0, 2, 3).reshape(self.out_ch, n * ho * wo)  # (O, N*Ho*Wo)
-        self.weight.grad += xp.matmul(dy2, cols.T).reshape(self.weight.shape)  # (O, C, k, k)
+        self.weight.add_matmul(dy2, cols.T)                                 # (O, C, k, k)
         if self.bias is not None:
-            self.bias.grad += dy2.sum(axis=1)                            # (O,)
+            self.bias.add_grad(dy2.sum(axis=1))                          # (O,)
         wmat = self.weight.data.astype(dy.dtype, copy=False).reshape(self.out_ch, -1)
         dcols = xp.matmul(wmat.T, dy2).reshape(c, k, k, n, ho, wo)       # (C, k, k, N, Ho, Wo)
         dxpad = xp.zeros((c, n, h + 2 * p, w + 2 * p), dtype=dy.dtype)   # (C, N, H+2p, W+2p)

@@ -21,14 +21,60 @@ from hpcnn import backend as B
 
 
 class Parameter:
-    """A trainable array and its gradient (same shape and dtype, accumulated by ``backward``)."""
+    """A trainable array and its gradient (same shape and dtype, accumulated by ``backward``).
 
-    __slots__ = ("data", "grad", "name")
+    ``zero_grad()`` is lazy: it marks the gradient as zero and the next accumulation *writes*
+    instead of adding (:meth:`add_matmul` puts the product straight into the gradient array), which
+    saves a pass over memory and a temporary per step. Reading ``grad`` always gives true values.
+    """
+
+    __slots__ = ("data", "_grad", "_zero", "name")
 
     def __init__(self, data, name: str):
         self.data = data
-        self.grad = B.xp.zeros_like(data)
+        self._grad = B.xp.zeros_like(data)
+        self._zero = False
         self.name = name
+
+    @property
+    def grad(self):
+        if self._zero:
+            self._grad[...] = 0
+            self._zero = False
+        return self._grad
+
+    @grad.setter
+    def grad(self, value):
+        """Assigning copies into the gradient storage (which may be a view of a flat buffer)."""
+        if value is not self._grad:
+            self._grad[...] = value
+        self._zero = False
+
+    def bind_grad(self, array) -> None:
+        """Use ``array`` (same shape, e.g. a view into a flat buffer) as the gradient storage."""
+        if tuple(array.shape) != tuple(self.data.shape):
+            raise ValueError(f"{self.name}: gradient view of shape {array.shape} != {self.data.shape}")
+        array[...] = self.grad
+        self._grad = array
+
+    def zero_grad(self) -> None:
+        self._zero = True
+
+    def add_grad(self, value) -> None:
+        """grad += value (written, not added, after zero_grad)."""
+        if self._zero:
+            self._grad[...] = value
+            self._zero = False
+        else:
+            self._grad += value
+
+    def add_matmul(self, a, b) -> None:
+        """grad += a @ b for 2-D a, b whose product has grad's size (reshaped to grad's shape)."""
+        if self._zero:
+            B.xp.matmul(a, b, out=self._grad.reshape(a.shape[0], b.shape[1]))
+            self._zero = False
+        else:
+            self._grad += B.xp.matmul(a, b).reshape(self._grad.shape)
 
     @property
     def shape(self):
@@ -120,7 +166,7 @@ class Block:
 
     def zero_grad(self) -> None:
         for p in self.params:
-            p.grad[...] = 0
+            p.zero_grad()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"

@@ -62,9 +62,9 @@ class Linear(Block):
         """dW += x^T dy, db += sum(dy)  (from y = x W + b)."""
         x2 = cache.reshape(-1, self.n_in)               # (N, in)
         dy2 = dy.reshape(-1, self.n_out)                # (N, out)
-        self.weight.grad += B.xp.matmul(x2.T, dy2)      # (in, out)
+        self.weight.add_matmul(x2.T, dy2)               # (in, out)
         if self.bias is not None:
-            self.bias.grad += dy2.sum(axis=0)
+            self.bias.add_grad(dy2.sum(axis=0))
 
     def spec(self, x_shape):
         n = _rows(x_shape)
@@ -154,8 +154,8 @@ class LayerNorm(Block):
     def backward(self, dy, cache):
         xhat, rstd = cache
         C = self.dim
-        self.gamma.grad += (dy * xhat).reshape(-1, C).sum(axis=0)   # from y = xhat*gamma + beta
-        self.beta.grad += dy.reshape(-1, C).sum(axis=0)
+        self.gamma.add_grad((dy * xhat).reshape(-1, C).sum(axis=0))  # from y = xhat*gamma + beta
+        self.beta.add_grad(dy.reshape(-1, C).sum(axis=0))
         g = dy * self.gamma.data                                    # dL/dxhat
         # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))  (from xhat = (x - mean) * rstd)
         return rstd * (g - g.mean(axis=-1, keepdims=True)

@@ -30,6 +30,15 @@ class Optimizer:
         self.weight_decay = float(weight_decay)
         self.decay = {p.name: bool(decay_filter(p)) for p in self.params}
         self.state: dict = {"step": 0}
+        self._scratch: dict = {}
+
+    def _tmp(self, p):
+        """A scratch array shaped like ``p`` (one reused buffer per dtype, not optimizer state)."""
+        key = p.data.dtype.str
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < p.size:
+            buf = self._scratch[key] = B.xp.empty(max(q.size for q in self.params), p.data.dtype)
+        return buf[:p.size].reshape(p.data.shape)
 
     def step(self, lr: float) -> None:
         raise NotImplementedError
@@ -52,19 +61,27 @@ class SGD(Optimizer):
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
     def step(self, lr: float) -> None:
+        xp = B.xp
         for p in self.params:
-            g = p.grad
+            g, tmp = p.grad, self._tmp(p)
             if self.weight_decay and self.decay[p.name]:
                 g = g + self.weight_decay * p.data
             if self.momentum:
                 key = p.name + "/momentum"
                 v = self.state.get(key)
                 if v is None:
-                    v = self.state[key] = B.xp.zeros_like(p.data)
+                    v = self.state[key] = xp.zeros_like(p.data)
                 v *= self.momentum
                 v += g
-                g = g + self.momentum * v if self.nesterov else v
-            p.data -= lr * g
+                if self.nesterov:
+                    xp.multiply(v, self.momentum, out=tmp)
+                    tmp += g
+                else:
+                    tmp[...] = v
+            else:
+                tmp[...] = g
+            tmp *= lr
+            p.data -= tmp
         self.state["step"] += 1
 
 
@@ -93,16 +110,22 @@ class AdamW(Optimizer):
                 m = self.state[p.name + "/m"] = xp.zeros_like(p.data)
                 self.state[p.name + "/v"] = xp.zeros_like(p.data)
             v = self.state[p.name + "/v"]
-            g = p.grad
+            g, tmp = p.grad, self._tmp(p)
             m *= self.b1
-            m += (1.0 - self.b1) * g
+            xp.multiply(g, 1.0 - self.b1, out=tmp)
+            m += tmp                                     # m = b1 m + (1 - b1) g
             v *= self.b2
-            v += (1.0 - self.b2) * (g * g)
+            xp.multiply(g, g, out=tmp)
+            tmp *= 1.0 - self.b2
+            v += tmp                                     # v = b2 v + (1 - b2) g^2
             if self.weight_decay and self.decay[p.name]:
                 p.data *= 1.0 - lr * self.weight_decay
-            denom = xp.sqrt(v / c2)
-            denom += self.eps
-            p.data -= (lr / c1) * (m / denom)
+            xp.divide(v, c2, out=tmp)
+            xp.sqrt(tmp, out=tmp)
+            tmp += self.eps                              # sqrt(v / c2) + eps
+            xp.divide(m, tmp, out=tmp)
+            tmp *= lr / c1
+            p.data -= tmp
         self.state["step"] = t
 
 

@@ -1,0 +1,100 @@
+"""Whole chains: finite differences through every model, slicing, deterministic initialisation."""
+import numpy as np
+import pytest
+
+from hpcnn.nn import models
+
+F64 = np.float64
+
+
+def _fd_chain(model, x, y, entries=6, eps=1e-6, seed=0):
+    """Central differences of the chain's loss w.r.t. a few entries of every parameter."""
+    model.zero_grad()
+    _, caches = model.forward(x, y)
+    model.backward(caches)
+    rng = np.random.default_rng(seed)
+    for p in model.params:
+        flat, g = p.data.reshape(-1), p.grad.reshape(-1)
+        for i in rng.choice(flat.size, size=min(entries, flat.size), replace=False):
+            old = flat[i]
+            flat[i] = old + eps
+            lp = model.forward(x, y)[0]
+            flat[i] = old - eps
+            lm = model.forward(x, y)[0]
+            flat[i] = old
+            num = (lp - lm) / (2 * eps)
+            assert abs(num - g[i]) <= 1e-7 + 1e-5 * abs(num), (p.name, i, num, g[i])
+
+
+def test_mlp_chain_gradients():
+    rng = np.random.default_rng(0)
+    m = models.mlp(10, (12, 8), 5, seed=1, dtype=F64)
+    _fd_chain(m, rng.standard_normal((7, 10)), rng.integers(0, 5, 7))
+
+
+def test_cnn_chain_gradients():
+    rng = np.random.default_rng(0)
+    m = models.cnn(1, 8, (3, 4), hidden=6, n_out=4, seed=1, dtype=F64)
+    _fd_chain(m, rng.standard_normal((3, 1, 8, 8)), rng.integers(0, 4, 3))
+
+
+def test_gpt_chain_gradients():
+    rng = np.random.default_rng(0)
+    m = models.gpt(11, 6, n_layers=2, dim=8, n_heads=2, seed=1, dtype=F64)
+    _fd_chain(m, rng.integers(0, 11, (2, 6)), rng.integers(0, 11, (2, 6)), entries=4)
+
+
+def test_gpt_with_dropout_is_reproducible():
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 11, (2, 6)), rng.integers(0, 11, (2, 6))
+    m = models.gpt(11, 6, n_layers=2, dim=8, n_heads=2, dropout=0.2, seed=1, dtype=F64)
+    s = m.rng_state()
+    l1 = m.forward(x, y)[0]
+    l2 = m.forward(x, y)[0]
+    m.set_rng_state(s)
+    assert m.forward(x, y)[0] == l1 and l1 != l2
+
+
+def test_init_is_keyed_by_block_index_not_by_chain_shape():
+    a = models.gpt(11, 6, n_layers=2, dim=8, n_heads=2, seed=3)
+    b = models.gpt(11, 6, n_layers=3, dim=8, n_heads=2, seed=3)
+    for pa, pb in zip(a[:3].params, b[:3].params):       # embedding + two blocks
+        assert pa.name == pb.name
+        np.testing.assert_array_equal(pa.data, pb.data)
+    c = models.gpt(11, 6, n_layers=2, dim=8, n_heads=2, seed=4)
+    assert not np.array_equal(a.params[0].data, c.params[0].data)
+
+
+def test_slices_share_blocks_and_compose():
+    rng = np.random.default_rng(0)
+    m = models.mlp(10, (12, 8), 5, seed=1, dtype=F64)
+    x, y = rng.standard_normal((4, 10)), rng.integers(0, 5, 4)
+    loss, caches = m.forward(x, y)
+    m.backward(caches)
+    full = [p.grad.copy() for p in m.params]
+    m.zero_grad()
+    head, tail = m[:2], m[2:]
+    assert head.loss is None and tail.loss is m.loss and len(head) + len(tail) == len(m)
+    h, hc = head.forward_blocks(x)
+    l2, tc = tail.forward(h, y)
+    assert l2 == loss
+    dh = tail.backward(tc)
+    assert head.backward_blocks(dh, hc, need_dx=False) is None
+    for g, p in zip(full, m.params):
+        np.testing.assert_array_equal(g, p.grad)
+
+
+def test_chain_spec_propagates_shapes():
+    m = models.cnn(1, 8, (4, 6), hidden=16, n_out=10)
+    specs = m.spec((5, 1, 8, 8))
+    assert specs[0].in_shape == (5, 1, 8, 8) and specs[-2].out_shape == (5, 10)
+    y = m.predict(np.zeros((5, 1, 8, 8), np.float32))
+    assert y.shape == specs[-2].out_shape
+    assert sum(s.bytes_params for s in specs) == sum(p.data.nbytes for p in m.params)
+
+
+def test_model_argument_errors():
+    with pytest.raises(ValueError, match="dim \\(10\\) is not divisible by n_heads \\(4\\)"):
+        models.gpt(11, 6, dim=10, n_heads=4)
+    with pytest.raises(ValueError, match="image side 6"):
+        models.cnn(1, 6, (4, 4))

@@ -1,0 +1,89 @@
+"""The training loop end to end on bundled data: accuracy, determinism, the log, the CLI."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcnn.config import parse_overrides
+from hpcnn.log import read_run
+from hpcnn.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(tmp_path, name, *args):
+    cfg = parse_overrides([f"--log={tmp_path / name}", "--progress=false", *args])
+    return train(cfg)
+
+
+def test_same_seed_gives_bit_identical_loss_curve(tmp_path):
+    args = ("--model=gpt", "--dataset=sonnet", "--steps=12", "--batch_size=4", "--block_size=16",
+            "--dim=16", "--n_heads=2", "--dropout=0.1", "--eval_interval=6")
+    _run(tmp_path, "a.h5", *args)
+    _run(tmp_path, "b.h5", *args)
+    _run(tmp_path, "c.h5", *args, "--seed=1")
+    a, b, c = (read_run(tmp_path / n).metrics for n in ("a.h5", "b.h5", "c.h5"))
+    assert len(a["loss"]) == 12
+    np.testing.assert_array_equal(a["loss"], b["loss"])          # bit-identical, dropout included
+    np.testing.assert_array_equal(a["val_loss"], b["val_loss"])
+    assert not np.array_equal(a["loss"], c["loss"])
+
+
+def test_mlp_reaches_97_percent_on_digits(tmp_path):
+    r = _run(tmp_path, "mlp.h5", "--model=mlp")
+    assert r["test_acc"] >= 0.97, r
+    run = read_run(tmp_path / "mlp.h5")
+    assert run.attrs["status"] == "finished" and run.config["model"] == "mlp"
+    assert len(run.metrics["step"]) == r["steps"]
+    assert np.isfinite(run.metrics["test_acc"]).sum() == r["steps"] // 100 + (r["steps"] % 100 > 0)
+    assert set(run.timeline["kind"]) == {"forward", "backward", "optimizer"}
+
+
+def test_cnn_reaches_97_percent_on_digits(tmp_path):
+    r = _run(tmp_path, "cnn.h5", "--model=cnn")
+    assert r["test_acc"] >= 0.97, r
+
+
+def test_gpt_learns_below_unigram_entropy(tmp_path):
+    r = _run(tmp_path, "gpt.h5", "--model=gpt", "--dataset=sonnet", "--steps=150",
+             "--batch_size=16", "--block_size=32", "--dim=32", "--n_heads=2", "--eval_interval=0")
+    assert r["loss"] < 0.7 * r["unigram_entropy"], r
+
+
+def test_sgd_and_clipping_path(tmp_path):
+    r = _run(tmp_path, "sgd.h5", "--model=mlp", "--optimizer=sgd", "--lr=0.05", "--clip=1.0",
+             "--warmup=10", "--epochs=5", "--weight_decay=1e-4")
+    assert r["test_acc"] > 0.9, r
+    assert "grad_norm" in read_run(tmp_path / "sgd.h5").metrics
+
+
+def _cli(*args, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "hpcnn", *args], capture_output=True, text=True,
+                          env=env, timeout=120, **kw)
+
+
+def test_cli_train_report_info(tmp_path):
+    log = tmp_path / "cli.h5"
+    p = _cli("train", "--model=mlp", "--epochs=2", f"--log={log}", "--log_interval=5")
+    assert p.returncode == 0, p.stderr
+    assert "step" in p.stdout and "samples/s" in p.stdout and "ETA" in p.stdout
+    assert "test_acc=" in p.stdout
+    p = _cli("report", str(log), str(tmp_path / "cli.png"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "cli.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    p = _cli("info")
+    assert p.returncode == 0 and "MPI library:" in p.stdout
+    assert "BLAS" in p.stdout and "backend: cpu" in p.stdout
+
+
+def test_cli_rejects_bad_options():
+    p = _cli("train", "--lrr=0.1", "--steps=x")
+    assert p.returncode == 2
+    assert "unknown option --lrr (did you mean --lr?)" in p.stderr and "--steps='x'" in p.stderr
+    p = _cli("frobnicate")
+    assert p.returncode == 2 and "unknown command" in p.stderr
+    p = _cli("train", "--help")
+    assert p.returncode == 0 and "--batch_size" in p.stdout
