@@ -65,18 +65,23 @@ class Chain:
             caches.append(c)
         return x, caches
 
-    def backward_blocks(self, dy, caches, need_dx: bool = True):
+    def backward_blocks(self, dy, caches, need_dx: bool = True, on_block_done=None):
         """Backward through the blocks in reverse; returns the input gradient.
 
         With ``need_dx=False`` the first block computes only its parameter gradients when it can
         (a block with ``backward_weight``), saving one matmul; the return value is then None.
+        ``on_block_done(i)`` is called after block ``i``'s gradients are complete (data
+        parallelism starts communicating a bucket as soon as its gradients are ready).
         """
         for i in range(len(self.blocks) - 1, -1, -1):
             b, c = self.blocks[i], caches[i]
             if i == 0 and not need_dx and hasattr(b, "backward_weight"):
                 b.backward_weight(dy, c)
-                return None
-            dy = b.backward(dy, c)
+                dy = None
+            else:
+                dy = b.backward(dy, c)
+            if on_block_done is not None:
+                on_block_done(i)
         return dy
 
     def forward(self, x, targets):
@@ -88,10 +93,10 @@ class Chain:
         caches.append(lc)
         return loss, caches
 
-    def backward(self, caches, dloss: float = 1.0, need_dx: bool = True):
+    def backward(self, caches, dloss: float = 1.0, need_dx: bool = True, on_block_done=None):
         """Backward of loss then blocks; accumulates parameter gradients, returns dx."""
         dy = self.loss.backward(dloss, caches[-1])
-        return self.backward_blocks(dy, caches[:-1], need_dx)
+        return self.backward_blocks(dy, caches[:-1], need_dx, on_block_done)
 
     def predict(self, x, batch_size: int | None = None):
         """Outputs of the blocks in eval mode (dropout off), in batches if asked; mode restored."""

@@ -1,0 +1,1 @@
+"""Parallel execution on MPI: the process grid, collectives, data/tensor/pipeline parallelism."""
