@@ -47,6 +47,21 @@ class TrainConfig:
     momentum: float = 0.9               # SGD momentum
     weight_decay: float = 0.0           # decoupled (AdamW) or L2 (SGD); matrices only
     clip: float = 0.0                   # global gradient-norm clip, 0 = off
+    # -- parallelism ------------------------------------------------------------------------
+    dp: int = 1                         # data-parallel replicas (world size = dp * tp * pp)
+    tp: int = 1                         # tensor-parallel degree (operator parallelism)
+    pp: int = 1                         # pipeline stages
+    grad_accum: int = 1                 # micro-batches per rank per step, one allreduce per step
+    bucket_mb: float = 25.0             # gradient bucket size for the overlapped allreduce
+    allreduce: str = "auto"             # mpi | ring | rd | auto (chosen by size from a start-up calibration)
+    overlap: bool = True                # start each bucket's allreduce as soon as its gradients are ready
+    balance: str = "equal"              # equal | proportional (batch share proportional to replica speed)
+    combine: str = "weighted"           # weighted (exact full-batch gradient) | uniform (plain mean of replicas)
+    speeds: str = ""                    # fixed replica speeds "1,3" (proportional); "" = measure online
+    rebalance_every: int = 10           # steps between speed measurements and share updates
+    slowdown: str = ""                  # EMULATION of slower replicas on one machine: "rank:factor,..."
+    slowdown_mode: str = "sleep"        # sleep (independent slower device) | spin (burns the core)
+    shard: str = "contiguous"           # contiguous | skewed (global batch sorted by class before splitting)
     # -- numerics and reproducibility -------------------------------------------------------
     seed: int = 0                       # initial weights, batch order and dropout masks
     dtype: str = "float32"              # float32 for training, float64 for exactness checks
@@ -96,6 +111,19 @@ class TrainConfig:
         need(all(h >= 1 for h in self.hidden), f"hidden={self.hidden}: widths must be >= 1")
         need(len(self.channels) >= 1 and all(c >= 1 for c in self.channels),
              f"channels={self.channels}: need at least one positive width")
+        need(min(self.dp, self.tp, self.pp) >= 1, f"dp={self.dp}, tp={self.tp}, pp={self.pp}: must be >= 1")
+        need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: must be >= 1")
+        need(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb}: must be > 0")
+        need(self.allreduce in ("mpi", "ring", "rd", "auto"),
+             f"allreduce={self.allreduce!r}: expected mpi, ring, rd or auto")
+        need(self.balance in ("equal", "proportional"), f"balance={self.balance!r}: expected equal or proportional")
+        need(self.combine in ("weighted", "uniform"), f"combine={self.combine!r}: expected weighted or uniform")
+        need(self.rebalance_every >= 1, f"rebalance_every={self.rebalance_every}: must be >= 1")
+        need(self.slowdown_mode in ("sleep", "spin"), f"slowdown_mode={self.slowdown_mode!r}: expected sleep or spin")
+        need(self.shard in ("contiguous", "skewed"), f"shard={self.shard!r}: expected contiguous or skewed")
+        need(self.batch_size >= self.dp * self.grad_accum,
+             f"batch_size={self.batch_size} < dp*grad_accum={self.dp * self.grad_accum}: every "
+             f"replica needs at least one sample per micro-batch")
         need(self.log_interval >= 1, f"log_interval={self.log_interval}: must be >= 1")
         need(self.eval_interval >= 0, f"eval_interval={self.eval_interval}: must be >= 0")
         if errs:

@@ -1,10 +1,12 @@
-"""The training loop: config -> data, model, optimizer -> steps -> HDF5 run log.
+"""The training loop: config -> grid, data, model, optimizer -> steps -> HDF5 run log.
 
-Serial for now; every rank of an MPI job may call :func:`train`, only rank 0 writes the log and
-prints. Run it from the command line::
+Serial, or data-parallel over ``dp`` MPI ranks (each rank reads a disjoint shard of every global
+batch; see :mod:`hpcnn.parallel.data` and, for unequal shares, :mod:`hpcnn.parallel.hetero`).
+Only rank 0 writes the log and prints::
 
-    hpcnn train --model=mlp --epochs=20
-    mpiexec -n 1 python -m mpi4py -m hpcnn train --model=gpt --steps=300
+    hpcnn train --model=mlp
+    mpiexec -n 4 python -m mpi4py -m hpcnn train --model=mlp --dp=4
+    mpiexec -n 2 python -m mpi4py -m hpcnn train --dp=2 --balance=proportional --slowdown=1:2
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ import numpy
 
 from hpcnn import backend as B
 from hpcnn import data as D
-from hpcnn.config import TrainConfig
+from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.nn import models
-from hpcnn.nn.optim import clip_grad_norm, lr_at, make_optimizer
+from hpcnn.nn.optim import clip_grad_norm, grad_norm_sq, lr_at, make_optimizer
 
 TEXT_DEFAULT_STEPS = 1000
 VAL_SEED = 2**31 - 1          # validation windows are the same for every run
@@ -35,37 +37,47 @@ class Task:
     data: object
     model: object
     steps: int
-    samples_per_step: int
 
     @property
     def is_text(self) -> bool:
         return isinstance(self.data, D.TextData)
 
-    def batch(self, step: int):
-        """Global batch (x, y) of ``step`` as backend arrays."""
+    def global_batch(self, step: int):
+        """Host arrays (x, y) of the whole global batch of ``step`` (rows = samples/sequences)."""
         c = self.cfg
         if self.is_text:
-            x, y = D.text_batch(self.data.train, c.batch_size, c.block_size, step, c.seed)
-            return B.asarray(x), B.asarray(y)
+            return D.text_batch(self.data.train, c.batch_size, c.block_size, step, c.seed)
         idx = D.batch_indices(len(self.data.y_train), c.batch_size, step, c.seed)
-        return (B.asarray(self.data.x_train[idx], dtype=c.dtype), B.asarray(self.data.y_train[idx]))
+        if c.shard == "skewed":       # class-skewed shards: neighbouring ranks see different classes
+            idx = idx[numpy.argsort(self.data.y_train[idx], kind="stable")]
+        return self.data.x_train[idx], self.data.y_train[idx]
 
-    def evaluate(self) -> dict:
-        """Test loss and accuracy (classification) or validation loss (text), in eval mode."""
+    def to_device(self, x, y):
+        dtype = None if self.is_text else self.cfg.dtype
+        return B.asarray(x, dtype=dtype), B.asarray(y)
+
+    def eval_sums(self, rank: int = 0, size: int = 1) -> numpy.ndarray:
+        """[loss sum, correct, count] over this rank's 1/size share of the held-out data."""
         m, c = self.model, self.cfg
         if self.is_text:
-            losses = []
-            for i in range(c.eval_batches):
+            tot = numpy.zeros(3)
+            for i in range(rank, c.eval_batches, size):
                 x, y = D.text_batch(self.data.val, c.batch_size, c.block_size, i, VAL_SEED)
                 logits = m.predict(B.asarray(x))
-                losses.append(m.loss.forward(logits, B.asarray(y))[0])
-            return {"val_loss": float(numpy.mean(losses))}
-        x = B.asarray(self.data.x_test, dtype=c.dtype)
-        y = B.asarray(self.data.y_test)
+                tot += [m.loss.forward(logits, B.asarray(y))[0] * y.size, 0.0, y.size]
+            return tot
+        part = numpy.array_split(numpy.arange(len(self.data.y_test)), size)[rank]
+        x, y = self.to_device(self.data.x_test[part], self.data.y_test[part])
+        if len(part) == 0:
+            return numpy.zeros(3)
         logits = m.predict(x, batch_size=512)
-        loss = m.loss.forward(logits, y)[0]
-        acc = float(B.to_host((logits.argmax(axis=-1) == y).mean()))
-        return {"test_loss": float(loss), "test_acc": acc}
+        correct = float(B.to_host((logits.argmax(axis=-1) == y).sum()))
+        return numpy.array([m.loss.forward(logits, y)[0] * len(part), correct, len(part)])
+
+
+def metrics_from_sums(sums, is_text: bool) -> dict:
+    loss = float(sums[0] / max(sums[2], 1))
+    return {"val_loss": loss} if is_text else {"test_loss": loss, "test_acc": float(sums[1] / sums[2])}
 
 
 def build_task(cfg: TrainConfig) -> Task:
@@ -78,12 +90,11 @@ def build_task(cfg: TrainConfig) -> Task:
         else:
             model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
         spe = D.steps_per_epoch(len(data.y_train), cfg.batch_size)
-        steps = cfg.steps or max(1, math.ceil(cfg.epochs * spe))
-        return Task(cfg, data, model, steps, cfg.batch_size)
+        return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
     data = D.shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
     model = models.gpt(data.vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
                        dropout=cfg.dropout, seed=cfg.seed, dtype=dtype)
-    return Task(cfg, data, model, cfg.steps or TEXT_DEFAULT_STEPS, cfg.batch_size)
+    return Task(cfg, data, model, cfg.steps or TEXT_DEFAULT_STEPS)
 
 
 def _peak_rss_bytes() -> int:
@@ -96,21 +107,74 @@ def _progress(step, steps, loss, sps, elapsed):
             f"elapsed {elapsed:6.1f}s | ETA {eta:6.1f}s")
 
 
-def _mpi_info(comm):
-    if comm is None:
-        return 0, 1, ""
+class _Parallel:
+    """The data-parallel side of a run: grid, communicator, engine, balancer, emulated slowdown."""
+
+    def __init__(self, cfg: TrainConfig, world, model):
+        from hpcnn.parallel import hetero
+        from hpcnn.parallel.comm import CommStats, Communicator
+        from hpcnn.parallel.data import DataParallel
+        from hpcnn.parallel.grid import ProcessGrid
+        self.grid = ProcessGrid(world, cfg.dp, cfg.tp, cfg.pp)
+        self.stats = CommStats()
+        self.comm = Communicator(self.grid.dp_comm, self.stats, "dp")
+        self.rank, self.size = self.comm.rank, self.comm.size
+        factors = hetero.slowdowns_from_config(cfg.slowdown, self.size)
+        self.slowdown = hetero.Slowdown(factors[self.rank], cfg.slowdown_mode)
+        speeds = hetero.parse_speeds(cfg.speeds, self.size) if cfg.speeds else None
+        self.balancer = hetero.Balancer(self.comm, cfg.batch_size, cfg.balance, speeds=speeds,
+                                        rebalance_every=cfg.rebalance_every)
+        if cfg.allreduce == "auto" and self.size > 1:
+            from hpcnn.parallel.allreduce import calibrate
+            calibrate(self.comm)
+        self.engine = DataParallel(model, self.comm, bucket_mb=cfg.bucket_mb,
+                                   algorithm=cfg.allreduce, overlap=cfg.overlap)
+        self.engine.broadcast_parameters()
+        self.factors = factors
+
+    def free(self):
+        self.grid.free()
+
+
+def _log_ranks_events(log, rows, events) -> None:
+    by_step: dict = {}
+    for r in rows:
+        r = dict(r)
+        by_step.setdefault(r.pop("step"), []).append(r)
+    for s in sorted(by_step):
+        log.log_ranks(s, sorted(by_step[s], key=lambda r: r["rank"]))
+    log.log_events(events)
+
+
+def _mpi_library(world) -> str:
+    if world is None:
+        return ""
     from mpi4py import MPI
-    return comm.Get_rank(), comm.Get_size(), MPI.Get_library_version().splitlines()[0].strip()
+    return MPI.Get_library_version().splitlines()[0].strip()
 
 
 def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
-    """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path)."""
+    """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path).
+
+    ``comm`` is the world communicator (None: a serial run without MPI). Every rank checks the
+    configuration and the layout identically before the first collective.
+    """
     from hpcnn.log import RunLog
+    from hpcnn.parallel.grid import GridError, check_layout
     cfg = cfg.resolved()
+    world_size = comm.Get_size() if comm is not None else 1
+    try:
+        check_layout(world_size, cfg.dp, cfg.tp, cfg.pp)
+    except GridError as e:
+        raise ConfigError(f"{e} (pass --dp/--tp/--pp that multiply to the number of ranks)") from None
+    if cfg.tp > 1 or cfg.pp > 1:
+        raise ConfigError(f"tp={cfg.tp}, pp={cfg.pp}: operator and pipeline parallelism are not "
+                          f"available yet in the training loop; use --dp")
     B.set_device(cfg.device)
-    rank, size, mpi_lib = _mpi_info(comm)
     task = build_task(cfg)
     model = task.model
+    par = _Parallel(cfg, comm, model) if comm is not None else None
+    rank = comm.Get_rank() if comm is not None else 0
     opt = make_optimizer(cfg.optimizer, model.params, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay)
     log = None
@@ -119,62 +183,134 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
         extra = {"model_params": model.num_params(), "dataset_name": task.data.name}
         if task.is_text:
             extra["unigram_entropy_nats"] = task.data.unigram_entropy()
+        if par is not None and any(f != 1.0 for f in par.factors):
+            extra["emulated_slowdown"] = ",".join(f"{f:g}" for f in par.factors)
+            extra["emulated_slowdown_mode"] = cfg.slowdown_mode
         log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
-                     world_size=size, mpi_library=mpi_lib, backend=B.device,
+                     world_size=world_size, mpi_library=_mpi_library(comm), backend=B.device,
                      extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
-        log.set_plan({"dp": 1, "tp": 1, "pp": 1, "schedule": "serial", "remat": "none"})
+        log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "schedule": "none",
+                      "remat": "none", "grad_accum": cfg.grad_accum, "balance": cfg.balance,
+                      "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
+                      "overlap": cfg.overlap})
     say = (lambda s: print(s, flush=True)) if (rank == 0 and cfg.progress) else (lambda s: None)
     say(f"hpcnn: {model.name} ({model.num_params():,} parameters) on {task.data.name}, "
-        f"{task.steps} steps of {cfg.batch_size}, {cfg.dtype}, log {cfg.log}")
+        f"{task.steps} steps of {cfg.batch_size}, {cfg.dtype}, dp={cfg.dp}, log {cfg.log}")
     t_start = time.perf_counter()
     status, last = "failed", {}
+    pending_rows, pending_events = [], []
     try:
         model.train()
         for step in range(task.steps):
-            lr = lr_at(step, cfg.lr, task.steps, cfg.warmup, cfg.min_lr, cfg.schedule)
-            x, y = task.batch(step)
-            t0 = time.perf_counter()
-            model.zero_grad()
-            loss, caches = model.forward(x, y)
-            t1 = time.perf_counter()
-            model.backward(caches, need_dx=False)
-            del caches
-            t2 = time.perf_counter()
-            gnorm = clip_grad_norm(model.params, cfg.clip) if cfg.clip > 0 else float("nan")
-            opt.step(lr)
-            B.sync()
-            t3 = time.perf_counter()
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step} (rank {rank})")
-            dt = t3 - t0
-            row = {"loss": loss, "lr": lr, "step_time": dt, "samples": task.samples_per_step,
-                   "samples_per_s": task.samples_per_step / dt}
-            if cfg.clip > 0:
-                row["grad_norm"] = gnorm
+            row, rank_row, events = _train_step(cfg, task, par, opt, step, t_start)
+            pending_rows.append(rank_row)
+            pending_events += events
             done = step + 1
             if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
-                row.update(task.evaluate())
+                sums = task.eval_sums(par.rank, par.size) if par else task.eval_sums()
+                if par is not None:
+                    sums = par.comm.allreduce_scalars(sums)
+                row.update(metrics_from_sums(sums, task.is_text))
                 model.train()
             last = dict(row, step=step)
+            flush = done % cfg.log_interval == 0 or done == task.steps
+            if flush:          # per-rank rows and events reach rank 0 once per log interval
+                if par is not None and par.size > 1:      # small metadata: a pickled gather
+                    gathered = comm.gather((pending_rows, pending_events), root=0)
+                    if rank == 0:
+                        pending_rows = [r for rows, _ in gathered for r in rows]
+                        pending_events = [e for _, evs in gathered for e in evs]
+                if log is not None:
+                    _log_ranks_events(log, pending_rows, pending_events)
+                pending_rows, pending_events = [], []
             if log is not None:
-                log.log_events([(rank, "forward", -1, t0 - t_start, t1 - t_start),
-                                (rank, "backward", -1, t1 - t_start, t2 - t_start),
-                                (rank, "optimizer", -1, t2 - t_start, t3 - t_start)])
-                log.log_ranks(step, [{"rank": rank, "compute_s": dt, "comm_s": 0.0, "idle_s": 0.0,
-                                      "bytes_sent": 0, "peak_mem_bytes": _peak_rss_bytes()}])
                 log.log_metrics(step, **row)
-            if done % cfg.log_interval == 0 or done == task.steps:
+            if flush:
                 extra = "".join(f" | {k} {v:.4f}" for k, v in row.items()
                                 if k in ("test_acc", "test_loss", "val_loss"))
-                say(_progress(done, task.steps, loss, row["samples_per_s"],
+                say(_progress(done, task.steps, row["loss"], row["samples_per_s"],
                               time.perf_counter() - t_start) + extra)
         status = "finished"
     finally:
         if log is not None:
+            if par is not None:
+                log.set_plan({"shares_history": [[int(s), [int(v) for v in sh]]
+                                                 for s, sh, _ in par.balancer.history]})
             log.close(status=status)
-    out = {k: v for k, v in last.items()}
+        if par is not None:
+            par.free()
+    out = dict(last)
     out.update(steps=task.steps, log=cfg.log, wall_s=time.perf_counter() - t_start,
                params=model.num_params())
     if task.is_text:
         out["unigram_entropy"] = task.data.unigram_entropy()
     return out
+
+
+def _train_step(cfg, task, par, opt, step, t_start):
+    """One optimizer step on this rank's shard: returns (metrics row, rank row, timeline events)."""
+    model = task.model
+    rank = par.rank if par else 0
+    lr = lr_at(step, cfg.lr, task.steps, cfg.warmup, cfg.min_lr, cfg.schedule)
+    shares = par.balancer.shares if par else numpy.array([cfg.batch_size])
+    xg, yg = task.global_batch(step)
+    lo = int(numpy.sum(shares[:rank]))
+    mine = numpy.arange(lo, lo + int(shares[rank]))
+    comm_before = par.stats.comm_seconds if par else 0.0
+    bytes_before = par.stats.bytes_sent if par else 0
+    t0 = time.perf_counter()
+    model.zero_grad()
+    loss_sum, events = 0.0, []
+    chunks = [c for c in numpy.array_split(mine, cfg.grad_accum) if len(c)]
+    for k, rows in enumerate(chunks):
+        x, y = task.to_device(xg[rows], yg[rows])
+        ta = time.perf_counter()
+        loss, caches = model.forward(x, y)
+        tb = time.perf_counter()
+        # weighted: sum over replicas of (m/B) * local mean gradient = full-batch gradient;
+        # uniform: each replica's local mean counts 1/P, so a micro-batch of m counts m/(b_i P)
+        if cfg.combine == "weighted" or par is None:
+            dloss = len(rows) / cfg.batch_size
+        else:
+            dloss = len(rows) / (len(mine) * par.size)
+        if par is not None:
+            par.engine.backward(caches, dloss, sync=k == len(chunks) - 1)
+        else:
+            model.backward(caches, dloss, need_dx=False)
+        del caches
+        tc = time.perf_counter()
+        loss_sum += loss * len(rows)
+        events += [(rank, "forward", k, ta - t_start, tb - t_start),
+                   (rank, "backward", k, tb - t_start, tc - t_start)]
+    compute = time.perf_counter() - t0
+    if par is not None:
+        pad = par.slowdown.pad(compute)
+        if pad:
+            events.append((rank, "emulated_slowdown", -1, t0 + compute - t_start, t0 + compute + pad - t_start))
+        compute += pad
+        tw = time.perf_counter()
+        par.engine.finish(step)
+        events.append((rank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
+        loss_sum = float(par.comm.allreduce_scalars([loss_sum])[0])
+        par.balancer.step(step, len(mine), compute)
+    if not math.isfinite(loss_sum):
+        raise FloatingPointError(f"loss is {loss_sum} at step {step} (rank {rank})")
+    gnorm = float("nan")
+    if cfg.clip > 0:
+        gnorm = clip_grad_norm(model.params, cfg.clip)
+    td = time.perf_counter()
+    opt.step(lr)
+    B.sync()
+    t3 = time.perf_counter()
+    events.append((rank, "optimizer", -1, td - t_start, t3 - t_start))
+    dt = t3 - t0
+    row = {"loss": loss_sum / cfg.batch_size, "lr": lr, "step_time": dt,
+           "samples": cfg.batch_size, "samples_per_s": cfg.batch_size / dt}
+    if cfg.clip > 0:
+        row["grad_norm"] = gnorm
+    comm_s = (par.stats.comm_seconds - comm_before) if par else 0.0
+    rank_row = {"step": step, "rank": rank, "compute_s": compute, "comm_s": comm_s,
+                "idle_s": max(0.0, dt - compute - comm_s - (t3 - td)),
+                "bytes_sent": (par.stats.bytes_sent - bytes_before) if par else 0,
+                "peak_mem_bytes": _peak_rss_bytes()}
+    return row, rank_row, events

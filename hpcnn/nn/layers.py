@@ -100,30 +100,84 @@ class ReLU(Block):
 
 
 class GELU(Block):
-    """GELU, tanh form: y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Cache: x and the tanh."""
+    """GELU, tanh form: y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Cache: gelu'(x).
+
+    The forward computes the derivative as well and caches only it (one array, not two), so the
+    backward is a single product. With z = sqrt(2/pi) (x + a x^3), a = 0.044715, t = tanh(z),
+    p = (1 + t)/2 and y = x p:
+
+        gelu'(x) = (1 + t)/2 + x/2 (1 - t^2) dz/dx = p + (1 - p) y k(x),
+        k(x) = 2 dz/dx = sqrt(2/pi) (2 + 6 a x^2)            (using 1 - t^2 = 4 p (1 - p)).
+
+    On the CPU the elementwise chain runs over slices of :attr:`CHUNK` elements that stay in
+    cache, with two scratch buffers kept on ``self`` (temporaries only: never part of a result).
+    """
 
     name = "gelu"
+    CHUNK = 1 << 15      # elements per cache-resident slice on the CPU (whole array on a GPU)
 
     def __init__(self, dtype=B.DEFAULT_DTYPE):
         super().__init__()
         self.dtype = B.dtype_of(dtype)
+        self._scratch = None
 
     def forward(self, x):
-        xp = B.xp
-        t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
-        y = 0.5 * x * (1.0 + t)
-        return y, (x, t)
+        x = B.xp.ascontiguousarray(x)
+        y = B.xp.empty_like(x)
+        return y, self._forward_into(x, y)
+
+    def forward_inplace(self, x):
+        """:meth:`forward` writing y over ``x``: for a caller that owns ``x`` and is done with it."""
+        if not x.flags.c_contiguous:
+            return self.forward(x)
+        return x, self._forward_into(x, x)
 
     def backward(self, dy, cache):
-        x, t = cache
-        # dy/dx = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-        dt = (1.0 - t * t) * (_SQRT_2_OVER_PI * (1.0 + 0.134145 * x * x))
-        return dy * (0.5 * (1.0 + t) + 0.5 * x * dt)
+        return B.xp.multiply(dy, cache)                  # from y = gelu(x): dx = dy gelu'(x)
+
+    def backward_inplace(self, dy, cache):
+        """:meth:`backward` overwriting ``dy`` (owned by the caller) with dx."""
+        return B.xp.multiply(dy, cache, out=dy)
+
+    def _buffers(self, n, dtype):
+        buf = self._scratch
+        if buf is None or buf.dtype != dtype or buf.shape[1] < n or not isinstance(buf, B.xp.ndarray):
+            buf = self._scratch = B.xp.empty((2, n), dtype=dtype)
+        return buf[0, :n], buf[1, :n]
+
+    def _forward_into(self, x, y):
+        """y = gelu(x) (y may be x itself); returns a fresh array holding gelu'(x)."""
+        xp = B.xp
+        c, a = _SQRT_2_OVER_PI, 0.044715
+        d = xp.empty_like(x)
+        xf, yf, df = x.reshape(-1), y.reshape(-1), d.reshape(-1)
+        n = xf.size
+        step = n if B.device != "cpu" else max(1, min(n, self.CHUNK))
+        ub, wb = self._buffers(step, x.dtype)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            xc, yc, dc = xf[s:e], yf[s:e], df[s:e]
+            u, w = ub[:e - s], wb[:e - s]
+            xp.multiply(xc, xc, out=u)                   # x^2
+            xp.multiply(u, c * a, out=w)
+            w += c
+            w *= xc                                      # z = c (x + a x^3)
+            xp.tanh(w, out=w)
+            w *= 0.5
+            w += 0.5                                     # p = (1 + tanh z)/2
+            xp.multiply(xc, w, out=yc)                   # y = x p  (x is not read after this)
+            xp.subtract(1.0, w, out=dc)
+            dc *= yc                                     # (1 - p) y
+            u *= 6.0 * a * c
+            u += 2.0 * c                                 # k = c (2 + 6 a x^2)
+            dc *= u
+            dc += w                                      # gelu'(x) = p + (1 - p) y k
+        return d
 
     def spec(self, x_shape):
         nb = B.nbytes(x_shape, self.dtype)
         n = nb // self.dtype.itemsize
-        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), 10 * n, 14 * n, nb, nb, 2 * nb, 0)
+        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), 14 * n, n, nb, nb, nb, 0)
 
 
 class LayerNorm(Block):

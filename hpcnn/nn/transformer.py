@@ -262,8 +262,8 @@ class MLPBlock(Block):
         return self
 
     def forward(self, x):
-        h, c_fc = self.fc.forward(x)                 # (B, T, H)
-        g, c_act = self.act.forward(h)               # (B, T, H)
+        h, c_fc = self.fc.forward(x)                 # (B, T, H), a fresh array
+        g, c_act = self.act.forward_inplace(h)       # (B, T, H): g written over h
         o, c_proj = self.proj.forward(g)             # (B, T, C)
         o, c_drop = self.drop.forward(o)             # (B, T, C)
         return o, (c_fc, c_act, c_proj, c_drop)
@@ -272,7 +272,7 @@ class MLPBlock(Block):
         c_fc, c_act, c_proj, c_drop = cache
         do = self.drop.backward(dy, c_drop)          # from o, c_drop = self.drop.forward(o)
         dg = self.proj.backward(do, c_proj)          # from o, c_proj = self.proj.forward(g)
-        dh = self.act.backward(dg, c_act)            # from g, c_act = self.act.forward(h)
+        dh = self.act.backward_inplace(dg, c_act)    # from g, c_act = self.act.forward(h); dg ours
         return self.fc.backward(dh, c_fc)            # from h, c_fc = self.fc.forward(x)
 
     def spec(self, x_shape):
