@@ -123,7 +123,7 @@ class _Parallel:
         self.slowdown = hetero.Slowdown(factors[self.rank], cfg.slowdown_mode)
         speeds = hetero.parse_speeds(cfg.speeds, self.size) if cfg.speeds else None
         self.balancer = hetero.Balancer(self.comm, cfg.batch_size, cfg.balance, speeds=speeds,
-                                        rebalance_every=cfg.rebalance_every)
+                                        rebalance_every=cfg.rebalance_every, min_share=cfg.grad_accum)
         if cfg.allreduce == "auto" and self.size > 1:
             from hpcnn.parallel.allreduce import calibrate
             calibrate(self.comm)
