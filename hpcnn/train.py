@@ -154,7 +154,7 @@ def _mpi_library(world) -> str:
 
 
 def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
-    """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path).
+    """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path, the model).
 
     ``comm`` is the world communicator (None: a serial run without MPI). Every rank checks the
     configuration and the layout identically before the first collective.
@@ -241,7 +241,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
             par.free()
     out = dict(last)
     out.update(steps=task.steps, log=cfg.log, wall_s=time.perf_counter() - t_start,
-               params=model.num_params())
+               params=model.num_params(), model=model)
     if task.is_text:
         out["unigram_entropy"] = task.data.unigram_entropy()
     return out

@@ -39,12 +39,68 @@ def test_relu_gradients():
     check_block_gradients(ReLU(dtype=F64), x)
 
 
+def _gelu_tanh(x):
+    """Reference: the tanh form as written, y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_tanh_grad(x):
+    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * np.sqrt(2.0 / np.pi) * (1 + 3 * 0.044715 * x * x)
+
+
 def test_gelu_gradients_and_value():
     x = _x((4, 9))
     check_block_gradients(GELU(dtype=F64), x)
     y, _ = GELU(dtype=F64).forward(np.array([0.0, 1.0, -1.0]))
     # tanh-form GELU reference values
     np.testing.assert_allclose(y, [0.0, 0.8411919906082768, -0.15880800939172324], rtol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 16])
+def test_gelu_matches_tanh_form(chunk):
+    """Value and cached derivative equal the tanh form (float64, 1e-12), whatever the slicing."""
+    g = GELU(dtype=F64)
+    g.CHUNK = chunk                                   # 7: many slices and a ragged last one
+    x = np.concatenate([np.linspace(-12, 12, 481), _x((50,), seed=4) * 3, [0.0, -30.0, 30.0]])
+    x = x.reshape(3, -1)
+    y, d = g.forward(x)
+    np.testing.assert_allclose(y, _gelu_tanh(x), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(d, _gelu_tanh_grad(x), rtol=1e-12, atol=1e-15)
+    dy = _x(x.shape, seed=5)
+    np.testing.assert_allclose(g.backward(dy, d), dy * _gelu_tanh_grad(x), rtol=1e-12, atol=1e-15)
+    x32 = x.astype(np.float32)
+    y32, d32 = GELU(dtype=np.float32).forward(x32)
+    assert y32.dtype == d32.dtype == np.float32
+    np.testing.assert_allclose(y32, _gelu_tanh(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d32, _gelu_tanh_grad(x), rtol=1e-4, atol=1e-5)
+
+
+def test_gelu_inplace_variants_and_fresh_results():
+    g = GELU(dtype=F64)
+    g.CHUNK = 8
+    x = _x((3, 5, 6))
+    y, d = g.forward(x)
+    assert not np.shares_memory(y, x) and not np.shares_memory(d, x)
+    h = x.copy()
+    y2, d2 = g.forward_inplace(h)
+    assert y2 is h                                    # written over its input
+    np.testing.assert_array_equal(y2, y)
+    np.testing.assert_array_equal(d2, d)
+    dy = _x(x.shape, seed=2)
+    dx = g.backward(dy, d)
+    dy2 = dy.copy()
+    assert g.backward_inplace(dy2, d) is dy2
+    np.testing.assert_array_equal(dy2, dx)
+    # a second call must not touch the first call's results (scratch stays inside the call)
+    y_keep, d_keep = y.copy(), d.copy()
+    g.forward(_x((3, 5, 6), seed=9))
+    np.testing.assert_array_equal(y, y_keep)
+    np.testing.assert_array_equal(d, d_keep)
+    # non-contiguous input: forward_inplace falls back to a fresh result
+    xt = _x((6, 4)).T
+    yt, _ = g.forward_inplace(xt)
+    np.testing.assert_allclose(yt, _gelu_tanh(xt), rtol=1e-12)
 
 
 def test_layernorm_gradients():
@@ -60,6 +116,36 @@ def test_layernorm_normalises():
     y, _ = LayerNorm(16, dtype=F64).forward(_x((5, 16)) * 3 + 2)
     np.testing.assert_allclose(y.mean(-1), 0, atol=1e-12)
     np.testing.assert_allclose(y.var(-1), 1, rtol=1e-4)
+
+
+def test_layernorm_matches_reference_and_is_stable():
+    ln = LayerNorm(16, dtype=F64)
+    rng = np.random.default_rng(3)
+    ln.gamma.data[:] = rng.standard_normal(16)
+    ln.beta.data[:] = rng.standard_normal(16)
+    x = _x((2, 5, 16)) * 3 + 2
+    mu = x.mean(-1, keepdims=True)
+    xhat = (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + ln.eps)
+    y, (c_xhat, c_rstd) = ln.forward(x)
+    np.testing.assert_allclose(y, xhat * ln.gamma.data + ln.beta.data, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(c_xhat, xhat, rtol=1e-12, atol=1e-12)
+    # backward against the textbook formula, with accumulation into existing gradients
+    dy = _x(x.shape, seed=7)
+    ln.zero_grad()
+    ln.backward(dy, (c_xhat, c_rstd))
+    dx = ln.backward(dy, (c_xhat, c_rstd))
+    g = dy * ln.gamma.data
+    ref = (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True)) * c_rstd
+    np.testing.assert_allclose(dx, ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ln.gamma.grad, 2 * (dy * xhat).sum((0, 1)), rtol=1e-12)
+    np.testing.assert_allclose(ln.beta.grad, 2 * dy.sum((0, 1)), rtol=1e-12)
+    # float32 with a large offset: two-pass variance keeps the normalisation exact enough
+    x32 = (_x((64, 16)) + 1e4).astype(np.float32)
+    y32, _ = LayerNorm(16, dtype=np.float32).forward(x32)
+    ref32 = (x32.astype(F64) - x32.astype(F64).mean(-1, keepdims=True))
+    ref32 /= np.sqrt((ref32 ** 2).mean(-1, keepdims=True) + 1e-5)
+    assert y32.dtype == np.float32
+    np.testing.assert_allclose(y32, ref32, atol=2e-3)
 
 
 def test_dropout_mask_reproducible_and_gradients():

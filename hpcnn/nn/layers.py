@@ -114,7 +114,7 @@ class GELU(Block):
     """
 
     name = "gelu"
-    CHUNK = 1 << 15      # elements per cache-resident slice on the CPU (whole array on a GPU)
+    CHUNK = 1 << 16      # elements per cache-resident slice on the CPU (whole array on a GPU)
 
     def __init__(self, dtype=B.DEFAULT_DTYPE):
         super().__init__()
@@ -127,7 +127,7 @@ class GELU(Block):
         return y, self._forward_into(x, y)
 
     def forward_inplace(self, x):
-        """:meth:`forward` writing y over ``x``: for a caller that owns ``x`` and is done with it."""
+        """:meth:`forward` writing y over ``x`` (a caller's own, spent array)."""
         if not x.flags.c_contiguous:
             return self.forward(x)
         return x, self._forward_into(x, x)
@@ -140,8 +140,10 @@ class GELU(Block):
         return B.xp.multiply(dy, cache, out=dy)
 
     def _buffers(self, n, dtype):
+        """Two reused scratch vectors of n elements (temporaries of one call only)."""
         buf = self._scratch
-        if buf is None or buf.dtype != dtype or buf.shape[1] < n or not isinstance(buf, B.xp.ndarray):
+        if (buf is None or not isinstance(buf, B.xp.ndarray) or buf.dtype != dtype
+                or buf.shape[1] < n):
             buf = self._scratch = B.xp.empty((2, n), dtype=dtype)
         return buf[0, :n], buf[1, :n]
 
@@ -152,7 +154,7 @@ class GELU(Block):
         d = xp.empty_like(x)
         xf, yf, df = x.reshape(-1), y.reshape(-1), d.reshape(-1)
         n = xf.size
-        step = n if B.device != "cpu" else max(1, min(n, self.CHUNK))
+        step = max(1, n if B.device != "cpu" else min(n, self.CHUNK))
         ub, wb = self._buffers(step, x.dtype)
         for s in range(0, n, step):
             e = min(n, s + step)
@@ -184,6 +186,9 @@ class LayerNorm(Block):
     """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dimension.
 
     Cache: x_hat (the normalised input) and rstd = 1/sqrt(var + eps), both for the backward.
+    The variance is the two-pass mean((x - mean)^2). Row means are matrix-vector products and
+    row/column sums of products are ``einsum`` contractions: both avoid reductions along a
+    short last axis and the temporaries of a product followed by a sum.
     """
 
     def __init__(self, dim, *, eps=1e-5, dtype=B.DEFAULT_DTYPE, name="ln"):
@@ -192,28 +197,57 @@ class LayerNorm(Block):
         self.gamma = param_from_host(numpy.ones(dim), self.dtype, f"{name}.weight")
         self.beta = param_from_host(numpy.zeros(dim), self.dtype, f"{name}.bias")
         self.params = [self.gamma, self.beta]
+        self._consts = {}    # (kind, dtype, n) -> constant vector: a memo, not per-call state
+
+    def _const(self, kind, dtype, n):
+        """1/C over the features ("mean") or ones over the rows ("ones"), memoised."""
+        key = (kind, numpy.dtype(dtype).str, int(n))
+        v = self._consts.get(key)
+        if v is None or not isinstance(v, B.xp.ndarray):
+            v = B.xp.full(n, 1.0 / self.dim if kind == "mean" else 1.0, dtype=dtype)
+            self._consts[key] = v
+        return v
 
     def forward(self, x):
         if x.shape[-1] != self.dim:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.dim}")
         xp = B.xp
-        mean = x.mean(axis=-1, keepdims=True)            # (..., 1)
-        xc = x - mean
-        var = xp.mean(xc * xc, axis=-1, keepdims=True)   # (..., 1)
-        rstd = 1.0 / xp.sqrt(var + self.eps)
-        xhat = xc * rstd                                 # (..., C)
-        y = xhat * self.gamma.data + self.beta.data
-        return y, (xhat, rstd)
+        C = self.dim
+        x2 = x.reshape(-1, C)                                # (N, C)
+        mean = xp.matmul(x2, self._const("mean", x.dtype, C))   # (N,) row means
+        xhat = xp.subtract(x2, mean[:, None])                # x - mean (becomes x_hat below)
+        var = xp.einsum("ij,ij->i", xhat, xhat)              # (N,) C * var
+        var *= 1.0 / C
+        var += self.eps
+        xp.sqrt(var, out=var)
+        rstd = xp.divide(1.0, var, out=var)                  # (N,) 1/sqrt(var + eps)
+        xhat *= rstd[:, None]                                # x_hat = (x - mean) rstd
+        y = xp.multiply(xhat, self.gamma.data)
+        y += self.beta.data                                  # y = x_hat gamma + beta
+        shape = tuple(x.shape)
+        return y.reshape(shape), (xhat.reshape(shape), rstd.reshape(shape[:-1] + (1,)))
 
     def backward(self, dy, cache):
+        xp = B.xp
         xhat, rstd = cache
         C = self.dim
-        self.gamma.add_grad((dy * xhat).reshape(-1, C).sum(axis=0))  # from y = xhat*gamma + beta
-        self.beta.add_grad(dy.reshape(-1, C).sum(axis=0))
-        g = dy * self.gamma.data                                    # dL/dxhat
-        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))  (from xhat = (x - mean) * rstd)
-        return rstd * (g - g.mean(axis=-1, keepdims=True)
-                       - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+        dy2, xh2 = dy.reshape(-1, C), xhat.reshape(-1, C)   # (N, C)
+        r = rstd.reshape(-1)                                 # (N,)
+        # from y = x_hat*gamma + beta
+        self.gamma.add_grad(xp.einsum("ij,ij->j", dy2, xh2))
+        self.beta.add_grad(xp.matmul(self._const("ones", dy.dtype, dy2.shape[0]), dy2))
+        # from x_hat = (x - mean) rstd, with g = dy*gamma = dL/dx_hat:
+        # dx = rstd (g - mean(g) - x_hat mean(g x_hat))
+        dx = xp.multiply(dy2, self.gamma.data)               # g
+        a = xp.matmul(dx, self._const("mean", dy.dtype, C))  # (N,) mean(g)
+        b = xp.einsum("ij,ij->i", dx, xh2)                   # (N,) C mean(g x_hat)
+        b *= r
+        b *= 1.0 / C                                         # rstd mean(g x_hat)
+        t = xp.multiply(xh2, b[:, None])
+        dx -= a[:, None]
+        dx *= r[:, None]
+        dx -= t
+        return dx.reshape(dy.shape)
 
     def spec(self, x_shape):
         nb = B.nbytes(x_shape, self.dtype)

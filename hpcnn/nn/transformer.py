@@ -111,11 +111,19 @@ class Embedding(Block):
 class CausalSelfAttention(Block):
     """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, projection.
 
-    forward(x (B, T, C)) -> (B, T, C). Cache: the qkv input (x), the qkv output with q already
-    scaled by 1/sqrt(hs), the attention probabilities, the attention-dropout mask (or None) and
-    the merged head output y (the input of ``proj``). ``init_std`` is the std of the qkv weights,
-    ``proj_std`` that of the output projection (GPT-2: 0.02 / sqrt(2 n_layers); default init_std).
+    forward(x (B, T, C)) -> (B, T, C). Cache: the qkv input (x), the qkv output, the attention
+    probabilities, the attention-dropout mask (or None) and the merged head output y (the input
+    of ``proj``). ``init_std`` is the std of the qkv weights, ``proj_std`` that of the output
+    projection (GPT-2: 0.02 / sqrt(2 n_layers); default init_std).
+
+    The probabilities are stored key-major, ``att[b, h, j, i]`` for query i and key j, so the
+    softmax reductions run down axis -2, vectorised along the queries. The 1/sqrt(hs) scale is
+    applied while copying q^T (forward) and dy^T (backward) into contiguous scratch, which makes
+    every batched product a plain or left-transposed BLAS call. On the CPU the core runs over
+    slices of the batch whose (nh, T, T) scores stay in cache.
     """
+
+    CHUNK = 1 << 17      # score elements per cache-resident batch slice on the CPU
 
     def __init__(self, dim, n_heads, *, dropout=0.0, seed=0, index=0, init_std=0.02,
                  proj_std=None, dtype=B.DEFAULT_DTYPE, name="attn"):
@@ -134,14 +142,34 @@ class CausalSelfAttention(Block):
         self.attn_drop = Dropout(dropout, seed=seed, index=sub_index(index, 2), dtype=dtype,
                                  name=f"{name}.drop")
         self.params = self.qkv.params + self.proj.params
-        self._masks = {}   # T -> boolean (T, T) upper triangle: a memo, not per-call state
+        self._consts = {}   # (T, dtype) -> causal bias: a memo, not per-call state
+        self._scratch = {}  # (name, dtype) -> reused buffer for temporaries (never returned)
 
-    def _causal(self, T):
-        mask = self._masks.get(T)
-        if mask is None or not isinstance(mask, B.xp.ndarray):
-            mask = B.xp.triu(B.xp.ones((T, T), dtype=bool), k=1)   # (T, T) True = future
-            self._masks[T] = mask
-        return mask
+    def _causal(self, T, dtype):
+        """(T_key, T_query) additive mask: 0 where key <= query, -inf for the future."""
+        key = ("causal", int(T), numpy.dtype(dtype).str)
+        bias = self._consts.get(key)
+        if bias is None or not isinstance(bias, B.xp.ndarray):
+            future = B.xp.tril(B.xp.ones((T, T), dtype=bool), k=-1)   # key j > query i
+            bias = self._consts[key] = B.xp.where(future, -B.xp.inf, 0.0).astype(dtype)
+        return bias
+
+    def _buffer(self, name, shape, dtype):
+        """A reused scratch array of ``shape`` (temporaries only: never cached or returned)."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        key = (name, numpy.dtype(dtype).str)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < n or not isinstance(buf, B.xp.ndarray):
+            buf = self._scratch[key] = B.xp.empty(n, dtype=dtype)
+        return buf[:n].reshape(shape)
+
+    def _batch_step(self, Bn, T):
+        """Batch elements per slice of the attention core (the whole batch on a GPU)."""
+        if B.device != "cpu":
+            return max(1, Bn)
+        return max(1, min(Bn, self.CHUNK // max(1, self.n_heads * T * T)))
 
     def _heads(self, qkv):
         """(B, T, 3C) -> q, k, v views, each (B, nh, T, hs)."""
@@ -164,16 +192,31 @@ class CausalSelfAttention(Block):
         Bn, T, C = _check_btc(self.name, x, self.dim)
         nh, hs = self.n_heads, self.head_size
         qkv, c_qkv = self.qkv.forward(x)                         # (B, T, 3C)
-        qkv[..., :C] *= self.scale                               # q / sqrt(hs), in place
         q, k, v = self._heads(qkv)                               # (B, nh, T, hs) views
-        att = xp.matmul(q, k.swapaxes(-1, -2))                   # (B, nh, T, T)
-        xp.copyto(att, -xp.inf, where=self._causal(T))           # no attention to the future
-        att -= att.max(axis=-1, keepdims=True)                   # (B, nh, T, 1) row max: stable
-        xp.exp(att, out=att)
-        att /= att.sum(axis=-1, keepdims=True)                   # softmax probabilities, in place
-        att_d, c_drop = self.attn_drop.forward(att)              # (B, nh, T, T)
-        y = xp.empty((Bn, T, nh, hs), dtype=att.dtype)           # (B, T, nh, hs)
-        xp.matmul(att_d, v, out=y.transpose(0, 2, 1, 3))         # (B, nh, T, hs) view of y
+        dt = qkv.dtype
+        bias = self._causal(T, dt)                               # (T, T)
+        dropping = self.attn_drop.training and self.attn_drop.p > 0.0
+        att = xp.empty((Bn, nh, T, T), dtype=dt)                 # (B, nh, T_key, T_query)
+        y = xp.empty((Bn, T, nh, hs), dtype=dt)                  # (B, T, nh, hs)
+        yh = y.transpose(0, 2, 1, 3)                             # (B, nh, T, hs) view of y
+        bs = self._batch_step(Bn, T)
+        qT_buf = self._buffer("qT", (bs, nh, hs, T), dt)
+        for b0 in range(0, Bn, bs):
+            sl = slice(b0, min(Bn, b0 + bs))
+            a = att[sl]                                          # (n, nh, T, T) slice
+            qT = xp.multiply(q[sl].swapaxes(-1, -2), self.scale, out=qT_buf[:a.shape[0]])
+            xp.matmul(k[sl], qT, out=a)                          # s = k q^T / sqrt(hs)
+            a += bias                                            # no attention to the future
+            a -= a.max(axis=-2, keepdims=True)                   # (n, nh, 1, T) column max
+            xp.exp(a, out=a)
+            s = a.sum(axis=-2, keepdims=True)                    # (n, nh, 1, T)
+            a *= xp.divide(1.0, s, out=s)                        # softmax over keys, in place
+            if not dropping:
+                xp.matmul(a.swapaxes(-1, -2), v[sl], out=yh[sl]) # y = att^T v
+        c_drop = None
+        if dropping:
+            att_d, c_drop = self.attn_drop.forward(att)          # (B, nh, T, T)
+            xp.matmul(att_d.swapaxes(-1, -2), v, out=yh)
         y = y.reshape(Bn, T, C)                                  # (B, T, C) heads merged
         out, c_proj = self.proj.forward(y)                       # (B, T, C)
         return out, (c_qkv, qkv, att, c_drop, c_proj)
@@ -183,27 +226,37 @@ class CausalSelfAttention(Block):
         c_qkv, qkv, att, c_drop, y = cache
         Bn, T, C = y.shape
         nh, hs = self.n_heads, self.head_size
-        q, k, v = self._heads(qkv)                               # (B, nh, T, hs), q pre-scaled
+        q, k, v = self._heads(qkv)                               # (B, nh, T, hs)
         # from: out, c_proj = self.proj.forward(y)
         dyc = self.proj.backward(dy, y)                          # (B, T, C)
         dyh = dyc.reshape(Bn, T, nh, hs).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
         dqkv = xp.empty((Bn, T, 3, nh, hs), dtype=dyc.dtype)     # (B, T, 3, nh, hs)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)               # (B, nh, T, hs) views
-        # from: xp.matmul(att_d, v, out=y...)  ->  dv = att_d^T dy, datt_d = dy v^T
+        dt = dyc.dtype
+        # from: att *= 1/sum after exp:  ds = att * (datt - colsum(datt * att)); the column sum
+        # equals dy . y per head (FlashAttention identity; also with dropout): a (B, T, C) product.
+        D = xp.einsum("bthd,bthd->bht", dyc.reshape(Bn, T, nh, hs),
+                      y.reshape(Bn, T, nh, hs))                  # (B, nh, T_query)
+        D *= self.scale                                          # all of ds carries 1/sqrt(hs)
+        D = D[:, :, None, :]                                     # (B, nh, 1, T_query)
         att_d = att if c_drop is None else att * c_drop          # (B, nh, T, T) recomputed
-        xp.matmul(att_d.swapaxes(-1, -2), dyh, out=dv)
-        datt = xp.matmul(dyh, v.swapaxes(-1, -2))                # (B, nh, T, T)
-        # from: att_d, c_drop = self.attn_drop.forward(att)
-        datt = self.attn_drop.backward(datt, c_drop)
-        # from: att /= att.sum(...) after exp:  ds = att * (datt - rowsum(datt * att));
-        # rowsum(datt * att) = rowsum over hs of (dy * y) per head, a (B, T, C) product
-        D = (dyc * y).reshape(Bn, T, nh, hs).sum(axis=-1)        # (B, T, nh)
-        datt -= D.transpose(0, 2, 1)[..., None]                  # (B, nh, T, 1) broadcast
-        datt *= att                                              # masked entries: att = 0
-        # from: att = xp.matmul(q, k.swapaxes(-1, -2)) with q scaled in place by 1/sqrt(hs)
-        xp.matmul(datt, k, out=dq)
-        dq *= self.scale
-        xp.matmul(datt.swapaxes(-1, -2), q, out=dk)
+        bs = self._batch_step(Bn, T)
+        dT_buf = self._buffer("dT", (bs, nh, hs, T), dt)
+        datt_buf = self._buffer("datt", (bs, nh, T, T), dt)
+        for b0 in range(0, Bn, bs):
+            sl = slice(b0, min(Bn, b0 + bs))
+            n = min(Bn, b0 + bs) - b0
+            # from: y = att_d^T v  ->  dv = att_d dy, datt_d = v dy^T (times 1/sqrt(hs) here)
+            xp.matmul(att_d[sl], dyh[sl], out=dv[sl])
+            dT = xp.multiply(dyh[sl].swapaxes(-1, -2), self.scale, out=dT_buf[:n])
+            datt = xp.matmul(v[sl], dT, out=datt_buf[:n])        # (n, nh, T_key, T_query)
+            if c_drop is not None:                               # from: att_d = drop(att)
+                datt = self.attn_drop.backward(datt, c_drop[sl])
+            datt -= D[sl]
+            datt *= att[sl]                                      # ds / sqrt(hs); masked: att = 0
+            # from: s = k q^T / sqrt(hs)  ->  dq = ds^T k / sqrt(hs), dk = ds q / sqrt(hs)
+            xp.matmul(datt.swapaxes(-1, -2), k[sl], out=dq[sl])
+            xp.matmul(datt, q[sl], out=dk[sl])
         # from: qkv, c_qkv = self.qkv.forward(x)
         return self.qkv.backward(dqkv.reshape(Bn, T, 3 * C), c_qkv)   # (B, T, C)
 
@@ -213,13 +266,13 @@ class CausalSelfAttention(Block):
         att_shape, n_att, nx = (Bn, nh, T, T), Bn * nh * T * T, Bn * T * C
         mm = 2.0 * n_att * hs   # one batched (T x hs)(hs x T) or (T x T)(T x hs) product
         qkv_shape = (Bn, T, 3 * C)
-        # scores + softmax: fwd q scale, q k^T, 5 per score (max, sub, exp, sum, div);
-        # bwd dq, dk products, dq scale, D = rowsum(dy*y) (2 per element), 2 per score.
+        # scores + softmax: fwd q^T scale, k q^T, 6 per score (mask, max, sub, exp, sum, mul);
+        # bwd dq, dk products, dy^T scale, D = rowsum(dy*y) (2 per element), 2 per score.
         scores = BlockSpec(f"{self.name}.scores", qkv_shape, att_shape,
-                           mm + nx + 5 * n_att, 2 * mm + 3 * nx + 2 * n_att,
+                           mm + nx + 6 * n_att, 2 * mm + 3 * nx + 2 * n_att,
                            B.nbytes(qkv_shape, dt), B.nbytes(att_shape, dt),
                            B.nbytes(qkv_shape, dt) + B.nbytes(att_shape, dt), 0)
-        # y = att_d v: fwd one product; bwd dv and datt products (+ att * mask recomputed).
+        # y = att_d^T v: fwd one product; bwd dv and datt products (+ att * mask recomputed).
         redo = n_att if self.attn_drop.p > 0 else 0
         av = BlockSpec(f"{self.name}.av", att_shape, tuple(x_shape), mm, 2 * mm + redo,
                        B.nbytes(att_shape, dt), B.nbytes(x_shape, dt), 0, 0)

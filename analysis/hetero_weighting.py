@@ -1,0 +1,66 @@
+"""Figure of the heterogeneous-replica experiment: time per epoch and test accuracy vs slowdown.
+
+Reads only the HDF5 table written by experiments/hetero_weighting.py (no MPI, no text logs):
+
+    python analysis/hetero_weighting.py runs/hetero_weighting/results.h5 [OUT.png]
+
+Rows: shard layout (contiguous, class-skewed). Left: median time per epoch vs the emulated
+slowdown r of one replica, per arm; right: final test accuracy (mean ± std over seeds), with the
+serial large-batch run as a dashed line.
+"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn.log.results import load_table  # noqa: E402
+
+STYLE = {"equal": ("tab:gray", "o"), "prop-uniform": ("tab:orange", "s"),
+         "prop-weighted": ("tab:blue", "^")}
+
+
+def main(path, out=None):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs, attrs = load_table(path, "runs")
+    serial, _ = load_table(path, "serial")
+    shards = list(dict.fromkeys(runs["shard"]))
+    fig, axes = plt.subplots(len(shards), 2, figsize=(10, 3.6 * len(shards)), squeeze=False)
+    for row, shard in enumerate(shards):
+        ax_t, ax_a = axes[row]
+        for arm, (color, marker) in STYLE.items():
+            sel = (runs["shard"] == shard) & (runs["arm"] == arm)
+            fs = np.unique(runs["factor"][sel])
+            t = [runs["epoch_time_s"][sel & (runs["factor"] == f)] for f in fs]
+            a = [runs["test_acc"][sel & (runs["factor"] == f)] for f in fs]
+            ax_t.errorbar(fs, [1e3 * np.mean(v) for v in t], [1e3 * np.std(v) for v in t],
+                          color=color, marker=marker, capsize=3, label=arm)
+            ax_a.errorbar(fs, [100 * np.mean(v) for v in a], [100 * np.std(v) for v in a],
+                          color=color, marker=marker, capsize=3, label=arm)
+        s = serial["test_acc"][serial["shard"] == shard]
+        ax_a.axhline(100 * np.mean(s), color="k", ls="--", lw=1, label="serial large batch")
+        for ax in (ax_t, ax_a):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("emulated slowdown r of one replica")
+            ax.grid(alpha=0.3)
+        ax_t.set_ylabel("time per epoch (ms, median step)")
+        ax_a.set_ylabel("test accuracy (%)")
+        ax_t.set_title(f"{shard} shards: time per epoch")
+        ax_a.set_title(f"{shard} shards: accuracy (mean ± std over seeds)")
+        ax_a.legend(fontsize=8)
+        ax_t.legend(fontsize=8)
+    fig.suptitle(f"Heterogeneous data parallelism, {attrs.get('ranks')} ranks, {attrs.get('model')} "
+                 f"(slowdown emulated: {attrs.get('emulated_slowdown_mode')})")
+    fig.tight_layout()
+    out = out or os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

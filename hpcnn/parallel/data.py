@@ -1,0 +1,290 @@
+"""Data parallelism: one chain per replica, gradients summed over the dp ranks in buckets.
+
+Each rank runs the forward and backward of its own share of the global batch; the gradients, kept
+in one flat buffer per dtype and cut into byte-range *buckets*, are summed with an allreduce. With
+``overlap`` a bucket's allreduce starts during the backward, as soon as every block it touches is
+done (the chain calls ``on_block_done(i)`` after block ``i``), so communication of the last layers
+runs while the first layers still compute (Li et al., PyTorch Distributed, VLDB 2020).
+
+Combining the replicas (Moreno-Álvarez, Paoletti, Rico-Gallego, Haut, J. Supercomputing 2022).
+Rank i holds b_i samples β_i of the global batch, Σ_i b_i = B, and its loss is the local
+mean L_i = (1/b_i) Σ_{x∈β_i} ℓ(x), whose gradient is g_i. The caller scales the backward by
+``dloss = c_i``, so the allreduce SUM gives G = Σ_i c_i g_i:
+
+- ``weighted``: c_i = b_i/B, G = Σ_i (b_i/B) g_i = (1/B) Σ_{x∈β} ∇ℓ(x), exactly the gradient
+  of the mean over the whole global batch (the serial run), whatever the shares;
+- ``uniform``: c_i = 1/P, G = (1/P) Σ_i g_i: a sample on rank i weighs 1/(P b_i), so samples on a
+  replica with a small share count more;
+- ``equal``: all b_i = B/P, where the two coincide (c_i = 1/P = b_i/B).
+
+Finiteness check, one pass: before a bucket is sent its Σ g² is computed (a dot product), and
+the sum over a flat buffer's buckets rides in one extra *sentinel* element at its end, so after the
+allreduce it holds Σ_ranks Σ g² on every rank. It is non-finite if any rank's gradient was, and if
+a finite sum overflowed (an element can overflow in the sum only if its square does); only then
+are the reduced buffers tested element by element.
+
+Gradient accumulation: a micro-batch of m of the rank's b_i samples, its loss the mean over m,
+gets c = m/B (weighted) or m/(P b_i) (uniform); :func:`dloss_for` returns these factors.
+
+    mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
+        from hpcnn.nn import models; from hpcnn.parallel.comm import Communicator; \\
+        from hpcnn.parallel.data import DataParallel; m = models.mlp(8, (16,), 4); \\
+        dp = DataParallel(m, Communicator(MPI.COMM_WORLD)); x = np.ones((4, 8), np.float32); \\
+        loss, c = m.forward(x, np.zeros(4, int)); dp.backward(c, 0.5); print(dp.finish(0))"
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy
+
+from hpcnn import backend as B
+
+MODES = ("weighted", "uniform", "equal")
+ALGORITHMS = ("mpi", "ring", "rd", "auto")     # blocking (overlap=False)
+NONBLOCKING = ("mpi", "ring", "auto")          # Communicator.iallreduce (overlap=True)
+
+
+# -- pure helpers ----------------------------------------------------------------------------------
+def check_shares(shares, total: int | None = None) -> list[int]:
+    """``shares`` as ints, each >= 1, summing to ``total`` (if given); else ValueError."""
+    s = [int(v) for v in shares]
+    if not s or any(v < 1 for v in s) or any(v != w for v, w in zip(s, shares)):
+        raise ValueError(f"shares must be integers >= 1, got {list(shares)}")
+    if total is not None and sum(s) != total:
+        raise ValueError(f"shares {s} sum to {sum(s)}, not the global batch {total}")
+    return s
+
+
+def dloss_for(mode: str, share: int, shares, local: int | None = None) -> float:
+    """The factor c by which a backward of ``share`` samples is scaled (see the module docstring).
+
+    Parameters: ``mode`` weighted | uniform | equal; ``share`` the samples of this backward (m, a
+    micro-batch, or b_i, the rank's whole share); ``shares`` every rank's b_j (Σ b_j = B);
+    ``local`` this rank's b_i when ``share`` is a micro-batch of it (default: ``share``).
+    Returns m/B (weighted, equal) or m/(P b_i) (uniform).
+    """
+    if mode not in MODES:
+        raise ValueError(f"dloss mode must be one of {MODES}, got {mode!r}")
+    s = check_shares(shares)
+    b_i = share if local is None else local
+    if b_i not in s:
+        raise ValueError(f"local share {b_i} is not one of the shares {s}")
+    if not 1 <= share <= b_i:
+        raise ValueError(f"micro-batch of {share} samples must lie in [1, {b_i}] (the local share)")
+    if mode == "equal" and len(set(s)) != 1:
+        raise ValueError(f"mode 'equal' needs equal shares, got {s}")
+    if mode == "uniform":
+        return share / (len(s) * b_i)
+    return share / sum(s)
+
+
+def shard(global_indices, shares, rank: int):
+    """This rank's contiguous slice of the global batch: offsets are the cumulative shares."""
+    s = check_shares(shares, len(global_indices))
+    if not 0 <= rank < len(s):
+        raise ValueError(f"rank {rank} out of range for {len(s)} shares {s}")
+    lo = sum(s[:rank])
+    return global_indices[lo:lo + s[rank]]
+
+
+@dataclass
+class Bucket:
+    """Elements [lo, hi) of flat buffer ``flat``; final after block ``ready``'s backward.
+    The ``last`` bucket of a flat buffer also carries its sentinel element (its last)."""
+
+    flat: int
+    lo: int
+    hi: int
+    ready: int
+    params: list
+    view: object = None
+    last: bool = False
+
+
+class DataParallel:
+    """Bucketed gradient allreduce for ``model`` replicated on every rank of ``comm``.
+
+    Parameters: ``bucket_mb`` bucket size in MiB (a bucket may cut a parameter); ``algorithm``
+    mpi | ring | auto, or also rd without overlap (:mod:`hpcnn.parallel.allreduce`; ring requests
+    advance when tested, which the backward does after every block); ``overlap`` start buckets
+    during the backward; ``check_finite`` raise FloatingPointError in :meth:`finish` if the sum
+    is not finite.
+
+    One step: ``model.zero_grad()``; per micro-batch ``loss, caches = model.forward(x, y)`` and
+    ``dp.backward(caches, dloss, sync=last)``; then ``dp.finish(step)`` and the optimizer step.
+    """
+
+    def __init__(self, model, comm, *, bucket_mb: float = 25.0, algorithm: str = "mpi",
+                 overlap: bool = True, check_finite: bool = True):
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb}: must be > 0")
+        allowed = NONBLOCKING if overlap else ALGORITHMS
+        if algorithm not in allowed:
+            raise ValueError(f"algorithm must be one of {allowed} with overlap={bool(overlap)}, "
+                             f"got {algorithm!r}")
+        self.model, self.comm = model, comm
+        self.bucket_mb, self.algorithm = float(bucket_mb), algorithm
+        self.overlap, self.check_finite = bool(overlap), bool(check_finite)
+        # owner = first block holding the parameter: its gradient is final after that backward
+        owner = {}
+        for i, blk in enumerate(model.blocks):
+            for p in blk.params:
+                owner.setdefault(id(p), i)
+        unique = list({id(p): p for p in model.params}.values())
+        self.params = unique[::-1]                     # the order the backward produces them
+        self.flats, self.buckets = [], []
+        for dtype in dict.fromkeys(p.data.dtype for p in self.params):
+            self._layout([p for p in self.params if p.data.dtype == dtype], owner)
+        # launch order: identical on every rank (derived from the model alone)
+        self.order = sorted(self.buckets, key=lambda b: (-b.ready, b.flat, b.lo))
+        for k in range(len(self.flats)):               # the sentinel's bucket goes last
+            assert [b for b in self.order if b.flat == k][-1].last
+        self.nbytes = sum(f.nbytes for f in self.flats)  # bytes reduced per step
+        self._reset()
+
+    def _layout(self, params, owner) -> None:
+        """One flat buffer for ``params`` (gradients rebound as views) and a sentinel element,
+        cut into byte ranges."""
+        xp, k = B.xp, len(self.flats)
+        dtype = params[0].data.dtype
+        offs = numpy.cumsum([0] + [p.size for p in params])
+        n = int(offs[-1])
+        flat = xp.zeros(n + 1, dtype=dtype)            # (n gradients, 1 sentinel)
+        for p, o in zip(params, offs):
+            p.bind_grad(flat[o:o + p.size].reshape(p.shape))
+        self.flats.append(flat)
+        step = max(1, int(self.bucket_mb * 2 ** 20) // dtype.itemsize)
+        j = 0                                          # first parameter not ending before lo
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            while offs[j + 1] <= lo:
+                j += 1
+            ps = [params[q] for q in range(j, len(params)) if offs[q] < hi]
+            hi += hi == n                              # the last bucket carries the sentinel
+            self.buckets.append(Bucket(k, lo, hi, min(owner[id(p)] for p in ps), ps, flat[lo:hi],
+                                       last=hi == n + 1))
+
+    def _reset(self) -> None:
+        self._next, self._reqs, self._local_bad, self._reduce_s = 0, [], False, 0.0
+        self._sq = [0.0] * len(self.flats)
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.buckets)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
+
+    # -- the step ---------------------------------------------------------------------------------
+    def backward(self, caches, dloss: float = 1.0, sync: bool = True) -> None:
+        """Backward of one (micro-)batch, accumulating into the gradients.
+
+        ``sync=True`` marks the last micro-batch of a step: its buckets are reduced (started
+        during the backward with ``overlap``, else reduced after it, blocking). ``sync=False``
+        only accumulates; nothing is communicated.
+        """
+        hook = self._on_block_done if (sync and self.overlap) else None
+        self.model.backward(caches, dloss, need_dx=False, on_block_done=hook)
+        if sync and not self.overlap:
+            self._launch_ready(-1)
+
+    def _on_block_done(self, i: int) -> None:
+        self._launch_ready(i)
+
+    def _launch_ready(self, i: int) -> None:
+        """Start every bucket final after block ``i``, in order; poke the ones in flight."""
+        while self._next < len(self.order) and self.order[self._next].ready >= i:
+            self._launch(self.order[self._next])
+            self._next += 1
+        for r in self._reqs:
+            if not r.done:
+                r.test()                               # progress for progress-driven algorithms
+
+    def _launch(self, b: Bucket) -> None:
+        for p in b.params:
+            if p._zero:
+                p.grad                                 # untouched this step: write the zeros now
+        if self.check_finite:
+            g = b.view[:-1] if b.last else b.view
+            with numpy.errstate(over="ignore", invalid="ignore"):
+                sq = float(B.xp.dot(g, g))             # one BLAS pass, no temporary
+            if not math.isfinite(sq) and not self._local_bad:
+                self._local_bad = not bool(B.xp.isfinite(g).all())   # or only an overflow
+            self._sq[b.flat] += sq
+            if b.last:
+                b.view[-1] = self._sq[b.flat]          # summed over ranks with the gradients
+        if self.overlap:
+            self._reqs.append(self.comm.iallreduce(b.view, algorithm=self.algorithm))
+        else:
+            t = time.perf_counter()
+            self.comm.allreduce(b.view, self.algorithm)
+            self._reduce_s += time.perf_counter() - t
+
+    def finish(self, step: int) -> dict:
+        """Wait for every bucket (reducing any not yet started) and check the sum is finite.
+
+        Returns ``{"wait_s": seconds blocked waiting for started buckets, "reduce_s": seconds in
+        blocking reductions, "bytes": bytes reduced (with the sentinels), "buckets": n}``. Raises
+        FloatingPointError("non-finite gradient at step S on rank(s) R") on every rank when the
+        reduced gradient is not finite, R the ranks whose local gradient was not.
+        """
+        try:
+            self._launch_ready(-1)
+            t = time.perf_counter()
+            for r in self._reqs:
+                r.wait()
+            info = {"wait_s": time.perf_counter() - t, "reduce_s": self._reduce_s,
+                    "bytes": self.nbytes, "buckets": len(self.order)}
+            if self.check_finite:
+                self._check(step)
+            return info
+        finally:
+            self._reset()
+
+    def _check(self, step: int) -> None:
+        # sentinels and reduced buffers are the same on every rank: all take the same branches
+        if all(math.isfinite(float(f[-1])) for f in self.flats):
+            return
+        if all(bool(B.xp.isfinite(f[:-1]).all()) for f in self.flats):
+            return                                     # only a sum of squares overflowed
+        flags = self.comm.allgather_scalars([1.0 if self._local_bad else 0.0])
+        ranks = ", ".join(str(int(r)) for r in numpy.flatnonzero(flags[:, 0]))
+        raise FloatingPointError(f"non-finite gradient at step {step} on rank(s) "
+                                 f"{ranks or 'none (the sum overflowed)'}")
+
+    # -- replicas ---------------------------------------------------------------------------------
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Copy ``root``'s parameters to every rank (one broadcast per dtype); optimizer state,
+        if any, is the caller's to restore identically."""
+        if not 0 <= root < self.comm.size:
+            raise ValueError(f"root {root} out of range for {self.comm.size} ranks")
+        xp = B.xp
+        for dtype in dict.fromkeys(p.data.dtype for p in self.params):
+            ps = [p for p in self.params if p.data.dtype == dtype]
+            buf = xp.concatenate([p.data.reshape(-1) for p in ps])
+            self.comm.bcast(buf, root)
+            o = 0
+            for p in ps:
+                p.data[...] = buf[o:o + p.size].reshape(p.shape)
+                o += p.size
+
+    def check_replicas_equal(self) -> bool:
+        """True on every rank iff all replicas' checksums (sum, sum of squares, strided sum of
+        each parameter) are bitwise equal: two small allreduces (max and min)."""
+        xp = B.xp
+        vals = []
+        for p in self.params:
+            d = p.data.reshape(-1)
+            vals += [float(d.sum()), float(xp.vdot(d, d)), float(d[::7].sum())]
+        v = numpy.nan_to_num(numpy.asarray(vals), nan=1e300, posinf=1e301, neginf=-1e301)
+        hi = self.comm.allreduce_scalars(v, "max")
+        lo = self.comm.allreduce_scalars(v, "min")
+        return bool(numpy.array_equal(hi, lo))
+
+    def __repr__(self) -> str:
+        return (f"DataParallel({self.model.name}, {self.comm.size} ranks, {self.n_buckets} buckets"
+                f" of <= {self.bucket_mb:g} MiB, {self.nbytes / 2**20:.1f} MiB, "
+                f"algorithm={self.algorithm}, overlap={self.overlap})")
