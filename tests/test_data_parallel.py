@@ -151,3 +151,8 @@ def test_nan_reported_with_step_and_rank():
 @pytest.mark.parametrize("n", [2, 4])
 def test_dp_equivalence_mpi(n):
     assert f"OK on {n} ranks" in run_mpi("dp_equivalence", n, timeout=120)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_training_loop_data_parallel_equals_serial(n, tmp_path):
+    assert f"train_dp OK on {n} ranks" in run_mpi("train_dp", n, str(tmp_path), timeout=240)

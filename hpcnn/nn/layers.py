@@ -197,13 +197,13 @@ class LayerNorm(Block):
         self.gamma = param_from_host(numpy.ones(dim), self.dtype, f"{name}.weight")
         self.beta = param_from_host(numpy.zeros(dim), self.dtype, f"{name}.bias")
         self.params = [self.gamma, self.beta]
-        self._consts = {}    # (kind, dtype, n) -> constant vector: a memo, not per-call state
+        self._consts = {}    # (kind, dtype) -> constant vector: a memo, not per-call state
 
     def _const(self, kind, dtype, n):
-        """1/C over the features ("mean") or ones over the rows ("ones"), memoised."""
-        key = (kind, numpy.dtype(dtype).str, int(n))
+        """1/C over the features ("mean") or ones over the rows ("ones"), memoised (the last n)."""
+        key = (kind, numpy.dtype(dtype).str)
         v = self._consts.get(key)
-        if v is None or not isinstance(v, B.xp.ndarray):
+        if v is None or not isinstance(v, B.xp.ndarray) or v.shape[0] != n:
             v = B.xp.full(n, 1.0 / self.dim if kind == "mean" else 1.0, dtype=dtype)
             self._consts[key] = v
         return v
@@ -253,7 +253,7 @@ class LayerNorm(Block):
         nb = B.nbytes(x_shape, self.dtype)
         n = nb // self.dtype.itemsize
         rows = _rows(x_shape)
-        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), 8 * n, 12 * n, nb, nb,
+        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), 8 * n, 14 * n, nb, nb,
                          nb + rows * self.dtype.itemsize, 2 * self.dim * self.dtype.itemsize)
 
 
