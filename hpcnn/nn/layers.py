@@ -201,7 +201,7 @@ class LayerNorm(Block):
 
     def _const(self, kind, dtype, n):
         """1/C over the features ("mean") or ones over the rows ("ones"), memoised (the last n)."""
-        key = (kind, numpy.dtype(dtype).str)
+        key = (kind, dtype)
         v = self._consts.get(key)
         if v is None or not isinstance(v, B.xp.ndarray) or v.shape[0] != n:
             v = B.xp.full(n, 1.0 / self.dim if kind == "mean" else 1.0, dtype=dtype)

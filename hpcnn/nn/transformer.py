@@ -147,7 +147,7 @@ class CausalSelfAttention(Block):
 
     def _causal(self, T, dtype):
         """(T_key, T_query) additive mask: 0 where key <= query, -inf for the future."""
-        key = ("causal", int(T), numpy.dtype(dtype).str)
+        key = ("causal", int(T), dtype)
         bias = self._consts.get(key)
         if bias is None or not isinstance(bias, B.xp.ndarray):
             future = B.xp.tril(B.xp.ones((T, T), dtype=bool), k=-1)   # key j > query i
@@ -159,7 +159,7 @@ class CausalSelfAttention(Block):
         n = 1
         for d in shape:
             n *= int(d)
-        key = (name, numpy.dtype(dtype).str)
+        key = (name, dtype)
         buf = self._scratch.get(key)
         if buf is None or buf.size < n or not isinstance(buf, B.xp.ndarray):
             buf = self._scratch[key] = B.xp.empty(n, dtype=dtype)
