@@ -151,6 +151,8 @@ def torch_step(name, B):
 
 
 def main():
+    from hpcnn import backend
+    backend.tune_allocator()          # as `hpcnn train` does: no page faults on step temporaries
     out = os.path.join("runs", "bench", "serial_step.h5")
     print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, repeats {REPEATS} (median)")
     for case in (mlp_case, gpt_case):

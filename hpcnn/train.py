@@ -171,6 +171,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
         raise ConfigError(f"tp={cfg.tp}, pp={cfg.pp}: operator and pipeline parallelism are not "
                           f"available yet in the training loop; use --dp")
     B.set_device(cfg.device)
+    B.tune_allocator()
     task = build_task(cfg)
     model = task.model
     par = _Parallel(cfg, comm, model) if comm is not None else None
