@@ -4,9 +4,9 @@ Reads only the HDF5 table written by experiments/hetero_weighting.py (no MPI, no
 
     python analysis/hetero_weighting.py runs/hetero_weighting/results.h5 [OUT.png]
 
-Rows: shard layout (contiguous, class-skewed). Left: median time per epoch vs the emulated
-slowdown r of one replica, per arm; right: final test accuracy (mean ± std over seeds), with the
-serial large-batch run as a dashed line.
+Rows: shard layout (contiguous, class-skewed). Columns: median time per epoch vs the emulated
+slowdown r of one replica, per arm; final test accuracy and final training loss (mean ± std over
+seeds), with the serial large-batch run as a dashed line.
 """
 import os
 import sys
@@ -23,13 +23,14 @@ STYLE = {"equal": ("tab:gray", "o"), "prop-uniform": ("tab:orange", "s"),
 def main(path, out=None):
     import matplotlib
     matplotlib.use("Agg")
+    import matplotlib.ticker
     import matplotlib.pyplot as plt
     runs, attrs = load_table(path, "runs")
     serial, _ = load_table(path, "serial")
     shards = list(dict.fromkeys(runs["shard"]))
-    fig, axes = plt.subplots(len(shards), 2, figsize=(10, 3.6 * len(shards)), squeeze=False)
+    fig, axes = plt.subplots(len(shards), 3, figsize=(15, 3.8 * len(shards)), squeeze=False)
     for row, shard in enumerate(shards):
-        ax_t, ax_a = axes[row]
+        ax_t, ax_a, ax_l = axes[row]
         for arm, (color, marker) in STYLE.items():
             sel = (runs["shard"] == shard) & (runs["arm"] == arm)
             fs = np.unique(runs["factor"][sel])
@@ -39,18 +40,27 @@ def main(path, out=None):
                           color=color, marker=marker, capsize=3, label=arm)
             ax_a.errorbar(fs, [100 * np.mean(v) for v in a], [100 * np.std(v) for v in a],
                           color=color, marker=marker, capsize=3, label=arm)
+            lo = [runs["final_loss"][sel & (runs["factor"] == f)] for f in fs]
+            ax_l.errorbar(fs, [np.mean(v) for v in lo], [np.std(v) for v in lo],
+                          color=color, marker=marker, capsize=3, label=arm)
         s = serial["test_acc"][serial["shard"] == shard]
         ax_a.axhline(100 * np.mean(s), color="k", ls="--", lw=1, label="serial large batch")
-        for ax in (ax_t, ax_a):
+        ax_l.axhline(np.mean(serial["final_loss"][serial["shard"] == shard]), color="k", ls="--",
+                     lw=1, label="serial large batch")
+        for ax in (ax_t, ax_a, ax_l):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(set(runs["factor"].tolist())))
+            ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.set_xlabel("emulated slowdown r of one replica")
             ax.grid(alpha=0.3)
         ax_t.set_ylabel("time per epoch (ms, median step)")
         ax_a.set_ylabel("test accuracy (%)")
         ax_t.set_title(f"{shard} shards: time per epoch")
         ax_a.set_title(f"{shard} shards: accuracy (mean ± std over seeds)")
-        ax_a.legend(fontsize=8)
-        ax_t.legend(fontsize=8)
+        ax_l.set_ylabel("final training loss")
+        ax_l.set_title(f"{shard} shards: final loss (uniform's bias)")
+        for ax in (ax_t, ax_a, ax_l):
+            ax.legend(fontsize=8)
     fig.suptitle(f"Heterogeneous data parallelism, {attrs.get('ranks')} ranks, {attrs.get('model')} "
                  f"(slowdown emulated: {attrs.get('emulated_slowdown_mode')})")
     fig.tight_layout()

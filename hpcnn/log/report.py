@@ -125,6 +125,9 @@ def make_report(h5_path, png_path=None) -> str:
                 ax.axhline(med, color="k", ls="--", lw=1)
                 ax.annotate(f"median {med:.3g} ms", xy=(0.98, 0.95), xycoords="axes fraction",
                             ha="right", va="top")
+        if title == "loss" and "unigram_entropy_nats" in run.attrs:
+            ax.axhline(float(run.attrs["unigram_entropy_nats"]), color="gray", ls=":", lw=1.2,
+                       label="unigram entropy")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel({"step time": "ms", "throughput": "per second"}.get(title, title))

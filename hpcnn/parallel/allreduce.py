@@ -1,33 +1,40 @@
-"""Allreduce algorithms on point-to-point MPI: segmented ring, recursive doubling, auto.
+"""Allreduce algorithms: segmented ring, recursive doubling, intra-node shared memory, auto.
 
 Called by :meth:`hpcnn.parallel.comm.Communicator.allreduce` (which times and counts them)::
 
-    comm.allreduce(buf, algorithm="ring")      # mpi | ring | rd | auto; in place, sums
-    comm.allreduce_table = calibrate(comm)     # once at start-up: "auto" then uses the table
-    req = comm.iallreduce(buf, algorithm="ring")
+    comm.allreduce(buf, algorithm="shm")       # mpi | ring | rd | shm | auto; in place, sums
+    calibrate(comm)                            # once at start-up: sets comm.allreduce_table
+    req = comm.iallreduce(buf, algorithm="ring")   # mpi | ring | shm | auto
     ...; req.test(); ...                       # between blocks of compute: advances the ring
     req.wait()
 
-``ring``: reduce-scatter then all-gather, p-1 steps each, on p chunks of the flat buffer (sizes
-differ by at most one element), each chunk split into the same number of segments of at most
-``comm.allreduce_segment_bytes`` (default :data:`SEGMENT_BYTES`) so that a window of
-:data:`WINDOW` segments is in flight while the previous one is summed from a cached scratch buffer
-(Patarasuk & Yuan, J. Parallel Distrib. Comput. 69, 2009; Thakur et al., IJHPCA 19, 2005, sec. 4).
-Cost 2(p-1) nseg alpha + 2(p-1)/p n beta. The non-blocking ring (:class:`RingRequest`) segments
-by ``comm.iallreduce_segment_bytes`` (:data:`ISEGMENT_BYTES`): a ``test()`` call completes about
-one segment, so fewer, larger segments go further between blocks of compute.
+``ring`` (:mod:`hpcnn.parallel.ring`): reduce-scatter then all-gather, p-1 steps each, on p
+chunks of the flat buffer (sizes differ by at most one element), each chunk split into the same
+number of segments of at most ``comm.allreduce_segment_bytes`` (default :data:`SEGMENT_BYTES`)
+so that a window of :data:`WINDOW` segments is in flight while the previous one is summed from a
+cached scratch buffer (Patarasuk & Yuan, J. Parallel Distrib. Comput. 69, 2009; Thakur et al.,
+IJHPCA 19, 2005, sec. 4). Cost 2(p-1) nseg alpha + 2(p-1)/p n beta. The non-blocking ring
+(:class:`RingRequest`) segments by ``comm.iallreduce_segment_bytes`` (:data:`ISEGMENT_BYTES`): a
+``test()`` call completes about one segment.
 ``rd``: recursive doubling, log2 p exchanges (Thakur et al., sec. 4) on pieces of at most the
 segment size; for p not a power of two the first 2r ranks fold in pairs first
 (r = p - 2^floor(log2 p)) and get the result back at the end. Cost log2 p (alpha + n beta).
-``mpi``: the library's Allreduce. ``auto``: per message size, from ``comm.allreduce_table``
-(:func:`calibrate`) or else :data:`DEFAULT_TABLE`.
+``shm`` (:mod:`hpcnn.parallel.shm`): all ranks on one node only; copy into a shared window,
+reduce-scatter and all-gather by direct loads, two barriers per piece, no message.
+``mpi``: the library's Allreduce. ``auto``: per message size, the choice at the nearest size (in
+log2; ties to the smaller) of ``comm.allreduce_table`` (:func:`calibrate`) or else of
+:data:`DEFAULT_SHM_TABLE` (all ranks on one node) or :data:`DEFAULT_TABLE`; compiled once per
+table into sorted bounds, and the Communicator keeps the size below which it is ``mpi``, so the
+common case costs one comparison.
 
 Sums are taken in the buffer's dtype, in another order than the library's, so results agree with
 ``mpi`` to rounding; but every rank ends with bitwise the same array (the ring's all-gather copies
-each reduced chunk from one owner; rd adds the lower rank's operand first and IEEE addition is
-commutative). Traffic goes over a private duplicate of the communicator, made on first use (call
-:func:`free` to release it), with one tag per call so that several non-blocking rings can be in
-flight at once; like any collective, calls must be made in the same order on every rank.
+each reduced chunk from one owner, shm's each slice from the rank that summed it in rank order;
+rd adds the lower rank's operand first and IEEE addition is commutative). Traffic goes over a
+private duplicate of the communicator, made on first use (call :func:`free` to release it and the
+shared window), with one tag per call so that several non-blocking rings can be in flight at
+once; like any collective, calls must be made, and requests waited for, in the same order on
+every rank.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.comm import Communicator; c = Communicator(MPI.COMM_WORLD); \\
@@ -35,287 +42,164 @@ flight at once; like any collective, calls must be made in the same order on eve
 """
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
+from bisect import bisect_left
+from math import isqrt
 
 import numpy
 
 from hpcnn import backend as B
+from hpcnn.parallel import shm
 from hpcnn.parallel.comm import Request, _cuda_aware, _mpi, host_buffers
+from hpcnn.parallel.ring import (ISEGMENT_BYTES, SEGMENT_BYTES, WINDOW, RingRequest, flat_view, rd,
+                                 split, state)
 
-ALGORITHMS = ("mpi", "ring", "rd", "auto")
-SEGMENT_BYTES = 1 << 20     # ring segment: 2 x 1 MiB of scratch stay in L2 (4 MiB); 256 KiB was slower
-ISEGMENT_BYTES = 8 << 20    # non-blocking ring: a test() call completes about one segment
-WINDOW = 2                  # segments in flight: the next transfer runs while one is being summed
+__all__ = ["ALGORITHMS", "NONBLOCKING", "allreduce", "iallreduce", "iallreduce_ring", "choose",
+           "choose_nonblocking", "default_table", "compile_table", "calibrate", "free",
+           "RingRequest", "SEGMENT_BYTES", "ISEGMENT_BYTES", "WINDOW"]
+
+ALGORITHMS = ("mpi", "ring", "rd", "shm", "auto")
+NONBLOCKING = ("mpi", "ring", "shm", "auto")
 MARGIN = 0.03               # calibrate: another algorithm must beat mpi by 3 % to be chosen
-# Without calibration: the nearest size in log2 wins, so mpi below 8 MiB, ring from 8 MiB. Measured
-# (benchmarks/allreduce.py, MPICH and Open MPI wheels, 2 and 4 ranks): mpi is fastest up to 4 MiB
-# (Python costs ~20 us a ring step), the ring is on par at 16 MiB and 1.4-1.9x faster from 64 MiB.
+# Ranks on several nodes: the nearest size in log2 wins, so mpi below 8 MiB, ring from 8 MiB.
+# Measured (benchmarks/allreduce.py, MPICH and Open MPI wheels, 2 and 4 ranks): mpi is fastest up
+# to 4 MiB (Python costs ~20 us a ring step), the ring is on par at 16 MiB and 1.4-1.9x faster
+# from 64 MiB.
 DEFAULT_TABLE = {"sizes": [1 << 10, 1 << 22, 1 << 24], "choice": ["mpi", "mpi", "ring"]}
-IALLREDUCE_RING_BYTES = 2 << 20   # iallreduce "auto": the ring from 2 MiB (library's below)
-_TAGS = 30000               # MPI guarantees tags up to 32767
+# All ranks on one node: mpi below 128 KiB, shm from 128 KiB (see benchmarks/allreduce.py).
+DEFAULT_SHM_TABLE = {"sizes": [1 << 10, 1 << 16, 1 << 18], "choice": ["mpi", "mpi", "shm"]}
+IALLREDUCE_RING_BYTES = 2 << 20   # iallreduce "auto": the ring from 2 MiB (library's below) ...
+IALLREDUCE_SHM_BYTES = 256 << 10  # ... or, all ranks on one node, shm from 256 KiB
 
-
-class _State:
-    """Per-Communicator state: the private communicator, the tag counter, scratch buffers."""
-
-    def __init__(self, comm):
-        self.pcomm, self.seq = comm.comm.Dup(), 0
-        self.scratch, self.pool = {}, []    # dtype -> array for blocking calls; free arrays
-
-    def tag(self) -> int:
-        self.seq += 1
-        return 1 + self.seq % _TAGS
-
-    def blocking_scratch(self, dtype, n):
-        a = self.scratch.get(dtype)
-        if a is None or a.size < n:
-            a = self.scratch[dtype] = B.xp.empty(max(n, 1), dtype)
-        return a[:n]
-
-    def take(self, dtype, n):
-        for i, a in enumerate(self.pool):
-            if a.dtype == dtype and a.size >= n:
-                return self.pool.pop(i)
-        return B.xp.empty(max(n, 1), dtype)
-
-
-def _state(comm) -> _State:
-    st = getattr(comm, "_allreduce_state", None)
-    if st is None:
-        st = comm._allreduce_state = _State(comm)
-    return st
+_state, _flat, _split, _rd = state, flat_view, split, rd     # older names
 
 
 def free(comm) -> None:
-    """Free the private communicator and scratch buffers made for ``comm`` (collective)."""
+    """Free the private communicator, the shared window and scratch buffers made for ``comm``
+    (collective); they are made again on next use."""
     st = getattr(comm, "_allreduce_state", None)
     if st is not None:
+        if st.node:
+            st.node.free()
         st.pcomm.Free()
         comm._allreduce_state = None
 
 
-def _flat(buf):
-    if not buf.flags.c_contiguous:
-        raise ValueError(f"allreduce needs a C-contiguous buffer, got shape {buf.shape} "
-                         f"strides {buf.strides}")
-    return buf.reshape(-1)
+def single_node(comm) -> bool:
+    """True if every rank of ``comm`` shares one node's memory (and ``HPCNN_SHM`` is not 0)."""
+    return comm.size > 1 and shm.node_of(comm) is not None
 
 
-def _split(n: int, parts: int) -> list[int]:
-    """Boundaries of ``parts`` pieces of ``n`` elements, the first n % parts one longer."""
-    q, r = divmod(n, parts)
-    return [i * q + min(i, r) for i in range(parts + 1)]
+def default_table(comm) -> dict:
+    """:data:`DEFAULT_SHM_TABLE` on one node, else :data:`DEFAULT_TABLE` (collective once)."""
+    return DEFAULT_SHM_TABLE if single_node(comm) else DEFAULT_TABLE
 
 
-class RingRequest(Request):
-    """A segmented ring allreduce as a progress state machine (no threads).
-
-    ``test()`` completes whatever arrived, sums it, posts the next Isend/Irecv pairs and returns
-    ``done`` without blocking; ``wait()`` runs it to the end. Seconds recorded in ``comm.stats``
-    on completion: the time spent inside ``test()`` and ``wait()`` (the part not hidden).
-    """
-
-    def __init__(self, comm, buf, on_done=None, blocking=False):
-        p, r = comm.size, comm.rank
-        nb = 2 * (p - 1) * buf.nbytes // p
-        super().__init__([], comm.stats, "iallreduce", nb, time.perf_counter(), on_done)
-        self._blocking, self._busy = blocking, 0.0
-        st = _state(comm)
-        self._st, self._pc, self._tag = st, st.pcomm, st.tag()
-        flat = self._buf = _flat(buf)
-        self._left, self._right = (r - 1) % p, (r + 1) % p
-        seg = (getattr(comm, "allreduce_segment_bytes", SEGMENT_BYTES) if blocking
-               else getattr(comm, "iallreduce_segment_bytes", ISEGMENT_BYTES))
-        seg = max(1, seg // flat.itemsize)
-        self._cb, self._sb = _split(flat.size, p), {}
-        self._nseg = max(1, math.ceil(math.ceil(flat.size / p) / seg))
-        self._w = min(WINDOW, self._nseg)
-        need = self._w * math.ceil(math.ceil(flat.size / p) / self._nseg)
-        self._scr = (st.blocking_scratch(flat.dtype, need) if blocking
-                     else st.take(flat.dtype, need))
-        self._slot = len(self._scr) // self._w
-        self._xp = numpy if isinstance(flat, numpy.ndarray) else B.xp
-        self._p, self._r = p, r
-        self._total = 2 * (p - 1) * self._nseg if flat.size else 0
-        self._next = self._ndone = 0
-        self._inflight = deque()
-        if self._total == 0:
-            self._complete_all(0.0)
-        else:
-            self._post()
-
-    @property
-    def progress(self) -> float:
-        """Fraction of the ring's transfers completed so far (1.0 when done)."""
-        return self._ndone / self._total if self._total else 1.0
-
-    def _segment(self, chunk, k):
-        a, b = self._cb[chunk], self._cb[chunk + 1]
-        sb = self._sb.get(b - a)
-        if sb is None:
-            sb = self._sb[b - a] = _split(b - a, self._nseg)
-        return self._buf[a + sb[k]:a + sb[k + 1]]
-
-    def _post(self):
-        nseg, p, r = self._nseg, self._p, self._r
-        while (len(self._inflight) < self._w and self._next < self._total
-               and (self._next < nseg or self._ndone > self._next - nseg)):
-            i = self._next
-            step, k = divmod(i, nseg)
-            if step < p - 1:        # reduce-scatter: receive into scratch, sum at completion
-                send = self._segment((r - step) % p, k)
-                dst = self._segment((r - step - 1) % p, k)
-                off = (i % self._w) * self._slot
-                recv = self._scr[off:off + dst.size]
-            else:                   # all-gather: receive the owner's reduced chunk in place
-                s = step - (p - 1)
-                send, dst = self._segment((r + 1 - s) % p, k), None
-                recv = self._segment((r - s) % p, k)
-            reqs = [self._pc.Irecv(recv, self._left, self._tag),
-                    self._pc.Isend(send, self._right, self._tag)]
-            self._inflight.append((reqs, dst, recv))
-            self._next += 1
-
-    def _progress(self, block: bool) -> bool:
-        MPI = _mpi()
-        while self._inflight:
-            reqs, dst, recv = self._inflight[0]
-            if block:
-                MPI.Request.Waitall(reqs)
-            elif not MPI.Request.Testall(reqs):
-                return False
-            self._inflight.popleft()
-            if dst is not None:
-                self._xp.add(dst, recv, out=dst)
-                B.sync()
-            self._ndone += 1
-            self._post()
-        return True
-
-    def _complete_all(self, busy):
-        if self._blocking:
-            self.done = True
-        else:
-            self._st.pool.append(self._scr)
-            self._finish(busy)
-
-    def _run(self, block: bool) -> bool:
-        if not self.done:
-            t = time.perf_counter()
-            fin = self._progress(block)
-            self._busy += time.perf_counter() - t
-            if fin:
-                self._complete_all(self._busy)
-        return self.done
-
-    def test(self) -> bool:
-        return self._run(block=False)
-
-    def wait(self) -> None:
-        self._run(block=True)
+def compile_table(table) -> tuple:
+    """``(bounds, choices, mpi_below)`` for ``table``: size n picks ``choices[i]``,
+    i = bisect_left(bounds, n) (n*n <= a*b: nearer to a than to b in log2, or as near);
+    ``mpi_below``: every n below it picks ``mpi``."""
+    pairs = sorted(dict(reversed(list(zip(table["sizes"], table["choice"])))).items())
+    sizes, choices = [max(1, int(s)) for s, _ in pairs], [c for _, c in pairs]
+    for c in choices:
+        if c not in ALGORITHMS[:-1]:
+            raise ValueError(f"allreduce table: unknown algorithm {c!r}")
+    bounds = [isqrt(a * b) for a, b in zip(sizes, sizes[1:])]
+    k = next((i for i, c in enumerate(choices) if c != "mpi"), len(choices))
+    mpi_below = 0 if k == 0 else (bounds[k - 1] + 1 if k < len(choices) else 1 << 62)
+    return bounds, choices, mpi_below
 
 
-def _rd(comm, flat) -> None:
-    """Recursive doubling in place, on pieces of at most ``SEGMENT_BYTES`` (bounded scratch)."""
-    st = _state(comm)
-    xp = numpy if isinstance(flat, numpy.ndarray) else B.xp
-    piece = max(1, getattr(comm, "allreduce_segment_bytes", SEGMENT_BYTES) // flat.itemsize)
-    tmp = st.blocking_scratch(flat.dtype, min(piece, flat.size))
-    tag = st.tag()
-    for a in range(0, flat.size, piece):
-        part = flat[a:a + piece]
-        _rd_piece(comm, st.pcomm, tag, xp, part, tmp[:part.size])
-
-
-def _rd_piece(comm, pc, tag, xp, flat, tmp) -> None:
-    """One recursive doubling; non-power-of-two p folds the first 2r ranks in pairs."""
-    p, r = comm.size, comm.rank
-    p2 = 1 << (p.bit_length() - 1)
-    rem = p - p2
-    if r < 2 * rem:                         # fold: odd ranks take their even neighbour's sum
-        if r % 2 == 0:
-            pc.Send(flat, r + 1, tag)
-        else:
-            pc.Recv(tmp, r - 1, tag)
-            xp.add(tmp, flat, out=flat)     # lower rank first
-    if r >= 2 * rem or r % 2:
-        me = r // 2 if r < 2 * rem else r - rem
-        mask = 1
-        while mask < p2:
-            q = me ^ mask
-            peer = 2 * q + 1 if q < rem else q + rem
-            B.sync()
-            pc.Sendrecv(flat, peer, tag, tmp, peer, tag)
-            if me < q:
-                xp.add(flat, tmp, out=flat)
-            else:
-                xp.add(tmp, flat, out=flat)
-            mask <<= 1
-    if r < 2 * rem:                         # unfold: odd ranks hand the result back
-        B.sync()
-        if r % 2:
-            pc.Send(flat, r - 1, tag)
-        else:
-            pc.Recv(flat, r + 1, tag)
+def _lookup(comm):
+    lk = comm._auto
+    if lk is None:
+        lk = comm._auto = compile_table(comm.allreduce_table or default_table(comm))
+        comm._auto_mpi_below = lk[2]
+    return lk
 
 
 def choose(comm, nbytes: int) -> str:
-    """The algorithm ``auto`` runs for ``nbytes``: the choice at the nearest size (in log2) of
-    ``comm.allreduce_table`` if set (see :func:`calibrate`), else of :data:`DEFAULT_TABLE`."""
-    table = getattr(comm, "allreduce_table", None) or DEFAULT_TABLE
-    cache = getattr(comm, "_allreduce_choices", None)
-    if cache is None or cache[0] is not table:      # a new table: forget the cached choices
-        cache = comm._allreduce_choices = (table, {})
-    alg = cache[1].get(nbytes)
-    if alg is None:
-        x = math.log2(max(nbytes, 1))
-        i = min(range(len(table["sizes"])),
-                key=lambda j: (abs(math.log2(table["sizes"][j]) - x), j))
-        alg = cache[1][nbytes] = table["choice"][i]
-    return alg
+    """The algorithm ``auto`` runs for ``nbytes`` on ``comm`` (see the module docstring;
+    collective on the first call without a table: finds out whether the ranks share a node)."""
+    bounds, choices, _ = _lookup(comm)
+    return choices[bisect_left(bounds, nbytes)]
+
+
+def choose_nonblocking(comm, nbytes: int) -> str:
+    """What ``iallreduce(algorithm="auto")`` runs: shm from :data:`IALLREDUCE_SHM_BYTES` on one
+    node, else the ring from :data:`IALLREDUCE_RING_BYTES`, mpi below."""
+    one = single_node(comm)
+    comm._iauto_mpi_below = IALLREDUCE_SHM_BYTES if one else IALLREDUCE_RING_BYTES
+    if one and nbytes >= IALLREDUCE_SHM_BYTES:
+        return "shm"
+    return "ring" if nbytes >= IALLREDUCE_RING_BYTES else "mpi"
+
+
+def _shm_node(comm):
+    node = shm.node_of(comm)
+    if node is None:
+        raise ValueError(f"allreduce 'shm' needs every rank on one node: {comm.size} ranks span "
+                         "several (or HPCNN_SHM=0)")
+    return node
 
 
 def allreduce(comm, buf, algorithm: str = "auto"):
-    """Sum ``buf`` (C-contiguous, any shape) over ``comm`` (a Communicator) in place; returns it."""
-    if algorithm == "auto":
-        algorithm = choose(comm, buf.nbytes)
-    elif algorithm not in ALGORITHMS:
+    """Sum ``buf`` (C-contiguous, any shape) over ``comm`` (a Communicator) in place; returns it.
+    Not timed nor counted (:meth:`Communicator.allreduce` does both)."""
+    if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
-    flat = _flat(buf)
+    flat = flat_view(buf)
     if comm.size == 1 or flat.size == 0:
         return buf
+    if algorithm == "auto":
+        algorithm = choose(comm, buf.nbytes)
     MPI = _mpi()
     if algorithm == "mpi" and isinstance(buf, numpy.ndarray):   # the small-message fast path
         comm.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return buf
+    if algorithm == "shm":
+        node, piece = _shm_node(comm), getattr(comm, "shm_piece_bytes", shm.PIECE_BYTES)
+        if isinstance(flat, numpy.ndarray):
+            shm.allreduce(node, flat, piece)
+        else:  # pragma: no cover - CuPy: through host memory
+            B.sync()
+            h = B.to_host(flat)
+            shm.allreduce(node, h, piece)
+            flat[...] = B.to_device(h)
         return buf
     with host_buffers(flat, writeback=(0,)) as (h,):
         if algorithm == "mpi":
             comm.comm.Allreduce(MPI.IN_PLACE, h, op=MPI.SUM)
         elif algorithm == "rd":
-            _rd(comm, h)
+            rd(comm, h)
         else:
             RingRequest(comm, h, blocking=True).wait()
     return buf
 
 
 def iallreduce(comm, buf, algorithm: str = "ring", on_done=None) -> Request:
-    """Start a non-blocking in-place sum: ``"ring"`` (:class:`RingRequest`), ``"mpi"`` (the
-    library's Iallreduce) or ``"auto"`` (ring from :data:`IALLREDUCE_RING_BYTES`)."""
+    """Start a non-blocking in-place sum: ``"ring"`` (:class:`RingRequest`), ``"shm"``
+    (:class:`hpcnn.parallel.shm.ShmRequest`, one node), ``"mpi"`` (the library's Iallreduce) or
+    ``"auto"`` (:func:`choose_nonblocking`)."""
+    if algorithm not in NONBLOCKING:
+        raise ValueError(f"unknown iallreduce algorithm {algorithm!r}; expected one of "
+                         f"{NONBLOCKING}")
+    if comm.size == 1:
+        return comm.iallreduce(buf, on_done=on_done)
     if algorithm == "auto":
-        algorithm = "ring" if buf.nbytes >= IALLREDUCE_RING_BYTES else "mpi"
-    if algorithm not in ("ring", "mpi"):
-        raise ValueError(f"unknown iallreduce algorithm {algorithm!r}; expected ring, mpi or auto")
-    if algorithm == "mpi" or comm.size == 1:
+        algorithm = choose_nonblocking(comm, buf.nbytes)
+    if algorithm == "mpi":
         return comm.iallreduce(buf, on_done=on_done)
     B.sync()
-    if B.xp is not numpy and not _cuda_aware():  # pragma: no cover - CuPy staging: blocking
-        t0 = time.perf_counter()
-        allreduce(comm, buf, "ring")
+    if B.xp is not numpy and not (_cuda_aware() and algorithm == "ring"):  # pragma: no cover
+        t0 = time.perf_counter()                # CuPy staging: blocking
+        allreduce(comm, buf, algorithm)
         r = Request([], comm.stats, "iallreduce", 0, t0, on_done)
         r._finish(time.perf_counter() - t0)
         return r
+    if algorithm == "shm":
+        return shm.ShmRequest(comm, _shm_node(comm), flat_view(buf),
+                              getattr(comm, "shm_piece_bytes", shm.PIECE_BYTES), on_done)
     return RingRequest(comm, buf, on_done)
 
 
@@ -324,18 +208,19 @@ def iallreduce_ring(comm, buf, on_done=None) -> RingRequest:
     return iallreduce(comm, buf, "ring", on_done)
 
 
-def calibrate(comm, sizes=None, repeats=None, algorithms=("mpi", "ring", "rd"),
-              dtype=numpy.float32) -> dict:
-    """Time each algorithm at each size (bytes) and return the table ``auto`` reads.
+def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float32) -> dict:
+    """Time each algorithm at each size (bytes), set ``comm.allreduce_table`` and return it.
 
-    Every rank's median is reduced with MAX before choosing, so all ranks choose alike; an
-    algorithm other than ``mpi`` is chosen only if it beats ``mpi`` by :data:`MARGIN`. Repeats
-    (default: fewer for big sizes) are interleaved across algorithms to share drifts. Returns
-    ``{"sizes", "choice", "times": {algorithm: max-median seconds}, "p"}``; store it as
-    ``comm.allreduce_table``.
+    ``algorithms``: default mpi, ring, rd, and shm when all ranks share a node. Every rank's
+    median is reduced with MAX before choosing, so all ranks choose alike; an algorithm other
+    than ``mpi`` is chosen only if it beats ``mpi`` by :data:`MARGIN`. Repeats (default: fewer
+    for big sizes) are interleaved across algorithms to share drifts. Returns ``{"sizes",
+    "choice", "times": {algorithm: max-median seconds}, "p"}``.
     """
     MPI = _mpi()
     sizes = list(sizes or [1 << k for k in range(10, 27, 2)])
+    if algorithms is None:
+        algorithms = ("mpi", "ring", "rd") + (("shm",) if single_node(comm) else ())
     algorithms = list(algorithms)
     t = numpy.zeros((len(sizes), len(algorithms)))
     for i, nbytes in enumerate(sizes):
@@ -355,6 +240,7 @@ def calibrate(comm, sizes=None, repeats=None, algorithms=("mpi", "ring", "rd"),
     if "mpi" in algorithms:                 # keep mpi unless clearly beaten
         m = t[:, algorithms.index("mpi")]
         best = [a if ti.min() <= (1 - MARGIN) * mi else "mpi" for a, ti, mi in zip(best, t, m)]
-    choice = best
-    return {"sizes": sizes, "choice": choice, "p": comm.size,
-            "times": {a: t[:, j].tolist() for j, a in enumerate(algorithms)}}
+    table = {"sizes": sizes, "choice": best, "p": comm.size,
+             "times": {a: t[:, j].tolist() for j, a in enumerate(algorithms)}}
+    comm.allreduce_table = table
+    return table

@@ -7,9 +7,14 @@ CuPy synchronises the stream first; when the MPI library is not CUDA-aware
 
 Byte counts are what this rank sends under a bandwidth-optimal algorithm, so that they can be
 compared with a cost model whatever algorithm the library picks: for ``n`` bytes on ``p`` ranks,
-allreduce 2(p-1)/p n, reduce-scatter and all-gather (p-1)/p n (n = the full, unscattered size),
-broadcast n on the root, point-to-point the message size. Counters live in a :class:`CommStats`
-shared by all the communicators of a process, read into the run log's ``/ranks`` table.
+allreduce 2(p-1)/p n (floored on the total of a communicator's calls, not per call),
+reduce-scatter and all-gather (p-1)/p n (n = the full, unscattered size), broadcast n on the
+root, point-to-point the message size. Counters live in a :class:`CommStats` shared by all the
+communicators of a process, read into the run log's ``/ranks`` table.
+
+``allreduce`` of a NumPy buffer by the library (``mpi``, or ``auto`` where it picks ``mpi``) is
+a lean path: measured on 2 ranks (MPICH wheel, 2 vCPUs) it adds ~0.2-0.3 us to a ~1.8 us raw
+8-byte ``Allreduce`` (two clock reads, ~0.1 us, are the largest part).
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.comm import Communicator; c = Communicator(MPI.COMM_WORLD); \\
@@ -19,37 +24,102 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
+from collections.abc import Mapping
 from contextlib import contextmanager
+from math import gcd
 
 import numpy
 
 from hpcnn import backend as B
 
+_perf = time.perf_counter
+_ndarray = numpy.ndarray
+_MPI = None                 # mpi4py.MPI once imported (not at import time: see DESIGN.md)
+_AR = None                  # hpcnn.parallel.allreduce once imported (it imports this module)
+
+
+class _Counter:
+    """One op's counters: calls, seconds, and ``raw`` bytes of which ``num/den`` are counted
+    (2(p-1)/p for an allreduce on p ranks; floored once, on the total, when read)."""
+
+    __slots__ = ("op", "calls", "raw", "seconds", "num", "den")
+
+    def __init__(self, op, num=1, den=1):
+        g = gcd(num, den) or 1
+        self.op, self.num, self.den = op, num // g, den // g
+        self.calls = self.raw = 0
+        self.seconds = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return self.raw * self.num // self.den
+
+
+class _Column(Mapping):
+    """Read-only ``op -> total`` view of one field of a :class:`CommStats` (0 for unseen ops)."""
+
+    def __init__(self, stats, field):
+        self._stats, self._field = stats, field
+
+    def __getitem__(self, op):
+        cs = self._stats._by_op.get(op, ())
+        return sum(getattr(c, self._field) for c in cs) if cs else (0.0 if self._field == "seconds" else 0)
+
+    def __iter__(self):
+        return iter([op for op, cs in self._stats._by_op.items() if any(c.calls for c in cs)])
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+    def __repr__(self):
+        return repr(dict(self))
+
 
 class CommStats:
-    """Per-operation counters: calls, bytes sent by this rank, seconds spent inside the call."""
+    """Per-operation counters: calls, bytes sent by this rank, seconds spent inside the call.
+
+    ``calls``, ``bytes`` and ``seconds`` are read-only mappings ``op -> total`` (0 for an op never
+    called); :meth:`add` counts one call. Communicators hold counter objects of their own (one
+    per op and byte ratio) and bump their attributes: the cheapest bookkeeping Python offers.
+    """
 
     def __init__(self):
-        self.reset()
+        self._by_op = {}                    # op -> [_Counter]
+        self.calls = _Column(self, "calls")
+        self.bytes = _Column(self, "bytes")
+        self.seconds = _Column(self, "seconds")
+
+    def counter(self, op: str, num: int = 1, den: int = 1) -> _Counter:
+        """The counter of ``op`` whose bytes are ``num/den`` of the raw bytes added to it."""
+        cs = self._by_op.setdefault(op, [])
+        g = gcd(num, den) or 1
+        for c in cs:
+            if (c.num, c.den) == (num // g, den // g):
+                return c
+        cs.append(_Counter(op, num, den))
+        return cs[-1]
 
     def reset(self) -> None:
-        self.calls = defaultdict(int)
-        self.bytes = defaultdict(int)
-        self.seconds = defaultdict(float)
+        """Zero every counter (communicators keep theirs)."""
+        for cs in self._by_op.values():
+            for c in cs:
+                c.calls = c.raw = 0
+                c.seconds = 0.0
 
     def add(self, op: str, nbytes: int, seconds: float) -> None:
-        self.calls[op] += 1
-        self.bytes[op] += int(nbytes)
-        self.seconds[op] += seconds
+        cs = self._by_op.get(op)
+        c = cs[0] if cs and cs[0].num == cs[0].den else self.counter(op)
+        c.calls += 1
+        c.raw += int(nbytes)
+        c.seconds += seconds
 
     @property
     def bytes_sent(self) -> int:
-        return sum(self.bytes.values())
+        return sum(c.bytes for cs in self._by_op.values() for c in cs)
 
     @property
     def comm_seconds(self) -> float:
-        return sum(self.seconds.values())
+        return sum(c.seconds for cs in self._by_op.values() for c in cs)
 
     def snapshot(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "comm_s": self.comm_seconds,
@@ -57,8 +127,19 @@ class CommStats:
 
 
 def _mpi():
-    from mpi4py import MPI
-    return MPI
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+        _MPI = MPI
+    return _MPI
+
+
+def _algorithms():
+    global _AR
+    if _AR is None:
+        from hpcnn.parallel import allreduce
+        _AR = allreduce
+    return _AR
 
 
 def _cuda_aware() -> bool:
@@ -89,19 +170,16 @@ class Request:
         self.wait_seconds = 0.0
 
     def test(self) -> bool:
-        if self.done:
-            return True
-        MPI = _mpi()
-        if MPI.Request.Testall(self._reqs):
+        if not self.done and (_MPI or _mpi()).Request.Testall(self._reqs):
             self._finish(0.0)
         return self.done
 
     def wait(self) -> None:
         if self.done:
             return
-        t = time.perf_counter()
+        t = _perf()
         _mpi().Request.Waitall(self._reqs)
-        self._finish(time.perf_counter() - t)
+        self._finish(_perf() - t)
 
     def _finish(self, waited):
         self.done = True
@@ -113,67 +191,115 @@ class Request:
 
 
 class Communicator:
-    """Named, counted collectives on ``comm`` (an ``mpi4py.MPI.Comm``)."""
+    """Named, counted collectives on ``comm`` (an ``mpi4py.MPI.Comm``).
+
+    Attributes read by :mod:`hpcnn.parallel.allreduce`: ``allreduce_table`` (what ``auto``
+    chooses, see :func:`~hpcnn.parallel.allreduce.calibrate`; None: the defaults),
+    ``allreduce_segment_bytes``, ``iallreduce_segment_bytes``, ``shm_piece_bytes``.
+    """
 
     def __init__(self, comm, stats: CommStats | None = None, name: str = "comm"):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.stats = stats if stats is not None else CommStats()
         self.name = name
+        self._lean = self.size > 1          # the hot path: NumPy buffers, library's Allreduce
+        if self._lean:
+            MPI = _mpi()
+            self._Allreduce, self._Iallreduce = comm.Allreduce, comm.Iallreduce
+            self._IN_PLACE, self._SUM = MPI.IN_PLACE, MPI.SUM
+        self._iauto_mpi_below = 0           # iallreduce "auto" is "mpi" below this (once known)
+        self.stats = stats if stats is not None else CommStats()
+        self.allreduce_table = None
+
+    @property
+    def stats(self) -> CommStats:
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: CommStats) -> None:
+        self._stats = stats
+        self._ar = stats.counter("allreduce", 2 * (self.size - 1), self.size)
+
+    @property
+    def allreduce_table(self):
+        """The table ``auto`` reads (``{"sizes": [...], "choice": [...]}``) or None."""
+        return self._table
+
+    @allreduce_table.setter
+    def allreduce_table(self, table) -> None:
+        self._table = table
+        self._auto = None                   # compiled on the next "auto" call
+        self._auto_mpi_below = 0            # allreduce "auto" is "mpi" below this (once known)
 
     def _timed(self, op, nbytes, fn):
-        t = time.perf_counter()
+        t = _perf()
         out = fn()
-        self.stats.add(op, nbytes, time.perf_counter() - t)
+        self.stats.add(op, nbytes, _perf() - t)
         return out
 
     # -- reductions -----------------------------------------------------------------------------
     def allreduce(self, buf, algorithm: str = "mpi"):
-        """Sum ``buf`` over all ranks, in place. ``algorithm``: mpi | ring | rd | auto
-        (see :mod:`hpcnn.parallel.allreduce`). Returns ``buf``."""
+        """Sum ``buf`` over all ranks, in place. ``algorithm``: mpi | ring | rd | shm | auto
+        (see :mod:`hpcnn.parallel.allreduce`). Returns ``buf``.
+
+        A NumPy buffer reduced by the library (``mpi``, or ``auto`` below its first other
+        choice) takes a lean path: type and size checks, two clock reads, the bound
+        ``Allreduce`` and three counter increments.
+        """
+        if self._lean and type(buf) is _ndarray and (
+                algorithm == "mpi" or algorithm == "auto" and buf.nbytes < self._auto_mpi_below):
+            t = _perf()
+            self._Allreduce(self._IN_PLACE, buf, self._SUM)
+            t = _perf() - t
+            c = self._ar
+            c.calls += 1
+            c.raw += buf.nbytes
+            c.seconds += t
+            return buf
         if self.size == 1:
             return buf
-        p, n = self.size, buf.nbytes
-        if algorithm != "mpi":
-            from hpcnn.parallel import allreduce as AR
-            if algorithm == "auto":             # resolved here: "mpi" then takes the fast path
-                algorithm = AR.choose(self, n)
-        if algorithm != "mpi":
-            return self._timed("allreduce", 2 * (p - 1) * n // p,
-                               lambda: AR.allreduce(self, buf, algorithm))
-        MPI = _mpi()
-        if isinstance(buf, numpy.ndarray):      # no staging to do: skip host_buffers (~3 us a call)
-            self._timed("allreduce", 2 * (p - 1) * n // p,
-                        lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
-            return buf
-        with host_buffers(buf, writeback=(0,)) as (h,):
-            self._timed("allreduce", 2 * (p - 1) * n // p,
-                        lambda: self.comm.Allreduce(MPI.IN_PLACE, h, op=MPI.SUM))
+        AR = _algorithms()
+        if algorithm == "auto":
+            algorithm = AR.choose(self, buf.nbytes)
+        elif algorithm not in AR.ALGORITHMS:
+            raise ValueError(f"unknown allreduce algorithm {algorithm!r}; "
+                             f"expected one of {AR.ALGORITHMS}")
+        t = _perf()
+        AR.allreduce(self, buf, algorithm)
+        t = _perf() - t
+        c = self._ar
+        c.calls += 1
+        c.raw += buf.nbytes
+        c.seconds += t
         return buf
 
     def iallreduce(self, buf, on_done=None, algorithm: str = "mpi") -> Request:
         """Start a non-blocking in-place sum of ``buf``; ``wait()`` the returned request.
         ``algorithm``: mpi (the library's Iallreduce) | ring (hpcnn's segmented ring, advanced
         by ``test()`` calls between blocks of compute; faster than the MPICH and Open MPI wheels'
-        Iallreduce from ~2 MiB) | auto (see :func:`hpcnn.parallel.allreduce.iallreduce`)."""
-        p, n = self.size, buf.nbytes
-        t0 = time.perf_counter()
+        Iallreduce from ~2 MiB) | shm (one node: shared memory, phases run by ``test()``) |
+        auto (see :func:`hpcnn.parallel.allreduce.choose_nonblocking`)."""
+        if self._lean and type(buf) is _ndarray and (
+                algorithm == "mpi" or algorithm == "auto" and buf.nbytes < self._iauto_mpi_below):
+            return Request([self._Iallreduce(self._IN_PLACE, buf, self._SUM)], self._stats,
+                           "iallreduce", 2 * (self.size - 1) * buf.nbytes // self.size, _perf(),
+                           on_done)
+        t0 = _perf()
         if self.size == 1:
             r = Request([], self.stats, "iallreduce", 0, t0, on_done)
             r._finish(0.0)
             return r
         if algorithm != "mpi":
-            from hpcnn.parallel import allreduce as AR
-            return AR.iallreduce(self, buf, algorithm, on_done)
-        MPI = _mpi()
+            return _algorithms().iallreduce(self, buf, algorithm, on_done)
         B.sync()
         if B.xp is not numpy and not _cuda_aware():  # pragma: no cover - CuPy staging
             self.allreduce(buf)
             r = Request([], self.stats, "iallreduce", 0, t0, on_done)
             r._finish(0.0)
             return r
-        req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        return Request([req], self.stats, "iallreduce", 2 * (p - 1) * n // p, t0, on_done)
+        req = self.comm.Iallreduce(_MPI.IN_PLACE, buf, op=_MPI.SUM)
+        return Request([req], self.stats, "iallreduce", 2 * (self.size - 1) * buf.nbytes // self.size,
+                       t0, on_done)
 
     def allreduce_scalars(self, values, op: str = "sum") -> numpy.ndarray:
         """Reduce a few float64 numbers (loss, norms, counts) over all ranks: sum, max or min."""

@@ -2,14 +2,19 @@
 
 Rank r contributes (r + 1) * pattern with an integer-valued pattern, so the sum is exactly
 p (p + 1) / 2 * pattern in every dtype; results must also be bitwise identical on every rank,
-for random (not integer-valued) data too.
+for random (not integer-valued) data too, and shm's must be bitwise the sum in rank order.
+Then: the shared window (pieces, growth, free and reuse, non-blocking requests in flight with
+rings), the counters of the lean path, ``auto``'s compiled table and the calibration.
 
     mpiexec -n 3 python -m mpi4py tests/mpi/allreduce_algos.py
 """
+import os
+
 import numpy as np
 from mpi4py import MPI
 
 from hpcnn.parallel import allreduce as AR
+from hpcnn.parallel import shm
 from hpcnn.parallel.comm import CommStats, Communicator, Request
 
 world = MPI.COMM_WORLD
@@ -38,17 +43,18 @@ def check(a, n, dtype, what):
 
 # -- blocking and non-blocking, every size and dtype, default and small segments ----------------
 # (segment bytes, dtypes, sizes): small segments split chunks unevenly, 1000 B is no multiple of
-# 8; fewer cases with them, as 1000s of tiny messages are slow on 4 oversubscribed ranks
+# 8; fewer cases with them, as 1000s of tiny messages are slow on 4 oversubscribed ranks. The
+# same bytes are shm's piece: 100003 elements go through the window in up to 800 pieces
 for seg, dtypes, sizes in ((AR.SEGMENT_BYTES, DTYPES, SIZES), (4096, DTYPES[1:2], SIZES),
                            (1000, DTYPES[:1], SIZES[:-1])):
-    c.allreduce_segment_bytes = c.iallreduce_segment_bytes = seg
+    c.allreduce_segment_bytes = c.iallreduce_segment_bytes = c.shm_piece_bytes = seg
     for dtype in dtypes:
         for n in sizes:
             for alg in AR.ALGORITHMS:
                 a = (r + 1) * pattern(n, dtype)
                 assert c.allreduce(a, algorithm=alg) is a
                 check(a, n, dtype, f"allreduce {alg} n={n} {dtype.__name__} seg={seg}")
-            for alg in ("ring", "mpi", "auto"):
+            for alg in AR.NONBLOCKING:
                 a = (r + 1) * pattern(n, dtype)
                 req = c.iallreduce(a, algorithm=alg)
                 assert isinstance(req, Request)
@@ -80,26 +86,107 @@ req = AR.iallreduce_ring(c, (r + 1) * pattern(1000, np.float64))
 assert any(req._scr is s for s in pool)
 req.wait()
 
-# -- random data: ring and rd agree with mpi to rounding, bitwise equal across ranks -----------
+# -- random data: ring, rd, shm agree with mpi to rounding, bitwise equal across ranks; shm is
+# bitwise the sum in rank order (rank 0's operand first), blocking and non-blocking ------------
 rng = np.random.default_rng(r)
+c.shm_piece_bytes = 8192                                    # 10 pieces of the float64 case
 for dtype, rtol in ((np.float64, 1e-12), (np.float32, 1e-4)):
     x = rng.standard_normal((37, 271)).astype(dtype)
     ref = x.copy()
     c.allreduce(ref, algorithm="mpi")
-    for alg in ("ring", "rd"):
+    xs = np.empty((p,) + x.shape, dtype)
+    world.Allgather(x, xs)
+    in_order = xs[0].copy()
+    for q in range(1, p):
+        in_order += xs[q]
+    for alg in ("ring", "rd", "shm", "ishm"):
         a = x.copy()
-        c.allreduce(a, algorithm=alg)
+        if alg == "ishm":
+            c.iallreduce(a, algorithm="shm").wait()
+        else:
+            c.allreduce(a, algorithm=alg)
         np.testing.assert_allclose(a, ref, rtol=rtol, atol=rtol * 10)
         same_everywhere(a, f"random {alg} {dtype.__name__}")
+        if "shm" in alg:
+            assert np.array_equal(a, in_order), f"{alg} not summed in rank order"
 
-# -- byte counting: once per call, 2(p-1)/p n -------------------------------------------------
-b0 = c.stats.bytes["allreduce"]
-c.allreduce(np.ones(1000), algorithm="ring")
-assert c.stats.bytes["allreduce"] - b0 == 2 * (p - 1) * 8000 // p
+# -- the shared window: grows to the largest piece (a power of two), reused, freed ------------
+AR.free(c)                                                  # start from no window
+node = shm.node_of(c)
+assert node is not None and AR.single_node(c) and node.half == 0
+c.shm_piece_bytes = 1 << 20
+for n, half in ((10, 0), (30000, 1 << 17), (10, 1 << 17), (200000, 1 << 20), (50, 1 << 20)):
+    for _ in range(3):                                      # repeated calls, both halves
+        a = (r + 1) * pattern(n, np.float32)
+        c.allreduce(a, algorithm="shm")
+        check(a, n, np.float32, f"shm growth n={n}")
+    assert node.half == max(shm.MIN_HALF, half), (n, node.half)
+AR.free(c)
+assert getattr(c, "_allreduce_state", None) is None
+a = (r + 1) * pattern(1000, np.float64)
+c.allreduce(a, algorithm="shm")                             # made again on reuse
+check(a, 1000, np.float64, "shm after free")
+assert shm.node_of(c) is not node and shm.node_of(c).half == shm.MIN_HALF
+
+# -- non-blocking shm and ring requests in flight together, tested in a rank-dependent order ---
+c.shm_piece_bytes = c.iallreduce_segment_bytes = 4096
+sizes = (30001, 5, 0, 12000, 1)
+bufs = [(r + 1) * pattern(n, np.float64) for n in sizes]
+calls_before = c.stats.calls["iallreduce"]
+flags = []
+algs = ["shm", "ring", "shm", "shm", "ring"]
+reqs = [c.iallreduce(b, on_done=lambda i=i: flags.append(i), algorithm=a)
+        for i, (b, a) in enumerate(zip(bufs, algs))]
+for it in range(3000):
+    for q in (reqs if (it + r) % 2 else reqs[::-1]):
+        q.test()
+    if all(q.done for q in reqs):
+        break
+for q in reqs:
+    q.wait()
+assert sorted(flags) == list(range(len(sizes))), flags
+assert c.stats.calls["iallreduce"] == calls_before + len(sizes)
+for b, n in zip(bufs, sizes):
+    check(b, n, np.float64, f"in flight n={n}")
+a = (r + 1) * pattern(9000, np.float32)                     # queued, then a blocking call
+q = c.iallreduce(a, algorithm="shm")
+b = (r + 1) * pattern(7000, np.float64)
+c.allreduce(b, algorithm="shm")                             # completes the queued request first
+assert q.done
+check(a, 9000, np.float32, "queued shm")
+check(b, 7000, np.float64, "shm after queued")
+a = (r + 1) * pattern(300000, np.float32)                   # a bigger piece grows the window
+c.shm_piece_bytes = 1 << 20
+q = c.iallreduce(a, algorithm="shm")
+q.wait()
+check(a, 300000, np.float32, "shm request growing the window")
+
+# -- counters: the lean path counts calls, bytes (2(p-1)/p n, floored on the total), seconds ----
+stats = CommStats()
+c2 = Communicator(world, stats)
+c2.allreduce_table = {"sizes": [1 << 10, 1 << 16], "choice": ["mpi", "ring"]}
+ones = np.ones(250)                                         # 2000 B
+for alg, k in (("mpi", 3), ("auto", 4), ("ring", 2), ("shm", 1)):
+    for _ in range(k):
+        c2.allreduce(ones, algorithm=alg)
+assert c2._auto_mpi_below == 8193                           # 8192**2 == 1024 * 65536
+assert stats.calls["allreduce"] == 10 and stats.calls["iallreduce"] == 0
+assert stats.bytes["allreduce"] == 2 * (p - 1) * 2000 * 10 // p == stats.bytes_sent
+assert stats.seconds["allreduce"] > 0 and stats.comm_seconds == stats.seconds["allreduce"]
+c2.iallreduce(ones).wait()
+c2.iallreduce(ones, algorithm="auto").wait()
+assert stats.calls["iallreduce"] == 2
+assert stats.snapshot()["calls"] == {"allreduce": 10, "iallreduce": 2}
+stats.reset()
+assert stats.calls["allreduce"] == 0 and stats.bytes_sent == 0 and dict(stats.calls) == {}
+c2.allreduce(ones)
+assert stats.calls["allreduce"] == 1 and stats.bytes["allreduce"] == 2 * (p - 1) * 2000 // p
+AR.free(c2)
 
 # -- errors ------------------------------------------------------------------------------------
 for bad, msg in ((lambda: c.allreduce(np.ones(4), algorithm="tree"), "unknown allreduce"),
                  (lambda: c.allreduce(np.ones((4, 4))[:, 1], algorithm="ring"), "C-contiguous"),
+                 (lambda: c.allreduce(np.ones((4, 4))[:, 1], algorithm="shm"), "C-contiguous"),
                  (lambda: c.iallreduce(np.ones(4), algorithm="rd"), "unknown iallreduce")):
     try:
         bad()
@@ -107,17 +194,33 @@ for bad, msg in ((lambda: c.allreduce(np.ones(4), algorithm="tree"), "unknown al
     except ValueError as e:
         assert msg in str(e), e
 
-# -- auto: a forced table, then a calibration --------------------------------------------------
-assert AR.choose(c, 100) == AR.DEFAULT_TABLE["choice"][0]
+# -- HPCNN_SHM=0: as on several nodes (no shm, the multi-node defaults) -------------------------
+os.environ["HPCNN_SHM"] = "0"
+c3 = Communicator(world)
+assert not AR.single_node(c3) and AR.default_table(c3) is AR.DEFAULT_TABLE
+assert AR.choose_nonblocking(c3, 1 << 20) == "mpi" and AR.choose_nonblocking(c3, 4 << 20) == "ring"
+try:
+    c3.allreduce(np.ones(4), algorithm="shm")
+    raise AssertionError("shm accepted with HPCNN_SHM=0")
+except ValueError as e:
+    assert "one node" in str(e), e
+AR.free(c3)
+del os.environ["HPCNN_SHM"]
+
+# -- auto: the defaults, a forced table, then a calibration -----------------------------------
+assert AR.default_table(c) is AR.DEFAULT_SHM_TABLE
+assert AR.choose(c, 100) == "mpi" and AR.choose(c, 64 << 20) == "shm"
+assert AR.choose_nonblocking(c, 1 << 20) == "shm" and AR.choose_nonblocking(c, 1000) == "mpi"
 c.allreduce_table = {"sizes": [64, 1 << 20], "choice": ["rd", "ring"]}
 assert AR.choose(c, 8) == "rd" and AR.choose(c, 1 << 12) == "rd" and AR.choose(c, 1 << 14) == "ring"
+assert c._auto_mpi_below == 0
 table = AR.calibrate(c, sizes=[1 << 10, 1 << 18], repeats=2)
-assert table["p"] == p and len(table["choice"]) == 2
-assert all(ch in ("mpi", "ring", "rd") for ch in table["choice"])
+assert c.allreduce_table is table and table["p"] == p and len(table["choice"]) == 2
+assert sorted(table["times"]) == ["mpi", "rd", "ring", "shm"]
+assert all(ch in ("mpi", "ring", "rd", "shm") for ch in table["choice"])
 assert world.allgather(table) == [table] * p, "ranks calibrated differently"
 for i, ch in enumerate(table["choice"]):     # never slower than mpi at a calibrated size
     assert table["times"][ch][i] <= table["times"]["mpi"][i]
-c.allreduce_table = table
 for n in SIZES:
     a = (r + 1) * pattern(n, np.float32)
     c.allreduce(a, algorithm="auto")
