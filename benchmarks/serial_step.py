@@ -1,6 +1,7 @@
 """Serial training-step speed: hpcnn vs plain NumPy matmuls of the same shapes vs PyTorch.
 
-One BLAS thread, float32. For each model it reports samples/s of a full step (forward, backward,
+One BLAS thread, float32. The variants are timed in alternation (median of rounds). For each
+model it reports samples/s of a full step (forward, backward,
 SGD update), the achieved FLOP/s as a fraction of the FLOP/s of exactly the step's matmuls run
 back to back in plain NumPy (measured in the same run), and, where ``torch`` imports, the same
 model's step in PyTorch. Results go to runs/bench/serial_step.h5 (tables ``mlp`` and ``gpt``).
@@ -32,15 +33,19 @@ for a in sys.argv[1:]:
         REPEATS = int(a.split("=", 1)[1])
 
 
-def timeit(fn, repeats=REPEATS, warmup=3):
-    for _ in range(warmup):
-        fn()
-    ts = []
+def timeit_interleaved(fns: dict, repeats=REPEATS, warmup=3) -> dict:
+    """Median seconds per call of each function, measured in alternation (round r times every
+    function once) so that a change in machine load affects all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    ts = {k: [] for k in fns}
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in ts.items()}
 
 
 def hpcnn_step(model, x, y, opt):
@@ -157,11 +162,13 @@ def main():
     print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, repeats {REPEATS} (median)")
     for case in (mlp_case, gpt_case):
         name, model, x, y, B, shapes = case()
-        t_ours = timeit(hpcnn_step(model, x, y, SGD(model.params, momentum=0.9)))
         ref, flops = matmul_reference(shapes)
-        t_mm = timeit(ref)
         tstep, tver = torch_step(name, B)
-        t_torch = timeit(tstep) if tstep else float("nan")
+        fns = {"hpcnn": hpcnn_step(model, x, y, SGD(model.params, momentum=0.9)), "matmul": ref}
+        if tstep:
+            fns["torch"] = tstep
+        t = timeit_interleaved(fns)
+        t_ours, t_mm, t_torch = t["hpcnn"], t["matmul"], t.get("torch", float("nan"))
         row = {"model": name, "batch": B, "hpcnn_step_s": t_ours, "hpcnn_samples_per_s": B / t_ours,
                "matmul_only_s": t_mm, "matmul_gflops": flops / t_mm / 1e9,
                "hpcnn_gflops": flops / t_ours / 1e9, "fraction_of_matmul_rate": t_mm / t_ours,

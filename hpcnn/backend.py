@@ -119,3 +119,15 @@ def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30
             bool(libc.mallopt(m_trim_threshold, int(trim_threshold)))
     except (OSError, AttributeError):
         return False
+
+
+def axpy(alpha: float, x, y) -> None:
+    """y += alpha * x in place, in one pass where a BLAS axpy applies (contiguous NumPy arrays of
+    the same float dtype); otherwise through a temporary. Used by the optimizers' updates."""
+    if (xp is numpy and x.dtype == y.dtype and x.dtype in (numpy.float32, numpy.float64)
+            and x.flags.c_contiguous and y.flags.c_contiguous and x.size == y.size):
+        from scipy.linalg import blas
+        fn = blas.saxpy if x.dtype == numpy.float32 else blas.daxpy
+        fn(x.reshape(-1), y.reshape(-1), a=alpha)      # writes into y's memory (intent in,out)
+        return
+    y += alpha * x

@@ -76,12 +76,10 @@ class SGD(Optimizer):
                 if self.nesterov:
                     xp.multiply(v, self.momentum, out=tmp)
                     tmp += g
+                    g = tmp
                 else:
-                    tmp[...] = v
-            else:
-                tmp[...] = g
-            tmp *= lr
-            p.data -= tmp
+                    g = v
+            B.axpy(-lr, g, p.data)                   # p -= lr * (v, or g + mu v, or g)
         self.state["step"] += 1
 
 
@@ -124,8 +122,7 @@ class AdamW(Optimizer):
             xp.sqrt(tmp, out=tmp)
             tmp += self.eps                              # sqrt(v / c2) + eps
             xp.divide(m, tmp, out=tmp)
-            tmp *= lr / c1
-            p.data -= tmp
+            B.axpy(-lr / c1, tmp, p.data)            # p -= lr m_hat / (sqrt(v_hat) + eps)
         self.state["step"] = t
 
 
