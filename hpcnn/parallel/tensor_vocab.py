@@ -1,0 +1,179 @@
+"""Vocabulary-parallel token embedding and softmax cross-entropy (Shoeybi et al. 2019, Sec. 3).
+
+Rank r of tp holds the rows [r V/tp, (r+1) V/tp) of the token embedding and the same columns of
+the LM head's output, so neither the embedding table nor the logits are ever gathered. The loss
+reduces three numbers per row instead of V: the row maximum (allreduce MAX), the sum of
+exp(z - max) and the target logit (one allreduce SUM of both). See :mod:`hpcnn.parallel.tensor`.
+
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
+        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tensor_vocab import \\
+        VocabParallelCrossEntropy; c = Communicator(MPI.COMM_WORLD); \\
+        z = np.arange(8.0).reshape(2, 4) + 4 * c.rank; \\
+        print(VocabParallelCrossEntropy(c).forward(z, np.array([0, 7]))[0])"
+"""
+from __future__ import annotations
+
+import numpy
+
+from hpcnn import backend as B
+from hpcnn.nn.core import Block, BlockSpec
+from hpcnn.nn.transformer import Embedding
+from hpcnn.parallel.tensor import TPParameter, seq_local, shard_array
+from hpcnn.parallel.tp_comm import Reduce, ReduceScatterSeq, Volume, allreduce_max, check_divides
+
+
+class VocabParallelEmbedding(Block):
+    """y = wte[tokens] + wpe[:T], :class:`~hpcnn.nn.transformer.Embedding` with wte split by rows.
+
+    forward(tokens int (B, T), replicated) -> (B, T, C), summed over tp (:class:`Reduce`: a
+    token whose row lives elsewhere contributes zeros here); with ``sequence_parallel``
+    reduce-scattered along T to (B, T/tp, C), then this slice's positions added. backward: dy
+    (all-gathered along T under sp) is scattered into this rank's rows; wpe gets the full
+    gradient on every rank (replicated, not partial). Parameters ``wte`` (V/tp, C), tp_axis 0,
+    and ``wpe`` (max_len, C) replicated. Cache: the local row of each token and whether it is
+    here.
+    """
+
+    def __init__(self, comm, vocab, dim, max_len, *, sequence_parallel=False, seed=0, index=0,
+                 dtype=B.DEFAULT_DTYPE, name="embed"):
+        super().__init__()
+        self.vocab_local = check_divides(f"{name}: vocabulary size", int(vocab), comm.size)
+        full = Embedding(vocab, dim, max_len, seed=seed, index=index, dtype=dtype, name=name)
+        self.name, self.dtype, self.comm = name, B.dtype_of(dtype), comm
+        self.vocab, self.dim, self.max_len = int(vocab), int(dim), int(max_len)
+        self.lo = comm.rank * self.vocab_local                     # first token id held here
+        self.sequence_parallel = bool(sequence_parallel)
+        self.wte = TPParameter(shard_array(full.wte.data, 0, comm.rank, comm.size),
+                               full.wte.name, tp_axis=0)           # (V/tp, C)
+        self.wpe = TPParameter(full.wpe.data, full.wpe.name)       # (max_len, C) replicated
+        self.params = [self.wte, self.wpe]
+        self.exit = ReduceScatterSeq(comm) if sequence_parallel else Reduce(comm)
+
+    def forward(self, tokens):
+        xp = B.xp
+        if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"{self.name}: tokens must be integers of shape (B, T), got "
+                             f"{tokens.dtype} {tuple(tokens.shape)}")
+        T = tokens.shape[1]
+        if T > self.max_len:
+            raise ValueError(f"{self.name}: sequence length {T} > max_len {self.max_len}")
+        if self.sequence_parallel:
+            check_divides(f"{self.name}: sequence length", T, self.comm.size)
+        if tokens.size:
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.vocab:
+                raise ValueError(f"{self.name}: token ids must lie in [0, {self.vocab}), "
+                                 f"got range [{lo}, {hi}]")
+        local = tokens - self.lo                                   # (B, T) ids in this shard
+        own = (local >= 0) & (local < self.vocab_local)            # (B, T) rows held here
+        idx = xp.where(own, local, 0)                              # (B, T)
+        e = self.wte.data[idx]                                     # (B, T, C) fresh
+        e *= own[..., None]                                        # others' tokens: zeros
+        y, _ = self.exit.forward(e)                                # (B, T, C) [(B, T/tp, C)]
+        t0 = self.comm.rank * y.shape[1] if self.sequence_parallel and self.comm.size > 1 else 0
+        y += self.wpe.data[t0:t0 + y.shape[1]]                     # this slice's positions
+        return y, (idx, own)
+
+    def backward(self, dy, cache):
+        xp = B.xp
+        idx, own = cache
+        C = self.dim
+        dy = self.exit.backward(dy, None)                          # (B, T, C) [all-gathered]
+        T = dy.shape[1]
+        # from y += wpe[:T] (every position, on every rank)
+        self.wpe.grad[:T] += dy.sum(axis=0)                        # (T, C)
+        # from e = wte[idx] * own: scatter-add the rows of tokens held here, in token order
+        tok = idx[own]                                             # (M,)
+        rows = dy[own]                                             # (M, C)
+        g = self.wte.grad
+        if g.flags.c_contiguous:
+            flat = (tok.reshape(-1, 1) * C + xp.arange(C)).reshape(-1)   # (M*C,)
+            xp.add.at(g.reshape(-1), flat, rows.reshape(-1))
+        else:
+            xp.add.at(g, tok, rows)
+        return None
+
+    def spec(self, x_shape):
+        Bn, T = x_shape
+        p, dt = self.comm.size, self.dtype
+        full = (Bn, T, self.dim)
+        out = seq_local(full, p) if self.sequence_parallel else full
+        ny, nb_tok = Bn * T * self.dim, B.nbytes(x_shape, numpy.int64)
+        return BlockSpec(self.name, tuple(x_shape), out, 2 * ny, 2 * ny, nb_tok,
+                         B.nbytes(out, dt), nb_tok + Bn * T,
+                         sum(B.nbytes(q.shape, dt) for q in self.params),
+                         comm_bytes=self.exit.volume(B.nbytes(full, dt)).sent(p))
+
+
+class VocabParallelCrossEntropy:
+    """:class:`~hpcnn.nn.loss.SoftmaxCrossEntropy` of logits split by vocabulary, never gathered.
+
+    ``forward(logits (..., V/tp), targets (...)) -> (loss, cache)``, targets replicated. With
+    m = max_v z_v (allreduce MAX of the local maxima) and s = sum_v exp(z_v - m) (allreduce SUM of
+    local sums, together with z_t - m sent by the rank holding the target t, zeros elsewhere):
+    -log p_t = log s - (z_t - m). ``backward(dloss, cache) -> dlogits (..., V/tp)``, local:
+    (softmax - onehot(t) on the target's owner) * dloss / count. Mean over the rows whose target
+    is not ``ignore_index``, or their sum with ``reduction="sum"``. Cache: this shard's softmax,
+    the targets' local columns, where they are held, the counted rows and their number.
+    """
+
+    name = "xent"
+    params: list = []
+
+    def __init__(self, comm, ignore_index: int = -100, reduction: str = "mean"):
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.comm, self.ignore_index, self.reduction = comm, int(ignore_index), reduction
+        self.reduce = Reduce(comm)
+
+    def forward(self, logits, targets):
+        xp = B.xp
+        Vl = logits.shape[-1]
+        V, lo = Vl * self.comm.size, Vl * self.comm.rank
+        if targets.shape != logits.shape[:-1]:
+            raise ValueError(f"targets shape {targets.shape} != logits shape without the last "
+                             f"dimension {logits.shape[:-1]}")
+        z = logits.reshape(-1, Vl)                                 # (N, V/tp)
+        t = targets.reshape(-1)                                    # (N,)
+        valid = t != self.ignore_index
+        tt = xp.where(valid, t, 0)
+        if tt.size and (int(tt.min()) < 0 or int(tt.max()) >= V):
+            raise ValueError(f"targets must lie in [0, {V}) or equal ignore_index "
+                             f"{self.ignore_index}; got range [{int(tt.min())}, {int(tt.max())}]")
+        zmax = z.max(axis=1)                                       # (N,) local maxima
+        allreduce_max(self.comm, zmax)                             # (N,) max over V
+        e = xp.exp(z - zmax[:, None])                              # (N, V/tp)
+        col = tt - lo                                              # (N,) target's local column
+        own = (col >= 0) & (col < Vl)                              # (N,) target held here
+        col = xp.where(own, col, 0)
+        rows = xp.arange(z.shape[0])
+        st = xp.empty((2, z.shape[0]), dtype=z.dtype)              # (2, N): sum exp, z_t - m
+        e.sum(axis=1, out=st[0])
+        st[1] = xp.where(own, z[rows, col] - zmax, 0.0)
+        self.reduce.forward(st)                                    # (2, N) summed over tp
+        s = st[0]
+        # -log p[t] = log(sum exp(z - zmax)) - (z[t] - zmax)
+        nll = xp.log(s) - st[1]
+        count = int(valid.sum())
+        total = (nll * valid).sum()
+        loss = float(total) if self.reduction == "sum" else float(total) / max(count, 1)
+        e /= s[:, None]                                            # probabilities, in place
+        return loss, (e, col, own, valid, count, logits.shape)
+
+    def backward(self, dloss, cache):
+        """dlogits = (softmax - onehot(target)) * dloss / count on counted rows, 0 elsewhere."""
+        p, col, own, valid, count, shape = cache
+        d = p.copy()                                               # (N, V/tp)
+        r = B.xp.nonzero(own)[0]
+        d[r, col[r]] -= 1.0                                        # from -z[t], on its owner
+        scale = dloss if self.reduction == "sum" else dloss / max(count, 1)
+        d *= (valid * scale).astype(d.dtype)[:, None]
+        return d.reshape(shape)
+
+    def spec(self, x_shape, dtype=B.DEFAULT_DTYPE):
+        dt, p = B.dtype_of(dtype), self.comm.size
+        nb = B.nbytes(x_shape, dt)
+        n, rows = nb // dt.itemsize, nb // dt.itemsize // int(x_shape[-1])
+        vol = Volume(allreduce=2 * rows * dt.itemsize, allreduce_max=rows * dt.itemsize)
+        return BlockSpec(self.name, tuple(x_shape), (), 5 * n, 3 * n, nb, 8, nb, 0,
+                         comm_bytes=vol.sent(p) if p > 1 else 0)
