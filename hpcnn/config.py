@@ -51,6 +51,8 @@ class TrainConfig:
     dp: int = 1                         # data-parallel replicas (world size = dp * tp * pp)
     tp: int = 1                         # tensor-parallel degree (operator parallelism)
     pp: int = 1                         # pipeline stages
+    sequence_parallel: bool = False     # tp > 1: LayerNorm/dropout regions split along the sequence
+    pad_vocab: int = 0                  # pad the GPT vocabulary to a multiple of this; 0 = of tp
     grad_accum: int = 1                 # micro-batches per rank per step, one allreduce per step
     bucket_mb: float = 25.0             # gradient bucket size for the overlapped allreduce
     allreduce: str = "auto"             # mpi | ring | rd | auto (chosen by size from a start-up calibration)
@@ -112,6 +114,12 @@ class TrainConfig:
         need(len(self.channels) >= 1 and all(c >= 1 for c in self.channels),
              f"channels={self.channels}: need at least one positive width")
         need(min(self.dp, self.tp, self.pp) >= 1, f"dp={self.dp}, tp={self.tp}, pp={self.pp}: must be >= 1")
+        need(not (self.tp > 1 and self.balance == "proportional"),
+             f"balance='proportional' with tp={self.tp}: shares must agree across a tensor-"
+             f"parallel group; use balance=equal")
+        need(not (self.tp > 1 and self.model == "mlp"),
+             f"tp={self.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
+        need(self.pad_vocab >= 0, f"pad_vocab={self.pad_vocab}: must be >= 0")
         need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: must be >= 1")
         need(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb}: must be > 0")
         need(self.allreduce in ("mpi", "ring", "rd", "auto"),

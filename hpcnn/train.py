@@ -80,20 +80,38 @@ def metrics_from_sums(sums, is_text: bool) -> dict:
     return {"val_loss": loss} if is_text else {"test_loss": loss, "test_acc": float(sums[1] / sums[2])}
 
 
-def build_task(cfg: TrainConfig) -> Task:
-    """Load the data and build the model named by a resolved config."""
+def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
+    """The GPT vocabulary rounded up to a multiple of ``pad_vocab`` (0: of tp), as Megatron-LM
+    pads it so that vocab-parallel shards are equal; the extra ids never occur in the data."""
+    m = cfg.pad_vocab or cfg.tp
+    return -(-vocab // m) * m
+
+
+def build_task(cfg: TrainConfig, tp_comm=None) -> Task:
+    """Load the data and build the model named by a resolved config (sharded over ``tp_comm``)."""
     dtype = B.dtype_of(cfg.dtype)
+    tp = tp_comm is not None and tp_comm.size > 1
     if cfg.dataset == "digits":
         data = D.digits(image=cfg.model == "cnn")
         if cfg.model == "mlp":
             model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed, dtype=dtype)
+        elif tp:
+            from hpcnn.parallel.tensor_conv import parallel_cnn
+            model = parallel_cnn(tp_comm, 1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
         else:
             model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
         spe = D.steps_per_epoch(len(data.y_train), cfg.batch_size)
         return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
     data = D.shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
-    model = models.gpt(data.vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
-                       dropout=cfg.dropout, seed=cfg.seed, dtype=dtype)
+    vocab = padded_vocab(data.vocab, cfg)
+    if tp:
+        from hpcnn.parallel.tensor import parallel_gpt
+        model = parallel_gpt(tp_comm, vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
+                             sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout,
+                             seed=cfg.seed, dtype=dtype)
+    else:
+        model = models.gpt(vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
+                           dropout=cfg.dropout, seed=cfg.seed, dtype=dtype)
     return Task(cfg, data, model, cfg.steps or TEXT_DEFAULT_STEPS)
 
 
@@ -108,17 +126,24 @@ def _progress(step, steps, loss, sps, elapsed):
 
 
 class _Parallel:
-    """The data-parallel side of a run: grid, communicator, engine, balancer, emulated slowdown."""
+    """The parallel side of a run: grid, communicators, data-parallel engine, balancer, emulated
+    slowdown. ``comm`` is the data-parallel communicator, ``tp`` the tensor-parallel one."""
 
-    def __init__(self, cfg: TrainConfig, world, model):
-        from hpcnn.parallel import hetero
+    def __init__(self, cfg: TrainConfig, world):
         from hpcnn.parallel.comm import CommStats, Communicator
-        from hpcnn.parallel.data import DataParallel
         from hpcnn.parallel.grid import ProcessGrid
+        self.cfg = cfg
         self.grid = ProcessGrid(world, cfg.dp, cfg.tp, cfg.pp)
         self.stats = CommStats()
         self.comm = Communicator(self.grid.dp_comm, self.stats, "dp")
+        self.tp = Communicator(self.grid.tp_comm, self.stats, "tp")
         self.rank, self.size = self.comm.rank, self.comm.size
+
+    def attach(self, model) -> None:
+        """Set up balancing and the data-parallel engine for ``model``'s (sharded) parameters."""
+        from hpcnn.parallel import hetero
+        from hpcnn.parallel.data import DataParallel
+        cfg = self.cfg
         factors = hetero.slowdowns_from_config(cfg.slowdown, self.size)
         self.slowdown = hetero.Slowdown(factors[self.rank], cfg.slowdown_mode)
         speeds = hetero.parse_speeds(cfg.speeds, self.size) if cfg.speeds else None
@@ -131,6 +156,21 @@ class _Parallel:
                                    algorithm=cfg.allreduce, overlap=cfg.overlap)
         self.engine.broadcast_parameters()
         self.factors = factors
+
+    def sync_replicated(self, model) -> None:
+        """Sequence parallelism leaves partial gradients on replicated parameters: sum over tp."""
+        if self.tp.size > 1 and self.cfg.sequence_parallel:
+            from hpcnn.parallel.tensor import sync_replicated_grads
+            sync_replicated_grads(model.params, self.tp)
+
+    def grad_norm_sq(self, params) -> float:
+        """Squared global gradient norm: tp shards summed over tp, replicated tensors once."""
+        if self.tp.size == 1:
+            return grad_norm_sq(params)
+        sharded = [p for p in params if getattr(p, "tp_axis", None) is not None]
+        replicated = [p for p in params if getattr(p, "tp_axis", None) is None]
+        local = grad_norm_sq(sharded) + (grad_norm_sq(replicated) if self.tp.rank == 0 else 0.0)
+        return float(self.tp.allreduce_scalars([local])[0])
 
     def free(self):
         self.grid.free()
@@ -167,14 +207,16 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
         check_layout(world_size, cfg.dp, cfg.tp, cfg.pp)
     except GridError as e:
         raise ConfigError(f"{e} (pass --dp/--tp/--pp that multiply to the number of ranks)") from None
-    if cfg.tp > 1 or cfg.pp > 1:
-        raise ConfigError(f"tp={cfg.tp}, pp={cfg.pp}: operator and pipeline parallelism are not "
-                          f"available yet in the training loop; use --dp")
+    if cfg.pp > 1:
+        raise ConfigError(f"pp={cfg.pp}: pipeline parallelism is not available yet in the "
+                          f"training loop; use --dp and --tp")
     B.set_device(cfg.device)
     B.tune_allocator()
-    task = build_task(cfg)
+    par = _Parallel(cfg, comm) if comm is not None else None
+    task = build_task(cfg, par.tp if par is not None else None)
     model = task.model
-    par = _Parallel(cfg, comm, model) if comm is not None else None
+    if par is not None:
+        par.attach(model)
     rank = comm.Get_rank() if comm is not None else 0
     opt = make_optimizer(cfg.optimizer, model.params, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay)
@@ -191,6 +233,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
                      world_size=world_size, mpi_library=_mpi_library(comm), backend=B.device,
                      extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
         log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "schedule": "none",
+                      "sequence_parallel": cfg.sequence_parallel,
                       "remat": "none", "grad_accum": cfg.grad_accum, "balance": cfg.balance,
                       "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
                       "overlap": cfg.overlap})
@@ -291,6 +334,7 @@ def _train_step(cfg, task, par, opt, step, t_start):
         compute += pad
         tw = time.perf_counter()
         par.engine.finish(step)
+        par.sync_replicated(model)
         events.append((rank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
         loss_sum = float(par.comm.allreduce_scalars([loss_sum])[0])
         par.balancer.step(step, len(mine), compute)
@@ -298,7 +342,8 @@ def _train_step(cfg, task, par, opt, step, t_start):
         raise FloatingPointError(f"loss is {loss_sum} at step {step} (rank {rank})")
     gnorm = float("nan")
     if cfg.clip > 0:
-        gnorm = clip_grad_norm(model.params, cfg.clip)
+        gnorm = clip_grad_norm(model.params, cfg.clip,
+                               norm_sq=par.grad_norm_sq(model.params) if par else None)
     td = time.perf_counter()
     opt.step(lr)
     B.sync()
