@@ -213,10 +213,15 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     B.set_device(cfg.device)
     B.tune_allocator()
     par = _Parallel(cfg, comm) if comm is not None else None
-    task = build_task(cfg, par.tp if par is not None else None)
+    try:
+        task = build_task(cfg, par.tp if par is not None else None)
+        if par is not None:
+            par.attach(task.model)
+    except Exception:
+        if par is not None:
+            par.free()
+        raise
     model = task.model
-    if par is not None:
-        par.attach(model)
     rank = comm.Get_rank() if comm is not None else 0
     opt = make_optimizer(cfg.optimizer, model.params, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay)
