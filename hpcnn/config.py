@@ -43,7 +43,7 @@ class TrainConfig:
     lr: float = 3e-3                    # peak learning rate
     min_lr: float = 0.0                 # final learning rate of the cosine decay
     warmup: int = 0                     # linear warm-up steps
-    schedule: str = "cosine"            # cosine | constant (after warm-up)
+    lr_schedule: str = "cosine"         # cosine | constant (after warm-up)
     momentum: float = 0.9               # SGD momentum
     weight_decay: float = 0.0           # decoupled (AdamW) or L2 (SGD); matrices only
     clip: float = 0.0                   # global gradient-norm clip, 0 = off
@@ -51,6 +51,10 @@ class TrainConfig:
     dp: int = 1                         # data-parallel replicas (world size = dp * tp * pp)
     tp: int = 1                         # tensor-parallel degree (operator parallelism)
     pp: int = 1                         # pipeline stages
+    schedule: str = "1f1b"              # pipeline schedule: gpipe | 1f1b | interleaved | zb_h1
+    microbatches: int = 1               # pipeline micro-batches per step (per data-parallel rank)
+    virtual: int = 1                    # stages per pipeline rank (interleaved 1F1B; gpipe)
+    layout: str = ""                    # explicit stage sizes in blocks, e.g. "4|4|3|5"; "" = by cost
     sequence_parallel: bool = False     # tp > 1: LayerNorm/dropout regions split along the sequence
     pad_vocab: int = 0                  # pad the GPT vocabulary to a multiple of this; 0 = of tp
     grad_accum: int = 1                 # micro-batches per rank per step, one allreduce per step
@@ -100,7 +104,8 @@ class TrainConfig:
         need(not (self.model == "gpt" and self.dataset == "digits"),
              "model='gpt' needs a text dataset (shakespeare or sonnet), got 'digits'")
         need(self.optimizer in ("adamw", "sgd"), f"optimizer={self.optimizer!r}: expected adamw or sgd")
-        need(self.schedule in ("cosine", "constant"), f"schedule={self.schedule!r}: expected cosine or constant")
+        need(self.lr_schedule in ("cosine", "constant"),
+             f"lr_schedule={self.lr_schedule!r}: expected cosine or constant")
         need(self.dtype in ("float32", "float64"), f"dtype={self.dtype!r}: expected float32 or float64")
         need(self.device in ("cpu", "gpu"), f"device={self.device!r}: expected cpu or gpu")
         need(self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1")
@@ -120,6 +125,16 @@ class TrainConfig:
         need(not (self.tp > 1 and self.model == "mlp"),
              f"tp={self.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
         need(self.pad_vocab >= 0, f"pad_vocab={self.pad_vocab}: must be >= 0")
+        need(self.schedule in ("gpipe", "1f1b", "interleaved", "zb_h1"),
+             f"schedule={self.schedule!r}: expected gpipe, 1f1b, interleaved or zb_h1")
+        need(self.microbatches >= 1 and self.virtual >= 1,
+             f"microbatches={self.microbatches}, virtual={self.virtual}: must be >= 1")
+        need(not (self.pp > 1 and self.grad_accum > 1),
+             f"grad_accum={self.grad_accum} with pp={self.pp}: use --microbatches")
+        need(not (self.pp > 1 and self.balance == "proportional"),
+             f"balance='proportional' with pp={self.pp}: not supported with pipelines")
+        need(self.batch_size >= self.dp * self.microbatches,
+             f"batch_size={self.batch_size} < dp*microbatches={self.dp * self.microbatches}")
         need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: must be >= 1")
         need(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb}: must be > 0")
         need(self.allreduce in ("mpi", "ring", "rd", "auto"),

@@ -52,27 +52,50 @@ class Task:
             idx = idx[numpy.argsort(self.data.y_train[idx], kind="stable")]
         return self.data.x_train[idx], self.data.y_train[idx]
 
+    def micro_shape(self) -> tuple:
+        """Input shape of one pipeline micro-batch (for the stage partition by cost)."""
+        c = self.cfg
+        n = max(1, c.batch_size // (c.dp * c.microbatches))
+        return (n, c.block_size) if self.is_text else (n,) + tuple(self.data.x_train.shape[1:])
+
+    def _logits(self, x, par=None, batch_size=None):
+        """Eval-mode outputs of the whole chain (through the pipeline when pp > 1, where only
+        the last stage's rank gets them: None elsewhere)."""
+        if par is None or par.local is None:
+            return self.model.predict(x, batch_size=batch_size)
+        from hpcnn.parallel.pipeline import forward_only
+        self.model.eval()
+        try:
+            return forward_only(self.model, par.ranges, par.pp, x)
+        finally:
+            self.model.train()
+
     def to_device(self, x, y):
         dtype = None if self.is_text else self.cfg.dtype
         return B.asarray(x, dtype=dtype), B.asarray(y)
 
-    def eval_sums(self, rank: int = 0, size: int = 1) -> numpy.ndarray:
-        """[loss sum, correct, count] over this rank's 1/size share of the held-out data."""
+    def eval_sums(self, rank: int = 0, size: int = 1, par=None) -> numpy.ndarray:
+        """[loss sum, correct, count] over this data-parallel rank's 1/size share of the
+        held-out data (with pp > 1: computed on the last stage, broadcast over the pipeline)."""
         m, c = self.model, self.cfg
+        tot = numpy.zeros(3)
         if self.is_text:
-            tot = numpy.zeros(3)
             for i in range(rank, c.eval_batches, size):
                 x, y = D.text_batch(self.data.val, c.batch_size, c.block_size, i, VAL_SEED)
-                logits = m.predict(B.asarray(x))
-                tot += [m.loss.forward(logits, B.asarray(y))[0] * y.size, 0.0, y.size]
-            return tot
-        part = numpy.array_split(numpy.arange(len(self.data.y_test)), size)[rank]
-        x, y = self.to_device(self.data.x_test[part], self.data.y_test[part])
-        if len(part) == 0:
-            return numpy.zeros(3)
-        logits = m.predict(x, batch_size=512)
-        correct = float(B.to_host((logits.argmax(axis=-1) == y).sum()))
-        return numpy.array([m.loss.forward(logits, y)[0] * len(part), correct, len(part)])
+                logits = self._logits(B.asarray(x), par)
+                if logits is not None:
+                    tot += [m.loss.forward(logits, B.asarray(y))[0] * y.size, 0.0, y.size]
+        else:
+            part = numpy.array_split(numpy.arange(len(self.data.y_test)), size)[rank]
+            if len(part):
+                x, y = self.to_device(self.data.x_test[part], self.data.y_test[part])
+                logits = self._logits(x, par, batch_size=512)
+                if logits is not None:
+                    correct = float(B.to_host((logits.argmax(axis=-1) == y).sum()))
+                    tot += [m.loss.forward(logits, y)[0] * len(part), correct, len(part)]
+        if par is not None and par.local is not None:
+            par.pp.bcast(tot, root=par.pp.size - 1)
+        return tot
 
 
 def metrics_from_sums(sums, is_text: bool) -> dict:
@@ -137,13 +160,25 @@ class _Parallel:
         self.stats = CommStats()
         self.comm = Communicator(self.grid.dp_comm, self.stats, "dp")
         self.tp = Communicator(self.grid.tp_comm, self.stats, "tp")
+        self.pp = Communicator(self.grid.pp_comm, self.stats, "pp")
         self.rank, self.size = self.comm.rank, self.comm.size
+        self.local = None          # with pp > 1: the chain of this rank's stage blocks
 
-    def attach(self, model) -> None:
-        """Set up balancing and the data-parallel engine for ``model``'s (sharded) parameters."""
+    def attach(self, model, micro_shape) -> None:
+        """Set up stages, balancing and the data-parallel engine for ``model``'s (sharded)
+        parameters; with pp > 1 only this rank's stages' parameters are its own."""
         from hpcnn.parallel import hetero
         from hpcnn.parallel.data import DataParallel
         cfg = self.cfg
+        if cfg.pp > 1:
+            from hpcnn.nn.chain import Chain
+            from hpcnn.parallel import partition
+            from hpcnn.parallel.pipeline import build_stages
+            n_stages = cfg.pp * cfg.virtual
+            self.ranges = (partition.parse_layout(cfg.layout, len(model)) if cfg.layout
+                           else partition.by_spec(model, micro_shape, n_stages))
+            stages = build_stages(model, self.ranges, self.pp.rank, self.pp.size)
+            self.local = Chain([b for st in stages for b in st.chain.blocks], None, name="stages")
         factors = hetero.slowdowns_from_config(cfg.slowdown, self.size)
         self.slowdown = hetero.Slowdown(factors[self.rank], cfg.slowdown_mode)
         speeds = hetero.parse_speeds(cfg.speeds, self.size) if cfg.speeds else None
@@ -152,8 +187,9 @@ class _Parallel:
         if cfg.allreduce == "auto" and self.size > 1:
             from hpcnn.parallel.allreduce import calibrate
             calibrate(self.comm)
-        self.engine = DataParallel(model, self.comm, bucket_mb=cfg.bucket_mb,
-                                   algorithm=cfg.allreduce, overlap=cfg.overlap)
+        self.engine = DataParallel(self.local or model, self.comm, bucket_mb=cfg.bucket_mb,
+                                   algorithm=cfg.allreduce,
+                                   overlap=cfg.overlap and self.local is None)
         self.engine.broadcast_parameters()
         self.factors = factors
 
@@ -166,11 +202,12 @@ class _Parallel:
     def grad_norm_sq(self, params) -> float:
         """Squared global gradient norm: tp shards summed over tp, replicated tensors once."""
         if self.tp.size == 1:
-            return grad_norm_sq(params)
+            return float(self.pp.allreduce_scalars([grad_norm_sq(params)])[0])
         sharded = [p for p in params if getattr(p, "tp_axis", None) is not None]
         replicated = [p for p in params if getattr(p, "tp_axis", None) is None]
         local = grad_norm_sq(sharded) + (grad_norm_sq(replicated) if self.tp.rank == 0 else 0.0)
-        return float(self.tp.allreduce_scalars([local])[0])
+        total = float(self.tp.allreduce_scalars([local])[0])
+        return float(self.pp.allreduce_scalars([total])[0])
 
     def free(self):
         self.grid.free()
@@ -207,23 +244,21 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
         check_layout(world_size, cfg.dp, cfg.tp, cfg.pp)
     except GridError as e:
         raise ConfigError(f"{e} (pass --dp/--tp/--pp that multiply to the number of ranks)") from None
-    if cfg.pp > 1:
-        raise ConfigError(f"pp={cfg.pp}: pipeline parallelism is not available yet in the "
-                          f"training loop; use --dp and --tp")
     B.set_device(cfg.device)
     B.tune_allocator()
     par = _Parallel(cfg, comm) if comm is not None else None
     try:
         task = build_task(cfg, par.tp if par is not None else None)
         if par is not None:
-            par.attach(task.model)
+            par.attach(task.model, task.micro_shape())
     except Exception:
         if par is not None:
             par.free()
         raise
     model = task.model
     rank = comm.Get_rank() if comm is not None else 0
-    opt = make_optimizer(cfg.optimizer, model.params, momentum=cfg.momentum,
+    own = par.local if par is not None and par.local is not None else model
+    opt = make_optimizer(cfg.optimizer, own.params, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay)
     log = None
     if rank == 0:
@@ -237,7 +272,10 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
         log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
                      world_size=world_size, mpi_library=_mpi_library(comm), backend=B.device,
                      extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
-        log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "schedule": "none",
+        log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+                      "schedule": cfg.schedule if cfg.pp > 1 else "none",
+                      "microbatches": cfg.microbatches, "virtual": cfg.virtual,
+                      "stages": [list(r) for r in par.ranges] if par is not None and par.local is not None else [],
                       "sequence_parallel": cfg.sequence_parallel,
                       "remat": "none", "grad_accum": cfg.grad_accum, "balance": cfg.balance,
                       "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
@@ -256,7 +294,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
             pending_events += events
             done = step + 1
             if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
-                sums = task.eval_sums(par.rank, par.size) if par else task.eval_sums()
+                sums = task.eval_sums(par.rank, par.size, par) if par else task.eval_sums()
                 if par is not None:
                     sums = par.comm.allreduce_scalars(sums)
                 row.update(metrics_from_sums(sums, task.is_text))
@@ -290,38 +328,34 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
             par.free()
     out = dict(last)
     out.update(steps=task.steps, log=cfg.log, wall_s=time.perf_counter() - t_start,
-               params=model.num_params(), model=model)
+               params=model.num_params(), model=model,
+               local_params=[q.name for q in opt.params])   # this rank's (pipeline stages')
     if task.is_text:
         out["unigram_entropy"] = task.data.unigram_entropy()
     return out
 
 
-def _train_step(cfg, task, par, opt, step, t_start):
-    """One optimizer step on this rank's shard: returns (metrics row, rank row, timeline events)."""
+def _dloss_scale(cfg, par, local: int) -> float:
+    """Weight of a rank's local mean gradient in the sum over replicas: b_i/B (weighted, the
+    exact full-batch gradient) or 1/P (uniform mean of the replicas' gradients)."""
+    if cfg.combine == "weighted" or par is None:
+        return local / cfg.batch_size
+    return 1.0 / par.size
+
+
+def _local_step(cfg, task, par, xg, yg, mine, rank, t_start):
+    """Forward/backward of this rank's rows in ``grad_accum`` micro-batches (no pipeline)."""
     model = task.model
-    rank = par.rank if par else 0
-    lr = lr_at(step, cfg.lr, task.steps, cfg.warmup, cfg.min_lr, cfg.schedule)
-    shares = par.balancer.shares if par else numpy.array([cfg.batch_size])
-    xg, yg = task.global_batch(step)
-    lo = int(numpy.sum(shares[:rank]))
-    mine = numpy.arange(lo, lo + int(shares[rank]))
-    comm_before = par.stats.comm_seconds if par else 0.0
-    bytes_before = par.stats.bytes_sent if par else 0
-    t0 = time.perf_counter()
     model.zero_grad()
     loss_sum, events = 0.0, []
+    scale = _dloss_scale(cfg, par, len(mine))
     chunks = [c for c in numpy.array_split(mine, cfg.grad_accum) if len(c)]
     for k, rows in enumerate(chunks):
         x, y = task.to_device(xg[rows], yg[rows])
         ta = time.perf_counter()
         loss, caches = model.forward(x, y)
         tb = time.perf_counter()
-        # weighted: sum over replicas of (m/B) * local mean gradient = full-batch gradient;
-        # uniform: each replica's local mean counts 1/P, so a micro-batch of m counts m/(b_i P)
-        if cfg.combine == "weighted" or par is None:
-            dloss = len(rows) / cfg.batch_size
-        else:
-            dloss = len(rows) / (len(mine) * par.size)
+        dloss = scale * len(rows) / len(mine)          # micro-batch share of the local mean
         if par is not None:
             par.engine.backward(caches, dloss, sync=k == len(chunks) - 1)
         else:
@@ -331,36 +365,68 @@ def _train_step(cfg, task, par, opt, step, t_start):
         loss_sum += loss * len(rows)
         events += [(rank, "forward", k, ta - t_start, tb - t_start),
                    (rank, "backward", k, tb - t_start, tc - t_start)]
+    return loss_sum, events
+
+
+def _pipeline_step(cfg, task, par, x, y, t_start):
+    """This rank's part of the pipelined forward/backward of its data-parallel shard."""
+    from hpcnn.parallel.pipeline import train_step
+    x, y = task.to_device(x, y)
+    scale = _dloss_scale(cfg, par, len(x))
+    out = train_step(cfg.schedule, task.model, par.pp, x, y, cfg.microbatches,
+                     ranges=par.ranges, virtual=cfg.virtual, clock=time.perf_counter,
+                     t0=t_start, rank=par.grid.rank, dloss_scale=scale)
+    par.peak_stage_bytes = max(getattr(par, "peak_stage_bytes", 0), int(out.get("peak_bytes", 0)))
+    return out["loss"] / scale * len(x), list(out["events"])
+
+
+def _train_step(cfg, task, par, opt, step, t_start):
+    """One optimizer step on this rank's shard: returns (metrics row, rank row, timeline events)."""
+    model = task.model
+    rank = par.rank if par else 0                     # data-parallel rank: which shard
+    wrank = par.grid.rank if par else 0               # world rank: for the log
+    lr = lr_at(step, cfg.lr, task.steps, cfg.warmup, cfg.min_lr, cfg.lr_schedule)
+    shares = par.balancer.shares if par else numpy.array([cfg.batch_size])
+    xg, yg = task.global_batch(step)
+    lo = int(numpy.sum(shares[:rank]))
+    mine = numpy.arange(lo, lo + int(shares[rank]))
+    comm_before = par.stats.comm_seconds if par else 0.0
+    bytes_before = par.stats.bytes_sent if par else 0
+    t0 = time.perf_counter()
+    if par is not None and par.local is not None:
+        loss_sum, events = _pipeline_step(cfg, task, par, xg[mine], yg[mine], t_start)
+    else:
+        loss_sum, events = _local_step(cfg, task, par, xg, yg, mine, wrank, t_start)
     compute = time.perf_counter() - t0
     if par is not None:
         pad = par.slowdown.pad(compute)
         if pad:
-            events.append((rank, "emulated_slowdown", -1, t0 + compute - t_start, t0 + compute + pad - t_start))
+            events.append((wrank, "emulated_slowdown", -1, t0 + compute - t_start, t0 + compute + pad - t_start))
         compute += pad
         tw = time.perf_counter()
         par.engine.finish(step)
         par.sync_replicated(model)
-        events.append((rank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
+        events.append((wrank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
         loss_sum = float(par.comm.allreduce_scalars([loss_sum])[0])
         par.balancer.step(step, len(mine), compute)
     if not math.isfinite(loss_sum):
         raise FloatingPointError(f"loss is {loss_sum} at step {step} (rank {rank})")
     gnorm = float("nan")
     if cfg.clip > 0:
-        gnorm = clip_grad_norm(model.params, cfg.clip,
-                               norm_sq=par.grad_norm_sq(model.params) if par else None)
+        gnorm = clip_grad_norm(opt.params, cfg.clip,
+                               norm_sq=par.grad_norm_sq(opt.params) if par else None)
     td = time.perf_counter()
     opt.step(lr)
     B.sync()
     t3 = time.perf_counter()
-    events.append((rank, "optimizer", -1, td - t_start, t3 - t_start))
+    events.append((wrank, "optimizer", -1, td - t_start, t3 - t_start))
     dt = t3 - t0
     row = {"loss": loss_sum / cfg.batch_size, "lr": lr, "step_time": dt,
            "samples": cfg.batch_size, "samples_per_s": cfg.batch_size / dt}
     if cfg.clip > 0:
         row["grad_norm"] = gnorm
     comm_s = (par.stats.comm_seconds - comm_before) if par else 0.0
-    rank_row = {"step": step, "rank": rank, "compute_s": compute, "comm_s": comm_s,
+    rank_row = {"step": step, "rank": wrank, "compute_s": compute, "comm_s": comm_s,
                 "idle_s": max(0.0, dt - compute - comm_s - (t3 - td)),
                 "bytes_sent": (par.stats.bytes_sent - bytes_before) if par else 0,
                 "peak_mem_bytes": _peak_rss_bytes()}

@@ -216,6 +216,29 @@ def split_batch(x, y, n_micro: int):
     return ([x[a:b] for a, b in zip(cuts, cuts[1:])], [y[a:b] for a, b in zip(cuts, cuts[1:])])
 
 
+def forward_only(chain, ranges, pp, x, y=None):
+    """Forward of the whole chain through the pipeline, stage after stage (evaluation).
+
+    Returns the last stage's output (logits) on the rank owning the last stage, None elsewhere.
+    Stage s lives on rank s % p; activations go to the next stage's rank by point-to-point.
+    """
+    p, S = pp.size, len(ranges)
+    chains = partition.stage_chains(chain, ranges)
+    shapes = boundary_shapes(chain, ranges, [x.shape])[0]
+    dtype = chain.params[0].data.dtype
+    h = x
+    for s in range(S):
+        owner = s % p
+        if pp.rank == owner:
+            if s > 0 and (s - 1) % p != owner:
+                h = B.xp.empty(shapes[s], dtype=dtype)
+                pp.irecv(h, (s - 1) % p, tag=s).wait()
+            h = chains[s].forward_blocks(h)[0]
+            if s < S - 1 and (s + 1) % p != owner:
+                pp.isend(h, (s + 1) % p, tag=s + 1).wait()
+    return h if pp.rank == (S - 1) % p else None
+
+
 def _pp_communicator(comm):
     """A :class:`.comm.Communicator` on the pipeline axis of a ProcessGrid, a Communicator or a
     raw mpi4py communicator."""
@@ -228,14 +251,15 @@ def _pp_communicator(comm):
 
 
 def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout=None,
-               virtual: int = 1, clock=None, t0=None, rank=None) -> dict:
+               virtual: int = 1, clock=None, t0=None, rank=None, dloss_scale: float = 1.0) -> dict:
     """One pipelined forward/backward of the global batch (x, y); the optimizer step is the caller's.
 
     ``comm``: ProcessGrid, pipeline Communicator or mpi4py communicator of p ranks. Stages: the
     explicit ``ranges``, else ``layout`` (``"1|3|2|1"``), else :func:`.partition.uniform` into
     ``p * virtual`` stages. The schedule ``schedules.SCHEDULES[schedule_name](S, n_micro, p)`` is
     validated, the local stages' gradients zeroed once, the list run (:func:`run_schedule`) with
-    dloss = micro-batch size / global size (the global mean loss). Every rank needs x and y for
+    dloss = dloss_scale * micro-batch size / global size (the global mean loss, scaled: data
+    parallelism passes b_i/B so that the replicas' sum is the full-batch gradient). Every rank needs x and y for
     the shapes (the first stage reads x, the last y).
 
     Returns :func:`run_schedule`'s dict with ``loss`` broadcast to every pipeline rank, plus
@@ -262,7 +286,7 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     # -- run: zero once, accumulate over micro-batches --
     for st in stages:
         st.chain.zero_grad()
-    dloss = [a.shape[0] / x.shape[0] for a in xs]
+    dloss = [dloss_scale * a.shape[0] / x.shape[0] for a in xs]
     out = run_schedule(lists[pp.rank], stages, pp, xs, ys, dloss=dloss, shapes=shapes,
                        dtype=dtype, clock=clock, t0=t0, rank=rank)
     # -- the loss lives on the last stage's rank (stage S-1 is on rank p-1) --
