@@ -20,12 +20,17 @@ $(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
-# 4 data-parallel ranks (oversubscribed on small machines); `python -m mpi4py` makes an exception
-# on one rank abort the job instead of hanging the others.
+# 4 data-parallel ranks, then a GPT on 2 data-parallel x 2 pipeline ranks (1F1B, 4 micro-batches),
+# oversubscribed on small machines; `python -m mpi4py` makes an exception on one rank abort the
+# job instead of hanging the others.
 demo: $(VENV)/.installed
 	$(BIN)/hpcnn info
 	$(BIN)/mpiexec -n 4 $(BIN)/python -m mpi4py -m hpcnn train --model=mlp --dp=4 --log=runs/demo-mlp-dp4.h5
 	$(BIN)/hpcnn report runs/demo-mlp-dp4.h5 runs/demo-mlp-dp4.png
+	$(BIN)/mpiexec -n 4 $(BIN)/python -m mpi4py -m hpcnn train --model=gpt --dp=2 --pp=2 \
+		--schedule=1f1b --microbatches=4 --steps=150 --batch_size=32 --n_layers=4 --dim=64 \
+		--eval_interval=50 --log_interval=25 --log=runs/demo-gpt-dp2-pp2.h5
+	$(BIN)/hpcnn report runs/demo-gpt-dp2-pp2.h5 runs/demo-gpt-dp2-pp2.png
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/serial_step.py
