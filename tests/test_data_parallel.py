@@ -4,23 +4,10 @@ import pytest
 
 from hpcnn.nn import models
 from hpcnn.nn.optim import SGD
-from hpcnn.parallel.comm import Communicator
 from hpcnn.parallel.data import DataParallel, check_shares, dloss_for, shard
-from mpi_util import run_mpi
+from mpi_util import run_mpi, single
 
 
-class _Single:
-    """A stand-in for an MPI communicator of one rank (Communicator needs only these two)."""
-
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 1
-
-
-def single():
-    return Communicator(_Single(), name="self")
 
 
 def mlp():

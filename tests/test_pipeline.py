@@ -4,22 +4,9 @@ import pytest
 
 from hpcnn.nn import models
 from hpcnn.parallel import partition, pipeline, schedules
-from hpcnn.parallel.comm import Communicator
-from mpi_util import run_mpi
+from mpi_util import run_mpi, single
 
 
-class _Single:
-    """A stand-in for an MPI communicator of one rank (no message is sent with pp = 1)."""
-
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 1
-
-
-def single():
-    return Communicator(_Single(), name="pp")
 
 
 def mlp():

@@ -9,7 +9,8 @@ from hpcnn.nn.conv import Conv2d
 from hpcnn.parallel.tensor import gather_params
 from hpcnn.parallel.tensor_conv import ChannelParallelConv2d, parallel_cnn
 from mpi_util import run_mpi
-from test_tensor_parallel import single, sized
+from mpi_util import single
+from test_tensor_parallel import sized
 
 F64 = np.float64
 GEOMETRY = [(3, 1, 1), (3, 2, 0), (2, 2, 1)]           # (kernel, stride, padding)

@@ -10,26 +10,13 @@ from hpcnn.nn import models
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.transformer import TransformerBlock
 from hpcnn.parallel import tp_comm as TC
-from hpcnn.parallel.comm import Communicator
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
                                    gather_params, parallel_gpt, shard_array)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
 from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from mpi_util import run_mpi
+from mpi_util import run_mpi, single
 
 
-class _Single:
-    """A stand-in for an MPI communicator of one rank (Communicator needs only these two)."""
-
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 1
-
-
-def single():
-    return Communicator(_Single(), name="self")
 
 
 def sized(p, rank=0):
