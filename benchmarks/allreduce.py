@@ -1,21 +1,28 @@
-"""Allreduce bandwidth of hpcnn's algorithms vs the MPI library's, and non-blocking overlap.
+"""Allreduce bandwidth of hpcnn's algorithms vs the MPI library's, per-call overhead, overlap.
 
 For float32 messages of 1 KiB .. 256 MiB (powers of 4), the median over repeats of the slowest
 rank's time of: a raw ``MPI.Comm.Allreduce`` (``raw``), ``Communicator.allreduce`` with
-``mpi``, ``ring``, ``rd`` and ``auto`` (after :func:`hpcnn.parallel.allreduce.calibrate`, which is
-timed too). Algorithmic bandwidth = 2(p-1)/p n / t; ``x_raw`` columns are t_raw / t (above 1 is
-faster than the library). Repeats are interleaved across algorithms and fewer for big sizes.
+``mpi``, ``ring``, ``rd``, ``shm`` (when all ranks share a node) and ``auto`` (after
+:func:`hpcnn.parallel.allreduce.calibrate`, which is timed too), all on a private NumPy buffer;
+``shm0`` and ``auto0``: shm and auto on a buffer from ``Communicator.shared_zeros`` (zero copy).
+Algorithmic bandwidth = 2(p-1)/p n / t; ``x_raw`` columns are t_raw / t (above 1 is faster than
+the library). Repeats are interleaved across algorithms, in a random order each (one algorithm's
+cache footprint slows the next one), and fewer for big sizes.
 
-Overlap: a 64 MiB iallreduce (the library's Iallreduce, and hpcnn's ring) started before
+Overhead: back-to-back calls at 8 B and 1 KiB (blocks of calls, blocks interleaved, the median
+block): raw ``Allreduce`` against ``allreduce`` with ``mpi`` and ``auto``, and raw
+``Iallreduce().Wait()`` against ``iallreduce().wait()``.
+
+Overlap: a 64 MiB iallreduce (the library's Iallreduce, hpcnn's ring, shm) started before
 about as much matmul compute as the communication takes, ``test()`` called between matmul blocks
 (256 and 512 square, fp32), then ``wait()``: fraction hidden = (t_comm + t_compute - t_both) /
-t_comm. Tables ``algos_p{p}`` and ``overlap_p{p}`` (suffixed ``_openmpi`` etc. when the library is
-not MPICH) go to runs/bench/allreduce.h5.
+t_comm. Tables ``algos_p{p}``, ``overhead_p{p}`` and ``overlap_p{p}`` (suffixed ``_openmpi`` etc.
+when the library is not MPICH) go to runs/bench/allreduce.h5.
 
     OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py benchmarks/allreduce.py [--max-mib=256]
-        [--segment=BYTES] [--isegment=BYTES] [--no-overlap]
+        [--segment=BYTES] [--isegment=BYTES] [--piece=BYTES] [--no-overlap] [--no-calibrate]
 
-About 1-2 minutes on 2 ranks; with Open MPI add ``--oversubscribe`` for more ranks than cores.
+About 2 minutes on 2 ranks; with Open MPI add ``--oversubscribe`` for more ranks than cores.
 """
 import os
 
@@ -31,19 +38,22 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.parallel import allreduce as AR  # noqa: E402
+from hpcnn.parallel import shm as SHM  # noqa: E402
 from hpcnn.parallel.comm import Communicator  # noqa: E402
 
-OPTS = {"max-mib": 256, "segment": AR.SEGMENT_BYTES, "isegment": AR.ISEGMENT_BYTES, "overlap": 1}
+OPTS = {"max-mib": 256, "segment": AR.SEGMENT_BYTES, "isegment": AR.ISEGMENT_BYTES,
+        "piece": SHM.PIECE_BYTES, "overlap": 1, "calibrate": 1}
 for a in sys.argv[1:]:
-    if a == "--no-overlap":
-        OPTS["overlap"] = 0
-    elif a.startswith("--") and a[2:].split("=")[0] in OPTS:
+    if a in ("--no-overlap", "--no-calibrate"):
+        OPTS[a[5:]] = 0
+    elif a.startswith("--") and "=" in a and a[2:].split("=")[0] in OPTS:
         k, v = a[2:].split("=", 1)
         OPTS[k] = int(v)
     else:
-        raise SystemExit(f"unknown option {a!r}; known: --max-mib=, --segment=, --isegment=, --no-overlap")
+        raise SystemExit(f"unknown option {a!r}; known: --max-mib=, --segment=, --isegment=, "
+                         "--piece=, --no-overlap, --no-calibrate")
 
-ALGOS = ("raw", "mpi", "ring", "rd", "auto")
+ALGOS = ["raw", "mpi", "ring", "rd", "shm", "auto", "shm0", "auto0"]   # shm* need one node
 
 
 def library_version() -> str:
@@ -66,14 +76,21 @@ def slowest_median(world, ts) -> float:
 def bench_sizes(c, world):
     p, rows = world.Get_size(), []
     sizes = [1 << k for k in range(10, 29, 2) if (1 << k) <= OPTS["max-mib"] << 20]
+    shared = c.shared_zeros(sizes[-1] // 4, np.float32) if "shm" in ALGOS else None
     for nbytes in sizes:
         buf = np.zeros(nbytes // 4, np.float32)
         reps = max(7, min(200, (1 << 27) // nbytes))   # 7 at >= 16 MiB: p=4 is noisy there
         fns = {"raw": lambda: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
-               **{a: (lambda a=a: c.allreduce(buf, algorithm=a)) for a in ALGOS[1:]}}
+               **{a: (lambda a=a: c.allreduce(buf, algorithm=a))
+                  for a in ALGOS[1:] if a[-1] != "0"}}
+        if shared is not None:                          # zero copy: the buffer is shared memory
+            sbuf = shared[:nbytes // 4]
+            fns["shm0"] = lambda: c.allreduce(sbuf, algorithm="shm")
+            fns["auto0"] = lambda: c.allreduce(sbuf, algorithm="auto")
         ts = {a: [] for a in ALGOS}
         for rep in range(reps + 1):
-            for a in ALGOS:
+            for a in np.random.default_rng(rep).permutation(ALGOS):   # same order on all ranks
+                a = str(a)
                 world.Barrier()
                 t0 = time.perf_counter()
                 fns[a]()
@@ -95,6 +112,43 @@ def bench_sizes(c, world):
     return rows
 
 
+def bench_overhead(c, world, block=2000, rounds=15):
+    """Per-call time of back-to-back calls at 8 B and 1 KiB: the Python wrapper's overhead."""
+    rows = []
+    IP, S = MPI.IN_PLACE, MPI.SUM
+    for nbytes in (8, 1024):
+        buf = np.zeros(nbytes // 4, np.float32)
+        c.allreduce(buf, algorithm="auto")
+        c.iallreduce(buf, algorithm="auto").wait()      # both auto lookups compiled
+        fns = {"raw": lambda: world.Allreduce(IP, buf, S),
+               "mpi": lambda: c.allreduce(buf),
+               "auto": lambda: c.allreduce(buf, algorithm="auto"),
+               "iraw": lambda: world.Iallreduce(IP, buf, S).Wait(),
+               "impi": lambda: c.iallreduce(buf).wait(),
+               "iauto": lambda: c.iallreduce(buf, algorithm="auto").wait()}
+        ts = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                world.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    fn()
+                ts[k].append((time.perf_counter() - t0) / block)
+        t = {k: slowest_median(world, v) for k, v in ts.items()}
+        row = {"bytes": nbytes, **{f"{k}_us": v * 1e6 for k, v in t.items()}}
+        for k in ("mpi", "auto"):
+            row[f"{k}_x_raw"] = t["raw"] / t[k]
+            row[f"i{k}_x_raw"] = t["iraw"] / t[f"i{k}"]
+        rows.append(row)
+        if world.Get_rank() == 0:
+            print(f"per call {nbytes:5d} B: raw {row['raw_us']:.2f} us, mpi {row['mpi_us']:.2f} "
+                  f"({row['mpi_x_raw']:.3f}x), auto {row['auto_us']:.2f} ({row['auto_x_raw']:.3f}x)"
+                  f" | Iallreduce raw {row['iraw_us']:.2f} us, mpi {row['impi_us']:.2f} "
+                  f"({row['impi_x_raw']:.3f}x), auto {row['iauto_us']:.2f} "
+                  f"({row['iauto_x_raw']:.3f}x)", flush=True)
+    return rows
+
+
 def bench_overlap(c, world, nbytes=64 << 20, reps=5):
     """Fraction of a non-blocking allreduce hidden behind matmul blocks with test() between."""
     rows = []
@@ -108,7 +162,7 @@ def bench_overlap(c, world, nbytes=64 << 20, reps=5):
             np.matmul(x, x, out=y)
             ts.append(time.perf_counter() - t0)
         t_block = slowest_median(world, ts[10:])
-        for method in ("mpi", "ring"):
+        for method in ("mpi", "ring") + (("shm",) if "shm" in ALGOS else ()):
             def comm_only():
                 c.iallreduce(buf, algorithm=method).wait()
 
@@ -160,17 +214,25 @@ def main():
     c = Communicator(world)
     c.allreduce_segment_bytes = OPTS["segment"]
     c.iallreduce_segment_bytes = OPTS["isegment"]
+    c.shm_piece_bytes = OPTS["piece"]
+    if not AR.single_node(c):
+        for a in ("shm", "shm0", "auto0"):
+            ALGOS.remove(a)
     world.Barrier()
     t0 = time.perf_counter()
-    c.allreduce_table = AR.calibrate(c)
+    if OPTS["calibrate"]:
+        AR.calibrate(c)
     t_cal = time.perf_counter() - t0
+    table = c.allreduce_table or AR.default_table(c)
     if world.Get_rank() == 0:
         print(f"{library_version()}; {p} ranks; segment {OPTS['segment']} B, "
-              f"non-blocking {OPTS['isegment']} B")
-        print(f"calibration {t_cal:.2f} s: " + ", ".join(
-            f"{s}:{ch}" for s, ch in zip(c.allreduce_table["sizes"], c.allreduce_table["choice"])))
+              f"non-blocking {OPTS['isegment']} B, shm piece {OPTS['piece']} B, "
+              f"{'one node' if 'shm' in ALGOS else 'several nodes'}")
+        print(f"calibration {t_cal:.2f} s: " if OPTS["calibrate"] else "default table: ",
+              ", ".join(f"{s}:{ch}" for s, ch in zip(table["sizes"], table["choice"])))
         print(f"{'bytes':>10} " + " ".join(f"{a + ' us':>10} {'GB/s':>6}" for a in ALGOS)
               + " " + " ".join(f"{a[:5]:>5}" for a in ALGOS[1:]) + "  (x raw)  auto")
+    hrows = bench_overhead(c, world)
     rows = bench_sizes(c, world)
     orows = bench_overlap(c, world) if OPTS["overlap"] else []
     if world.Get_rank() == 0:
@@ -178,15 +240,20 @@ def main():
         suffix = "" if lib == "mpich" else f"_{lib}"
         attrs = {"library": library_version(), "ranks": p,
                  "segment_bytes": OPTS["segment"], "isegment_bytes": OPTS["isegment"],
-                 "calibration_s": t_cal,
-                 "calibration": c.allreduce_table, "omp_threads": os.environ["OMP_NUM_THREADS"]}
+                 "shm_piece_bytes": OPTS["piece"], "calibration_s": t_cal,
+                 "calibration": table, "omp_threads": os.environ["OMP_NUM_THREADS"]}
         save_table(out, f"algos_p{p}{suffix}", rows, attrs)
+        save_table(out, f"overhead_p{p}{suffix}", hrows, attrs)
         if orows:
             save_table(out, f"overlap_p{p}{suffix}", orows, attrs)
         big = [r for r in rows if r["bytes"] >= 16 << 20]
-        print(f"auto vs raw: worst {min(r['auto_x_raw'] for r in rows):.2f}x (target >= 0.95)"
-              + (f", at >= 16 MiB worst {min(r['auto_x_raw'] for r in big):.2f}x (target >= 1.5)"
-                 if big else ""))
+        for a in ("auto", "auto0") if "auto0" in ALGOS else ("auto",):
+            print(f"{a} vs raw: worst {min(r[f'{a}_x_raw'] for r in rows):.2f}x (target >= 0.95)"
+                  + (f", at >= 16 MiB worst {min(r[f'{a}_x_raw'] for r in big):.2f}x "
+                     "(target >= 1.5)" if big else ""))
+        print("back-to-back auto vs raw: " + ", ".join(
+            f"{r['bytes']} B {r['auto_x_raw']:.3f}x (+{r['auto_us'] - r['raw_us']:.2f} us)"
+            for r in hrows))
         print(f"wrote {out}")
     AR.free(c)
 

@@ -210,6 +210,8 @@ class _Parallel:
         return float(self.pp.allreduce_scalars([total])[0])
 
     def free(self):
+        if getattr(self, "engine", None) is not None:
+            self.engine.release()
         self.grid.free()
 
 

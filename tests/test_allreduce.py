@@ -36,7 +36,8 @@ def test_compiled_table_is_the_nearest_size_rule():
     rng = random.Random(0)
     algs = ["mpi", "ring", "rd", "shm"]
     for _ in range(200):
-        sizes = sorted(rng.sample([1 << k for k in range(30)] + [3000, 5 << 20, 777], rng.randint(1, 6)))
+        sizes = sorted(rng.sample([1 << k for k in range(30)] + [3000, 5 << 20, 777],
+                                  rng.randint(1, 6)))
         table = {"sizes": sizes, "choice": [rng.choice(algs) for _ in sizes]}
         bounds, choices, mpi_below = compile_table(table)
         probes = [0, 1, 2] + [s + d for s in sizes + bounds for d in (-1, 0, 1)] + \

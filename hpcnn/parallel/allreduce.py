@@ -19,13 +19,16 @@ IJHPCA 19, 2005, sec. 4). Cost 2(p-1) nseg alpha + 2(p-1)/p n beta. The non-bloc
 ``rd``: recursive doubling, log2 p exchanges (Thakur et al., sec. 4) on pieces of at most the
 segment size; for p not a power of two the first 2r ranks fold in pairs first
 (r = p - 2^floor(log2 p)) and get the result back at the end. Cost log2 p (alpha + n beta).
-``shm`` (:mod:`hpcnn.parallel.shm`): all ranks on one node only; copy into a shared window,
-reduce-scatter and all-gather by direct loads, two barriers per piece, no message.
+``shm`` (:mod:`hpcnn.parallel.shm`): all ranks on one node only; pieces copied into a shared
+window and summed by direct loads, no message (on 2 ranks one barrier per piece); no copy at all
+for arrays from :func:`shared_zeros` (``Communicator.shared_zeros``).
 ``mpi``: the library's Allreduce. ``auto``: per message size, the choice at the nearest size (in
 log2; ties to the smaller) of ``comm.allreduce_table`` (:func:`calibrate`) or else of
-:data:`DEFAULT_SHM_TABLE` (all ranks on one node) or :data:`DEFAULT_TABLE`; compiled once per
-table into sorted bounds, and the Communicator keeps the size below which it is ``mpi``, so the
-common case costs one comparison.
+:data:`DEFAULT_SHM_TABLE` (all ranks on one node) or :data:`DEFAULT_TABLE`, and shm for an
+array from :func:`shared_zeros` from ``shm.ZERO_COPY_BYTES``; compiled once per table into
+sorted bounds, and the Communicator keeps the size below which it is ``mpi``, so the common case
+costs one comparison. The first ``auto`` call is collective (it finds out whether the ranks
+share a node).
 
 Sums are taken in the buffer's dtype, in another order than the library's, so results agree with
 ``mpi`` to rounding; but every rank ends with bitwise the same array (the ring's all-gather copies
@@ -56,7 +59,8 @@ from hpcnn.parallel.ring import (ISEGMENT_BYTES, SEGMENT_BYTES, WINDOW, RingRequ
 
 __all__ = ["ALGORITHMS", "NONBLOCKING", "allreduce", "iallreduce", "iallreduce_ring", "choose",
            "choose_nonblocking", "default_table", "compile_table", "calibrate", "free",
-           "RingRequest", "SEGMENT_BYTES", "ISEGMENT_BYTES", "WINDOW"]
+           "shared_zeros", "single_node", "RingRequest", "SEGMENT_BYTES", "ISEGMENT_BYTES",
+           "WINDOW"]
 
 ALGORITHMS = ("mpi", "ring", "rd", "shm", "auto")
 NONBLOCKING = ("mpi", "ring", "shm", "auto")
@@ -66,10 +70,14 @@ MARGIN = 0.03               # calibrate: another algorithm must beat mpi by 3 % 
 # to 4 MiB (Python costs ~20 us a ring step), the ring is on par at 16 MiB and 1.4-1.9x faster
 # from 64 MiB.
 DEFAULT_TABLE = {"sizes": [1 << 10, 1 << 22, 1 << 24], "choice": ["mpi", "mpi", "ring"]}
-# All ranks on one node: mpi below 128 KiB, shm from 128 KiB (see benchmarks/allreduce.py).
-DEFAULT_SHM_TABLE = {"sizes": [1 << 10, 1 << 16, 1 << 18], "choice": ["mpi", "mpi", "shm"]}
+# All ranks on one node (benchmarks/allreduce.py, MPICH wheel, 2 and 4 ranks on 2 vCPUs, private
+# buffers, medians of 5 runs): shm 0.8-1.1x the library's Allreduce from 256 KiB to 4 MiB, 1.3-1.4x
+# at 16 MiB, 1.7-2.1x from 64 MiB. So mpi up to 8 MiB, shm above. Buffers from shared_zeros (no
+# copy in) take shm from ZERO_COPY_BYTES whatever the table says: 1.1-1.2x at 1 MiB, 1.3-1.8x at
+# 4 MiB, 1.5-2x at 16 MiB, 2.6-3.6x above.
+DEFAULT_SHM_TABLE = {"sizes": [1 << 22, 1 << 24], "choice": ["mpi", "shm"]}
 IALLREDUCE_RING_BYTES = 2 << 20   # iallreduce "auto": the ring from 2 MiB (library's below) ...
-IALLREDUCE_SHM_BYTES = 256 << 10  # ... or, all ranks on one node, shm from 256 KiB
+IALLREDUCE_SHM_BYTES = 2 << 20    # ... or, all ranks on one node, shm from 2 MiB
 
 _state, _flat, _split, _rd = state, flat_view, split, rd     # older names
 
@@ -110,11 +118,17 @@ def compile_table(table) -> tuple:
     return bounds, choices, mpi_below
 
 
+def _has_shared(comm) -> bool:
+    st = getattr(comm, "_allreduce_state", None)
+    return bool(st and st.node and st.node.shared)
+
+
 def _lookup(comm):
     lk = comm._auto
     if lk is None:
         lk = comm._auto = compile_table(comm.allreduce_table or default_table(comm))
-        comm._auto_mpi_below = lk[2]
+        # with shared arrays about, the lean path stops where zero copy may start
+        comm._auto_mpi_below = min(lk[2], shm.ZERO_COPY_BYTES) if _has_shared(comm) else lk[2]
     return lk
 
 
@@ -129,10 +143,28 @@ def choose_nonblocking(comm, nbytes: int) -> str:
     """What ``iallreduce(algorithm="auto")`` runs: shm from :data:`IALLREDUCE_SHM_BYTES` on one
     node, else the ring from :data:`IALLREDUCE_RING_BYTES`, mpi below."""
     one = single_node(comm)
-    comm._iauto_mpi_below = IALLREDUCE_SHM_BYTES if one else IALLREDUCE_RING_BYTES
+    below = IALLREDUCE_SHM_BYTES if one else IALLREDUCE_RING_BYTES
+    comm._iauto_mpi_below = min(below, shm.ZERO_COPY_BYTES) if _has_shared(comm) else below
     if one and nbytes >= IALLREDUCE_SHM_BYTES:
         return "shm"
     return "ring" if nbytes >= IALLREDUCE_RING_BYTES else "mpi"
+
+
+def shared_zeros(comm, shape, dtype=numpy.float32):
+    """A zero-filled array of ``shape`` and ``dtype`` that shm reduces in place, without copying
+    it in (see :mod:`hpcnn.parallel.shm`): in a shared window when all ranks of ``comm`` are on
+    one node, else (or on CuPy) a plain ``zeros``. Collective (same shape and dtype on every
+    rank); valid until :func:`free`. ``auto`` picks shm for it from ZERO_COPY_BYTES."""
+    if B.xp is numpy and single_node(comm):
+        comm._auto, comm._auto_mpi_below = None, 0     # auto's lean paths: recomputed
+        comm._iauto_mpi_below = 0
+        return shm.zeros(shm.node_of(comm), shape, dtype)
+    return B.xp.zeros(shape, dtype)
+
+
+def _in_shared(comm, flat) -> bool:
+    st = getattr(comm, "_allreduce_state", None)
+    return bool(st and st.node and isinstance(flat, numpy.ndarray) and st.node.find(flat))
 
 
 def _shm_node(comm):
@@ -153,6 +185,8 @@ def allreduce(comm, buf, algorithm: str = "auto"):
         return buf
     if algorithm == "auto":
         algorithm = choose(comm, buf.nbytes)
+        if algorithm != "shm" and buf.nbytes >= shm.ZERO_COPY_BYTES and _in_shared(comm, flat):
+            algorithm = "shm"                   # zero copy beats the others
     MPI = _mpi()
     if algorithm == "mpi" and isinstance(buf, numpy.ndarray):   # the small-message fast path
         comm.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
@@ -188,6 +222,9 @@ def iallreduce(comm, buf, algorithm: str = "ring", on_done=None) -> Request:
         return comm.iallreduce(buf, on_done=on_done)
     if algorithm == "auto":
         algorithm = choose_nonblocking(comm, buf.nbytes)
+        if algorithm != "shm" and buf.nbytes >= shm.ZERO_COPY_BYTES \
+                and _in_shared(comm, flat_view(buf)):
+            algorithm = "shm"
     if algorithm == "mpi":
         return comm.iallreduce(buf, on_done=on_done)
     B.sync()
@@ -213,9 +250,10 @@ def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float
 
     ``algorithms``: default mpi, ring, rd, and shm when all ranks share a node. Every rank's
     median is reduced with MAX before choosing, so all ranks choose alike; an algorithm other
-    than ``mpi`` is chosen only if it beats ``mpi`` by :data:`MARGIN`. Repeats (default: fewer
-    for big sizes) are interleaved across algorithms to share drifts. Returns ``{"sizes",
-    "choice", "times": {algorithm: max-median seconds}, "p"}``.
+    than ``mpi`` is chosen only if it beats ``mpi`` by :data:`MARGIN`, and the default table's
+    choice (:func:`default_table`) is kept if within :data:`MARGIN` of the fastest. Repeats
+    (default: fewer for big sizes) are interleaved across algorithms, in a random order each, to
+    share drifts. Returns ``{"sizes", "choice", "times": {algorithm: max-median seconds}, "p"}``.
     """
     MPI = _mpi()
     sizes = list(sizes or [1 << k for k in range(10, 27, 2)])
@@ -225,10 +263,11 @@ def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float
     t = numpy.zeros((len(sizes), len(algorithms)))
     for i, nbytes in enumerate(sizes):
         buf = B.xp.zeros(max(1, nbytes // numpy.dtype(dtype).itemsize), dtype)
-        reps = repeats or max(5, min(200, (1 << 25) // max(nbytes, 1)))  # ~1 s at p=2
+        reps = repeats or max(7, min(200, (1 << 25) // max(nbytes, 1)))  # ~1-2 s at p=2
         ts = [[] for _ in algorithms]
-        for rep in range(reps + 1):
-            for j, a in enumerate(algorithms):
+        for rep in range(reps + 1):         # in a random order, the same on every rank
+            for j in numpy.random.default_rng(rep).permutation(len(algorithms)):
+                a = algorithms[j]
                 comm.comm.Barrier()
                 t0 = time.perf_counter()
                 allreduce(comm, buf, a)
@@ -236,10 +275,16 @@ def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float
                     ts[j].append(time.perf_counter() - t0)
         t[i] = [numpy.median(x) for x in ts]
     comm.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
-    best = [algorithms[int(numpy.argmin(ti))] for ti in t]
-    if "mpi" in algorithms:                 # keep mpi unless clearly beaten
-        m = t[:, algorithms.index("mpi")]
-        best = [a if ti.min() <= (1 - MARGIN) * mi else "mpi" for a, ti, mi in zip(best, t, m)]
+    bounds, prior, _ = compile_table(default_table(comm))
+    best = []
+    for nbytes, ti in zip(sizes, t):
+        a = algorithms[int(numpy.argmin(ti))]
+        d = prior[bisect_left(bounds, nbytes)]     # the default, unless clearly beaten
+        if d in algorithms and ti[algorithms.index(d)] <= (1 + MARGIN) * ti.min():
+            a = d
+        if "mpi" in algorithms and ti.min() > (1 - MARGIN) * ti[algorithms.index("mpi")]:
+            a = "mpi"                       # keep mpi unless clearly beaten
+        best.append(a)
     table = {"sizes": sizes, "choice": best, "p": comm.size,
              "times": {a: t[:, j].tolist() for j, a in enumerate(algorithms)}}
     comm.allreduce_table = table

@@ -43,8 +43,8 @@ import numpy
 from hpcnn import backend as B
 
 MODES = ("weighted", "uniform", "equal")
-ALGORITHMS = ("mpi", "ring", "rd", "auto")     # blocking (overlap=False)
-NONBLOCKING = ("mpi", "ring", "auto")          # Communicator.iallreduce (overlap=True)
+ALGORITHMS = ("mpi", "ring", "rd", "shm", "auto")   # blocking (overlap=False)
+NONBLOCKING = ("mpi", "ring", "shm", "auto")        # Communicator.iallreduce (overlap=True)
 
 
 # -- pure helpers ----------------------------------------------------------------------------------
@@ -152,7 +152,10 @@ class DataParallel:
         dtype = params[0].data.dtype
         offs = numpy.cumsum([0] + [p.size for p in params])
         n = int(offs[-1])
-        flat = xp.zeros(n + 1, dtype=dtype)            # (n gradients, 1 sentinel)
+        # (n gradients, 1 sentinel); in a shared-memory window when the ranks share a node, so
+        # that the shm allreduce sums the peers' buffers in place without copying them in
+        flat = (self.comm.shared_zeros(n + 1, dtype) if self.comm.size > 1
+                else xp.zeros(n + 1, dtype=dtype))
         for p, o in zip(params, offs):
             p.bind_grad(flat[o:o + p.size].reshape(p.shape))
         self.flats.append(flat)
@@ -256,6 +259,16 @@ class DataParallel:
                                  f"{ranks or 'none (the sum overflowed)'}")
 
     # -- replicas ---------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Move the gradients back to private memory and free the shared windows (call before
+        the communicator is freed; the parameters keep their gradients)."""
+        for p in self.params:
+            p.bind_grad(B.xp.zeros_like(p.data))
+        self.flats = []
+        if self.comm.size > 1:
+            from hpcnn.parallel import allreduce
+            allreduce.free(self.comm)
+
     def broadcast_parameters(self, root: int = 0) -> None:
         """Copy ``root``'s parameters to every rank (one broadcast per dtype); optimizer state,
         if any, is the caller's to restore identically."""

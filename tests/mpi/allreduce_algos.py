@@ -3,8 +3,10 @@
 Rank r contributes (r + 1) * pattern with an integer-valued pattern, so the sum is exactly
 p (p + 1) / 2 * pattern in every dtype; results must also be bitwise identical on every rank,
 for random (not integer-valued) data too, and shm's must be bitwise the sum in rank order.
-Then: the shared window (pieces, growth, free and reuse, non-blocking requests in flight with
-rings), the counters of the lean path, ``auto``'s compiled table and the calibration.
+Then: shm's window (pieces, growth, free and reuse, non-blocking requests in flight with
+rings), zero copy on ``shared_zeros`` arrays (views, requests, a mismatch across ranks), the
+counters of the lean path, HPCNN_SHM=0, ``auto``'s tables and calibration, and the data-parallel
+engine with ``auto`` picking shm for blocking and non-blocking buckets.
 
     mpiexec -n 3 python -m mpi4py tests/mpi/allreduce_algos.py
 """
@@ -43,11 +45,12 @@ def check(a, n, dtype, what):
 
 # -- blocking and non-blocking, every size and dtype, default and small segments ----------------
 # (segment bytes, dtypes, sizes): small segments split chunks unevenly, 1000 B is no multiple of
-# 8; fewer cases with them, as 1000s of tiny messages are slow on 4 oversubscribed ranks. The
-# same bytes are shm's piece: 100003 elements go through the window in up to 800 pieces
+# 8; fewer cases with them, as 1000s of tiny messages are slow on 4 oversubscribed ranks. shm's
+# pieces: 4 x the segment (100003 floats go through the window in 25 pieces; 1000 B: uneven)
 for seg, dtypes, sizes in ((AR.SEGMENT_BYTES, DTYPES, SIZES), (4096, DTYPES[1:2], SIZES),
                            (1000, DTYPES[:1], SIZES[:-1])):
-    c.allreduce_segment_bytes = c.iallreduce_segment_bytes = c.shm_piece_bytes = seg
+    c.allreduce_segment_bytes = c.iallreduce_segment_bytes = seg
+    c.shm_piece_bytes = 4 * seg
     for dtype in dtypes:
         for n in sizes:
             for alg in AR.ALGORITHMS:
@@ -161,6 +164,67 @@ q = c.iallreduce(a, algorithm="shm")
 q.wait()
 check(a, 300000, np.float32, "shm request growing the window")
 
+# -- zero copy: arrays from shared_zeros are reduced in place, views too, blocking or not -------
+zero_copy_bytes, shm.ZERO_COPY_BYTES = shm.ZERO_COPY_BYTES, 0   # zero copy at any size here
+z64 = c.shared_zeros((3, 1001), np.float64)
+z32 = c.shared_zeros(20011, np.float32)
+empty = c.shared_zeros(0, np.int64)
+assert z64.shape == (3, 1001) and not z64.any() and shm.node_of(c).find(z64.reshape(-1))
+for z, dtype in ((z64, np.float64), (z32, np.float32)):
+    flat = z.reshape(-1)
+    for lo, hi in ((0, flat.size), (0, 1), (7, 7 + p + 1), (1, flat.size - 3)):
+        flat[lo:hi] = (r + 1) * pattern(hi - lo, dtype)
+        c.allreduce(flat[lo:hi], algorithm="shm")
+        check(flat[lo:hi], hi - lo, dtype, f"zero copy [{lo}:{hi}] {dtype.__name__}")
+c.allreduce(empty, algorithm="shm")
+x = rng.standard_normal(z32.size).astype(np.float32)
+xs = np.empty((p, x.size), np.float32)
+world.Allgather(x, xs)
+in_order = xs[0].copy()
+for q in range(1, p):
+    in_order += xs[q]
+shm.SCRATCH_BYTES, scratch = 4096, shm.SCRATCH_BYTES        # p > 2: partial sums in chunks
+for how in ("blocking", "request", "auto"):
+    z32[:] = x
+    if how == "request":
+        c.iallreduce(z32, algorithm="shm").wait()
+    else:                                   # auto: a table choosing the ring runs zero-copy shm
+        c.allreduce_table = {"sizes": [1], "choice": ["ring"]} if how == "auto" else None
+        c.allreduce(z32, algorithm="shm" if how == "blocking" else "auto")
+    assert np.array_equal(z32, in_order), f"zero copy {how}: not the sum in rank order"
+shm.SCRATCH_BYTES = scratch
+c.allreduce_table = None
+z64[...] = (r + 1) * pattern(z64.size, np.float64).reshape(z64.shape)   # in flight with others
+b = (r + 1) * pattern(5000, np.float64)
+reqs = [c.iallreduce(z64[0], algorithm="shm"), c.iallreduce(b, algorithm="shm"),
+        c.iallreduce(z64[1:], algorithm="shm"), AR.iallreduce_ring(c, z32)]
+while not all([q.test() for q in (reqs if r % 2 else reqs[::-1])]):
+    pass
+check(z64, z64.size, np.float64, "zero copy requests")
+check(b, 5000, np.float64, "private request among zero copy ones")
+try:                                        # ranks passing different regions: an error on all
+    c.allreduce(z64.reshape(-1)[r:r + 10], algorithm="shm")
+    assert p == 1, "different regions accepted"
+except ValueError as e:
+    assert "same region" in str(e), e
+shm.ZERO_COPY_BYTES = zero_copy_bytes       # below it, shared buffers take the private path
+big = c.shared_zeros(zero_copy_bytes // 4, np.float32)    # auto: zero copy from there
+sh = shm.node_of(c).find(big)[0]
+for it, start in enumerate((c.allreduce, c.iallreduce)):
+    big[:] = (r + 1) * pattern(big.size, np.float32)
+    q = start(big, algorithm="auto")
+    if it:
+        q.wait()
+    check(big, big.size, np.float32, "auto on a shared array")
+    assert sh.seq == it + 1, "auto did not reduce the shared array in place"
+assert c._auto_mpi_below <= zero_copy_bytes and c._iauto_mpi_below <= zero_copy_bytes
+z64[...] = (r + 1) * pattern(z64.size, np.float64).reshape(z64.shape)
+c.allreduce(z64[1], algorithm="shm")
+c.allreduce(z64[2], algorithm="auto")
+np.testing.assert_array_equal(z64[1:], p * (p + 1) // 2 * pattern(z64.size, np.float64)
+                              .reshape(z64.shape)[1:], err_msg="small shared buffers")
+same_everywhere(z64[1:], "small shared buffers")
+
 # -- counters: the lean path counts calls, bytes (2(p-1)/p n, floored on the total), seconds ----
 stats = CommStats()
 c2 = Communicator(world, stats)
@@ -199,6 +263,9 @@ os.environ["HPCNN_SHM"] = "0"
 c3 = Communicator(world)
 assert not AR.single_node(c3) and AR.default_table(c3) is AR.DEFAULT_TABLE
 assert AR.choose_nonblocking(c3, 1 << 20) == "mpi" and AR.choose_nonblocking(c3, 4 << 20) == "ring"
+z = c3.shared_zeros((2, 3), np.float32)
+assert type(z) is np.ndarray and z.shape == (2, 3) and not z.any()
+c3.allreduce(z, algorithm="auto")
 try:
     c3.allreduce(np.ones(4), algorithm="shm")
     raise AssertionError("shm accepted with HPCNN_SHM=0")
@@ -210,7 +277,7 @@ del os.environ["HPCNN_SHM"]
 # -- auto: the defaults, a forced table, then a calibration -----------------------------------
 assert AR.default_table(c) is AR.DEFAULT_SHM_TABLE
 assert AR.choose(c, 100) == "mpi" and AR.choose(c, 64 << 20) == "shm"
-assert AR.choose_nonblocking(c, 1 << 20) == "shm" and AR.choose_nonblocking(c, 1000) == "mpi"
+assert AR.choose_nonblocking(c, 4 << 20) == "shm" and AR.choose_nonblocking(c, 1000) == "mpi"
 c.allreduce_table = {"sizes": [64, 1 << 20], "choice": ["rd", "ring"]}
 assert AR.choose(c, 8) == "rd" and AR.choose(c, 1 << 12) == "rd" and AR.choose(c, 1 << 14) == "ring"
 assert c._auto_mpi_below == 0
@@ -225,6 +292,40 @@ for n in SIZES:
     a = (r + 1) * pattern(n, np.float32)
     c.allreduce(a, algorithm="auto")
     check(a, n, np.float32, f"calibrated auto n={n}")
+
+# -- the data-parallel engine: auto picks shm for blocking and non-blocking buckets -----------
+from hpcnn.nn import models                                 # noqa: E402
+from hpcnn.parallel.data import DataParallel                # noqa: E402
+
+
+def dp_grads(algorithm, overlap, shm_everywhere):
+    model = models.mlp(24, (16, 12), 5, seed=2, dtype=np.float64)
+    cd = Communicator(world, CommStats())
+    if shm_everywhere:                      # every bucket size picks shm
+        cd.allreduce_table = {"sizes": [1], "choice": ["shm"]}
+        cd._iauto_mpi_below = 0
+    dp = DataParallel(model, cd, bucket_mb=600 / 2 ** 20, overlap=overlap, algorithm=algorithm)
+    x = np.random.default_rng(10 + r).standard_normal((6, 24))
+    _, caches = model.forward(x, np.arange(6) % 5)
+    dp.zero_grad()
+    dp.backward(caches, 1.0 / p)
+    dp.finish(0)
+    picked = {(AR.choose_nonblocking if overlap else AR.choose)(cd, b.view.nbytes)
+              for b in dp.buckets}
+    used = bool(shm.node_of(cd).half)       # the window was made: shm ran
+    dp.release()                            # gradients back to private memory, windows freed
+    return [q.grad.copy() for q in model.params], dp.n_buckets, picked, used
+
+
+ref = dp_grads("mpi", False, False)[0]
+shm_ibytes, AR.IALLREDUCE_SHM_BYTES = AR.IALLREDUCE_SHM_BYTES, 0
+for overlap in (False, True):
+    got, nb, picked, used = dp_grads("auto", overlap, True)
+    assert nb > 3 and picked == {"shm"} and used, (nb, picked, used)
+    for g, h in zip(got, ref):
+        np.testing.assert_allclose(g, h, rtol=1e-12, atol=1e-15)
+        same_everywhere(g, f"dp auto shm overlap={overlap}")
+AR.IALLREDUCE_SHM_BYTES = shm_ibytes
 
 AR.free(c)
 if r == 0:
