@@ -100,8 +100,12 @@ def job_median(rows, comm=world):
 def bench_reduce():
     comm = Communicator(world)
     model = replica(comm)[0]
-    variants = [(25.0, True), (25.0, False), (1e4, False), (4.0, False)]
-    dps = {v: DataParallel(model, comm, bucket_mb=v[0], overlap=False, check_finite=v[1])
+    # (bucket MiB, finite check, algorithm); "auto" picks shm on one node, which sums the
+    # peers' flat gradient buffers in place (they live in the node's shared window)
+    variants = [(25.0, True, "mpi"), (25.0, False, "mpi"), (1e4, False, "mpi"), (4.0, False, "mpi"),
+                (25.0, True, "auto"), (25.0, False, "auto"), (1e4, False, "auto")]
+    dps = {v: DataParallel(model, comm, bucket_mb=v[0], overlap=False, check_finite=v[1],
+                           algorithm=v[2])
            for v in variants}                     # each its own flat buffer (the last is bound)
     flat = np.full(model.num_params(), 1e-3, np.float32)
     times = {v: [] for v in [*variants, "raw"]}
@@ -122,7 +126,7 @@ def bench_reduce():
     for v, ts in times.items():
         t = job_median(ts)[0]
         name = "raw Allreduce, 1 buffer" if v == "raw" else (
-            f"DataParallel {v[0]:g} MiB buckets" + ("" if v[1] else ", no finite check"))
+            f"DataParallel {v[2]} {v[0]:g} MiB buckets" + ("" if v[1] else ", no finite check"))
         rows.append({"path": name, "buckets": 1 if v == "raw" else dps[v].n_buckets,
                      "bytes": flat.nbytes, "seconds": t, "GB_per_s": flat.nbytes / t / 1e9,
                      "time_over_raw": t / raw})
@@ -135,7 +139,9 @@ VARIANTS = [("compute only (no comm)", False, 25.0, False, "mpi"),
             ("overlap on", True, 25.0, True, "mpi"),
             ("overlap on", True, 4.0, True, "mpi"),
             ("overlap on", True, 25.0, True, "ring"),
-            ("overlap on", True, 4.0, True, "ring")]
+            ("overlap on", True, 4.0, True, "ring"),
+            ("overlap off", True, 25.0, False, "auto"),
+            ("overlap on", True, 25.0, True, "auto")]
 
 
 def bench_overlap(reps, x, y):
