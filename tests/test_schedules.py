@@ -86,8 +86,22 @@ def test_makespans_unit_costs(S, M):
     zb = sch.simulate(sch.zb_h1(S, M, S), t_f=1, t_b=0.5, t_w=0.5).makespan
     assert one == 2 * (M + S - 1)
     assert zb < one if S > 1 else zb == one
-    if M >= S:                                  # Qi et al.: bubble (S-1)(t_f + t_b - t_w)
-        assert sch.simulate(sch.zb_h1(S, M, S), 1, 1, 1).makespan == 3 * M + S - 1
+    if M >= S:
+        # W's bounded so that activations held from F until W never exceed 1F1B's S - s: at unit
+        # costs 3M + 2(S-1), between 1F1B's 3(M + S - 1) and Qi et al.'s 3M + S - 1 (which
+        # keeps one more micro-batch's W-side memory)
+        assert sch.simulate(sch.zb_h1(S, M, S), 1, 1, 1).makespan == 3 * M + 2 * (S - 1)
+
+
+@pytest.mark.parametrize("S", [2, 3, 4])
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_zb_h1_memory_from_f_to_w_is_bounded_like_1f1b(S, M):
+    for s, instrs in enumerate(sch.zb_h1(S, M, S)):
+        live = peak = 0
+        for ins in instrs:
+            live += {"F": 1, "W": -1}.get(ins.op, 0)
+            peak = max(peak, live)
+        assert peak <= min(S - s, M), (s, peak)
 
 
 @pytest.mark.parametrize("P,v,M", [(2, 2, 2), (2, 2, 8), (3, 2, 6), (4, 2, 8), (4, 3, 4),

@@ -154,14 +154,16 @@ def interleaved_1f1b(n_stages, n_micro, n_ranks):
 
 def zb_h1(n_stages, n_micro, n_ranks):
     """ZB-H1 (Qi et al., ICLR 2024, Sec. 3.1): 1F1B with B split into B (input gradient, on the
-    critical path) and W (weight gradient, off it); W's wait and fill the bubbles, mostly the
-    cool-down's. Same in-flight limit as 1F1B (S - s micro-batches between F and B on stage s).
+    critical path) and W (weight gradient, off it); W's wait and fill the bubbles. Memory is
+    bounded like 1F1B's: at most S - s micro-batches on stage s between their F and their W (a
+    pending W keeps its inputs and output gradients alive, so W's cannot all wait for the
+    cool-down, or memory would grow with M as in GPipe).
 
     The order is list scheduling at the paper's unit costs (t_f = t_b = t_w): whenever a stage is
     free it runs, by priority, the next B if its gradient has arrived, else the next F if its input
-    has arrived and fewer than S - s micro-batches are in flight, else the oldest pending W. For
-    M >= S this gives the paper's makespan 3M + S - 1 (bubble (S-1)(t_f + t_b - t_w)) against
-    3(M + S - 1) for 1F1B.
+    has arrived and fewer than S - s micro-batches are between F and W, else the oldest pending
+    W. For M >= S this gives a makespan of 3M + 2(S - 1), against 3(M + S - 1) for 1F1B; the
+    paper's 3M + S - 1 holds one more micro-batch's W-side memory on each stage.
     """
     _check_sizes(n_stages, n_micro, n_ranks, same=True)
     S, M = n_stages, n_micro
@@ -178,7 +180,7 @@ def zb_h1(n_stages, n_micro, n_ranks):
                 op = ("B", b, s)
                 nb[s] += 1
                 pending[s].append(b)
-            elif f < M and f - b < S - s and (s == 0 or ready(("F", f, s - 1))):
+            elif f < M and f - (b - len(pending[s])) < S - s and (s == 0 or ready(("F", f, s - 1))):
                 op = ("F", f, s)
                 nf[s] += 1
             elif pending[s]:
