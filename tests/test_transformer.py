@@ -235,3 +235,30 @@ def test_caches_are_fresh_and_independent(which):
     np.testing.assert_array_equal(dx1, dx_ref)
     for g, p in zip(g1, blk.params):
         np.testing.assert_array_equal(g, p.grad)
+
+
+def test_deferred_weight_gradients_split_a_transformer_block():
+    """B (input gradient, Linear weight halves deferred) then W equals the whole backward."""
+    from hpcnn.nn.layers import Linear, defer_weight_gradients
+    rng = np.random.default_rng(3)
+    blk = TransformerBlock(8, 2, seed=4, index=1, dtype=np.float64)
+    x, dy = rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 8))
+    y, cache = blk.forward(x)
+    blk.zero_grad()
+    dx_full = blk.backward(dy.copy(), cache)
+    full = {p.name: p.grad.copy() for p in blk.params}
+    blk.zero_grad()
+    with defer_weight_gradients() as pending:
+        dx = blk.backward(dy.copy(), cache)
+    np.testing.assert_array_equal(dx, dx_full)
+    linears = {id(lin) for lin, _, _ in pending}
+    assert len(pending) == 4 and all(isinstance(lin, Linear) for lin, _, _ in pending)
+    for p in blk.params:                       # deferred weights untouched so far
+        if p.name.endswith((".weight", ".bias")) and any(p is q for lin, _, _ in pending
+                                                        for q in lin.params):
+            assert not p.grad.any(), p.name
+    for lin, d, c in pending:
+        lin.backward_weight(d, c)
+    assert len(linears) == 4
+    for p in blk.params:
+        np.testing.assert_allclose(p.grad, full[p.name], rtol=0, atol=1e-12)

@@ -6,6 +6,7 @@ Inputs may have any number of leading dimensions: ``(..., C)``.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import numpy  # host-side initial values only; array code goes through B.xp
 
@@ -20,6 +21,25 @@ def _rows(shape) -> int:
     for d in shape[:-1]:
         n *= int(d)
     return n
+
+
+_deferred = None       # a list while weight gradients are being deferred (zero-bubble pipelines)
+
+
+@contextmanager
+def defer_weight_gradients():
+    """Within the block, ``Linear.backward`` computes only the input gradient and appends
+    ``(linear, dy, cache)`` to the yielded list; calling ``linear.backward_weight(dy, cache)``
+    for each later completes the backward. This splits the backward of any block built from
+    Linear layers (attention, MLP, transformer block) into its input part (B) and weight part
+    (W) for zero-bubble pipeline schedules, without per-block code. The deferred ``dy`` arrays
+    must not be modified afterwards (blocks pass fresh arrays to Linear.backward)."""
+    global _deferred
+    prev, _deferred = _deferred, []
+    try:
+        yield _deferred
+    finally:
+        _deferred = prev
 
 
 class Linear(Block):
@@ -51,7 +71,10 @@ class Linear(Block):
         return y, x
 
     def backward(self, dy, cache):
-        self.backward_weight(dy, cache)
+        if _deferred is not None:                   # zero-bubble split: W comes later
+            _deferred.append((self, dy, cache))
+        else:
+            self.backward_weight(dy, cache)
         return self.backward_input(dy, cache)
 
     def backward_input(self, dy, cache):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 
 from hpcnn import backend as B
+from hpcnn.nn.layers import defer_weight_gradients
 from hpcnn.parallel import partition, schedules
 
 KINDS = ("ACT", "GRAD")
@@ -78,6 +79,10 @@ class PipelineStage:
                 else:
                     b.backward_weight(dy, c)
                 dy = None if no_dx else b.backward_input(dy, c)
+            elif split:                    # a block built from Linears: defer their W halves
+                with defer_weight_gradients() as deferred:
+                    dy = b.backward(dy, c)
+                pending.extend(deferred)
             else:
                 dy = b.backward(dy, c)
         return (None if self.first else dy), pending
@@ -94,8 +99,11 @@ class PipelineStage:
         key = tuple(x_shape)
         if key not in self._bytes:
             specs = self.chain.spec(key)
-            kept = sum(s.bytes_cache + s.bytes_y for b, s in zip(self.chain.blocks, specs)
-                       if self._splittable(b))
+            # a split B keeps each Linear's input and output gradient until W; composite blocks
+            # (whose inner Linears defer too) are counted with their whole cache, an upper bound
+            kept = sum(s.bytes_cache + (s.bytes_y if self._splittable(b) else 0)
+                       for b, s in zip(self.chain.blocks, specs)
+                       if self._splittable(b) or b.params)
             self._bytes[key] = (sum(s.bytes_cache for s in specs), kept)
         return self._bytes[key]
 
