@@ -377,9 +377,10 @@ def _pipeline_step(cfg, task, par, x, y, t_start):
     scale = _dloss_scale(cfg, par, len(x))
     out = train_step(cfg.schedule, task.model, par.pp, x, y, cfg.microbatches,
                      ranges=par.ranges, virtual=cfg.virtual, clock=time.perf_counter,
-                     t0=t_start, rank=par.grid.rank, dloss_scale=scale)
+                     t0=t_start, rank=par.grid.rank, dloss_scale=scale, broadcast_loss=False)
     par.peak_stage_bytes = max(getattr(par, "peak_stage_bytes", 0), int(out.get("peak_bytes", 0)))
-    return out["loss"] / scale * len(x), list(out["events"])
+    loss = out["loss"] / scale * len(x) if out["loss"] is not None else 0.0   # last stage only
+    return loss, list(out["events"])
 
 
 def _train_step(cfg, task, par, opt, step, t_start):
@@ -406,8 +407,10 @@ def _train_step(cfg, task, par, opt, step, t_start):
             events.append((wrank, "emulated_slowdown", -1, t0 + compute - t_start, t0 + compute + pad - t_start))
         compute += pad
         tw = time.perf_counter()
-        par.engine.finish(step)
+        par.engine.finish(step)      # each pipeline rank starts as soon as its stages are done
         par.sync_replicated(model)
+        if par.local is not None:    # the loss, known on the last stage, after the reduction
+            loss_sum = float(par.pp.bcast(numpy.array([loss_sum]), root=par.pp.size - 1)[0])
         events.append((wrank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
         loss_sum = float(par.comm.allreduce_scalars([loss_sum])[0])
         par.balancer.step(step, len(mine), compute)

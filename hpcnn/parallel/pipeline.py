@@ -259,7 +259,8 @@ def _pp_communicator(comm):
 
 
 def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout=None,
-               virtual: int = 1, clock=None, t0=None, rank=None, dloss_scale: float = 1.0) -> dict:
+               virtual: int = 1, clock=None, t0=None, rank=None, dloss_scale: float = 1.0,
+               broadcast_loss: bool = True) -> dict:
     """One pipelined forward/backward of the global batch (x, y); the optimizer step is the caller's.
 
     ``comm``: ProcessGrid, pipeline Communicator or mpi4py communicator of p ranks. Stages: the
@@ -297,8 +298,12 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     dloss = [dloss_scale * a.shape[0] / x.shape[0] for a in xs]
     out = run_schedule(lists[pp.rank], stages, pp, xs, ys, dloss=dloss, shapes=shapes,
                        dtype=dtype, clock=clock, t0=t0, rank=rank)
-    # -- the loss lives on the last stage's rank (stage S-1 is on rank p-1) --
-    buf = B.xp.asarray([out["loss"] if out["loss"] is not None else 0.0], dtype="float64")
-    pp.bcast(buf, root=p - 1)
-    out.update(loss=float(buf[0]), stages=stages, ranges=ranges)
+    # -- the loss lives on the last stage's rank (stage S-1 is on rank p-1); a caller that
+    # reduces gradients next (data parallelism) broadcasts it later, so that the last stages
+    # start their allreduce while the first ones are still in the cool-down --
+    if broadcast_loss:
+        buf = B.xp.asarray([out["loss"] if out["loss"] is not None else 0.0], dtype="float64")
+        pp.bcast(buf, root=p - 1)
+        out["loss"] = float(buf[0])
+    out.update(stages=stages, ranges=ranges)
     return out

@@ -33,7 +33,8 @@ for sched in ("gpipe", "1f1b", "zb_h1"):
     cases.append((f"mlp-{sched}", mlp + [f"--schedule={sched}", "--microbatches=4"]))
 cases.append(("mlp-uneven", mlp + ["--schedule=1f1b", "--microbatches=3",
                                    "--layout=" + "|".join(["1"] * (pp - 1) + [str(7 - (pp - 1))])]))
-cases.append(("gpt-1f1b", gpt + ["--schedule=1f1b", "--microbatches=2"]))
+for sched in ("gpipe", "1f1b", "zb_h1"):
+    cases.append((f"gpt-{sched}", gpt + [f"--schedule={sched}", "--microbatches=2"]))
 cases.append(("gpt-interleaved", gpt + ["--schedule=interleaved", "--virtual=2", f"--microbatches={pp}"]))
 for name, args in cases:
     if tp > 1 and name.startswith("mlp"):
