@@ -319,6 +319,10 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
                                 if k in ("test_acc", "test_loss", "val_loss"))
                 say(_progress(done, task.steps, row["loss"], row["samples_per_s"],
                               time.perf_counter() - t_start) + extra)
+        if par is not None and par.local is not None:   # pipeline: peak live activations
+            peaks = comm.gather(int(getattr(par, "peak_stage_bytes", 0)), root=0)
+            if log is not None:
+                log.set_plan({"peak_activation_bytes_per_rank": peaks})
         status = "finished"
     finally:
         if log is not None:

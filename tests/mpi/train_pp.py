@@ -59,6 +59,8 @@ for name, args in cases:
         key = "val_loss" if name.startswith("gpt") else "test_loss"
         np.testing.assert_allclose(s[key], run.metrics[key], rtol=0, atol=1e-10)
         assert run.plan["pp"] == pp and len(run.plan["stages"]) >= pp
+        peaks = run.plan["peak_activation_bytes_per_rank"]
+        assert len(peaks) == p and all(b > 0 for b in peaks), peaks
         kinds = set(run.timeline["kind"].tolist())
         assert {"F", "B"} <= kinds or {"forward", "backward"} <= kinds, kinds
     world.Barrier()
