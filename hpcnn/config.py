@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import json
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MODELS = ("mlp", "cnn", "gpt")
 DATASETS = ("digits", "shakespeare", "sonnet")

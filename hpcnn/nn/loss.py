@@ -5,6 +5,22 @@ from hpcnn import backend as B
 from hpcnn.nn.core import BlockSpec
 
 
+def checked_targets(logits_shape, targets, vocab: int, ignore_index: int):
+    """Flat targets with ignored entries set to 0, and the mask of counted rows: ``(tt, valid)``,
+    both (N,). Raises ValueError on a shape mismatch or an id outside [0, vocab)."""
+    xp = B.xp
+    if tuple(targets.shape) != tuple(logits_shape[:-1]):
+        raise ValueError(f"targets shape {targets.shape} != logits shape without the last "
+                         f"dimension {tuple(logits_shape[:-1])}")
+    t = targets.reshape(-1)
+    valid = t != ignore_index
+    tt = xp.where(valid, t, 0)
+    if tt.size and (int(tt.min()) < 0 or int(tt.max()) >= vocab):
+        raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index "
+                         f"{ignore_index}; got range [{int(tt.min())}, {int(tt.max())}]")
+    return tt, valid
+
+
 class SoftmaxCrossEntropy:
     """Mean over the batch of -log softmax(logits)[target], skipping ``ignore_index`` targets.
 
@@ -26,16 +42,8 @@ class SoftmaxCrossEntropy:
     def forward(self, logits, targets):
         xp = B.xp
         V = logits.shape[-1]
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(f"targets shape {targets.shape} != logits shape without the last "
-                             f"dimension {logits.shape[:-1]}")
+        tt, valid = checked_targets(logits.shape, targets, V, self.ignore_index)   # (N,)
         z = logits.reshape(-1, V)                                  # (N, V)
-        t = targets.reshape(-1)                                    # (N,)
-        valid = t != self.ignore_index
-        tt = xp.where(valid, t, 0)
-        if tt.size and (int(tt.min()) < 0 or int(tt.max()) >= V):
-            raise ValueError(f"targets must lie in [0, {V}) or equal ignore_index "
-                             f"{self.ignore_index}; got range [{int(tt.min())}, {int(tt.max())}]")
         zmax = z.max(axis=1, keepdims=True)
         e = xp.exp(z - zmax)                                       # (N, V)
         s = e.sum(axis=1, keepdims=True)

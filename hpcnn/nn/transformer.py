@@ -47,6 +47,22 @@ def _residual_spec(name, x_shape, dtype):
     return BlockSpec(name, tuple(x_shape), tuple(x_shape), n, n, nb, nb, 0, 0)
 
 
+def check_tokens(name: str, tokens, max_len: int, vocab: int) -> int:
+    """Raise ValueError unless ``tokens`` are integer ids in [0, vocab) of shape (B, T <= max_len);
+    returns T."""
+    if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
+        raise ValueError(f"{name}: tokens must be integers of shape (B, T), got "
+                         f"{tokens.dtype} {tuple(tokens.shape)}")
+    T = tokens.shape[1]
+    if T > max_len:
+        raise ValueError(f"{name}: sequence length {T} > max_len {max_len}")
+    if tokens.size:
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name}: token ids must lie in [0, {vocab}), got range [{lo}, {hi}]")
+    return T
+
+
 class Embedding(Block):
     """y = wte[tokens] + wpe[:T]: learned token and position embeddings.
 
@@ -68,17 +84,7 @@ class Embedding(Block):
         self.params = [self.wte, self.wpe]
 
     def forward(self, tokens):
-        if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
-            raise ValueError(f"{self.name}: tokens must be integers of shape (B, T), got "
-                             f"{tokens.dtype} {tuple(tokens.shape)}")
-        T = tokens.shape[1]
-        if T > self.max_len:
-            raise ValueError(f"{self.name}: sequence length {T} > max_len {self.max_len}")
-        if tokens.size:
-            lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < 0 or hi >= self.vocab:
-                raise ValueError(f"{self.name}: token ids must lie in [0, {self.vocab}), "
-                                 f"got range [{lo}, {hi}]")
+        T = check_tokens(self.name, tokens, self.max_len, self.vocab)
         y = self.wte.data[tokens]                        # (B, T, C)
         y += self.wpe.data[:T]                           # (T, C) broadcast over B
         return y, tokens

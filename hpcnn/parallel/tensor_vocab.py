@@ -17,7 +17,8 @@ import numpy
 
 from hpcnn import backend as B
 from hpcnn.nn.core import Block, BlockSpec
-from hpcnn.nn.transformer import Embedding
+from hpcnn.nn.loss import checked_targets
+from hpcnn.nn.transformer import Embedding, check_tokens
 from hpcnn.parallel.tensor import TPParameter, seq_local, shard_array
 from hpcnn.parallel.tp_comm import Reduce, ReduceScatterSeq, Volume, allreduce_max, check_divides
 
@@ -51,19 +52,9 @@ class VocabParallelEmbedding(Block):
 
     def forward(self, tokens):
         xp = B.xp
-        if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
-            raise ValueError(f"{self.name}: tokens must be integers of shape (B, T), got "
-                             f"{tokens.dtype} {tuple(tokens.shape)}")
-        T = tokens.shape[1]
-        if T > self.max_len:
-            raise ValueError(f"{self.name}: sequence length {T} > max_len {self.max_len}")
+        T = check_tokens(self.name, tokens, self.max_len, self.vocab)
         if self.sequence_parallel:
             check_divides(f"{self.name}: sequence length", T, self.comm.size)
-        if tokens.size:
-            lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < 0 or hi >= self.vocab:
-                raise ValueError(f"{self.name}: token ids must lie in [0, {self.vocab}), "
-                                 f"got range [{lo}, {hi}]")
         local = tokens - self.lo                                   # (B, T) ids in this shard
         own = (local >= 0) & (local < self.vocab_local)            # (B, T) rows held here
         idx = xp.where(own, local, 0)                              # (B, T)
@@ -130,16 +121,8 @@ class VocabParallelCrossEntropy:
         xp = B.xp
         Vl = logits.shape[-1]
         V, lo = Vl * self.comm.size, Vl * self.comm.rank
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(f"targets shape {targets.shape} != logits shape without the last "
-                             f"dimension {logits.shape[:-1]}")
+        tt, valid = checked_targets(logits.shape, targets, V, self.ignore_index)   # (N,)
         z = logits.reshape(-1, Vl)                                 # (N, V/tp)
-        t = targets.reshape(-1)                                    # (N,)
-        valid = t != self.ignore_index
-        tt = xp.where(valid, t, 0)
-        if tt.size and (int(tt.min()) < 0 or int(tt.max()) >= V):
-            raise ValueError(f"targets must lie in [0, {V}) or equal ignore_index "
-                             f"{self.ignore_index}; got range [{int(tt.min())}, {int(tt.max())}]")
         zmax = z.max(axis=1)                                       # (N,) local maxima
         allreduce_max(self.comm, zmax)                             # (N,) max over V
         e = xp.exp(z - zmax[:, None])                              # (N, V/tp)
