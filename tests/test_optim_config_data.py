@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hpcnn import data as D
-from hpcnn.config import ConfigError, TrainConfig, parse_overrides
+from hpcnn.config import ConfigError, parse_overrides
 from hpcnn.nn.core import Parameter
 from hpcnn.nn.optim import AdamW, SGD, clip_grad_norm, lr_at
 

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run

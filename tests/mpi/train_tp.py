@@ -8,7 +8,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn.config import ConfigError, parse_overrides
+from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
 from hpcnn.parallel.tensor import shard_array
 from hpcnn.train import train
