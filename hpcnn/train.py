@@ -24,6 +24,7 @@ from hpcnn import data as D
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.nn import models
 from hpcnn.nn.optim import clip_grad_norm, grad_norm_sq, lr_at, make_optimizer
+from hpcnn.parallel.data import dloss_for, shard
 
 TEXT_DEFAULT_STEPS = 1000
 VAL_SEED = 2**31 - 1          # validation windows are the same for every run
@@ -341,27 +342,19 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     return out
 
 
-def _dloss_scale(cfg, par, local: int) -> float:
-    """Weight of a rank's local mean gradient in the sum over replicas: b_i/B (weighted, the
-    exact full-batch gradient) or 1/P (uniform mean of the replicas' gradients)."""
-    if cfg.combine == "weighted" or par is None:
-        return local / cfg.batch_size
-    return 1.0 / par.size
-
-
-def _local_step(cfg, task, par, xg, yg, mine, rank, t_start):
+def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start):
     """Forward/backward of this rank's rows in ``grad_accum`` micro-batches (no pipeline)."""
     model = task.model
     model.zero_grad()
     loss_sum, events = 0.0, []
-    scale = _dloss_scale(cfg, par, len(mine))
     chunks = [c for c in numpy.array_split(mine, cfg.grad_accum) if len(c)]
     for k, rows in enumerate(chunks):
         x, y = task.to_device(xg[rows], yg[rows])
         ta = time.perf_counter()
         loss, caches = model.forward(x, y)
         tb = time.perf_counter()
-        dloss = scale * len(rows) / len(mine)          # micro-batch share of the local mean
+        # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
+        dloss = dloss_for(cfg.combine, len(rows), shares, local=len(mine))
         if par is not None:
             par.engine.backward(caches, dloss, sync=k == len(chunks) - 1)
         else:
@@ -374,11 +367,11 @@ def _local_step(cfg, task, par, xg, yg, mine, rank, t_start):
     return loss_sum, events
 
 
-def _pipeline_step(cfg, task, par, x, y, t_start):
+def _pipeline_step(cfg, task, par, x, y, shares, t_start):
     """This rank's part of the pipelined forward/backward of its data-parallel shard."""
     from hpcnn.parallel.pipeline import train_step
     x, y = task.to_device(x, y)
-    scale = _dloss_scale(cfg, par, len(x))
+    scale = dloss_for(cfg.combine, len(x), shares)   # b_i/B (weighted) or 1/P (uniform)
     out = train_step(cfg.schedule, task.model, par.pp, x, y, cfg.microbatches,
                      ranges=par.ranges, virtual=cfg.virtual, clock=time.perf_counter,
                      t0=t_start, rank=par.grid.rank, dloss_scale=scale, broadcast_loss=False)
@@ -395,15 +388,14 @@ def _train_step(cfg, task, par, opt, step, t_start):
     lr = lr_at(step, cfg.lr, task.steps, cfg.warmup, cfg.min_lr, cfg.lr_schedule)
     shares = par.balancer.shares if par else numpy.array([cfg.batch_size])
     xg, yg = task.global_batch(step)
-    lo = int(numpy.sum(shares[:rank]))
-    mine = numpy.arange(lo, lo + int(shares[rank]))
+    mine = shard(numpy.arange(cfg.batch_size), shares, rank)
     comm_before = par.stats.comm_seconds if par else 0.0
     bytes_before = par.stats.bytes_sent if par else 0
     t0 = time.perf_counter()
     if par is not None and par.local is not None:
-        loss_sum, events = _pipeline_step(cfg, task, par, xg[mine], yg[mine], t_start)
+        loss_sum, events = _pipeline_step(cfg, task, par, xg[mine], yg[mine], shares, t_start)
     else:
-        loss_sum, events = _local_step(cfg, task, par, xg, yg, mine, wrank, t_start)
+        loss_sum, events = _local_step(cfg, task, par, xg, yg, mine, shares, wrank, t_start)
     compute = time.perf_counter() - t0
     if par is not None:
         pad = par.slowdown.pad(compute)
