@@ -96,7 +96,9 @@ class BlockSpec:
     weight gradient). bytes_x is the input, bytes_y the output, bytes_cache what ``forward`` keeps
     for ``backward`` (arrays shared with x are counted too: it is what must stay alive),
     bytes_params the parameters (the gradients are as large again). comm_bytes is what one
-    forward+backward sends per rank (zero for serial blocks).
+    forward+backward sends per rank (zero for serial blocks). ``cache_has_x``/``cache_has_y``: the
+    cache holds the input/output array itself (counted in bytes_cache too): memory accounting
+    (:mod:`hpcnn.memory`) counts such an array once.
     """
 
     name: str
@@ -109,6 +111,8 @@ class BlockSpec:
     bytes_cache: int
     bytes_params: int
     comm_bytes: int = 0
+    cache_has_x: bool = False
+    cache_has_y: bool = False
     children: tuple = field(default=(), compare=False)
 
     def __add__(self, other: "BlockSpec") -> "BlockSpec":
@@ -120,7 +124,14 @@ class BlockSpec:
             bytes_cache=self.bytes_cache + other.bytes_cache,
             bytes_params=self.bytes_params + other.bytes_params,
             comm_bytes=self.comm_bytes + other.comm_bytes,
+            cache_has_x=self.cache_has_x, cache_has_y=other.cache_has_y,
             children=self.children + other.children)
+
+    @property
+    def bytes_cache_own(self) -> int:
+        """Bytes of the cache that are neither the input nor the output array."""
+        return (self.bytes_cache - (self.bytes_x if self.cache_has_x else 0)
+                - (self.bytes_y if self.cache_has_y else 0))
 
     @staticmethod
     def compose(name: str, specs) -> "BlockSpec":

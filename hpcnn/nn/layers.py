@@ -97,7 +97,7 @@ class Linear(Block):
         return BlockSpec(self.name, tuple(x_shape), out_shape, mm + (n * self.n_out if self.bias else 0),
                          2 * mm + (n * self.n_out if self.bias else 0),
                          nb, B.nbytes(out_shape, self.dtype), nb,
-                         sum(B.nbytes(p.shape, self.dtype) for p in self.params))
+                         sum(B.nbytes(p.shape, self.dtype) for p in self.params), cache_has_x=True)
 
 
 class ReLU(Block):
@@ -119,7 +119,8 @@ class ReLU(Block):
     def spec(self, x_shape):
         nb = B.nbytes(x_shape, self.dtype)
         n = nb // self.dtype.itemsize
-        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), n, 2 * n, nb, nb, nb, 0)
+        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), n, 2 * n, nb, nb, nb, 0,
+                         cache_has_y=True)
 
 
 class GELU(Block):

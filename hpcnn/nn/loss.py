@@ -66,6 +66,8 @@ class SoftmaxCrossEntropy:
         return d.reshape(shape)
 
     def spec(self, x_shape, dtype=B.DEFAULT_DTYPE):
+        """The cache is the probabilities, the flat targets (int64 assumed) and the row mask."""
         nb = B.nbytes(x_shape, dtype)
         n = nb // B.dtype_of(dtype).itemsize
-        return BlockSpec(self.name, tuple(x_shape), (), 5 * n, 3 * n, nb, 8, nb, 0)
+        rows = n // max(int(x_shape[-1]), 1) if len(x_shape) else 0
+        return BlockSpec(self.name, tuple(x_shape), (), 5 * n, 3 * n, nb, 8, nb + 9 * rows, 0)

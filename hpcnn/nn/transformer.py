@@ -111,7 +111,7 @@ class Embedding(Block):
         ny = Bn * T * self.dim
         return BlockSpec(self.name, tuple(x_shape), out_shape, ny, 2 * ny, nb_tok,
                          B.nbytes(out_shape, self.dtype), nb_tok,
-                         sum(B.nbytes(p.shape, self.dtype) for p in self.params))
+                         sum(B.nbytes(p.shape, self.dtype) for p in self.params), cache_has_x=True)
 
 
 class CausalSelfAttention(Block):

@@ -1,0 +1,1 @@
+"""Memory saving: rematerialization (rotor), activation offloading, memory accounting."""
