@@ -43,9 +43,9 @@ def cnn(in_ch: int = 1, image: int = 8, channels=(16, 32), hidden: int = 64, n_o
     for i, co in enumerate(channels):
         blocks.append(Conv2d(c, int(co), 3, padding=1, seed=seed, index=len(blocks), dtype=dtype,
                              name=f"conv{i}"))
-        blocks += [ReLU(dtype=dtype), pools[pool](2)]
+        blocks += [ReLU(dtype=dtype), pools[pool](2, dtype=dtype)]
         c, side = int(co), side // 2
-    blocks.append(Flatten())
+    blocks.append(Flatten(dtype=dtype))
     feat = c * side * side
     blocks.append(Linear(feat, hidden, seed=seed, index=len(blocks), dtype=dtype, name="fc0",
                          init_std=(2.0 / feat) ** 0.5))

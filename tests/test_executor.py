@@ -1,0 +1,167 @@
+"""Executing rotor sequences on real chains: gradients equal store-all, the account matches the
+simulator, and tracemalloc agrees with the account."""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from hpcnn import data as D
+from hpcnn.memory import profile as P, rotor, sequence as S
+from hpcnn.memory.executor import Executor, live_bytes, store_all_reference
+from hpcnn.memory.simulate import simulate
+from hpcnn.nn import models
+
+F64 = np.float64
+
+
+def mlp():
+    return models.mlp(64, (96, 96, 96, 96), 10, dtype=F64, seed=3)
+
+
+def gpt():
+    return models.gpt(32, block_size=16, n_layers=3, dim=32, n_heads=4, dropout=0.2, seed=3,
+                      dtype=F64)
+
+
+def cnn():
+    return models.cnn(1, 8, (4, 8), 16, dtype=F64, seed=3)
+
+
+def batch(kind):
+    if kind == "gpt":
+        rng = np.random.default_rng(0)
+        tok = rng.integers(0, 32, (6, 16))
+        return tok, np.roll(tok, -1, axis=1)
+    d = D.digits(image=kind == "cnn")
+    return d.x_train[:40].astype(F64), d.y_train[:40]
+
+
+BUILD = {"mlp": mlp, "gpt": gpt, "cnn": cnn}
+
+
+def grads(chain):
+    return [p.grad.copy() for p in chain.params]
+
+
+def reference(kind, steps=2):
+    """Store-all over ``steps`` steps (dropout counters advance): losses, dx, grads per step."""
+    chain, (x, y) = BUILD[kind](), batch(kind)
+    out = []
+    for _ in range(steps):
+        chain.zero_grad()
+        loss, dx = store_all_reference(chain, x, y)
+        out.append((loss, dx, grads(chain)))
+    return out
+
+
+def sequences(prof):
+    n = len(prof)
+    solver = rotor.Solver(prof, slots=300)
+    seqs = {"store_all": S.store_all(n), "sqrt": S.segments(n), "revolve2": S.revolve(n, 2)}
+    for frac in (0.35, 0.5, 0.7):
+        budget = max(solver.least, frac * solver.top)
+        seqs[f"optimal{frac}"] = solver.solve(budget).sequence
+    return seqs
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "cnn"])
+def test_sequences_give_store_all_gradients(kind):
+    ref = reference(kind)
+    x, y = batch(kind)
+    prof = P.of_chain(BUILD[kind](), x.shape)
+    for name, seq in sequences(prof).items():
+        chain = BUILD[kind]()
+        ex = Executor(chain, seq, need_dx=kind != "gpt")
+        for step, (loss, dx, g) in enumerate(ref):
+            chain.zero_grad()
+            res = ex.run(x, y)
+            assert res.loss == pytest.approx(loss, rel=0, abs=1e-12), (name, step)
+            if dx is not None:
+                np.testing.assert_allclose(res.dx, dx, rtol=0, atol=1e-12)
+            for a, b in zip(grads(chain), g):
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-12, err_msg=f"{name} {step}")
+        sim = simulate(seq, prof)
+        if kind == "cnn":            # Flatten's output is a view: the model over-counts it
+            assert res.peak <= sim.peak, name
+        else:
+            assert res.peak == sim.peak, (name, res.peak, sim.peak)
+
+
+def test_recompute_restores_dropout_state():
+    chain, (x, y) = gpt(), batch("gpt")
+    seq = S.revolve(len(chain) + 1, 1)
+    Executor(chain, seq).run(x, y)
+    ref = gpt()
+    store_all_reference(ref, x, y)
+    assert chain.rng_state() == ref.rng_state()
+
+
+def test_tracemalloc_agrees_with_the_account():
+    """Traced growth during the step <= the account's peak + the largest block transient."""
+    chain, (x, y) = mlp(), batch("mlp")
+    x = np.tile(x, (8, 1))
+    y = np.tile(y, 8)
+    measured = P.measure(chain, x, y, repeats=1)
+    transient = int(max(measured.of.max(), measured.ob.max()))
+    prof = P.of_chain(chain, x.shape)
+    solver = rotor.Solver(prof, slots=200)
+    for budget in (solver.least * 1.05, 0.6 * solver.top, solver.top):
+        seq = solver.solve(budget).sequence
+        ex = Executor(chain, seq)
+        chain.zero_grad()
+        ex.run(x, y)                                   # warm-up: scratch buffers, lazy grads
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            res = ex.run(x, y)
+            traced = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        assert res.peak <= budget
+        assert traced <= res.peak + transient + (64 << 10), (budget, traced, res.peak, transient)
+        # the account is not an over-estimate either: tracemalloc sees at least the stored values
+        assert traced >= res.peak - x.nbytes - (64 << 10)
+
+
+def test_live_bytes_counts_views_once():
+    a = np.zeros(1000)
+    assert live_bytes(a, a[:10], (a.reshape(10, 100),)) == a.nbytes
+    assert live_bytes([a, np.ones(5)], {"k": None}) == a.nbytes + 40
+
+
+def test_executor_rejects_bad_sequences():
+    chain = mlp()
+    with pytest.raises(ValueError, match="first backward must be B"):
+        Executor(chain, [S.Op("F_all", 0), S.Op("B", 0)])
+    with pytest.raises(ValueError, match="OffloadChannel"):
+        Executor(chain, S.store_all(len(chain) + 1) + [S.Op("OFF", 1, "x")])
+
+
+def test_spec_alias_flags_match_the_caches():
+    """cache_has_x / cache_has_y and bytes_cache_own describe the real cache of every block."""
+    from hpcnn.memory.executor import _arrays, _root
+    from hpcnn.nn.conv import AvgPool2d, Conv2d, Flatten, MaxPool2d
+    from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU
+    from hpcnn.nn.transformer import (CausalSelfAttention, Embedding, MLPBlock,
+                                      TransformerBlock)
+    rng = np.random.default_rng(0)
+    seq3 = rng.standard_normal((2, 8, 16))
+    img = rng.standard_normal((2, 3, 8, 8))
+    cases = [(Linear(16, 8, dtype=F64), seq3), (ReLU(dtype=F64), seq3), (GELU(dtype=F64), seq3),
+             (LayerNorm(16, dtype=F64), seq3), (Dropout(0.3, dtype=F64), seq3),
+             (CausalSelfAttention(16, 4, dropout=0.1, dtype=F64), seq3),
+             (MLPBlock(16, dropout=0.1, dtype=F64), seq3),
+             (TransformerBlock(16, 4, dropout=0.1, dtype=F64), seq3),
+             (Embedding(20, 16, 8, dtype=F64), rng.integers(0, 20, (2, 8))),
+             (Conv2d(3, 4, 3, padding=1, dtype=F64), img), (MaxPool2d(2, dtype=F64), img),
+             (AvgPool2d(2, dtype=F64), img), (Flatten(dtype=F64), img)]
+    for block, x in cases:
+        y, cache = block.forward(x)
+        s = block.spec(x.shape)
+        roots = {id(_root(a)) for a in _arrays(cache, [])}
+        assert s.cache_has_x == (id(_root(x)) in roots), block
+        assert s.cache_has_y == (id(_root(y)) in roots), block
+        own = live_bytes(*[a for a in _arrays(cache, [])
+                           if _root(a) is not _root(x) and _root(a) is not _root(y)])
+        assert s.bytes_cache_own == own, (block, s.bytes_cache_own, own)
+        assert s.bytes_y == y.nbytes and s.bytes_x == x.nbytes, block
