@@ -68,6 +68,10 @@ class TrainConfig:
     slowdown: str = ""                  # EMULATION of slower replicas on one machine: "rank:factor,..."
     slowdown_mode: str = "sleep"        # sleep (independent slower device) | spin (burns the core)
     shard: str = "contiguous"           # contiguous | skewed (global batch sorted by class before splitting)
+    # -- memory -----------------------------------------------------------------------------
+    remat: str = "none"                 # none | sqrt (uniform checkpoints) | optimal (rotor, within memory_budget)
+    memory_budget: float = 0.0          # MiB of activations+caches per rank (a pipeline stage: all its micro-batches)
+    offload_gbps: float = 0.0           # remat=optimal: also offload activations over a link of this many GB/s
     # -- numerics and reproducibility -------------------------------------------------------
     seed: int = 0                       # initial weights, batch order and dropout masks
     dtype: str = "float32"              # float32 for training, float64 for exactness checks
@@ -147,6 +151,19 @@ class TrainConfig:
         need(self.batch_size >= self.dp * self.grad_accum,
              f"batch_size={self.batch_size} < dp*grad_accum={self.dp * self.grad_accum}: every "
              f"replica needs at least one sample per micro-batch")
+        need(self.remat in ("none", "sqrt", "optimal"),
+             f"remat={self.remat!r}: expected none, sqrt or optimal")
+        need(not (self.remat == "optimal" and not self.memory_budget > 0),
+             f"remat='optimal' needs --memory_budget > 0 (MiB), got {self.memory_budget}")
+        need(self.memory_budget >= 0 and self.offload_gbps >= 0,
+             f"memory_budget={self.memory_budget}, offload_gbps={self.offload_gbps}: must be >= 0")
+        need(not (self.offload_gbps > 0 and self.remat != "optimal"),
+             f"offload_gbps={self.offload_gbps} needs remat='optimal' (got {self.remat!r})")
+        need(not (self.remat != "none" and self.pp > 1 and self.schedule == "zb_h1"),
+             f"remat={self.remat!r} with schedule='zb_h1': a rematerialized stage runs its "
+             f"backward whole; use 1f1b, gpipe or interleaved")
+        need(not (self.remat != "none" and self.tp > 1),
+             f"remat={self.remat!r} with tp={self.tp}: not supported with tensor parallelism")
         need(self.log_interval >= 1, f"log_interval={self.log_interval}: must be >= 1")
         need(self.eval_interval >= 0, f"eval_interval={self.eval_interval}: must be >= 0")
         if errs:

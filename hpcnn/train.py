@@ -38,6 +38,7 @@ class Task:
     data: object
     model: object
     steps: int
+    remat: object = None              # a RematPolicy when --remat is not none
 
     @property
     def is_text(self) -> bool:
@@ -260,6 +261,13 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
         raise
     model = task.model
     rank = comm.Get_rank() if comm is not None else 0
+    if cfg.remat != "none":
+        try:
+            task.remat = _plan_remat(cfg, task, par, comm)
+        except Exception:
+            if par is not None:
+                par.free()
+            raise
     own = par.local if par is not None and par.local is not None else model
     opt = make_optimizer(cfg.optimizer, own.params, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay)
@@ -280,7 +288,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
                       "microbatches": cfg.microbatches, "virtual": cfg.virtual,
                       "stages": [list(r) for r in par.ranges] if par is not None and par.local is not None else [],
                       "sequence_parallel": cfg.sequence_parallel,
-                      "remat": "none", "grad_accum": cfg.grad_accum, "balance": cfg.balance,
+                      "remat": cfg.remat, "memory_budget_bytes": cfg.memory_budget * 2**20,
+                      "offload_gbps": cfg.offload_gbps, "grad_accum": cfg.grad_accum, "balance": cfg.balance,
                       "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
                       "overlap": cfg.overlap})
     say = (lambda s: print(s, flush=True)) if (rank == 0 and cfg.progress) else (lambda s: None)
@@ -324,6 +333,13 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
             peaks = comm.gather(int(getattr(par, "peak_stage_bytes", 0)), root=0)
             if log is not None:
                 log.set_plan({"peak_activation_bytes_per_rank": peaks})
+        if task.remat is not None:                      # sequences, predicted and measured peaks
+            rec = (task.remat.records, task.remat.measured_peak)
+            recs = comm.gather(rec, root=0) if comm is not None else [rec]
+            if log is not None:
+                log.set_plan({"remat_plans": [dict(r, rank=k) for k, (rs, _) in enumerate(recs)
+                                              for r in rs],
+                              "remat_measured_peak_bytes_per_rank": [m for _, m in recs]})
         status = "finished"
     finally:
         if log is not None:
@@ -333,13 +349,48 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
             log.close(status=status)
         if par is not None:
             par.free()
+        if task.remat is not None:
+            task.remat.close()
     out = dict(last)
     out.update(steps=task.steps, log=cfg.log, wall_s=time.perf_counter() - t_start,
                params=model.num_params(), model=model,
                local_params=[q.name for q in opt.params])   # this rank's (pipeline stages')
     if task.is_text:
         out["unigram_entropy"] = task.data.unigram_entropy()
+    if task.remat is not None:
+        out["remat_plans"] = task.remat.records
+        out["remat_measured_peak"] = task.remat.measured_peak
     return out
+
+
+def _plan_remat(cfg, task, par, comm):
+    """The rank's RematPolicy, with the first step's sequences solved on every rank; an
+    infeasible budget on any rank is raised on all of them (before the first collective of
+    training) with every rank's message."""
+    from hpcnn.memory.policy import RematPolicy
+    policy = RematPolicy(cfg.remat, cfg.memory_budget * 2**20, offload_gbps=cfg.offload_gbps)
+    err = ""
+    try:
+        rows = len(shard(numpy.arange(cfg.batch_size), par.balancer.shares, par.rank)) \
+            if par is not None else cfg.batch_size
+        x, _ = task.global_batch(0)
+        feat = tuple(x.shape[1:])
+        if par is not None and par.local is not None:
+            from hpcnn.parallel.pipeline import plan_remat
+            plan_remat(policy, cfg.schedule, task.model, par.ranges, par.pp, rows, feat,
+                       cfg.microbatches, cfg.virtual)
+        else:
+            for part in numpy.array_split(numpy.arange(rows), cfg.grad_accum):
+                if len(part):
+                    policy.executor(task.model, (len(part),) + feat, need_dx=False)
+    except ValueError as e:
+        err = str(e)
+    errs = comm.allgather(err) if comm is not None else [err]
+    bad = [f"rank {r}: {m}" for r, m in enumerate(errs) if m]
+    if bad:
+        policy.close()
+        raise ConfigError("--remat/--memory_budget: " + "; ".join(bad))
+    return policy
 
 
 def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start):
@@ -351,14 +402,25 @@ def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start):
     for k, rows in enumerate(chunks):
         x, y = task.to_device(xg[rows], yg[rows])
         ta = time.perf_counter()
-        loss, caches = model.forward(x, y)
+        if task.remat is not None:     # rematerialized: the executor keeps what its sequence says
+            ex = task.remat.executor(model, x.shape, need_dx=False)
+            loss, caches = ex.forward(x, y)
+        else:
+            loss, caches = model.forward(x, y)
         tb = time.perf_counter()
         # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
         dloss = dloss_for(cfg.combine, len(rows), shares, local=len(mine))
+        run = None
+        if task.remat is not None:
+            run = (lambda hook, ex=ex, st=caches, d=dloss: ex.backward(st, d, on_block_done=hook))
         if par is not None:
-            par.engine.backward(caches, dloss, sync=k == len(chunks) - 1)
+            par.engine.backward(caches, dloss, sync=k == len(chunks) - 1, run=run)
+        elif run is not None:
+            run(None)
         else:
             model.backward(caches, dloss, need_dx=False)
+        if task.remat is not None:
+            task.remat.note_peak(caches.peak)
         del caches
         tc = time.perf_counter()
         loss_sum += loss * len(rows)
@@ -374,7 +436,8 @@ def _pipeline_step(cfg, task, par, x, y, shares, t_start):
     scale = dloss_for(cfg.combine, len(x), shares)   # b_i/B (weighted) or 1/P (uniform)
     out = train_step(cfg.schedule, task.model, par.pp, x, y, cfg.microbatches,
                      ranges=par.ranges, virtual=cfg.virtual, clock=time.perf_counter,
-                     t0=t_start, rank=par.grid.rank, dloss_scale=scale, broadcast_loss=False)
+                     t0=t_start, rank=par.grid.rank, dloss_scale=scale, broadcast_loss=False,
+                     remat=task.remat)
     par.peak_stage_bytes = max(getattr(par, "peak_stage_bytes", 0), int(out.get("peak_bytes", 0)))
     loss = out["loss"] / scale * len(x) if out["loss"] is not None else 0.0   # last stage only
     return loss, list(out["events"])

@@ -82,6 +82,7 @@ class _State:
         self.peak = 0
         self.trace = []
         self.loss = None
+        self.hook = None
 
 
 class Executor:
@@ -115,9 +116,14 @@ class Executor:
         y = st.bars[self.n][0]
         return (st.loss if self.chain.loss is not None else y), st
 
-    def backward(self, st, dy=1.0):
-        """The remaining ops from the output gradient ``dy`` (the dloss factor with a loss)."""
+    def backward(self, st, dy=1.0, on_block_done=None):
+        """The remaining ops from the output gradient ``dy`` (the dloss factor with a loss).
+
+        ``on_block_done(i)`` is called after block i's backward, as in
+        :meth:`hpcnn.nn.chain.Chain.backward_blocks` (data parallelism launches buckets from it).
+        """
         st.delta = dy
+        st.hook = on_block_done
         while st.pos < len(self.seq):
             self._step(st, self.seq[st.pos])
             st.pos += 1
@@ -180,6 +186,8 @@ class Executor:
             del st.bars[i + 1]
             st.xs.pop(i, None)
             st.delta = new
+            if st.hook is not None and i < len(self.chain.blocks):
+                st.hook(i)
             return
         y, cache = self._forward(st, i, self._value(st, i))
         if kind == "F_all":

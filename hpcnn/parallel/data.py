@@ -182,15 +182,19 @@ class DataParallel:
         self.model.zero_grad()
 
     # -- the step ---------------------------------------------------------------------------------
-    def backward(self, caches, dloss: float = 1.0, sync: bool = True) -> None:
+    def backward(self, caches, dloss: float = 1.0, sync: bool = True, run=None) -> None:
         """Backward of one (micro-)batch, accumulating into the gradients.
 
         ``sync=True`` marks the last micro-batch of a step: its buckets are reduced (started
         during the backward with ``overlap``, else reduced after it, blocking). ``sync=False``
-        only accumulates; nothing is communicated.
+        only accumulates; nothing is communicated. ``run(on_block_done)``, if given, performs
+        the backward instead of ``model.backward(caches, ...)`` (a rematerializing executor).
         """
         hook = self._on_block_done if (sync and self.overlap) else None
-        self.model.backward(caches, dloss, need_dx=False, on_block_done=hook)
+        if run is not None:
+            run(hook)
+        else:
+            self.model.backward(caches, dloss, need_dx=False, on_block_done=hook)
         if sync and not self.overlap:
             self._launch_ready(-1)
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import time
 
+import numpy
+
 from hpcnn import backend as B
 from hpcnn.nn.layers import defer_weight_gradients
 from hpcnn.parallel import partition, schedules
@@ -49,6 +51,7 @@ class PipelineStage:
         if self.last and chain.loss is None:
             raise ValueError(f"stage {index} is the last of {n_stages} but {chain.name} has no loss")
         self._bytes = {}                                   # input shape -> (after F, after B)
+        self.remat, self.inflight = None, 1                # a RematPolicy, micro-batches in flight
 
     @staticmethod
     def _splittable(block) -> bool:
@@ -56,6 +59,12 @@ class PipelineStage:
 
     def forward(self, x, targets=None):
         """F: returns ``(y, caches)``, or ``(loss, caches)`` on the last stage (loss cache last)."""
+        if self.remat is not None:    # the sequence's forward part; the state is the "cache"
+            ex = self.remat.executor(self.chain, x.shape, need_dx=not self.first,
+                                     inflight=self.inflight)
+            out, state = ex.forward(x, targets)
+            state.executor = ex
+            return out, state
         if self.last:
             return self.chain.forward(x, targets)
         return self.chain.forward_blocks(x)
@@ -67,6 +76,10 @@ class PipelineStage:
         Linear skips ``backward_input``); with ``split`` the weight halves are not run but
         returned in ``pending`` as (block, dy, cache) for :meth:`weight`, else ``pending == []``.
         """
+        if self.remat is not None:
+            dx = caches.executor.backward(caches, dy)
+            self.remat.note_peak(caches.peak)
+            return (None if self.first else dx), []
         blocks = self.chain.blocks
         if self.last:
             dy = self.chain.loss.backward(dy, caches[-1])  # from loss, lc = loss.forward(out, t)
@@ -106,6 +119,13 @@ class PipelineStage:
                        if self._splittable(b) or b.params)
             self._bytes[key] = (sum(s.bytes_cache for s in specs), kept)
         return self._bytes[key]
+
+    def held_bytes(self, caches, x_shape) -> int:
+        """Bytes one micro-batch keeps between its F and its B: the caches (from ``spec``), or
+        with rematerialization what the executor's account holds after the forward part."""
+        if self.remat is not None:
+            return int(caches.trace[-1][1])
+        return self.cache_bytes(x_shape)[0]
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.index}/{self.n_stages}, {self.chain.name})"
@@ -174,7 +194,7 @@ def run_schedule(instrs, stages, pp_comm, micro_inputs, micro_targets, *, dloss,
                 losses[mb] = out
             else:
                 msgs[("ACT", mb, s)] = out
-            live[(s, mb)] = st.cache_bytes(shapes[mb][s])[0]
+            live[(s, mb)] = st.held_bytes(caches[(s, mb)], shapes[mb][s])
             inflight[s] += 1
         elif op == "B":
             st = mine[s]
@@ -258,9 +278,38 @@ def _pp_communicator(comm):
     return Communicator(comm, name="pp")
 
 
+def max_inflight(instrs) -> dict:
+    """Per stage: the most micro-batches between their F and their B in one rank's list."""
+    now, peak = {}, {}
+    for ins in instrs:
+        if ins.op in ("F", "B"):
+            now[ins.stage] = now.get(ins.stage, 0) + (1 if ins.op == "F" else -1)
+            peak[ins.stage] = max(peak.get(ins.stage, 0), now[ins.stage])
+    return peak
+
+
+def plan_remat(policy, schedule_name, chain, ranges, comm, rows: int, feat: tuple, n_micro: int,
+               virtual: int = 1) -> list:
+    """Solve the rematerialization sequences of this rank's stages for a batch of ``rows`` rows
+    of ``feat``-shaped samples (what :func:`train_step` would solve at its first F); returns the
+    stages with the policy attached."""
+    pp = _pp_communicator(comm)
+    lists = schedules.SCHEDULES[schedule_name](pp.size * int(virtual), n_micro, pp.size)
+    sizes = [len(a) for a in numpy.array_split(numpy.arange(rows), n_micro)]
+    shapes = boundary_shapes(chain, ranges, [(m,) + tuple(feat) for m in sizes])
+    stages = build_stages(chain, ranges, pp.rank, pp.size)
+    inflight = max_inflight(lists[pp.rank])
+    for st in stages:
+        st.remat, st.inflight = policy, max(1, inflight.get(st.index, 1))
+        for mb in range(n_micro):
+            policy.executor(st.chain, shapes[mb][st.index], need_dx=not st.first,
+                            inflight=st.inflight)
+    return stages
+
+
 def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout=None,
                virtual: int = 1, clock=None, t0=None, rank=None, dloss_scale: float = 1.0,
-               broadcast_loss: bool = True) -> dict:
+               broadcast_loss: bool = True, remat=None) -> dict:
     """One pipelined forward/backward of the global batch (x, y); the optimizer step is the caller's.
 
     ``comm``: ProcessGrid, pipeline Communicator or mpi4py communicator of p ranks. Stages: the
@@ -270,6 +319,10 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     dloss = dloss_scale * micro-batch size / global size (the global mean loss, scaled: data
     parallelism passes b_i/B so that the replicas' sum is the full-batch gradient). Every rank needs x and y for
     the shapes (the first stage reads x, the last y).
+
+    ``remat``: a :class:`hpcnn.memory.policy.RematPolicy`; each local stage then runs its
+    rematerialization sequence (forward part at F, the rest at B), its budget divided by the
+    micro-batches it holds at once in this schedule (:func:`max_inflight`).
 
     Returns :func:`run_schedule`'s dict with ``loss`` broadcast to every pipeline rank, plus
     ``stages`` (this rank's :class:`PipelineStage` s) and ``ranges``.
@@ -292,6 +345,13 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     shapes = boundary_shapes(chain, ranges, [a.shape for a in xs])
     dtype = chain.params[0].data.dtype
     stages = build_stages(chain, ranges, pp.rank, p)
+    if remat:                        # each stage's budget covers its micro-batches in flight
+        if any(i.op == "W" for i in lists[pp.rank]):
+            raise ValueError(f"schedule {schedule_name!r} splits backwards (W); rematerialized "
+                             f"stages run whole backwards")
+        inflight = max_inflight(lists[pp.rank])
+        for st in stages:
+            st.remat, st.inflight = remat, max(1, inflight.get(st.index, 1))
     # -- run: zero once, accumulate over micro-batches --
     for st in stages:
         st.chain.zero_grad()

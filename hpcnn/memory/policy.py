@@ -1,0 +1,103 @@
+"""The training loop's rematerialization policy: ``--remat {none,sqrt,optimal} --memory_budget``.
+
+One :class:`RematPolicy` per rank picks, per (chain, input shape), the sequence its chain runs and
+keeps its :class:`~.executor.Executor`:
+
+- ``sqrt``: uniform checkpointing in ⌈√blocks⌉ segments (:func:`.sequence.segments`), no budget;
+- ``optimal``: rotor's sequence (:class:`.rotor.Solver`, spec-based profile, roofline times with
+  rates calibrated once at start-up) within the budget; with ``offload_gbps`` > 0, the combined
+  remat + offloading heuristic (:mod:`.combine`) through a file channel (NumPy) or pinned host
+  memory (CuPy).
+
+The budget covers the activations, caches and gradients of one forward+backward (the account of
+:mod:`.executor`), per rank. A pipeline stage with k micro-batches in flight solves each for
+budget / k, so that k paused micro-batches and one running stay within the budget. Every choice
+is recorded (:attr:`RematPolicy.records`) for the run log's ``/plan``.
+"""
+from __future__ import annotations
+
+import time
+
+from hpcnn.memory import combine, profile as P, rotor, sequence as S
+from hpcnn.memory.executor import Executor
+
+MODES = ("none", "sqrt", "optimal")
+
+
+class RematPolicy:
+    def __init__(self, mode: str, budget_bytes: float = 0.0, *, slots: int = 500,
+                 offload_gbps: float = 0.0, rates: P.Rates | None = None):
+        if mode not in MODES:
+            raise ValueError(f"remat={mode!r}: expected one of {MODES}")
+        if mode == "optimal" and not budget_bytes > 0:
+            raise ValueError(f"remat='optimal' needs a memory budget > 0, got {budget_bytes}")
+        if offload_gbps < 0 or (offload_gbps > 0 and mode != "optimal"):
+            raise ValueError(f"offload_gbps={offload_gbps}: must be >= 0, and > 0 only with "
+                             f"remat='optimal' (got remat={mode!r})")
+        self.mode, self.budget, self.slots = mode, float(budget_bytes), int(slots)
+        self.bandwidth = offload_gbps * 1e9
+        self.rates = rates
+        self.records: list[dict] = []
+        self.measured_peak = 0
+        self._cache: dict = {}
+        self._channel = None
+
+    def __bool__(self) -> bool:
+        return self.mode != "none"
+
+    def executor(self, chain, x_shape, *, need_dx: bool = True, inflight: int = 1) -> Executor:
+        """The executor for ``chain`` on inputs of ``x_shape``, solved once and cached by the
+        chain's name (a pipeline rebuilds its stage sub-chains each step; they share blocks)."""
+        key = (chain.name, len(chain), tuple(x_shape), need_dx, int(inflight))
+        if key not in self._cache:
+            self._cache[key] = self._build(chain, tuple(x_shape), need_dx, int(inflight))
+        return self._cache[key]
+
+    def _build(self, chain, x_shape, need_dx, inflight):
+        if self.mode == "optimal" and self.rates is None:
+            self.rates = P.calibrate(chain.params[0].data.dtype if chain.params else "float32")
+        prof = P.of_chain(chain, x_shape, need_dx=need_dx, rates=self.rates)
+        t0 = time.perf_counter()
+        budget, channel = None, None
+        if self.mode == "sqrt":
+            seq = S.segments(len(prof), has_loss=chain.loss is not None)
+        else:
+            budget = self.budget / inflight
+            solver = rotor.Solver(prof, self.slots)
+            try:
+                if self.bandwidth > 0:
+                    sol = combine.solve(prof, budget, self.bandwidth, solver=solver)
+                else:
+                    sol = solver.solve(budget)
+            except rotor.InfeasibleBudget as e:
+                raise rotor.InfeasibleBudget(
+                    f"{chain.name} on input {x_shape} ({inflight} micro-batch(es) in flight): {e}",
+                    e.budget, e.minimum) from None
+            seq = sol.sequence
+            if any(op.kind == "OFF" for op in seq):
+                channel = self._open_channel()
+        from hpcnn.memory.simulate import simulate
+        sim = simulate(seq, prof, bandwidth=self.bandwidth or None, budget=budget)
+        self.records.append({
+            "chain": chain.name, "x_shape": list(x_shape), "policy": self.mode,
+            "offload_gbps": self.bandwidth / 1e9, "inflight": inflight,
+            "budget_bytes": budget or 0.0, "predicted_peak_bytes": float(sim.peak),
+            "store_all_bytes": float(prof.store_all_bytes()),
+            "predicted_time_s": float(sim.time), "store_all_time_s": prof.store_all_time,
+            "recomputed_forwards": S.recomputations(seq), "solve_s": time.perf_counter() - t0,
+            "sequence": S.fmt(seq)})
+        return Executor(chain, seq, channel=channel, need_dx=need_dx, prof=prof, budget=budget)
+
+    def _open_channel(self):
+        if self._channel is None:
+            from hpcnn.memory.offload import OffloadChannel
+            self._channel = OffloadChannel("auto")
+        return self._channel
+
+    def note_peak(self, peak: int) -> None:
+        self.measured_peak = max(self.measured_peak, int(peak))
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None

@@ -1,0 +1,60 @@
+"""The training loop with --remat under data and pipeline parallelism equals the serial loop.
+
+    mpiexec -n N python -m mpi4py tests/mpi/train_remat.py TMPDIR DP PP
+"""
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcnn.config import parse_overrides
+from hpcnn.log import read_run
+from hpcnn.train import train
+
+world = MPI.COMM_WORLD
+rank, p = world.Get_rank(), world.Get_size()
+tmp, dp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+gpt = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_size=8",
+       "--batch_size=8", "--n_layers=6", "--dtype=float64", "--steps=3", "--eval_interval=3",
+       "--log_interval=3", "--allreduce=mpi", "--progress=false"]
+
+
+def cfg(name, *extra):
+    return parse_overrides([f"--log={os.path.join(tmp, name)}", *gpt, *extra])
+
+
+serial = train(cfg(f"serial-r{rank}.h5"), comm=None)
+ref = {q.name: q.data for q in serial["model"].params}
+layout = [f"--dp={dp}", f"--pp={pp}"]
+mib = 0.12 if pp == 1 else 0.2 / dp   # gpipe holds 4 micro-batches: a quarter each
+cases = [("sqrt", ["--remat=sqrt"]),
+         ("optimal", ["--remat=optimal", f"--memory_budget={mib}"]),
+         ("offload", ["--remat=optimal", f"--memory_budget={mib}", "--offload_gbps=20"])]
+if pp > 1:
+    cases = [(f"{n}-{s}", a + [f"--schedule={s}", "--microbatches=4"])
+             for n, a in cases for s in ("1f1b", "gpipe")]
+for name, args in cases:
+    par = train(cfg(f"{name}.h5", *layout, *args), comm=world)
+    local = set(par["local_params"])
+    for q in par["model"].params:
+        if q.name in local:
+            err = np.max(np.abs(ref[q.name] - q.data))
+            assert err < 1e-10, (name, q.name, err)
+    if rank == 0:
+        run = read_run(os.path.join(tmp, f"{name}.h5"))
+        plans = run.plan["remat_plans"]
+        assert {r["rank"] for r in plans} == set(range(p)), plans
+        assert any(r["recomputed_forwards"] > 0 or "OFF(" in r["sequence"] for r in plans), name
+        measured = run.plan["remat_measured_peak_bytes_per_rank"]
+        assert len(measured) == p and all(m > 0 for m in measured)
+        for r in plans:
+            if r["policy"] == "optimal":          # each micro-batch's share of the budget
+                assert r["predicted_peak_bytes"] <= r["budget_bytes"] + 1e-6, r
+                assert abs(r["budget_bytes"] * r["inflight"] - mib * 2**20) < 1, r
+        if pp > 1 and "1f1b" in name:
+            assert max(r["inflight"] for r in plans) == pp
+    world.Barrier()
+if rank == 0:
+    print(f"train_remat OK on {p} ranks (dp={dp}, pp={pp})")

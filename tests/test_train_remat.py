@@ -1,0 +1,70 @@
+"""``hpcnn train --remat``: the same parameters as without it, serial and under MPI, and the plan
+(sequences, predicted and measured peaks) in the run log."""
+import numpy as np
+import pytest
+
+from hpcnn.config import ConfigError, parse_overrides
+from hpcnn.log import read_run
+from hpcnn.memory import profile as P, rotor
+from hpcnn.nn import models
+from hpcnn.train import train
+
+from mpi_util import run_mpi
+
+GPT = ("--model=gpt", "--dataset=sonnet", "--steps=4", "--batch_size=6", "--block_size=16",
+       "--dim=16", "--n_heads=2", "--n_layers=4", "--dropout=0.1", "--dtype=float64",
+       "--eval_interval=4", "--log_interval=2")
+
+
+def _run(tmp_path, name, *args):
+    return train(parse_overrides([f"--log={tmp_path / name}", "--progress=false", *args]))
+
+
+def _budget_mib(frac):
+    """A budget between the least feasible and store-all for the GPT above (vocab of the sonnet)."""
+    from hpcnn import data as D
+    vocab = D.shakespeare(fallback=True).vocab
+    chain = models.gpt(vocab, 16, 4, 16, 2, dropout=0.1, dtype=np.float64)
+    s = rotor.Solver(P.of_chain(chain, (6, 16), need_dx=False), 500)
+    return (s.least + frac * (s.top - s.least)) / 2**20
+
+
+@pytest.mark.parametrize("mode", ["sqrt", "optimal", "offload"])
+def test_remat_training_equals_plain_training(tmp_path, mode):
+    ref = _run(tmp_path, "none.h5", *GPT)
+    extra = {"sqrt": ["--remat=sqrt"],
+             "optimal": ["--remat=optimal", f"--memory_budget={_budget_mib(0.1)}"],
+             "offload": ["--remat=optimal", f"--memory_budget={_budget_mib(0.1)}",
+                         "--offload_gbps=50"]}[mode]
+    out = _run(tmp_path, f"{mode}.h5", *GPT, *extra)
+    for a, b in zip(ref["model"].params, out["model"].params):
+        np.testing.assert_allclose(b.data, a.data, rtol=0, atol=1e-10, err_msg=a.name)
+    r0, r1 = read_run(tmp_path / "none.h5"), read_run(tmp_path / f"{mode}.h5")
+    np.testing.assert_allclose(r1.metrics["loss"], r0.metrics["loss"], rtol=0, atol=1e-10)
+    plan = r1.plan
+    assert plan["remat"] == ("sqrt" if mode == "sqrt" else "optimal")
+    (rec,) = plan["remat_plans"]
+    assert rec["recomputed_forwards"] > 0 and rec["sequence"].startswith("F_")
+    (measured,) = plan["remat_measured_peak_bytes_per_rank"]
+    assert 0 < measured <= rec["predicted_peak_bytes"] < rec["store_all_bytes"]
+    if mode != "sqrt":
+        assert rec["predicted_peak_bytes"] <= plan["memory_budget_bytes"]
+    if mode == "offload":
+        assert "OFF(" in rec["sequence"] and "PRE(" in rec["sequence"]
+
+
+def test_remat_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="needs --memory_budget"):
+        _run(tmp_path, "a.h5", *GPT, "--remat=optimal")
+    with pytest.raises(ConfigError, match="offload_gbps=1.0 needs remat='optimal'"):
+        _run(tmp_path, "a.h5", *GPT, "--remat=sqrt", "--offload_gbps=1")
+    with pytest.raises(ConfigError, match="zb_h1"):
+        _run(tmp_path, "a.h5", *GPT, "--remat=sqrt", "--pp=2", "--schedule=zb_h1")
+    with pytest.raises(ConfigError, match="below the least feasible"):
+        _run(tmp_path, "a.h5", *GPT, "--remat=optimal", "--memory_budget=0.001")
+
+
+@pytest.mark.parametrize("n,dp,pp", [(2, 2, 1), (2, 1, 2), (4, 2, 2)])
+def test_remat_under_mpi_equals_serial(tmp_path, n, dp, pp):
+    out = run_mpi("train_remat", n, str(tmp_path), dp, pp, timeout=400)
+    assert f"train_remat OK on {n} ranks (dp={dp}, pp={pp})" in out
