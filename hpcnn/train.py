@@ -263,7 +263,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     rank = comm.Get_rank() if comm is not None else 0
     if cfg.remat != "none":
         try:
-            task.remat = _plan_remat(cfg, task, par, comm)
+            from hpcnn.memory.policy import for_training
+            task.remat = for_training(cfg, task, par, comm)
         except Exception:
             if par is not None:
                 par.free()
@@ -361,36 +362,6 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
         out["remat_plans"] = task.remat.records
         out["remat_measured_peak"] = task.remat.measured_peak
     return out
-
-
-def _plan_remat(cfg, task, par, comm):
-    """The rank's RematPolicy, with the first step's sequences solved on every rank; an
-    infeasible budget on any rank is raised on all of them (before the first collective of
-    training) with every rank's message."""
-    from hpcnn.memory.policy import RematPolicy
-    policy = RematPolicy(cfg.remat, cfg.memory_budget * 2**20, offload_gbps=cfg.offload_gbps)
-    err = ""
-    try:
-        rows = len(shard(numpy.arange(cfg.batch_size), par.balancer.shares, par.rank)) \
-            if par is not None else cfg.batch_size
-        x, _ = task.global_batch(0)
-        feat = tuple(x.shape[1:])
-        if par is not None and par.local is not None:
-            from hpcnn.parallel.pipeline import plan_remat
-            plan_remat(policy, cfg.schedule, task.model, par.ranges, par.pp, rows, feat,
-                       cfg.microbatches, cfg.virtual)
-        else:
-            for part in numpy.array_split(numpy.arange(rows), cfg.grad_accum):
-                if len(part):
-                    policy.executor(task.model, (len(part),) + feat, need_dx=False)
-    except ValueError as e:
-        err = str(e)
-    errs = comm.allgather(err) if comm is not None else [err]
-    bad = [f"rank {r}: {m}" for r, m in enumerate(errs) if m]
-    if bad:
-        policy.close()
-        raise ConfigError("--remat/--memory_budget: " + "; ".join(bad))
-    return policy
 
 
 def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start):

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import time
 
+import numpy
+
+from hpcnn.config import ConfigError
 from hpcnn.memory import combine, profile as P, rotor, sequence as S
 from hpcnn.memory.executor import Executor
 
@@ -101,3 +104,33 @@ class RematPolicy:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+
+
+def for_training(cfg, task, par, comm) -> RematPolicy:
+    """The training loop's policy (``cfg`` a resolved TrainConfig, ``par`` its parallel side or
+    None) with the first step's sequences solved on every rank. An infeasible budget on any rank
+    is raised on all of them, with every rank's message, before training communicates."""
+    policy = RematPolicy(cfg.remat, cfg.memory_budget * 2**20, offload_gbps=cfg.offload_gbps)
+    err = ""
+    try:
+        from hpcnn.parallel.data import shard
+        rows = len(shard(numpy.arange(cfg.batch_size), par.balancer.shares, par.rank)) \
+            if par is not None else cfg.batch_size
+        x, _ = task.global_batch(0)
+        feat = tuple(x.shape[1:])
+        if par is not None and par.local is not None:
+            from hpcnn.parallel.pipeline import plan_remat      # (pipeline imports memory)
+            plan_remat(policy, cfg.schedule, task.model, par.ranges, par.pp, rows, feat,
+                       cfg.microbatches, cfg.virtual)
+        else:
+            for part in numpy.array_split(numpy.arange(rows), cfg.grad_accum):
+                if len(part):
+                    policy.executor(task.model, (len(part),) + feat, need_dx=False)
+    except ValueError as e:
+        err = str(e)
+    errs = comm.allgather(err) if comm is not None else [err]
+    bad = [f"rank {r}: {m}" for r, m in enumerate(errs) if m]
+    if bad:
+        policy.close()
+        raise ConfigError("--remat/--memory_budget: " + "; ".join(bad))
+    return policy
