@@ -156,3 +156,16 @@ def test_invalid_sequences_are_named():
         simulate([S.Op("F_ck", 0)], p)
     with pytest.raises(SequenceError, match="offloaded"):
         simulate([S.Op("F_all", 0), S.Op("OFF", 1, "bar"), S.Op("F_all", 1)], p, bandwidth=1.0)
+
+
+def test_baselines_that_fit_are_never_refused():
+    """Slot rounding can put the table's least budget above a baseline's exact peak; the solver
+    then answers with the baseline (and never with something slower than a baseline that fits)."""
+    for seed in range(6):
+        p = random_chain(np.random.default_rng(100 + seed), 9)
+        solver = rotor.Solver(p, slots=20)              # coarse slots: rounding matters
+        for seq in [S.segments(9)] + [S.revolve(9, c) for c in (1, 2, 3)]:
+            r = simulate(seq, p)
+            assert solver.least <= r.peak
+            sol = solver.solve(r.peak)
+            assert sol.time <= r.time + 1e-12 and sol.peak <= r.peak

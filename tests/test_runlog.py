@@ -227,3 +227,15 @@ def test_report_on_empty_run(tmp_path):
     RunLog(path, {}, command_line="x")                      # never closed: "running"
     assert Path(make_report(path)).stat().st_size > 0
     assert "running" in summary(path) and "steps    0" in summary(path)
+
+
+def test_result_tables_round_trip(tmp_path):
+    from hpcnn.log.results import load_table, save_table
+    path = str(tmp_path / "r.h5")
+    save_table(path, "t", [{"a": 1, "b": 2.5, "c": "x"}, {"a": 2, "b": 3.5, "c": "yy"}],
+               attrs={"n": 3, "cfg": {"k": [1, 2]}})
+    cols, attrs = load_table(path, "t")
+    assert cols["a"].tolist() == [1, 2] and cols["b"].tolist() == [2.5, 3.5]
+    assert cols["c"].tolist() == ["x", "yy"] and attrs["n"] == 3
+    save_table(path, "u", [{"a": 1}], attrs=attrs)          # attrs read back (NumPy scalars)
+    assert load_table(path, "u")[1]["n"] == 3

@@ -40,6 +40,8 @@ def save_table(path: str, name: str, rows: list[dict], attrs: dict | None = None
                                                        else numpy.int64))
         g.attrs["saved"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for k, v in (attrs or {}).items():
+            if isinstance(v, numpy.generic):
+                v = v.item()                    # NumPy scalars, e.g. attrs read back by load_table
             if isinstance(v, str):
                 v = str(v)                      # plain str (subclasses such as versions too)
             elif not isinstance(v, (int, float, bool)):

@@ -111,7 +111,7 @@ def fit(seq, prof, budget, bandwidth, max_gaps: int = 64):
     return None
 
 
-def solve(prof, budget: float, bandwidth: float, *, slots: int = 500, candidates: int = 12,
+def solve(prof, budget: float, bandwidth: float, *, slots: int = 500, candidates: int = 32,
           solver: Solver | None = None) -> Solution:
     """The fastest remat+offload sequence found within ``budget`` bytes for a channel of
     ``bandwidth`` bytes/s (see the module docstring); never slower than remat alone."""

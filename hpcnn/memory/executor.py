@@ -19,7 +19,8 @@ a block allocates and frees inside one call (its transient) and the parameters a
 gradients: the constants to add when comparing with ``tracemalloc``.
 
 **Offloading** (OFF/PRE ops) goes through an :class:`~.offload.OffloadChannel`. An offloaded
-value is counted until the channel reports its copy done; a prefetched one from the PRE on. With
+value is counted until the channel reports its copy done (for a compute op: done before the op
+started), a prefetched one from the PRE on. With
 a ``budget`` and the profile, an op that would not fit waits for the oldest offloads to finish
 (the rule :func:`.simulate.simulate` models), so the account never exceeds the budget by waiting
 less than the simulator does.
@@ -83,6 +84,7 @@ class _State:
         self.trace = []
         self.loss = None
         self.hook = None
+        self.out_at_start = 0      # bytes in flight out when the current compute op started
 
 
 class Executor:
@@ -172,6 +174,9 @@ class Executor:
             return self._channel(st, op)
         self._fetch_needed(st, op)
         self._wait_room(st, op)
+        if self.channel is not None:        # copies still out at the start count for the op
+            self._retire(st)
+            st.out_at_start = sum(st.outgoing.values())
         if kind == "B":
             y, cache = st.bars[i + 1]
             stage = self.stages[i]
@@ -260,6 +265,9 @@ class Executor:
 
     def _account(self, st, op, *extra):
         live = self._live(st, *extra)
+        if op not in ("start",) and op.kind not in CHANNEL and st.out_at_start:
+            live += st.out_at_start - sum(st.outgoing.values())
+            st.out_at_start = 0
         st.peak = max(st.peak, live)
         st.trace.append((op, live))
         return live

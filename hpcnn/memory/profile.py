@@ -153,68 +153,80 @@ def of_chain(chain, x_shape, *, need_dx: bool = True, rates: Rates | None = None
     specs = chain.spec(x_shape)
     int_input = bool(specs[0].cache_has_x and specs[0].bytes_x and
                      type(chain.blocks[0]).__name__.endswith("Embedding"))
-    return from_specs(specs, has_loss=chain.loss is not None, need_dx=need_dx, rates=rates,
+    # without need_dx only a block with a separate weight backward skips producing dL/dx[0]
+    skips = not need_dx and hasattr(chain.blocks[0], "backward_weight")
+    return from_specs(specs, has_loss=chain.loss is not None, need_dx=not skips, rates=rates,
                       int_input=int_input)
 
 
 def measure(chain, x, targets=None, *, need_dx: bool = True, repeats: int = 3) -> ChainProfile:
-    """Profile with measured times (mean of ``repeats`` after a warm-up) and transients (``tracemalloc``, NumPy).
+    """Profile with measured times and transients.
 
-    Sizes stay those of the specs (they are exact for the blocks of :mod:`hpcnn.nn`); a block's
-    transient is its traced peak minus what it returns and keeps, never negative.
+    Times: the median of ``repeats`` passes after a warm-up, without tracing. Transients (NumPy):
+    one more pass under ``tracemalloc``, a block's traced peak minus what it returns and keeps,
+    never negative. Sizes stay those of the specs (exact for the blocks of :mod:`hpcnn.nn`).
+    The chain's RNG states are restored and its gradients zeroed afterwards.
     """
     base = of_chain(chain, x.shape, need_dx=need_dx)
     n = len(base)
-    uf, ub = numpy.zeros(n), numpy.zeros(n)
-    of, ob = numpy.zeros(n, dtype=numpy.int64), numpy.zeros(n, dtype=numpy.int64)
     stages = list(chain.blocks) + ([chain.loss] if chain.loss is not None else [])
+    uf, ub = numpy.zeros((repeats, n)), numpy.zeros((repeats, n))
+    of, ob = numpy.zeros(n, dtype=numpy.int64), numpy.zeros(n, dtype=numpy.int64)
     states = chain.rng_state()
     trace = B.xp is numpy and not tracemalloc.is_tracing()
-    if trace:
-        tracemalloc.start()
     try:
-        for r in range(repeats):
-            xs, caches, cur = [], [], x
-            for i, st in enumerate(stages):
-                xs.append(cur)
-                t0 = time.perf_counter()
-                if trace:
-                    tracemalloc.reset_peak()
-                out = st.forward(cur, targets) if i == n - 1 and chain.loss is not None \
-                    else st.forward(cur)
-                B.sync()
-                uf[i] += _mean_add(r, repeats, time.perf_counter() - t0)
-                if trace:
-                    cur_mem, peak = tracemalloc.get_traced_memory()
-                    of[i] = max(of[i], peak - cur_mem)
-                cur, c = out
-                caches.append(c)
-            dy = 1.0 if chain.loss is not None else B.xp.ones_like(cur)
-            for i in range(n - 1, -1, -1):
-                t0 = time.perf_counter()
-                if trace:
-                    tracemalloc.reset_peak()
-                    start = tracemalloc.get_traced_memory()[0]
-                dy = stages[i].backward(dy, caches[i])
-                B.sync()
-                ub[i] += _mean_add(r, repeats, time.perf_counter() - t0)
-                if trace:
-                    peak = tracemalloc.get_traced_memory()[1]
-                    ob[i] = max(ob[i], peak - start - (dy.nbytes if dy is not None else 0))
-                caches[i] = None
+        for r in range(-1, repeats + int(trace)):
+            traced = r == repeats
+            if traced:
+                tracemalloc.start()
+            try:
+                timed = (uf[r], ub[r]) if 0 <= r < repeats else None
+                _pass(chain, stages, x, targets, need_dx, timed, (of, ob) if traced else None)
+            finally:
+                if traced:
+                    tracemalloc.stop()
             chain.set_rng_state(states)
     finally:
-        if trace:
-            tracemalloc.stop()
         chain.zero_grad()
-    return replace(base, uf=uf, ub=ub, of=of, ob=ob)
+    return replace(base, uf=numpy.median(uf, axis=0), ub=numpy.median(ub, axis=0), of=of, ob=ob)
 
 
-def _mean_add(r, repeats, dt):
-    """Times are averaged over the repeats after the first (warm-up) when there are several."""
-    if repeats == 1:
-        return dt
-    return 0.0 if r == 0 else dt / (repeats - 1)
+def _pass(chain, stages, x, targets, need_dx, timed, transients):
+    """One forward and backward, stage by stage, timing into ``timed`` = (uf, ub) rows and/or
+    recording traced transients into ``transients`` = (of, ob)."""
+    n, has_loss = len(stages), chain.loss is not None
+    caches, cur = [], x
+    for i, st in enumerate(stages):
+        if transients is not None:
+            tracemalloc.reset_peak()
+        t0 = time.perf_counter()
+        cur, c = st.forward(cur, targets) if has_loss and i == n - 1 else st.forward(cur)
+        B.sync()
+        if timed is not None:
+            timed[0][i] = time.perf_counter() - t0
+        if transients is not None:
+            now, peak = tracemalloc.get_traced_memory()
+            transients[0][i] = max(transients[0][i], peak - now)
+        caches.append(c)
+    dy = 1.0 if has_loss else B.xp.ones_like(cur)
+    for i in range(n - 1, -1, -1):
+        if transients is not None:
+            tracemalloc.reset_peak()
+            start = tracemalloc.get_traced_memory()[0]
+        t0 = time.perf_counter()
+        if i == 0 and not need_dx and hasattr(stages[0], "backward_weight"):
+            stages[0].backward_weight(dy, caches[0])
+            dy = None
+        else:
+            dy = stages[i].backward(dy, caches[i])
+        B.sync()
+        if timed is not None:
+            timed[1][i] = time.perf_counter() - t0
+        if transients is not None:
+            peak = tracemalloc.get_traced_memory()[1]
+            kept = dy.nbytes if dy is not None else 0
+            transients[1][i] = max(transients[1][i], peak - start - kept)
+        caches[i] = None
 
 
 def slot_size(budget_bytes: float, slots: int) -> float:

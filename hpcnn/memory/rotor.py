@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy
 
 from hpcnn.memory.profile import ChainProfile
-from hpcnn.memory.sequence import Op, forward_run, store_all
+from hpcnn.memory.sequence import Op, forward_run, revolve, segments, store_all
 from hpcnn.memory.simulate import simulate
 
 INF = numpy.inf
@@ -128,6 +128,9 @@ class Solver:
     share one table and the makespan never increases with the budget; at or above the store-all
     peak the answer is store-all itself. Sizes are rounded up to whole slots, so a returned
     sequence's exact peak is within its budget (at a cost of up to a slot per stored value).
+    Near the least budget that rounding can make the table miss a sequence that fits exactly, so
+    the answer is the fastest of the table's and of the baselines (√L-style segments, Revolve)
+    whose exact peak fits: a set that only grows with the budget, so the time stays monotone.
     """
 
     def __init__(self, prof: ChainProfile, slots: int = 500):
@@ -141,6 +144,21 @@ class Solver:
         self.opt, self.choice = table(self.p, max(top - int(self.p.wx[0]), 0))
         finite = numpy.flatnonzero(numpy.isfinite(self.opt[0, len(prof) - 1]))
         self.least = float((finite[0] + self.p.wx[0]) * self.slot_bytes) if len(finite) else self.top
+        self.baselines = self._baselines()
+        self.least = min([self.least] + [peak for _, peak, _ in self.baselines])
+
+    def _baselines(self):
+        """(time, exact peak, sequence) of the √L-style segmentations and Revolve schedules:
+        rounding to slots can make the DP miss a budget that one of them fits exactly."""
+        n = len(self.prof)
+        blocks = max(1, n - 1)
+        seqs = [segments(n, k) for k in range(1, blocks + 1)]
+        seqs += [revolve(n, c) for c in range(1, min(n - 1, 8) + 1)]
+        out = []
+        for seq in seqs:
+            r = simulate(seq, self.prof)
+            out.append((float(r.time), float(r.peak), seq))
+        return out
 
     def solve(self, budget: float) -> Solution:
         """The fastest sequence whose peak stays within ``budget`` bytes; raises
@@ -153,15 +171,19 @@ class Solver:
                             self.slot_bytes)
         m = int(numpy.floor(budget / self.slot_bytes + 1e-9)) - int(self.p.wx[0])
         col = self.opt[0, len(self.prof) - 1]
-        if m < 0 or not numpy.isfinite(col[min(m, len(col) - 1)]):
+        m = min(m, len(col) - 1)
+        found = [(t, peak, seq, "baseline") for t, peak, seq in self.baselines if peak <= budget]
+        if m >= 0 and numpy.isfinite(col[m]):
+            seq = rebuild(self.p, self.choice, m)
+            found.append((float(col[m]), simulate(seq, self.prof).peak, seq, "optimal"))
+        if not found:
             raise InfeasibleBudget(
                 f"memory budget {budget / 2**20:.3f} MiB ({budget:.0f} B) is below the least "
                 f"feasible one for this chain: {self.least / 2**20:.3f} MiB ({self.least:.0f} B), "
                 f"to within one slot of {self.slot_bytes:.0f} B", budget, self.least)
-        m = min(m, len(col) - 1)
-        seq = rebuild(self.p, self.choice, m)
-        return Solution(seq, float(col[m]), simulate(seq, self.prof).peak, float(budget),
-                        self.slot_bytes)
+        t, peak, seq, how = min(found, key=lambda f: (f[0], f[3] != "optimal"))
+        return Solution(seq, t, peak, float(budget), self.slot_bytes,
+                        policy="optimal" if how == "optimal" else "optimal (baseline fits better)")
 
 
 def solve(prof: ChainProfile, budget: float, slots: int = 500) -> Solution:
