@@ -273,11 +273,6 @@ class Executor:
         return live
 
 
-def run_sequence(chain, seq, x, targets=None, **kw) -> RunResult:
-    """``Executor(chain, seq, **kw).run(x, targets)``."""
-    return Executor(chain, seq, **kw).run(x, targets)
-
-
 def store_all_reference(chain, x, targets=None):
     """The plain forward and backward (every cache kept): loss and dx, for comparisons."""
     loss, caches = chain.forward(x, targets)
@@ -285,4 +280,4 @@ def store_all_reference(chain, x, targets=None):
     return loss, dx
 
 
-__all__ = ["Executor", "RunResult", "live_bytes", "run_sequence", "store_all_reference"]
+__all__ = ["Executor", "RunResult", "live_bytes", "store_all_reference"]

@@ -18,7 +18,6 @@ Transients are 0 in the spec model and measured with ``tracemalloc`` by :func:`m
 """
 from __future__ import annotations
 
-import math
 import time
 import tracemalloc
 from dataclasses import dataclass, replace
@@ -72,12 +71,6 @@ class ChainProfile:
             return numpy.ceil(numpy.asarray(a, dtype=numpy.float64) / slot_bytes).astype(numpy.int64)
         return replace(self, wx=up(self.wx), wbar=up(self.wbar), wd=up(self.wd),
                        of=up(self.of), ob=up(self.ob))
-
-    def scaled(self, start: int, stop: int) -> "ChainProfile":
-        """Stages [start, stop) as a profile of their own."""
-        return ChainProfile(self.names[start:stop], self.uf[start:stop], self.ub[start:stop],
-                            self.wx[start:stop + 1], self.wbar[start:stop + 1],
-                            self.wd[start:stop + 1], self.of[start:stop], self.ob[start:stop])
 
 
 @dataclass(frozen=True)
@@ -227,10 +220,3 @@ def _pass(chain, stages, x, targets, need_dx, timed, transients):
             kept = dy.nbytes if dy is not None else 0
             transients[1][i] = max(transients[1][i], peak - start - kept)
         caches[i] = None
-
-
-def slot_size(budget_bytes: float, slots: int) -> float:
-    """Bytes per slot when ``budget_bytes`` is cut into ``slots`` slots."""
-    if slots < 1:
-        raise ValueError(f"slots must be >= 1, got {slots}")
-    return math.ceil(budget_bytes / slots) if budget_bytes >= slots else 1.0
