@@ -72,7 +72,9 @@ class RunResult:
 class _State:
     """One forward+backward in progress: stored values, position in the sequence, RNG states."""
 
-    def __init__(self, x):
+    def __init__(self, x, targets=None, executor=None):
+        self.targets = targets     # the loss's targets (a chain with a loss)
+        self.executor = executor   # who runs the rest (a pipeline keeps the state as the cache)
         self.xs = {0: x}           # checkpoints and values in flight: i -> x[i]
         self.bars = {}             # i -> (x[i], cache of stage i-1)
         self.delta = None          # current gradient
@@ -108,9 +110,7 @@ class Executor:
     # -- the two halves ---------------------------------------------------------------------------
     def forward(self, x, targets=None):
         """Ops before the first backward. Returns (output or loss, state)."""
-        st = _State(x)
-        st.targets = targets
-        st.delta_bytes = 0
+        st = _State(x, targets, self)
         self._account(st, "start")
         while st.pos < self.split:
             self._step(st, self.seq[st.pos])

@@ -62,9 +62,7 @@ class PipelineStage:
         if self.remat is not None:    # the sequence's forward part; the state is the "cache"
             ex = self.remat.executor(self.chain, x.shape, need_dx=not self.first,
                                      inflight=self.inflight)
-            out, state = ex.forward(x, targets)
-            state.executor = ex
-            return out, state
+            return ex.forward(x, targets)          # (output or loss, state: state.executor = ex)
         if self.last:
             return self.chain.forward(x, targets)
         return self.chain.forward_blocks(x)
