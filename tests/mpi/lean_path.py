@@ -1,0 +1,56 @@
+"""The C allreduce path (when built) and the Python one give the same sums and the same counts.
+
+    mpiexec -n N python -m mpi4py tests/mpi/lean_path.py EXPECT_C
+"""
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcnn.parallel import comm as C
+from hpcnn.parallel.comm import CommStats, Communicator
+
+world = MPI.COMM_WORLD
+rank, p = world.Get_rank(), world.Get_size()
+expect_c = sys.argv[1] == "1"
+
+fast = Communicator(world.Dup(), CommStats(), "fast")
+assert (type(fast.allreduce).__name__ == "Lean") == expect_c, type(fast.allreduce)
+saved, C._LEAN = C._LEAN, False                     # force the Python closure
+slow = Communicator(world.Dup(), CommStats(), "slow")
+C._LEAN = saved
+assert type(slow.allreduce).__name__ == "function"
+fast._auto_mpi_below = slow._auto_mpi_below = 1 << 16
+
+rng = np.random.default_rng(rank)
+cases = [rng.standard_normal(1000).astype(np.float32), rng.standard_normal((7, 5)),
+         rng.integers(-9, 9, 33), rng.integers(0, 9, 5).astype(np.int32),
+         rng.standard_normal(4) + 1j * rng.standard_normal(4),        # complex: general path
+         rng.standard_normal((6, 4))[:, ::2],                          # strided: general path
+         np.zeros(0), rng.standard_normal(1 << 15)]                    # empty; 256 KiB
+total = {i: world.allreduce(a.copy(), op=MPI.SUM) for i, a in enumerate(cases)}
+for alg in ("mpi", "auto", None):
+    for i, a in enumerate(cases):
+        outs = []
+        for com in (fast, slow):
+            b = a.copy()
+            r = com.allreduce(b) if alg is None else com.allreduce(b, algorithm=alg)
+            assert r is b
+            outs.append(b)
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_allclose(outs[0], total[i], rtol=1e-12, atol=1e-12)
+fa, sa = fast.stats.counter("allreduce", 2 * (p - 1), p), slow.stats.counter("allreduce", 2 * (p - 1), p)
+assert (fa.calls, fa.raw) == (sa.calls, sa.raw) == (3 * len(cases), 3 * sum(a.nbytes for a in cases))
+assert fa.seconds > 0 and fast.stats.bytes_sent == slow.stats.bytes_sent
+try:
+    fast.allreduce(cases[0], nope="mpi")
+    raise AssertionError("unknown keyword accepted")
+except TypeError as e:
+    assert "nope" in str(e) or "allreduce" in str(e), e
+try:
+    fast.allreduce(cases[0], algorithm="nope")
+    raise AssertionError("unknown algorithm accepted")
+except ValueError as e:
+    assert "nope" in str(e), e
+if rank == 0:
+    print(f"lean_path OK on {p} ranks ({'C' if expect_c else 'Python'} fast path)")
