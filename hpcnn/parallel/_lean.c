@@ -8,7 +8,8 @@
  *   Lean(comm, counter, general, ndarray, sampled_below, sample_every)
  *       lean(buf, algorithm="mpi") -> buf
  *   A C-contiguous writable ndarray of a basic numeric type, with algorithm "mpi" (or "auto"
- *   below lean.auto_below bytes), is summed in place by MPI_Allreduce with the GIL released;
+ *   below lean.auto_below bytes, or below lean.private_below outside the address ranges of
+ *   lean.shared), is summed in place by MPI_Allreduce with the GIL released;
  *   anything else is handed to general(buf, algorithm), the Python method.
  */
 #define PY_SSIZE_T_CLEAN
@@ -16,6 +17,7 @@
 #include <structmember.h>
 #include <mpi.h>
 #include <mpi4py/mpi4py.h>
+#include <stdint.h>
 #include <time.h>
 
 typedef struct {
@@ -57,8 +59,8 @@ typedef struct {
     PyObject_HEAD
     MPI_Comm comm;
     Counter *counter;
-    PyObject *general, *ndarray, *s_mpi, *s_auto;
-    long long auto_below, sampled_below, sample_every;
+    PyObject *general, *ndarray, *s_mpi, *s_auto, *shared;
+    long long auto_below, private_below, sampled_below, sample_every;
     vectorcallfunc vectorcall;
 } Lean;
 
@@ -83,6 +85,22 @@ static MPI_Datatype datatype(const char *fmt, Py_ssize_t itemsize) {
     case 'B': return MPI_UINT8_T;
     default: return MPI_DATATYPE_NULL;
     }
+}
+
+/* 1 if [p, p + n) lies in one of the (start, stop) address ranges of self->shared. */
+static int in_shared(Lean *self, const char *p, Py_ssize_t n) {
+    if (self->shared == NULL || !PyList_Check(self->shared)) return 0;
+    Py_ssize_t k = PyList_GET_SIZE(self->shared);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *r = PyList_GET_ITEM(self->shared, i);
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) continue;
+        unsigned long long a = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(r, 0));
+        unsigned long long b = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(r, 1));
+        if (PyErr_Occurred()) { PyErr_Clear(); continue; }
+        if ((unsigned long long)(uintptr_t)p + (unsigned long long)n > a
+            && (unsigned long long)(uintptr_t)p < b) return 1;
+    }
+    return 0;
 }
 
 static PyObject *fallback(Lean *self, PyObject *buf, PyObject *alg) {
@@ -124,8 +142,11 @@ static PyObject *Lean_vectorcall(PyObject *obj, PyObject *const *args, size_t na
         return fallback(self, buf, alg);
     }
     MPI_Datatype dt = datatype(view.format, view.itemsize);
-    if (dt == MPI_DATATYPE_NULL || (is_auto && view.len >= self->auto_below)
-        || view.len / view.itemsize > INT_MAX) {
+    /* auto: the library below auto_below, and below private_below for a buffer outside the
+       shared windows (those may take the zero-copy shm path) */
+    int lib = !is_auto || view.len < self->auto_below
+        || (view.len < self->private_below && !in_shared(self, view.buf, view.len));
+    if (dt == MPI_DATATYPE_NULL || !lib || view.len / view.itemsize > INT_MAX) {
         PyBuffer_Release(&view);
         return fallback(self, buf, alg);
     }
@@ -172,6 +193,8 @@ static int Lean_init(Lean *self, PyObject *args, PyObject *kw) {
     Py_XSETREF(self->s_mpi, PyUnicode_InternFromString("mpi"));
     Py_XSETREF(self->s_auto, PyUnicode_InternFromString("auto"));
     self->auto_below = 0;
+    self->private_below = 0;
+    Py_XSETREF(self->shared, PyList_New(0));
     self->sampled_below = sampled_below;
     self->sample_every = sample_every;
     self->vectorcall = Lean_vectorcall;
@@ -180,13 +203,17 @@ static int Lean_init(Lean *self, PyObject *args, PyObject *kw) {
 
 static void Lean_dealloc(Lean *self) {
     Py_XDECREF(self->counter); Py_XDECREF(self->general); Py_XDECREF(self->ndarray);
-    Py_XDECREF(self->s_mpi); Py_XDECREF(self->s_auto);
+    Py_XDECREF(self->s_mpi); Py_XDECREF(self->s_auto); Py_XDECREF(self->shared);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyMemberDef Lean_members[] = {
     {"auto_below", T_LONGLONG, offsetof(Lean, auto_below), 0,
      "'auto' takes this path below this many bytes"},
+    {"private_below", T_LONGLONG, offsetof(Lean, private_below), 0,
+     "'auto' also takes this path below this many bytes outside the shared ranges"},
+    {"shared", T_OBJECT, offsetof(Lean, shared), 0,
+     "list of (start, stop) addresses of the shared windows (zero-copy candidates)"},
     {"counter", T_OBJECT, offsetof(Lean, counter), READONLY, "the Counter bumped per call"},
     {NULL}
 };

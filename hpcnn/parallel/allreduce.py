@@ -128,8 +128,13 @@ def _lookup(comm):
     lk = comm._auto
     if lk is None:
         lk = comm._auto = compile_table(comm.allreduce_table or default_table(comm))
-        # with shared arrays about, the lean path stops where zero copy may start
-        comm._auto_mpi_below = min(lk[2], shm.ZERO_COPY_BYTES) if _has_shared(comm) else lk[2]
+        # with shared arrays about, the lean path stops where zero copy may start (the C path
+        # goes on for buffers outside the shared windows)
+        shared = _has_shared(comm)
+        comm._auto_mpi_below = min(lk[2], shm.ZERO_COPY_BYTES) if shared else lk[2]
+        ranges = [(sh.base, sh.base + sh.nbytes) for sh in comm._allreduce_state.node.shared] \
+            if shared else []
+        comm._set_private_auto(lk[2], ranges)
     return lk
 
 

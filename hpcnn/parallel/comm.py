@@ -302,6 +302,15 @@ class Communicator:
         self._lim[0] = nbytes
         if hasattr(self.__dict__.get("allreduce"), "auto_below"):
             self.allreduce.auto_below = nbytes              # the C path keeps its own copy
+            self.allreduce.private_below = 0                # until _set_private_auto
+
+    def _set_private_auto(self, nbytes: int, shared_ranges: list) -> None:
+        """C path only: ``auto`` also runs the library below ``nbytes`` for a buffer outside
+        ``shared_ranges`` ((start, stop) addresses of the shared windows)."""
+        fast = self.__dict__.get("allreduce")
+        if hasattr(fast, "private_below"):
+            fast.shared = list(shared_ranges)
+            fast.private_below = nbytes
 
     @property
     def allreduce_table(self):

@@ -135,6 +135,11 @@ class Node:
     def find(self, flat):
         """``(allocation, byte offset)`` if ``flat`` lies in one of my :func:`zeros` segments."""
         if self.shared:
+            root = flat
+            while isinstance(root.base, numpy.ndarray):
+                root = root.base
+            if root.base is None:                      # owns its memory: not a window's
+                return None
             addr = flat.__array_interface__["data"][0]
             for sh in self.shared:
                 if sh.base <= addr and addr + flat.nbytes <= sh.base + sh.nbytes:

@@ -42,6 +42,21 @@ for alg in ("mpi", "auto", None):
 fa, sa = fast.stats.counter("allreduce", 2 * (p - 1), p), slow.stats.counter("allreduce", 2 * (p - 1), p)
 assert (fa.calls, fa.raw) == (sa.calls, sa.raw) == (3 * len(cases), 3 * sum(a.nbytes for a in cases))
 assert fa.seconds > 0 and fast.stats.bytes_sent == slow.stats.bytes_sent
+# with shared arrays about, auto: zero copy for them, the library for private buffers
+from hpcnn.parallel import allreduce as AR  # noqa: E402
+shared = fast.shared_zeros(1 << 18, np.float32)                      # 1 MiB: zero copy
+private = np.empty(1 << 18, np.float32)
+vals = rng.standard_normal(1 << 18).astype(np.float32)
+want = world.allreduce(vals.copy(), op=MPI.SUM)
+for buf in (shared, private):
+    buf[...] = vals
+    fast.allreduce(buf, algorithm="auto")
+    np.testing.assert_allclose(buf, want, rtol=1e-5, atol=1e-5)
+if expect_c:
+    assert fast.allreduce.shared and fast.allreduce.private_below > 0
+    lo, hi = fast.allreduce.shared[0]
+    assert lo <= shared.__array_interface__["data"][0] < hi
+AR.free(fast)
 try:
     fast.allreduce(cases[0], nope="mpi")
     raise AssertionError("unknown keyword accepted")
