@@ -201,9 +201,22 @@ static int Lean_init(Lean *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+/* general is a method of the Communicator that holds this object: a cycle the GC must see. */
+static int Lean_traverse(Lean *self, visitproc visit, void *arg) {
+    Py_VISIT(self->counter); Py_VISIT(self->general); Py_VISIT(self->ndarray);
+    Py_VISIT(self->shared);
+    return 0;
+}
+
+static int Lean_clear(Lean *self) {
+    Py_CLEAR(self->counter); Py_CLEAR(self->general); Py_CLEAR(self->ndarray);
+    Py_CLEAR(self->shared); Py_CLEAR(self->s_mpi); Py_CLEAR(self->s_auto);
+    return 0;
+}
+
 static void Lean_dealloc(Lean *self) {
-    Py_XDECREF(self->counter); Py_XDECREF(self->general); Py_XDECREF(self->ndarray);
-    Py_XDECREF(self->s_mpi); Py_XDECREF(self->s_auto); Py_XDECREF(self->shared);
+    PyObject_GC_UnTrack(self);
+    Lean_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -222,10 +235,12 @@ static PyTypeObject LeanType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "hpcnn.parallel._lean.Lean",
     .tp_basicsize = sizeof(Lean),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Lean_init,
     .tp_dealloc = (destructor)Lean_dealloc,
+    .tp_traverse = (traverseproc)Lean_traverse,
+    .tp_clear = (inquiry)Lean_clear,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Lean, vectorcall),
     .tp_members = Lean_members,

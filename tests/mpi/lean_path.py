@@ -2,7 +2,9 @@
 
     mpiexec -n N python -m mpi4py tests/mpi/lean_path.py EXPECT_C
 """
+import gc
 import sys
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -67,5 +69,13 @@ try:
     raise AssertionError("unknown algorithm accepted")
 except ValueError as e:
     assert "nope" in str(e), e
+# the fast path refers back to its Communicator (the general method): the cycle is collected
+tmp = Communicator(world.Dup(), CommStats(), "tmp")
+dup, ref = tmp.comm, weakref.ref(tmp)
+tmp.allreduce(np.ones(3))
+del tmp
+gc.collect()
+assert ref() is None, "a Communicator with the fast path is never freed"
+dup.Free()
 if rank == 0:
     print(f"lean_path OK on {p} ranks ({'C' if expect_c else 'Python'} fast path)")
