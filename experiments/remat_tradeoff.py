@@ -1,7 +1,9 @@
 """Rematerialization and offloading trade-off: time overhead vs peak memory, predicted and measured.
 
 What: for a heterogeneous CNN (conv/pool/linear blocks, digits images) and a GPT (embedding,
-transformer blocks, head; Shakespeare characters), float32, one process, the script profiles the
+transformer blocks, head; Shakespeare characters), the latter also with each layer split into
+its attention and MLP residual halves (``gpth``, :func:`hpcnn.nn.residual.split_layers`: twice
+the stages, half the size), float32, one process, the script profiles the
 chain with measured times and transients (``profile.measure``), builds one rotor table
 (``rotor.Solver``) and, for ``--points`` budgets from the least feasible one up to the store-all
 peak, runs these arms on the real chain through ``memory.executor.Executor``:
@@ -70,6 +72,7 @@ from hpcnn.memory.executor import Executor  # noqa: E402
 from hpcnn.memory.offload import OffloadChannel  # noqa: E402
 from hpcnn.memory.simulate import simulate  # noqa: E402
 from hpcnn.nn import models  # noqa: E402
+from hpcnn.nn.residual import split_layers  # noqa: E402
 
 F32 = np.float32
 LIMIT = 1.20            # "under 20 % overhead"
@@ -87,14 +90,17 @@ def build(name, quick, seed):
         chain = models.cnn(1, 8, channels=ch, hidden=hidden, seed=seed, dtype=F32)
         return (chain, d.x_train[idx].astype(F32), d.y_train[idx],
                 f"cnn conv{list(ch)} hidden {hidden}, digits 8x8, batch {batch}")
-    if name == "gpt":
+    if name in ("gpt", "gpth"):
         layers, dim, block, batch = (2, 32, 16, 4) if quick else (6, 128, 64, 16)
         t = D.shakespeare(max_plays=1 if quick else None)
         x, y = D.text_batch(t.train, batch, block, 0, seed)
         chain = models.gpt(t.vocab, block, layers, dim, 4, seed=seed, dtype=F32)
-        return (chain, x, y, f"gpt {layers} layers dim {dim} 4 heads block {block}, "
+        if name == "gpth":                         # each layer as two stages (residual halves)
+            chain = split_layers(chain)
+        return (chain, x, y, f"gpt {layers} layers{' split in halves' if name == 'gpth' else ''}"
+                             f" dim {dim} 4 heads block {block}, "
                              f"{t.name} chars, batch {batch}")
-    raise SystemExit(f"unknown model {name!r}; expected cnn or gpt")
+    raise SystemExit(f"unknown model {name!r}; expected cnn, gpt or gpth")
 
 
 def plan(prof, solver, points, bandwidths):
@@ -360,7 +366,7 @@ def summary(rows, heads, model_rows, chan_rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="cnn,gpt")
+    ap.add_argument("--models", default="cnn,gpt,gpth")     # gpth: the GPT in half layers
     ap.add_argument("--points", type=int, default=12)       # budgets from least to store-all
     ap.add_argument("--repeats", type=int, default=5)       # interleaved timed rounds
     ap.add_argument("--warmup", type=int, default=2)

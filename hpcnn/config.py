@@ -33,6 +33,7 @@ class TrainConfig:
     n_heads: int = 4                    # GPT attention heads (must divide dim)
     block_size: int = 64                # GPT context length in characters
     dropout: float = 0.0                # GPT dropout probability
+    half_layers: bool = False           # GPT: each layer as two chain blocks (attention, MLP) for finer remat/pipeline cuts
     max_plays: int = 0                  # Shakespeare: number of plays to load, 0 = all 38
     # -- how long ---------------------------------------------------------------------------
     steps: int = 0                      # optimizer steps; 0 = from epochs (digits), 1000 (text)
@@ -164,6 +165,8 @@ class TrainConfig:
              f"backward whole; use 1f1b, gpipe or interleaved")
         need(not (self.remat != "none" and self.tp > 1),
              f"remat={self.remat!r} with tp={self.tp}: not supported with tensor parallelism")
+        need(not (self.half_layers and (self.model != "gpt" or self.tp > 1)),
+             f"half_layers needs model='gpt' and tp=1 (got model={self.model!r}, tp={self.tp})")
         need(self.log_interval >= 1, f"log_interval={self.log_interval}: must be >= 1")
         need(self.eval_interval >= 0, f"eval_interval={self.eval_interval}: must be >= 0")
         if errs:

@@ -137,6 +137,9 @@ def build_task(cfg: TrainConfig, tp_comm=None) -> Task:
     else:
         model = models.gpt(vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
                            dropout=cfg.dropout, seed=cfg.seed, dtype=dtype)
+        if cfg.half_layers:
+            from hpcnn.nn.residual import split_layers
+            model = split_layers(model)
     return Task(cfg, data, model, cfg.steps or TEXT_DEFAULT_STEPS)
 
 

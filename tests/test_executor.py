@@ -142,6 +142,7 @@ def test_spec_alias_flags_match_the_caches():
     from hpcnn.memory.executor import _arrays, _root
     from hpcnn.nn.conv import AvgPool2d, Conv2d, Flatten, MaxPool2d
     from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU
+    from hpcnn.nn.residual import halves
     from hpcnn.nn.transformer import (CausalSelfAttention, Embedding, MLPBlock,
                                       TransformerBlock)
     rng = np.random.default_rng(0)
@@ -152,6 +153,7 @@ def test_spec_alias_flags_match_the_caches():
              (CausalSelfAttention(16, 4, dropout=0.1, dtype=F64), seq3),
              (MLPBlock(16, dropout=0.1, dtype=F64), seq3),
              (TransformerBlock(16, 4, dropout=0.1, dtype=F64), seq3),
+             *[(h, seq3) for h in halves(TransformerBlock(16, 4, dropout=0.1, dtype=F64))],
              (Embedding(20, 16, 8, dtype=F64), rng.integers(0, 20, (2, 8))),
              (Conv2d(3, 4, 3, padding=1, dtype=F64), img), (MaxPool2d(2, dtype=F64), img),
              (AvgPool2d(2, dtype=F64), img), (Flatten(dtype=F64), img)]

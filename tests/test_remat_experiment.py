@@ -25,7 +25,7 @@ def test_remat_tradeoff_quick_and_figures(tmp_path):
     t, attrs = load_table(path, "tradeoff")
     assert attrs["quick"] and attrs["cores"] >= 1 and "remat_tradeoff.py" in attrs["command"]
     bws = [5e8, 2e9]
-    for model in ("cnn", "gpt"):
+    for model in ("cnn", "gpt", "gpth"):
         m = t["model"] == model
         # store-all and sqrt once, then each of the 4 budgets: optimal and one offload per bw
         assert m.sum() == 2 + 4 * (1 + len(bws))
@@ -60,9 +60,10 @@ def test_remat_tradeoff_quick_and_figures(tmp_path):
                          for n in (100, 250, 500))
     assert np.all(s["seconds"] > 0)
     h, _ = load_table(path, "headline")
-    assert len(h["model"]) == 2 * (1 + len(bws))
+    assert len(h["model"]) == 3 * (1 + len(bws))                      # cnn, gpt, gpth
     assert np.all(h["mem_gain_predicted"][np.isfinite(h["mem_gain_predicted"])] >= 1.0)
     figs = tmp_path / "figs"
     _run(("analysis", "remat_tradeoff.py"), f"--results={path}", f"--out={figs}")
-    for name in ("remat_tradeoff_cnn.png", "remat_tradeoff_gpt.png", "remat_solver_time.png"):
+    for name in ("remat_tradeoff_cnn.png", "remat_tradeoff_gpt.png", "remat_tradeoff_gpth.png",
+                 "remat_solver_time.png"):
         assert (figs / name).read_bytes()[:4] == b"\x89PNG"
