@@ -374,11 +374,11 @@ def main():
     ap.add_argument("--slots", type=int, default=500)       # rotor's memory discretisation
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/remat_tradeoff")
-    ap.add_argument("--quick", action="store_true", help="tiny models, 4 points, 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="tiny models, 4 points, 3 repeats")
     args = ap.parse_args()
     B.tune_allocator()          # as the training loop does: freed steps' memory stays mapped
     if args.quick:
-        args.points, args.repeats, args.warmup = 4, 1, 1
+        args.points, args.repeats, args.warmup = 4, 3, 1      # 3 pairs: a median, not one sample
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
     if args.points < 2 or args.repeats < 1 or args.warmup < 0 or min(bandwidths) <= 0:
         raise SystemExit(f"need --points >= 2 (got {args.points}), --repeats >= 1 "

@@ -9,7 +9,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn.parallel import comm as C
+from hpcnn.parallel import stats as ST
 from hpcnn.parallel.comm import CommStats, Communicator
 
 world = MPI.COMM_WORLD
@@ -18,9 +18,9 @@ expect_c = sys.argv[1] == "1"
 
 fast = Communicator(world.Dup(), CommStats(), "fast")
 assert (type(fast.allreduce).__name__ == "Lean") == expect_c, type(fast.allreduce)
-saved, C._LEAN = C._LEAN, False                     # force the Python closure
+saved, ST._LEAN = ST._LEAN, False                   # force the Python closure
 slow = Communicator(world.Dup(), CommStats(), "slow")
-C._LEAN = saved
+ST._LEAN = saved
 assert type(slow.allreduce).__name__ == "function"
 fast._auto_mpi_below = slow._auto_mpi_below = 1 << 16
 
