@@ -37,6 +37,8 @@ demo: $(VENV)/.installed $(LEAN)
 		--schedule=1f1b --microbatches=4 --steps=150 --batch_size=32 --n_layers=4 --dim=64 \
 		--eval_interval=50 --log_interval=25 --log=runs/demo-gpt-dp2-pp2.h5
 	$(BIN)/hpcnn report runs/demo-gpt-dp2-pp2.h5 runs/demo-gpt-dp2-pp2.png
+	$(BIN)/hpcnn train --model=gpt --n_layers=4 --half_layers=true --steps=50 --batch_size=32 \
+		--remat=optimal --memory_budget=24 --eval_interval=25 --log=runs/demo-gpt-remat.h5
 
 bench: $(VENV)/.installed $(LEAN)
 	$(BIN)/python benchmarks/serial_step.py
