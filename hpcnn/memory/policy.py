@@ -28,6 +28,10 @@ MODES = ("none", "sqrt", "optimal")
 
 
 class RematPolicy:
+    """``mode`` (none | sqrt | optimal), the per-rank ``budget_bytes``, rotor's ``slots``, the
+    offload link's ``offload_gbps`` (0: no offloading) and the roofline ``rates`` (default:
+    :func:`.profile.calibrate` at the first solve). False when ``mode`` is none."""
+
     def __init__(self, mode: str, budget_bytes: float = 0.0, *, slots: int = 500,
                  offload_gbps: float = 0.0, rates: P.Rates | None = None):
         if mode not in MODES:
