@@ -2,7 +2,8 @@
 
 For float32 messages of 1 KiB .. 256 MiB (powers of 4), the median over repeats of the slowest
 rank's time of: a raw ``MPI.Comm.Allreduce`` (``raw``), ``Communicator.allreduce`` with
-``mpi``, ``ring``, ``rd``, ``shm`` (when all ranks share a node) and ``auto`` (after
+``mpi``, ``ring``, ``rd``, ``shm`` (when all ranks share a node), ``cma`` (single-copy reads
+of the peers' memory, where the kernel allows it) and ``auto`` (after
 :func:`hpcnn.parallel.allreduce.calibrate`, which is timed too), all on a private NumPy buffer;
 ``shm0`` and ``auto0``: shm and auto on a buffer from ``Communicator.shared_zeros`` (zero copy).
 Algorithmic bandwidth = 2(p-1)/p n / t; ``x_raw`` columns are t_raw / t (above 1 is faster than
@@ -53,7 +54,7 @@ for a in sys.argv[1:]:
         raise SystemExit(f"unknown option {a!r}; known: --max-mib=, --segment=, --isegment=, "
                          "--piece=, --no-overlap, --no-calibrate")
 
-ALGOS = ["raw", "mpi", "ring", "rd", "shm", "auto", "shm0", "auto0"]   # shm* need one node
+ALGOS = ["raw", "mpi", "ring", "rd", "shm", "cma", "auto", "shm0", "auto0"]   # shm*, cma: one node
 
 
 def library_version() -> str:
@@ -218,6 +219,9 @@ def main():
     if not AR.single_node(c):
         for a in ("shm", "shm0", "auto0"):
             ALGOS.remove(a)
+    from hpcnn.parallel import cma
+    if not cma.available(c):
+        ALGOS.remove("cma")
     world.Barrier()
     t0 = time.perf_counter()
     if OPTS["calibrate"]:

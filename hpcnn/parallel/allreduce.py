@@ -1,8 +1,9 @@
-"""Allreduce algorithms: segmented ring, recursive doubling, intra-node shared memory, auto.
+"""Allreduce algorithms: segmented ring, recursive doubling, intra-node shared memory and
+single-copy reads, auto.
 
 Called by :meth:`hpcnn.parallel.comm.Communicator.allreduce` (which times and counts them)::
 
-    comm.allreduce(buf, algorithm="shm")       # mpi | ring | rd | shm | auto; in place, sums
+    comm.allreduce(buf, algorithm="shm")       # mpi | ring | rd | shm | cma | auto; in place
     calibrate(comm)                            # once at start-up: sets comm.allreduce_table
     req = comm.iallreduce(buf, algorithm="ring")   # mpi | ring | shm | auto
     ...; req.test(); ...                       # between blocks of compute: advances the ring
@@ -22,6 +23,10 @@ segment size; for p not a power of two the first 2r ranks fold in pairs first
 ``shm`` (:mod:`hpcnn.parallel.shm`): all ranks on one node only; pieces copied into a shared
 window and summed by direct loads, no message (on 2 ranks one barrier per piece); no copy at all
 for arrays from :func:`shared_zeros` (``Communicator.shared_zeros``).
+``cma`` (:mod:`hpcnn.parallel.cma`): all ranks on one node and allowed to read each other's
+memory; each rank sums its slice reading the peers' buffers directly (``process_vm_readv``), then
+reads the others' summed slices: 2.5n moved per rank, no shared window; the fastest for private
+buffers around 16 MiB here (1.4-1.8x the library's Allreduce on 2 ranks), calibrated like the rest.
 ``mpi``: the library's Allreduce. ``auto``: per message size, the choice at the nearest size (in
 log2; ties to the smaller) of ``comm.allreduce_table`` (:func:`calibrate`) or else of
 :data:`DEFAULT_SHM_TABLE` (all ranks on one node) or :data:`DEFAULT_TABLE`, and shm for an
@@ -62,7 +67,7 @@ __all__ = ["ALGORITHMS", "NONBLOCKING", "allreduce", "iallreduce", "iallreduce_r
            "shared_zeros", "single_node", "RingRequest", "SEGMENT_BYTES", "ISEGMENT_BYTES",
            "WINDOW"]
 
-ALGORITHMS = ("mpi", "ring", "rd", "shm", "auto")
+ALGORITHMS = ("mpi", "ring", "rd", "shm", "cma", "auto")
 NONBLOCKING = ("mpi", "ring", "shm", "auto")
 MARGIN = 0.10               # calibrate: another algorithm must beat mpi by 10 % to be chosen
                             # (near the crossovers run-to-run noise on a shared node is ~5 %)
@@ -197,6 +202,16 @@ def allreduce(comm, buf, algorithm: str = "auto"):
     if algorithm == "mpi" and isinstance(buf, numpy.ndarray):   # the small-message fast path
         comm.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return buf
+    if algorithm == "cma":
+        from hpcnn.parallel import cma
+        if isinstance(flat, numpy.ndarray):
+            cma.allreduce(comm, flat)
+        else:  # pragma: no cover - CuPy: through host memory
+            B.sync()
+            h = B.to_host(flat)
+            cma.allreduce(comm, h)
+            flat[...] = B.to_device(h)
+        return buf
     if algorithm == "shm":
         node, piece = _shm_node(comm), getattr(comm, "shm_piece_bytes", shm.PIECE_BYTES)
         if isinstance(flat, numpy.ndarray):
@@ -254,7 +269,8 @@ def iallreduce_ring(comm, buf, on_done=None) -> RingRequest:
 def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float32) -> dict:
     """Time each algorithm at each size (bytes), set ``comm.allreduce_table`` and return it.
 
-    ``algorithms``: default mpi, ring, rd, and shm when all ranks share a node. Every rank's
+    ``algorithms``: default mpi, ring, rd, and shm (and cma where it works) when all ranks share
+    a node. Every rank's
     median is reduced with MAX before choosing, so all ranks choose alike; an algorithm other
     than ``mpi`` is chosen only if it beats ``mpi`` by :data:`MARGIN`, and the default table's
     choice (:func:`default_table`) is kept if within :data:`MARGIN` of the fastest. Repeats
@@ -264,7 +280,10 @@ def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float
     MPI = _mpi()
     sizes = list(sizes or [1 << k for k in range(10, 27, 2)])
     if algorithms is None:
-        algorithms = ("mpi", "ring", "rd") + (("shm",) if single_node(comm) else ())
+        from hpcnn.parallel import cma
+        one = single_node(comm)
+        algorithms = ("mpi", "ring", "rd") + (("shm",) if one else ()) \
+            + (("cma",) if one and cma.available(comm) else ())
     algorithms = list(algorithms)
     t = numpy.zeros((len(sizes), len(algorithms)))
     for i, nbytes in enumerate(sizes):

@@ -47,13 +47,15 @@ def check(a, n, dtype, what):
 # (segment bytes, dtypes, sizes): small segments split chunks unevenly, 1000 B is no multiple of
 # 8; fewer cases with them, as 1000s of tiny messages are slow on 4 oversubscribed ranks. shm's
 # pieces: 4 x the segment (100003 floats go through the window in 25 pieces; 1000 B: uneven)
+from hpcnn.parallel import cma  # noqa: E402
+BLOCKING = [a for a in AR.ALGORITHMS if a != "cma" or cma.available(c)]
 for seg, dtypes, sizes in ((AR.SEGMENT_BYTES, DTYPES, SIZES), (4096, DTYPES[1:2], SIZES),
                            (1000, DTYPES[:1], SIZES[:-1])):
     c.allreduce_segment_bytes = c.iallreduce_segment_bytes = seg
     c.shm_piece_bytes = 4 * seg
     for dtype in dtypes:
         for n in sizes:
-            for alg in AR.ALGORITHMS:
+            for alg in BLOCKING:
                 a = (r + 1) * pattern(n, dtype)
                 assert c.allreduce(a, algorithm=alg) is a
                 check(a, n, dtype, f"allreduce {alg} n={n} {dtype.__name__} seg={seg}")
@@ -283,7 +285,7 @@ assert AR.choose(c, 8) == "rd" and AR.choose(c, 1 << 12) == "rd" and AR.choose(c
 assert c._auto_mpi_below == 0
 table = AR.calibrate(c, sizes=[1 << 10, 1 << 18], repeats=2)
 assert c.allreduce_table is table and table["p"] == p and len(table["choice"]) == 2
-assert sorted(table["times"]) == ["mpi", "rd", "ring", "shm"]
+assert sorted(table["times"]) == sorted(["mpi", "rd", "ring", "shm"] + (["cma"] if cma.available(c) else []))
 assert all(ch in ("mpi", "ring", "rd", "shm") for ch in table["choice"])
 assert world.allgather(table) == [table] * p, "ranks calibrated differently"
 for i, ch in enumerate(table["choice"]):     # never slower than mpi at a calibrated size
@@ -326,6 +328,25 @@ for overlap in (False, True):
         np.testing.assert_allclose(g, h, rtol=1e-12, atol=1e-15)
         same_everywhere(g, f"dp auto shm overlap={overlap}")
 AR.IALLREDUCE_SHM_BYTES = shm_ibytes
+
+# -- cma: sizes that differ across ranks, and a kernel that refuses the reads --------------------
+if cma.available(c):
+    try:
+        c.allreduce(np.ones(10 + 2 * r), algorithm="cma")
+        raise AssertionError("cma accepted different sizes")
+    except ValueError as e:
+        assert "passed" in str(e) and str(10 * 8) in str(e), e
+saved_readv, cma._readv = cma._readv, False                  # as if process_vm_readv were absent
+refused = Communicator(c.comm.Dup(), CommStats(), "refused")
+try:
+    refused.allreduce(np.ones(4), algorithm="cma")
+    raise AssertionError("cma ran without process_vm_readv")
+except ValueError as e:
+    assert "permission to read" in str(e), e
+assert "cma" not in AR.calibrate(refused, sizes=[1024], repeats=1)["times"]
+AR.free(refused)
+refused.comm.Free()
+cma._readv = saved_readv
 
 AR.free(c)
 if r == 0:
