@@ -80,7 +80,7 @@ def bench_sizes(c, world):
     shared = c.shared_zeros(sizes[-1] // 4, np.float32) if "shm" in ALGOS else None
     for nbytes in sizes:
         buf = np.zeros(nbytes // 4, np.float32)
-        reps = max(7, min(200, (1 << 27) // nbytes))   # 7 at >= 16 MiB: p=4 is noisy there
+        reps = max(15, min(200, (1 << 27) // nbytes))  # 15 at >= 16 MiB: medians of noisy runs
         fns = {"raw": lambda: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
                **{a: (lambda a=a: c.allreduce(buf, algorithm=a))
                   for a in ALGOS[1:] if a[-1] != "0"}}
