@@ -375,25 +375,24 @@ def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start):
     chunks = [c for c in numpy.array_split(mine, cfg.grad_accum) if len(c)]
     for k, rows in enumerate(chunks):
         x, y = task.to_device(xg[rows], yg[rows])
+        # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
+        dloss = dloss_for(cfg.combine, len(rows), shares, local=len(mine))
         ta = time.perf_counter()
-        if task.remat is not None:     # rematerialized: the executor keeps what its sequence says
+        run = None                     # rematerialized: the executor runs the backward it planned
+        if task.remat is not None:
             ex = task.remat.executor(model, x.shape, need_dx=False)
             loss, caches = ex.forward(x, y)
+            run = (lambda hook, ex=ex, st=caches: ex.backward(st, dloss, on_block_done=hook))
         else:
             loss, caches = model.forward(x, y)
         tb = time.perf_counter()
-        # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
-        dloss = dloss_for(cfg.combine, len(rows), shares, local=len(mine))
-        run = None
-        if task.remat is not None:
-            run = (lambda hook, ex=ex, st=caches, d=dloss: ex.backward(st, d, on_block_done=hook))
         if par is not None:
             par.engine.backward(caches, dloss, sync=k == len(chunks) - 1, run=run)
         elif run is not None:
             run(None)
         else:
             model.backward(caches, dloss, need_dx=False)
-        if task.remat is not None:
+        if run is not None:
             task.remat.note_peak(caches.peak)
         del caches
         tc = time.perf_counter()

@@ -47,9 +47,14 @@ def _uses(seq):
     return events
 
 
-def _gaps(seq, prof):
-    """(score, item, j, after position, before position, size) for each idle gap of each value."""
-    times = [prof.ub[op.index] if op.kind == "B" else prof.uf[op.index] for op in seq]
+def _op_times(seq, prof) -> list:
+    """Seconds of each (compute) op of ``seq``."""
+    return [prof.ub[op.index] if op.kind == "B" else prof.uf[op.index] for op in seq]
+
+
+def _gaps(seq, prof, times):
+    """(score, item, j, after position, before position, size) for each idle gap of each value;
+    ``times``: :func:`_op_times` of ``seq``."""
     cum = numpy.concatenate([[0.0], numpy.cumsum(times)])
     out = []
     for ((item, j), _), pos in _uses(seq).items():
@@ -64,10 +69,10 @@ def _gaps(seq, prof):
     return out
 
 
-def insert(seq, prof, gaps, bandwidth):
+def insert(seq, times, gaps, bandwidth):
     """``seq`` with OFF after each gap's start and PRE ahead of its end: early enough to hide the
-    copy, or (a gap whose size is negative, see :func:`fit`) just before the use."""
-    times = [prof.ub[op.index] if op.kind == "B" else prof.uf[op.index] for op in seq]
+    copy (by the ops' ``times``), or (a gap whose size is negative, see :func:`fit`) just before
+    the use."""
     after, before = {}, {}
     for _, item, j, a, b, size in gaps:
         lead, p = (abs(size) / bandwidth if size > 0 else 0.0), b
@@ -96,10 +101,10 @@ def fit(seq, prof, budget, bandwidth, max_gaps: int = 64):
     best = simulate(seq, prof, bandwidth=bandwidth, budget=budget)
     if best.peak <= budget:
         return seq, best
-    chosen, excess = [], _excess(best, budget)
-    for g in _gaps(seq, prof)[:max_gaps]:
+    chosen, excess, times = [], _excess(best, budget), _op_times(seq, prof)
+    for g in _gaps(seq, prof, times)[:max_gaps]:
         for gap in (g, g[:-1] + (-g[-1],)):          # PRE hidden, else PRE just before the use
-            trial = insert(seq, prof, chosen + [gap], bandwidth)
+            trial = insert(seq, times, chosen + [gap], bandwidth)
             r = simulate(trial, prof, bandwidth=bandwidth, budget=budget)
             e = _excess(r, budget)
             if e < excess:

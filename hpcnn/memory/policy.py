@@ -23,6 +23,7 @@ import numpy
 from hpcnn.config import ConfigError
 from hpcnn.memory import combine, profile as P, rotor, sequence as S
 from hpcnn.memory.executor import Executor
+from hpcnn.memory.simulate import simulate
 
 MODES = ("none", "sqrt", "optimal")
 
@@ -83,7 +84,6 @@ class RematPolicy:
             seq = sol.sequence
             if any(op.kind == "OFF" for op in seq):
                 channel = self._open_channel()
-        from hpcnn.memory.simulate import simulate
         sim = simulate(seq, prof, bandwidth=self.bandwidth or None, budget=budget)
         self.records.append({
             "chain": chain.name, "x_shape": list(x_shape), "policy": self.mode,

@@ -186,6 +186,18 @@ def _shm_node(comm):
     return node
 
 
+def _on_host(flat, fn) -> None:
+    """``fn(h)`` on a host array: ``flat`` itself on NumPy; on CuPy a host copy, written back
+    (shm and cma load and store with NumPy, whether or not the MPI is CUDA-aware)."""
+    if isinstance(flat, numpy.ndarray):
+        fn(flat)
+        return
+    B.sync()  # pragma: no cover - CuPy: through host memory
+    h = B.to_host(flat)  # pragma: no cover
+    fn(h)  # pragma: no cover
+    flat[...] = B.to_device(h)  # pragma: no cover
+
+
 def allreduce(comm, buf, algorithm: str = "auto"):
     """Sum ``buf`` (C-contiguous, any shape) over ``comm`` (a Communicator) in place; returns it.
     Not timed nor counted (:meth:`Communicator.allreduce` does both)."""
@@ -204,23 +216,11 @@ def allreduce(comm, buf, algorithm: str = "auto"):
         return buf
     if algorithm == "cma":
         from hpcnn.parallel import cma
-        if isinstance(flat, numpy.ndarray):
-            cma.allreduce(comm, flat)
-        else:  # pragma: no cover - CuPy: through host memory
-            B.sync()
-            h = B.to_host(flat)
-            cma.allreduce(comm, h)
-            flat[...] = B.to_device(h)
+        _on_host(flat, lambda h: cma.allreduce(comm, h))
         return buf
     if algorithm == "shm":
         node, piece = _shm_node(comm), getattr(comm, "shm_piece_bytes", shm.PIECE_BYTES)
-        if isinstance(flat, numpy.ndarray):
-            shm.allreduce(node, flat, piece)
-        else:  # pragma: no cover - CuPy: through host memory
-            B.sync()
-            h = B.to_host(flat)
-            shm.allreduce(node, h, piece)
-            flat[...] = B.to_device(h)
+        _on_host(flat, lambda h: shm.allreduce(node, h, piece))
         return buf
     with host_buffers(flat, writeback=(0,)) as (h,):
         if algorithm == "mpi":

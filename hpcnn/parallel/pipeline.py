@@ -286,6 +286,17 @@ def max_inflight(instrs) -> dict:
     return peak
 
 
+def attach_remat(stages, instrs, policy, schedule_name: str) -> None:
+    """Give each stage the policy and the number of micro-batches it holds at once in this
+    rank's list ``instrs`` (its budget is split over them); refuses lists with W's."""
+    if any(i.op == "W" for i in instrs):
+        raise ValueError(f"schedule {schedule_name!r} splits backwards (W); rematerialized "
+                         f"stages run whole backwards")
+    inflight = max_inflight(instrs)
+    for st in stages:
+        st.remat, st.inflight = policy, max(1, inflight.get(st.index, 1))
+
+
 def plan_remat(policy, schedule_name, chain, ranges, comm, rows: int, feat: tuple, n_micro: int,
                virtual: int = 1) -> list:
     """Solve the rematerialization sequences of this rank's stages for a batch of ``rows`` rows
@@ -296,9 +307,8 @@ def plan_remat(policy, schedule_name, chain, ranges, comm, rows: int, feat: tupl
     sizes = [len(a) for a in numpy.array_split(numpy.arange(rows), n_micro)]
     shapes = boundary_shapes(chain, ranges, [(m,) + tuple(feat) for m in sizes])
     stages = build_stages(chain, ranges, pp.rank, pp.size)
-    inflight = max_inflight(lists[pp.rank])
+    attach_remat(stages, lists[pp.rank], policy, schedule_name)
     for st in stages:
-        st.remat, st.inflight = policy, max(1, inflight.get(st.index, 1))
         for mb in range(n_micro):
             policy.executor(st.chain, shapes[mb][st.index], need_dx=not st.first,
                             inflight=st.inflight)
@@ -344,12 +354,7 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     dtype = chain.params[0].data.dtype
     stages = build_stages(chain, ranges, pp.rank, p)
     if remat:                        # each stage's budget covers its micro-batches in flight
-        if any(i.op == "W" for i in lists[pp.rank]):
-            raise ValueError(f"schedule {schedule_name!r} splits backwards (W); rematerialized "
-                             f"stages run whole backwards")
-        inflight = max_inflight(lists[pp.rank])
-        for st in stages:
-            st.remat, st.inflight = remat, max(1, inflight.get(st.index, 1))
+        attach_remat(stages, lists[pp.rank], remat, schedule_name)
     # -- run: zero once, accumulate over micro-batches --
     for st in stages:
         st.chain.zero_grad()
