@@ -15,6 +15,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn.log.results import load_table  # noqa: E402
+from hpcnn.log.report import save_figure  # noqa: E402
 
 STYLE = {"equal": ("tab:gray", "o"), "prop-uniform": ("tab:orange", "s"),
          "prop-weighted": ("tab:blue", "^")}
@@ -63,9 +64,7 @@ def main(path, out=None):
             ax.legend(fontsize=8)
     fig.suptitle(f"Heterogeneous data parallelism, {attrs.get('ranks')} ranks, {attrs.get('model')} "
                  f"(slowdown emulated: {attrs.get('emulated_slowdown_mode')})")
-    fig.tight_layout()
-    out = out or os.path.splitext(path)[0] + ".png"
-    fig.savefig(out, dpi=110)
+    out = save_figure(fig, out or os.path.splitext(path)[0] + ".png")
     print(f"wrote {out}")
     return out
 

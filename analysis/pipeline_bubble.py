@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn.log.results import load_table  # noqa: E402
+from hpcnn.log.report import save_figure  # noqa: E402
 
 STYLE = {"gpipe": ("tab:gray", "o"), "1f1b": ("tab:blue", "s"),
          "interleaved": ("tab:orange", "^"), "zb_h1": ("tab:green", "D")}
@@ -97,9 +98,7 @@ def main(path, out=None):
         title += (f"\nOVERSUBSCRIBED: {attrs.get('ranks')} ranks on {attrs.get('cores')} cores "
                   f"(measured times include descheduling)")
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    out = out or os.path.splitext(path)[0] + ".png"
-    fig.savefig(out, dpi=110)
+    out = save_figure(fig, out or os.path.splitext(path)[0] + ".png")
     print(f"wrote {out}")
     return out
 

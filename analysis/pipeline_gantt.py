@@ -18,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn.log import read_run  # noqa: E402
+from hpcnn.log.report import save_figure  # noqa: E402
 
 COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "SEND_ACT": "0.55",
           "RECV_ACT": "0.75", "SEND_GRAD": "tab:purple", "RECV_GRAD": "plum"}
@@ -84,9 +85,7 @@ def main(path, out=None, step=None):
         title += f"\n(OVERSUBSCRIBED: {run.attrs.get('world_size')} ranks on " \
                  f"{run.attrs.get('cores')} cores, times include descheduling)"
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    out = out or os.path.splitext(path)[0] + "-gantt.png"
-    fig.savefig(out, dpi=110)
+    out = save_figure(fig, out or os.path.splitext(path)[0] + "-gantt.png")
     print(f"wrote {out}")
     return out
 

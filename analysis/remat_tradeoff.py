@@ -21,6 +21,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
 MiB = 2.0 ** 20
@@ -145,11 +146,7 @@ def model_figure(plt, t, models, heads, chan, attrs, model, out):
                  f"{1e3 * models['store_all_measured_time'][row]:.0f} ms\n"
                  f"OFFLOAD CHANNEL EMULATED: a file on local disk throttled to {ach}; "
                  f"{attrs.get('repeats')} paired rounds", fontsize=11)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    path = os.path.join(out, f"remat_tradeoff_{model}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, os.path.join(out, f"remat_tradeoff_{model}.png"), rect=(0, 0.1, 1, 1))
 
 
 def solver_figure(plt, s, attrs, out):
@@ -178,11 +175,7 @@ def solver_figure(plt, s, attrs, out):
                  fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "remat_solver_time.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, os.path.join(out, "remat_solver_time.png"))
 
 
 def main():

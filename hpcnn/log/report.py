@@ -141,7 +141,14 @@ def make_report(h5_path, png_path=None) -> str:
         axes.flat[0].text(0.5, 0.5, "no metrics logged", ha="center", va="center")
     model = _model_name(run.config)
     fig.suptitle(f"{model or os.path.basename(run.path)}  [{run.status}]")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    return save_figure(fig, png_path, dpi=100)
+
+
+def save_figure(fig, path, *, rect=None, dpi: int = 110) -> str:
+    """Lay ``fig`` out (within ``rect``, figure fractions), write it to ``path``, close it;
+    returns ``path``. The analysis scripts' figures all end here."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
-    return png_path
+    return path

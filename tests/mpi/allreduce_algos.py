@@ -67,19 +67,26 @@ for seg, dtypes, sizes in ((AR.SEGMENT_BYTES, DTYPES, SIZES), (4096, DTYPES[1:2]
                 assert req.done and req.test()
                 check(a, n, dtype, f"iallreduce {alg} n={n} {dtype.__name__} seg={seg}")
 
+def drive(reqs, rounds):
+    """test() the requests in a rank-dependent order until all are done (at most ``rounds``
+    passes), then wait() for each."""
+    for it in range(rounds):
+        for q in (reqs if (it + r) % 2 else reqs[::-1]):
+            q.test()
+        if all(q.done for q in reqs):
+            break
+    for q in reqs:
+        q.wait()
+
+
 # -- several rings in flight at once, progressed by test() in a rank-dependent order ------------
 c.allreduce_segment_bytes = c.iallreduce_segment_bytes = 2048
 bufs = [(r + 1) * pattern(n, np.float64) for n in (100003, 5, 40000, 1)]
 calls_before = c.stats.calls["iallreduce"]
 flags = []
 reqs = [AR.iallreduce_ring(c, b, on_done=lambda i=i: flags.append(i)) for i, b in enumerate(bufs)]
-for it in range(2000):
-    for q in (reqs if (it + r) % 2 else reqs[::-1]):
-        q.test()
-    if all(q.done for q in reqs):
-        break
+drive(reqs, 2000)
 for q in reqs:
-    q.wait()
     assert q.done and q.progress == 1.0
 assert sorted(flags) == [0, 1, 2, 3], flags
 assert c.stats.calls["iallreduce"] == calls_before + 4
@@ -142,13 +149,7 @@ flags = []
 algs = ["shm", "ring", "shm", "shm", "ring"]
 reqs = [c.iallreduce(b, on_done=lambda i=i: flags.append(i), algorithm=a)
         for i, (b, a) in enumerate(zip(bufs, algs))]
-for it in range(3000):
-    for q in (reqs if (it + r) % 2 else reqs[::-1]):
-        q.test()
-    if all(q.done for q in reqs):
-        break
-for q in reqs:
-    q.wait()
+drive(reqs, 3000)
 assert sorted(flags) == list(range(len(sizes))), flags
 assert c.stats.calls["iallreduce"] == calls_before + len(sizes)
 for b, n in zip(bufs, sizes):

@@ -24,6 +24,8 @@ from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowPa
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
 from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
+import sgd_loop  # noqa: E402 - tests/mpi/sgd_loop.py, beside this script
+
 world = MPI.COMM_WORLD
 r, P = world.Get_rank(), world.Get_size()
 stats = CommStats()
@@ -190,27 +192,8 @@ def batch(step, n=4):
     return g.integers(0, V, (n, T)), g.integers(0, V, (n, T))
 
 
-def sgd(model, steps, tp=None, dp=None, lr=0.3):
-    """Plain SGD; ``tp``: sum the partial gradients; ``dp`` (a DataParallel): this rank's half."""
-    losses = []
-    for s in range(steps):
-        tok, tgt = batch(s)
-        if dp is not None:
-            h, k = tok.shape[0] // dp.comm.size, dp.comm.rank
-            tok, tgt = tok[k * h:(k + 1) * h], tgt[k * h:(k + 1) * h]
-        model.zero_grad()
-        loss, caches = model.forward(tok, tgt)
-        if dp is None:
-            model.backward(caches, need_dx=False)
-        else:
-            dp.backward(caches, 1.0 / dp.comm.size)
-            dp.finish(s)
-        if tp is not None:
-            sync_replicated_grads(model.params, tp)
-        for p in model.params:
-            p.data -= lr * p.grad
-        losses.append(loss)
-    return losses
+def sgd(model, steps, tp=None, dp=None):
+    return sgd_loop.sgd(model, steps, batch, lr=0.3, tp=tp, dp=dp)
 
 
 STEPS, gkw = 3, dict(dropout=0.1, seed=5, dtype=F64)

@@ -19,6 +19,8 @@ from hpcnn.parallel.comm import CommStats, Communicator
 from hpcnn.parallel.tensor import gather_params
 from hpcnn.parallel.tensor_conv import ChannelParallelConv2d, parallel_cnn
 
+import sgd_loop  # noqa: E402 - tests/mpi/sgd_loop.py, beside this script
+
 world = MPI.COMM_WORLD
 r, P = world.Get_rank(), world.Get_size()
 stats = CommStats()
@@ -81,25 +83,8 @@ def batch(step, n=32):
     return digits.x_train[idx].astype(F64), digits.y_train[idx]
 
 
-def sgd(model, steps, dp=None, lr=0.1):
-    """Plain SGD on the global batches; ``dp`` (a DataParallel): this rank's half of each."""
-    losses = []
-    for s in range(steps):
-        x, y = batch(s)
-        if dp is not None:
-            h, k = x.shape[0] // dp.comm.size, dp.comm.rank
-            x, y = x[k * h:(k + 1) * h], y[k * h:(k + 1) * h]
-        model.zero_grad()
-        loss, caches = model.forward(x, y)
-        if dp is None:
-            model.backward(caches, need_dx=False)
-        else:
-            dp.backward(caches, 1.0 / dp.comm.size)
-            dp.finish(s)
-        for p in model.params:
-            p.data -= lr * p.grad
-        losses.append(loss)
-    return losses
+def sgd(model, steps, dp=None):
+    return sgd_loop.sgd(model, steps, batch, lr=0.1, dp=dp)
 
 
 STEPS, CH = 3, (8, 16)

@@ -1,0 +1,29 @@
+"""The plain SGD loop the tensor-parallel scenarios run on a model and its serial twin."""
+
+
+def sgd(model, steps, batch, *, lr, tp=None, dp=None):
+    """``steps`` plain SGD steps on ``batch(step) -> (x, y)``; returns the losses.
+
+    ``tp``: sum the replicated parameters' partial gradients over it (sequence parallelism);
+    ``dp`` (a DataParallel): this rank's part of each global batch, gradients reduced by it.
+    """
+    from hpcnn.parallel.tensor import sync_replicated_grads
+    losses = []
+    for s in range(steps):
+        x, y = batch(s)
+        if dp is not None:
+            h, k = x.shape[0] // dp.comm.size, dp.comm.rank
+            x, y = x[k * h:(k + 1) * h], y[k * h:(k + 1) * h]
+        model.zero_grad()
+        loss, caches = model.forward(x, y)
+        if dp is None:
+            model.backward(caches, need_dx=False)
+        else:
+            dp.backward(caches, 1.0 / dp.comm.size)
+            dp.finish(s)
+        if tp is not None:
+            sync_replicated_grads(model.params, tp)
+        for p in model.params:
+            p.data -= lr * p.grad
+        losses.append(loss)
+    return losses
