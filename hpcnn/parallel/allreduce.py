@@ -24,9 +24,9 @@ segment size; for p not a power of two the first 2r ranks fold in pairs first
 window and summed by direct loads, no message (on 2 ranks one barrier per piece); no copy at all
 for arrays from :func:`shared_zeros` (``Communicator.shared_zeros``).
 ``cma`` (:mod:`hpcnn.parallel.cma`): all ranks on one node and allowed to read each other's
-memory; each rank sums its slice reading the peers' buffers directly (``process_vm_readv``), then
-reads the others' summed slices: 2.5n moved per rank, no shared window; the fastest for private
-buffers around 16 MiB here (1.4-1.8x the library's Allreduce on 2 ranks), calibrated like the rest.
+memory; each rank sums its slice reading the peers' buffers directly (``process_vm_readv``) and
+writes each summed chunk into theirs (``process_vm_writev``): 2n moved per rank, one barrier, no
+shared window; the fastest for private buffers from about 4 MiB here, calibrated like the rest.
 ``mpi``: the library's Allreduce. ``auto``: per message size, the choice at the nearest size (in
 log2; ties to the smaller) of ``comm.allreduce_table`` (:func:`calibrate`) or else of
 :data:`DEFAULT_SHM_TABLE` (all ranks on one node) or :data:`DEFAULT_TABLE`, and shm for an

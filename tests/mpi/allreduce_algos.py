@@ -52,7 +52,7 @@ BLOCKING = [a for a in AR.ALGORITHMS if a != "cma" or cma.available(c)]
 for seg, dtypes, sizes in ((AR.SEGMENT_BYTES, DTYPES, SIZES), (4096, DTYPES[1:2], SIZES),
                            (1000, DTYPES[:1], SIZES[:-1])):
     c.allreduce_segment_bytes = c.iallreduce_segment_bytes = seg
-    c.shm_piece_bytes = 4 * seg
+    c.shm_piece_bytes = cma.CHUNK_BYTES = 4 * seg              # many pieces, many chunks
     for dtype in dtypes:
         for n in sizes:
             for alg in BLOCKING:
@@ -111,7 +111,7 @@ for dtype, rtol in ((np.float64, 1e-12), (np.float32, 1e-4)):
     in_order = xs[0].copy()
     for q in range(1, p):
         in_order += xs[q]
-    for alg in ("ring", "rd", "shm", "ishm"):
+    for alg in ("ring", "rd", "shm", "ishm") + (("cma",) if cma.available(c) else ()):
         a = x.copy()
         if alg == "ishm":
             c.iallreduce(a, algorithm="shm").wait()
@@ -119,7 +119,7 @@ for dtype, rtol in ((np.float64, 1e-12), (np.float32, 1e-4)):
             c.allreduce(a, algorithm=alg)
         np.testing.assert_allclose(a, ref, rtol=rtol, atol=rtol * 10)
         same_everywhere(a, f"random {alg} {dtype.__name__}")
-        if "shm" in alg:
+        if alg in ("shm", "ishm", "cma"):
             assert np.array_equal(a, in_order), f"{alg} not summed in rank order"
 
 # -- the shared window: grows to the largest piece (a power of two), reused, freed ------------
@@ -186,7 +186,7 @@ world.Allgather(x, xs)
 in_order = xs[0].copy()
 for q in range(1, p):
     in_order += xs[q]
-shm.SCRATCH_BYTES, scratch = 4096, shm.SCRATCH_BYTES        # p > 2: partial sums in chunks
+shm.CHUNK_BYTES, chunk = 4096, shm.CHUNK_BYTES            # summed and pushed in chunks
 for how in ("blocking", "request", "auto"):
     z32[:] = x
     if how == "request":
@@ -195,7 +195,7 @@ for how in ("blocking", "request", "auto"):
         c.allreduce_table = {"sizes": [1], "choice": ["ring"]} if how == "auto" else None
         c.allreduce(z32, algorithm="shm" if how == "blocking" else "auto")
     assert np.array_equal(z32, in_order), f"zero copy {how}: not the sum in rank order"
-shm.SCRATCH_BYTES = scratch
+shm.CHUNK_BYTES = chunk
 c.allreduce_table = None
 z64[...] = (r + 1) * pattern(z64.size, np.float64).reshape(z64.shape)   # in flight with others
 b = (r + 1) * pattern(5000, np.float64)
@@ -337,17 +337,17 @@ if cma.available(c):
         raise AssertionError("cma accepted different sizes")
     except ValueError as e:
         assert "passed" in str(e) and str(10 * 8) in str(e), e
-saved_readv, cma._readv = cma._readv, False                  # as if process_vm_readv were absent
+saved_calls, cma._calls = cma._calls, False                  # as if process_vm_* were absent
 refused = Communicator(c.comm.Dup(), CommStats(), "refused")
 try:
     refused.allreduce(np.ones(4), algorithm="cma")
-    raise AssertionError("cma ran without process_vm_readv")
+    raise AssertionError("cma ran without process_vm_readv/writev")
 except ValueError as e:
-    assert "permission to read" in str(e), e
+    assert "permission to read and write" in str(e), e
 assert "cma" not in AR.calibrate(refused, sizes=[1024], repeats=1)["times"]
 AR.free(refused)
 refused.comm.Free()
-cma._readv = saved_readv
+cma._calls = saved_calls
 
 AR.free(c)
 if r == 0:
