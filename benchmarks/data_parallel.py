@@ -176,17 +176,19 @@ def one_rank_steps(rep, x, y, n):
 def bench_efficiency(reps, x, y):
     alone = replica(Communicator(MPI.COMM_SELF)) if rank == 0 else None
     one_rank_steps(alone, x, y, 1)                 # warm-up
-    t1, two = [], {v: [] for v in VARIANTS[1:3]}   # 2 ranks: overlap off / on, 25 MiB, mpi
+    t1, two = [], {v: [] for v in VARIANTS        # 2 ranks: overlap off / on, 25 MiB, mpi / auto
+                   if v[1] and v[2] == 25.0 and v[4] in ("mpi", "auto")}
     for _ in range(max(2, REPEATS // 2)):          # 1-rank and 2-rank phases alternate
         t1 += one_rank_steps(alone, x, y, 3)
         for v in two:
             two[v] += steps(reps[v], x, y, 1.0 / size, 3, world.Barrier)
     t1 = float(np.median(t1))
-    rows = [{"ranks": 1, "variant": "alone", "global_batch": BATCH, "step_s": t1,
+    rows = [{"ranks": 1, "variant": "alone", "algorithm": "-", "global_batch": BATCH, "step_s": t1,
              "samples_per_s": BATCH / t1, "efficiency": 1.0}]
     for v, ts in two.items():
         t2 = job_median(ts)[0]
-        rows.append({"ranks": size, "variant": v[0], "global_batch": size * BATCH, "step_s": t2,
+        rows.append({"ranks": size, "variant": v[0], "algorithm": v[4],
+                     "global_batch": size * BATCH, "step_s": t2,
                      "samples_per_s": size * BATCH / t2, "efficiency": t1 / t2})
     return rows
 
