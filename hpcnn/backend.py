@@ -86,16 +86,27 @@ def nbytes(shape, dtype) -> int:
 set_device()
 
 
-def uniform(key, shape, dtype):
-    """Uniform [0, 1) numbers drawn from a generator keyed by the integer tuple ``key``.
+def keep_mask(key, row0: int, shape, p: float, dtype):
+    """Dropout's scaled keep mask, ``(u >= p) / (1 - p)`` in ``dtype``: rows ``row0 ..
+    row0 + shape[0]`` of an unbounded array of rows of ``shape[1:]`` whose elements are
+    independent 64-bit draws of a generator keyed by the integer tuple ``key``.
 
-    Counter-based use: the same key gives the same numbers, so a block that keys its draws by
-    (seed, call counter) reproduces them when the counter is restored (rematerialization).
+    Counter-based: the same key gives the same numbers, so a block that keys its draws by (seed,
+    call counter) reproduces them when the counter is restored (rematerialization); and a row's
+    numbers depend only on its index, so any split of a batch into row ranges (data-parallel
+    shards, micro-batches) draws exactly the rows the whole batch would. The generator (PCG64)
+    jumps to element ``row0 * prod(shape[1:])`` with ``advance``; an element is kept iff its
+    draw is >= round(p * 2**64). Drawn on the host (NumPy), then moved to the device.
     """
-    if xp is numpy:
-        return numpy.random.default_rng(list(key)).random(shape, dtype=dtype)
-    seed = int(numpy.random.SeedSequence(list(key)).generate_state(1)[0])  # pragma: no cover
-    return xp.random.default_rng(seed).random(shape, dtype=dtype)  # pragma: no cover
+    row = 1
+    for d in shape[1:]:
+        row *= int(d)
+    gen = numpy.random.PCG64(numpy.random.SeedSequence([int(k) for k in key]))
+    gen.advance(int(row0) * row)
+    raw = gen.random_raw(int(shape[0]) * row).reshape(tuple(shape))
+    keep = raw >= numpy.uint64(min(int(round(float(p) * 2.0 ** 64)), 2 ** 64 - 1))
+    mask = numpy.multiply(keep, numpy.dtype(dtype).type(1.0 / (1.0 - p)), dtype=dtype)
+    return mask if xp is numpy else xp.asarray(mask)
 
 
 def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:

@@ -23,6 +23,7 @@ from hpcnn import backend as B
 from hpcnn import data as D
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.nn import models
+from hpcnn.nn.layers import place_draws
 from hpcnn.nn.optim import clip_grad_norm, grad_norm_sq, lr_at, make_optimizer
 from hpcnn.parallel.data import dloss_for, shard
 
@@ -367,7 +368,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     return out
 
 
-def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start):
+def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start, step):
     """Forward/backward of this rank's rows in ``grad_accum`` micro-batches (no pipeline)."""
     model = task.model
     model.zero_grad()
@@ -375,6 +376,7 @@ def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start):
     chunks = [c for c in numpy.array_split(mine, cfg.grad_accum) if len(c)]
     for k, rows in enumerate(chunks):
         x, y = task.to_device(xg[rows], yg[rows])
+        place_draws(model, step, int(rows[0]))       # the serial step's masks for these rows
         # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
         dloss = dloss_for(cfg.combine, len(rows), shares, local=len(mine))
         ta = time.perf_counter()
@@ -402,7 +404,7 @@ def _local_step(cfg, task, par, xg, yg, mine, shares, rank, t_start):
     return loss_sum, events
 
 
-def _pipeline_step(cfg, task, par, x, y, shares, t_start):
+def _pipeline_step(cfg, task, par, x, y, shares, t_start, step, row0):
     """This rank's part of the pipelined forward/backward of its data-parallel shard."""
     from hpcnn.parallel.pipeline import train_step
     x, y = task.to_device(x, y)
@@ -410,7 +412,7 @@ def _pipeline_step(cfg, task, par, x, y, shares, t_start):
     out = train_step(cfg.schedule, task.model, par.pp, x, y, cfg.microbatches,
                      ranges=par.ranges, virtual=cfg.virtual, clock=time.perf_counter,
                      t0=t_start, rank=par.grid.rank, dloss_scale=scale, broadcast_loss=False,
-                     remat=task.remat)
+                     remat=task.remat, draw=step, row0=row0)
     par.peak_stage_bytes = max(getattr(par, "peak_stage_bytes", 0), int(out.get("peak_bytes", 0)))
     loss = out["loss"] / scale * len(x) if out["loss"] is not None else 0.0   # last stage only
     return loss, list(out["events"])
@@ -429,9 +431,10 @@ def _train_step(cfg, task, par, opt, step, t_start):
     bytes_before = par.stats.bytes_sent if par else 0
     t0 = time.perf_counter()
     if par is not None and par.local is not None:
-        loss_sum, events = _pipeline_step(cfg, task, par, xg[mine], yg[mine], shares, t_start)
+        loss_sum, events = _pipeline_step(cfg, task, par, xg[mine], yg[mine], shares, t_start,
+                                          step, int(mine[0]) if len(mine) else 0)
     else:
-        loss_sum, events = _local_step(cfg, task, par, xg, yg, mine, shares, wrank, t_start)
+        loss_sum, events = _local_step(cfg, task, par, xg, yg, mine, shares, wrank, t_start, step)
     compute = time.perf_counter() - t0
     if par is not None:
         pad = par.slowdown.pad(compute)

@@ -167,6 +167,50 @@ def test_dropout_mask_reproducible_and_gradients():
     assert y is x and c is None
 
 
+def test_keep_mask_rows_do_not_depend_on_the_split():
+    from hpcnn import backend as B
+    key, shape = (3, 7, 2), (11, 3, 5)
+    whole = B.keep_mask(key, 0, shape, 0.4, F64)
+    for cuts in ((0, 11), (0, 1, 11), (0, 4, 5, 9, 11), tuple(range(12))):
+        parts = [B.keep_mask(key, a, (b - a,) + shape[1:], 0.4, F64) for a, b in zip(cuts, cuts[1:])]
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+    later = B.keep_mask(key, 6, (5, 3, 5), 0.4, np.float32)     # any start, any dtype
+    assert later.dtype == np.float32
+    np.testing.assert_array_equal(later, whole[6:].astype(np.float32))
+    assert set(np.unique(whole)) == {0.0, 1 / 0.6}
+    assert not np.array_equal(B.keep_mask((3, 7, 3), 0, shape, 0.4, F64), whole)   # key matters
+    big = B.keep_mask((1,), 0, (400, 1000), 0.25, np.float32)
+    assert abs((big != 0).mean() - 0.75) < 0.005                  # 4 sigma of 400k draws: 0.0028
+    assert (B.keep_mask((1,), 0, (50, 50), 0.0, F64) == 1).all()
+
+
+def test_placed_dropout_gives_each_row_its_mask_whatever_the_split():
+    from hpcnn.nn.layers import dropouts, place_draws
+    from hpcnn.nn.transformer import TransformerBlock
+    d = Dropout(0.3, seed=5, index=2, dtype=F64)
+    x = _x((10, 4, 6))
+    d.place(7, 0)
+    whole, _ = d.forward(x)
+    pieces = []
+    for a, b in ((0, 3), (3, 4), (4, 10)):
+        d.place(7, a)
+        pieces.append(d.forward(x[a:b])[0])
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
+    d.place(8, 0)
+    assert not np.array_equal(d.forward(x)[0], whole)            # another step, another mask
+    d.place(7, 0)
+    s = d.rng_state()
+    y1 = d.forward(x)[0]
+    d.set_rng_state(s)
+    np.testing.assert_array_equal(d.forward(x)[0], y1)           # restored: the same mask
+    np.testing.assert_array_equal(y1, whole)
+    blk = TransformerBlock(8, 2, dropout=0.1, index=4, dtype=F64)  # nested dropouts are found
+    found = dropouts([blk, [blk]])
+    assert len(found) == 3 and len({id(f) for f in found}) == 3
+    place_draws(blk, 5, 9)
+    assert all(f.rng_state() == (5, 9) for f in found)
+
+
 def test_dropout_rejects_bad_p():
     with pytest.raises(ValueError, match="1.5"):
         Dropout(1.5)

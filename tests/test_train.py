@@ -30,6 +30,20 @@ def test_same_seed_gives_bit_identical_loss_curve(tmp_path):
     assert not np.array_equal(a["loss"], c["loss"])
 
 
+def test_dropout_masks_follow_the_rows_not_the_micro_batches(tmp_path):
+    """Gradient accumulation splits the batch; each sample keeps its serial-step mask."""
+    args = ("--model=gpt", "--dataset=sonnet", "--steps=4", "--batch_size=6", "--block_size=8",
+            "--dim=16", "--n_heads=2", "--dropout=0.2", "--dtype=float64", "--eval_interval=4")
+    one = _run(tmp_path, "one.h5", *args)
+    three = _run(tmp_path, "three.h5", *args, "--grad_accum=3")
+    none = _run(tmp_path, "none.h5", *args[:-3], "--dropout=0.0", "--dtype=float64",
+                "--eval_interval=4", "--grad_accum=3")
+    for a, b, c in zip(one["model"].params, three["model"].params, none["model"].params):
+        assert np.max(np.abs(a.data - b.data)) < 1e-12, a.name
+    assert max(np.max(np.abs(a.data - c.data)) for a, c in
+               zip(one["model"].params, none["model"].params)) > 1e-4   # dropout did act
+
+
 def test_mlp_reaches_97_percent_on_digits(tmp_path):
     r = _run(tmp_path, "mlp.h5", "--model=mlp")
     assert r["test_acc"] >= 0.97, r

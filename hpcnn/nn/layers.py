@@ -281,11 +281,42 @@ class LayerNorm(Block):
                          nb + rows * self.dtype.itemsize, 2 * self.dim * self.dtype.itemsize)
 
 
+def dropouts(root) -> list:
+    """Every :class:`Dropout` reachable from ``root`` (a block, a chain, or a list of them)
+    through attributes, lists and tuples, each once, in a fixed order."""
+    found, seen, stack = [], set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Dropout):
+            found.append(obj)
+        if isinstance(obj, (list, tuple)):
+            stack.extend(reversed(obj))
+        elif isinstance(obj, Block) or hasattr(obj, "blocks"):
+            stack.extend(v for v in reversed(list(vars(obj).values()))
+                         if isinstance(v, (Block, list, tuple)) or hasattr(v, "blocks"))
+    return found
+
+
+def place_draws(root, draw: int, row: int) -> None:
+    """Before a forward of a batch whose first row is row ``row`` of the global batch of step
+    ``draw``: every dropout under ``root`` draws that step's mask from that row on."""
+    for d in dropouts(root):
+        d.place(draw, row)
+
+
 class Dropout(Block):
     """y = x * mask / (1 - p) in training, identity in eval. Cache: the scaled mask.
 
-    Masks are drawn from a generator keyed by (seed, call counter): :meth:`rng_state` is the
-    counter, so restoring it before a recomputed forward reproduces the same mask.
+    Masks come from :func:`hpcnn.backend.keep_mask`, keyed by (seed, index, draw) and positioned
+    at row ``row`` of that draw's unbounded array of rows (axis 0 is the batch). The state is
+    ``(draw, row)``: :meth:`rng_state` / :meth:`set_rng_state` save and restore it, so a
+    recomputed forward reproduces its mask; each forward advances ``draw``. The training loop
+    calls :meth:`place` (through :func:`place_draws`) before every forward with (step, the global
+    index of the first row): sample g of step s then gets the same mask whatever the layout
+    (serial, data-parallel shards of any sizes, micro-batches, pipeline stages).
     """
 
     def __init__(self, p=0.0, *, seed=0, index=0, dtype=B.DEFAULT_DTYPE, name="dropout"):
@@ -293,20 +324,29 @@ class Dropout(Block):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{name}: dropout probability must be in [0, 1), got {p}")
         self.name, self.p, self.dtype = name, float(p), B.dtype_of(dtype)
-        self.seed, self.index, self.calls = int(seed), int(index), 0
+        self.seed, self.index, self.calls, self.row = int(seed), int(index), 0, 0
 
     def rng_state(self):
-        return self.calls
+        return (self.calls, self.row)
 
     def set_rng_state(self, state):
-        self.calls = int(state)
+        self.calls, self.row = (int(v) for v in state)
+
+    def place(self, draw: int, row: int) -> None:
+        """The next forward draws mask ``draw`` from global row ``row`` on."""
+        self.calls, self.row = int(draw), int(row)
+
+    def _mask(self, shape):
+        """The scaled keep mask of this forward for a tensor of ``shape``; advances the draw."""
+        mask = B.keep_mask((self.seed, self.index, self.calls), self.row, shape, self.p,
+                           self.dtype)
+        self.calls += 1
+        return mask
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x, None
-        u = B.uniform((self.seed, self.index, self.calls), x.shape, x.dtype)
-        self.calls += 1
-        mask = (u >= self.p) * x.dtype.type(1.0 / (1.0 - self.p))   # (..., C)
+        mask = self._mask(x.shape)                                   # (..., C)
         return x * mask, mask
 
     def backward(self, dy, cache):

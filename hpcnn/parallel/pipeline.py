@@ -35,7 +35,7 @@ import time
 import numpy
 
 from hpcnn import backend as B
-from hpcnn.nn.layers import defer_weight_gradients
+from hpcnn.nn.layers import defer_weight_gradients, place_draws
 from hpcnn.parallel import partition, schedules
 
 KINDS = ("ACT", "GRAD")
@@ -156,7 +156,7 @@ def tag_of(kind: str, mb: int, stage: int, n_stages: int) -> int:
 
 # -- executor -------------------------------------------------------------------------------------
 def run_schedule(instrs, stages, pp_comm, micro_inputs, micro_targets, *, dloss, shapes, dtype,
-                 clock=None, t0=None, rank=None) -> dict:
+                 clock=None, t0=None, rank=None, draws=None) -> dict:
     """Execute one rank's instruction list.
 
     Parameters: ``instrs``: this rank's list (:class:`.schedules.Instr`); ``stages``: its
@@ -165,7 +165,9 @@ def run_schedule(instrs, stages, pp_comm, micro_inputs, micro_targets, *, dloss,
     only); ``dloss``: the loss-gradient factor, a number or one per micro-batch (mean over the
     global batch: micro-batch size / global size); ``shapes``: :func:`boundary_shapes`;
     ``dtype``: of activations and gradients; ``clock`` (default ``time.perf_counter``) and ``t0``
-    (default: now) time the events; ``rank`` labels them (default ``pp_comm.rank``).
+    (default: now) time the events; ``rank`` labels them (default ``pp_comm.rank``);
+    ``draws``: per micro-batch (step, global index of its first row), given to the stage's dropouts
+    before its F (:func:`hpcnn.nn.layers.place_draws`), so masks are those of the serial step.
 
     Returns a dict: ``loss`` (sum of micro-batch losses times dloss; None off the last stage),
     ``losses`` {mb: loss}, ``events`` [(rank, kind, mb, t_start, t_end)], ``peak_bytes``,
@@ -187,6 +189,8 @@ def run_schedule(instrs, stages, pp_comm, micro_inputs, micro_targets, *, dloss,
         if op == "F":
             st = mine[s]
             x = micro_inputs[mb] if st.first else msgs.pop(("ACT", mb, s - 1))
+            if draws is not None:
+                place_draws(st.chain, *draws[mb])
             out, caches[(s, mb)] = st.forward(x, micro_targets[mb] if st.last else None)
             if st.last:
                 losses[mb] = out
@@ -317,7 +321,7 @@ def plan_remat(policy, schedule_name, chain, ranges, comm, rows: int, feat: tupl
 
 def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout=None,
                virtual: int = 1, clock=None, t0=None, rank=None, dloss_scale: float = 1.0,
-               broadcast_loss: bool = True, remat=None) -> dict:
+               broadcast_loss: bool = True, remat=None, draw=None, row0: int = 0) -> dict:
     """One pipelined forward/backward of the global batch (x, y); the optimizer step is the caller's.
 
     ``comm``: ProcessGrid, pipeline Communicator or mpi4py communicator of p ranks. Stages: the
@@ -331,6 +335,10 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     ``remat``: a :class:`hpcnn.memory.policy.RematPolicy`; each local stage then runs its
     rematerialization sequence (forward part at F, the rest at B), its budget divided by the
     micro-batches it holds at once in this schedule (:func:`max_inflight`).
+
+    ``draw``: the step whose dropout masks to draw, ``x`` being rows ``row0 ..`` of that step's
+    global batch (each micro-batch gets the masks of its rows in the serial step); None: each
+    dropout advances its own counter.
 
     Returns :func:`run_schedule`'s dict with ``loss`` broadcast to every pipeline rank, plus
     ``stages`` (this rank's :class:`PipelineStage` s) and ``ranges``.
@@ -359,8 +367,10 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     for st in stages:
         st.chain.zero_grad()
     dloss = [dloss_scale * a.shape[0] / x.shape[0] for a in xs]
+    starts = numpy.cumsum([int(row0)] + [a.shape[0] for a in xs])
+    draws = None if draw is None else [(int(draw), int(a)) for a in starts[:-1]]
     out = run_schedule(lists[pp.rank], stages, pp, xs, ys, dloss=dloss, shapes=shapes,
-                       dtype=dtype, clock=clock, t0=t0, rank=rank)
+                       dtype=dtype, clock=clock, t0=t0, rank=rank, draws=draws)
     # -- the loss lives on the last stage's rank (stage S-1 is on rank p-1); a caller that
     # reduces gradients next (data parallelism) broadcasts it later, so that the last stages
     # start their allreduce while the first ones are still in the cool-down --

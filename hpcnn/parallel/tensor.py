@@ -98,6 +98,8 @@ class ShardDropout(Dropout):
     def __init__(self, p=0.0, *, axis, rank, size, seed=0, index=0, dtype=B.DEFAULT_DTYPE,
                  name="dropout"):
         super().__init__(p, seed=seed, index=index, dtype=dtype, name=name)
+        if int(axis) == 0:
+            raise ValueError(f"{name}: a shard dropout splits a non-batch axis, got axis=0")
         self.axis, self.rank, self.size = int(axis), int(rank), int(size)
 
     def forward(self, x):
@@ -106,11 +108,9 @@ class ShardDropout(Dropout):
         n = x.shape[self.axis]
         full = list(x.shape)
         full[self.axis] = n * self.size
-        u = B.uniform((self.seed, self.index, self.calls), tuple(full), x.dtype)  # serial draw
-        self.calls += 1
         idx = [slice(None)] * x.ndim
         idx[self.axis] = slice(self.rank * n, (self.rank + 1) * n)
-        mask = (u[tuple(idx)] >= self.p) * x.dtype.type(1.0 / (1.0 - self.p))  # this rank's part
+        mask = self._mask(tuple(full))[tuple(idx)]            # this rank's part of the serial mask
         return x * mask, mask
 
 

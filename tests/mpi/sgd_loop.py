@@ -7,13 +7,15 @@ def sgd(model, steps, batch, *, lr, tp=None, dp=None):
     ``tp``: sum the replicated parameters' partial gradients over it (sequence parallelism);
     ``dp`` (a DataParallel): this rank's part of each global batch, gradients reduced by it.
     """
+    from hpcnn.nn.layers import place_draws
     from hpcnn.parallel.tensor import sync_replicated_grads
     losses = []
     for s in range(steps):
         x, y = batch(s)
+        h, k = (x.shape[0] // dp.comm.size, dp.comm.rank) if dp is not None else (0, 0)
         if dp is not None:
-            h, k = x.shape[0] // dp.comm.size, dp.comm.rank
             x, y = x[k * h:(k + 1) * h], y[k * h:(k + 1) * h]
+        place_draws(model, s, k * h)                  # the serial step's masks for these rows
         model.zero_grad()
         loss, caches = model.forward(x, y)
         if dp is None:

@@ -234,7 +234,6 @@ if P == 4:
     from hpcnn.parallel.grid import ProcessGrid
     grid = ProcessGrid(world, dp=2, tp=2)
     tp2 = Communicator(grid.tp_comm, CommStats(), name="tp")
-    gkw["dropout"] = 0.0                              # a dp shard draws its own masks
     serial = models.gpt(V, T, 2, C, NH, **gkw)
     sgd(serial, STEPS)
     ref = {p.name: p.data for p in serial.params}

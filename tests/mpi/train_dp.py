@@ -34,6 +34,10 @@ cases = {
                          "--shard=skewed", "--allreduce=mpi", "--overlap=false"],
     "gpt-weighted": ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_size=12",
                      "--batch_size=8", "--balance=proportional", "--speeds=" + ",".join(["1"] * (p - 1) + ["3"])],
+    # dropout: a sample's mask depends on its global row and the step, not on the split
+    "gpt-dropout-accum": ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_size=12",
+                          "--batch_size=12", "--dropout=0.2", "--grad_accum=2", "--balance=proportional",
+                          "--speeds=" + ",".join(str(i + 1) for i in range(p))],
 }
 for name, args in cases.items():
     serial = train(cfg(f"{name}-serial.h5", *args), comm=None) if rank == 0 else None

@@ -27,7 +27,7 @@ def cfg(name, *extra):
 mlp = ["--model=mlp", "--hidden=16,16,16", "--batch_size=24", "--optimizer=sgd", "--lr=0.05",
        "--clip=1.0"]
 gpt = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_size=8",
-       "--batch_size=8", "--n_layers=6", f"--pad_vocab={tp}"]
+       "--batch_size=8", "--n_layers=6", f"--pad_vocab={tp}", "--dropout=0.1"]
 cases = []
 for sched in ("gpipe", "1f1b", "zb_h1"):
     cases.append((f"mlp-{sched}", mlp + [f"--schedule={sched}", "--microbatches=4"]))

@@ -18,7 +18,7 @@ tmp, dp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
 gpt = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_size=8",
        "--batch_size=8", "--n_layers=6", "--dtype=float64", "--steps=3", "--eval_interval=3",
-       "--log_interval=3", "--allreduce=mpi", "--progress=false"]
+       "--log_interval=3", "--allreduce=mpi", "--progress=false", "--dropout=0.1"]
 
 
 def cfg(name, *extra):

@@ -26,7 +26,8 @@ def cfg(name, *extra):
 
 
 gpt = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=4", "--block_size=12",
-       "--batch_size=8", "--n_layers=2", f"--pad_vocab={tp}", "--clip=0.5", "--optimizer=adamw"]
+       "--batch_size=8", "--n_layers=2", f"--pad_vocab={tp}", "--clip=0.5", "--optimizer=adamw",
+       "--dropout=0.1"]
 cases = {"gpt": gpt, "gpt-sp": gpt + ["--sequence_parallel=true"],
          "cnn": ["--model=cnn", "--channels=4,8", "--batch_size=16", "--optimizer=sgd", "--lr=0.05"]}
 for name, args in cases.items():
