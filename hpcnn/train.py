@@ -23,6 +23,7 @@ from hpcnn import backend as B
 from hpcnn import data as D
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.nn import models
+from hpcnn.nn.core import is_placeholder, materialize_only
 from hpcnn.nn.layers import place_draws
 from hpcnn.nn.optim import clip_grad_norm, grad_norm_sq, lr_at, make_optimizer
 from hpcnn.parallel.data import dloss_for, shard
@@ -113,12 +114,13 @@ def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
     return -(-vocab // m) * m
 
 
-def build_task(cfg: TrainConfig, tp_comm=None) -> Task:
-    """Load the data and build the model named by a resolved config (sharded over ``tp_comm``)."""
+def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
+    """Load the data (unless given) and build the model named by a resolved config (sharded
+    over ``tp_comm``)."""
     dtype = B.dtype_of(cfg.dtype)
     tp = tp_comm is not None and tp_comm.size > 1
     if cfg.dataset == "digits":
-        data = D.digits(image=cfg.model == "cnn")
+        data = data or D.digits(image=cfg.model == "cnn")
         if cfg.model == "mlp":
             model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed, dtype=dtype)
         elif tp:
@@ -128,7 +130,7 @@ def build_task(cfg: TrainConfig, tp_comm=None) -> Task:
             model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
         spe = D.steps_per_epoch(len(data.y_train), cfg.batch_size)
         return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
-    data = D.shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
+    data = data or D.shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
     vocab = padded_vocab(data.vocab, cfg)
     if tp:
         from hpcnn.parallel.tensor import parallel_gpt
@@ -169,6 +171,18 @@ class _Parallel:
         self.pp = Communicator(self.grid.pp_comm, self.stats, "pp")
         self.rank, self.size = self.comm.rank, self.comm.size
         self.local = None          # with pp > 1: the chain of this rank's stage blocks
+        self.ranges = None         # with pp > 1: the stages' block ranges
+
+    def plan_stages(self, model, micro_shape) -> set:
+        """pp > 1: cut ``model`` (its shapes suffice) into stages (``--layout``, else by cost);
+        returns the names of this rank's stages' parameters."""
+        from hpcnn.parallel import partition
+        from hpcnn.parallel.pipeline import build_stages
+        cfg = self.cfg
+        self.ranges = (partition.parse_layout(cfg.layout, len(model)) if cfg.layout
+                       else partition.by_spec(model, micro_shape, cfg.pp * cfg.virtual))
+        stages = build_stages(model, self.ranges, self.pp.rank, self.pp.size)
+        return {q.name for st in stages for q in st.chain.params}
 
     def attach(self, model, micro_shape) -> None:
         """Set up stages, balancing and the data-parallel engine for ``model``'s (sharded)
@@ -178,11 +192,9 @@ class _Parallel:
         cfg = self.cfg
         if cfg.pp > 1:
             from hpcnn.nn.chain import Chain
-            from hpcnn.parallel import partition
             from hpcnn.parallel.pipeline import build_stages
-            n_stages = cfg.pp * cfg.virtual
-            self.ranges = (partition.parse_layout(cfg.layout, len(model)) if cfg.layout
-                           else partition.by_spec(model, micro_shape, n_stages))
+            if self.ranges is None:
+                self.plan_stages(model, micro_shape)
             stages = build_stages(model, self.ranges, self.pp.rank, self.pp.size)
             self.local = Chain([b for st in stages for b in st.chain.blocks], None, name="stages")
         factors = hetero.slowdowns_from_config(cfg.slowdown, self.size)
@@ -238,6 +250,18 @@ def _mpi_library(world) -> str:
     return MPI.Get_library_version().splitlines()[0].strip()
 
 
+def _build_for(cfg: TrainConfig, par) -> Task:
+    """The task; with pp > 1 the model holds storage for this rank's stages only: a first build
+    without any (shapes, for the stage cut), then one keeping the local stages' parameters."""
+    if par is None or cfg.pp == 1:
+        return build_task(cfg, par.tp if par is not None else None)
+    with materialize_only(()):
+        shapes = build_task(cfg, par.tp)
+    local = par.plan_stages(shapes.model, shapes.micro_shape())
+    with materialize_only(local):
+        return build_task(cfg, par.tp, data=shapes.data)
+
+
 def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path, the model).
 
@@ -256,7 +280,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     B.tune_allocator()
     par = _Parallel(cfg, comm) if comm is not None else None
     try:
-        task = build_task(cfg, par.tp if par is not None else None)
+        task = _build_for(cfg, par)
         if par is not None:
             par.attach(task.model, task.micro_shape())
     except Exception:
@@ -335,9 +359,11 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
                 say(_progress(done, task.steps, row["loss"], row["samples_per_s"],
                               time.perf_counter() - t_start) + extra)
         if par is not None and par.local is not None:   # pipeline: peak live activations
-            peaks = comm.gather(int(getattr(par, "peak_stage_bytes", 0)), root=0)
+            held = sum(int(q.data.nbytes) for q in model.params if not is_placeholder(q.data))
+            peaks = comm.gather((int(getattr(par, "peak_stage_bytes", 0)), held), root=0)
             if log is not None:
-                log.set_plan({"peak_activation_bytes_per_rank": peaks})
+                log.set_plan({"peak_activation_bytes_per_rank": [a for a, _ in peaks],
+                              "param_bytes_per_rank": [b for _, b in peaks]})
         if task.remat is not None:                      # sequences, predicted and measured peaks
             rec = (task.remat.records, task.remat.measured_peak)
             recs = comm.gather(rec, root=0) if comm is not None else [rec]
@@ -443,7 +469,7 @@ def _train_step(cfg, task, par, opt, step, t_start):
         compute += pad
         tw = time.perf_counter()
         par.engine.finish(step)      # each pipeline rank starts as soon as its stages are done
-        par.sync_replicated(model)
+        par.sync_replicated(par.local or model)      # this rank's parameters only
         if par.local is not None:    # the loss, known on the last stage, after the reduction
             loss_sum = float(par.pp.bcast(numpy.array([loss_sum]), root=par.pp.size - 1)[0])
         events.append((wrank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))

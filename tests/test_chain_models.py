@@ -98,3 +98,36 @@ def test_model_argument_errors():
         models.gpt(11, 6, dim=10, n_heads=4)
     with pytest.raises(ValueError, match="image side 6"):
         models.cnn(1, 6, (4, 4))
+
+
+def test_materialize_only_keeps_the_named_parameters_and_no_storage_for_the_rest():
+    import tracemalloc
+    from hpcnn.nn.core import is_placeholder, materialize_only
+    from hpcnn.parallel.tensor import shard_array
+    full = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64)
+    keep = {p.name for b in full.blocks[2:4] for p in b.params}
+    with materialize_only(keep):
+        part = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64)
+    assert [p.name for p in part.params] == [p.name for p in full.params]
+    for a, b in zip(full.params, part.params):
+        assert b.shape == a.shape and b.data.dtype == a.data.dtype
+        if a.name in keep:
+            np.testing.assert_array_equal(b.data, a.data)        # the same keyed initial values
+            assert not is_placeholder(b.data)
+        else:
+            assert is_placeholder(b.data) and is_placeholder(b.grad) and np.isnan(b.data).all()
+            with pytest.raises(ValueError, match="read-only"):
+                b.data[...] = 0
+    assert [s.out_shape for s in part.spec((3, 16))] == [s.out_shape for s in full.spec((3, 16))]
+    held = {}
+    for what in (None, ()):
+        tracemalloc.start()
+        with materialize_only(what):
+            alive = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64)
+        held[what] = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        del alive
+    stored = sum(p.data.nbytes for p in full.params) * 2          # parameters and gradients
+    assert held[None] > stored > 8 * held[()], (held, stored)     # placeholders: Python objects
+    shard = shard_array(part.params[0].data, 0, 1, 2)            # a placeholder's shard is one
+    assert is_placeholder(shard) and shard.shape == (20, 32)

@@ -13,6 +13,7 @@ restore (:meth:`Block.rng_state`), so a recomputed forward draws the same mask.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy
@@ -32,7 +33,8 @@ class Parameter:
 
     def __init__(self, data, name: str):
         self.data = data
-        self._grad = B.xp.zeros_like(data)
+        # a placeholder (another pipeline rank's parameter) has no storage, nor its gradient
+        self._grad = data if is_placeholder(data) else B.xp.zeros_like(data)
         self._zero = False
         self.name = name
 
@@ -192,6 +194,38 @@ def init_rng(seed: int, *key) -> numpy.random.Generator:
     return numpy.random.default_rng([int(seed), *[int(k) for k in key]])
 
 
+_materialize = None     # None: every parameter; else the set of names that get storage
+
+
+@contextmanager
+def materialize_only(names):
+    """Parameters built inside get storage only if their name is in ``names`` (None: all); the
+    others are placeholders (:func:`placeholder`). A pipeline rank builds its model this way, so
+    it holds its own stages' parameters only: initial values are keyed by tensor, so the ones it
+    keeps are those of the whole model."""
+    global _materialize
+    prev, _materialize = _materialize, (None if names is None else frozenset(names))
+    try:
+        yield
+    finally:
+        _materialize = prev
+
+
+def placeholder(shape, dtype):
+    """A read-only NaN array of ``shape`` with no storage (all strides 0): stands for a
+    parameter this rank does not hold. Writing to it raises; computing with it gives NaN, which
+    the training loop's finiteness checks report."""
+    return B.xp.broadcast_to(B.xp.asarray(float("nan"), dtype=dtype), tuple(shape))
+
+
+def is_placeholder(a) -> bool:
+    """True for an array made by :func:`placeholder` (non-empty, every stride 0)."""
+    return a.size >= 1 and a.ndim > 0 and not any(a.strides)
+
+
 def param_from_host(values: numpy.ndarray, dtype, name: str) -> Parameter:
-    """Host values -> a Parameter of the backend's array type in ``dtype``."""
+    """Host values -> a Parameter of the backend's array type in ``dtype`` (a placeholder if
+    :func:`materialize_only` excludes ``name``)."""
+    if _materialize is not None and name not in _materialize:
+        return Parameter(placeholder(values.shape, dtype), name)
     return Parameter(B.asarray(values.astype(dtype, copy=False)), name)

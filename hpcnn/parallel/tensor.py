@@ -31,7 +31,7 @@ from dataclasses import replace
 import numpy
 
 from hpcnn import backend as B
-from hpcnn.nn.core import Block, BlockSpec, Parameter
+from hpcnn.nn.core import Block, BlockSpec, Parameter, is_placeholder, placeholder
 from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear
 from hpcnn.nn.transformer import MLPBlock, sub_index
 from hpcnn.parallel.tp_comm import (AllGatherSeq, Copy, GatherLast, Reduce, ReduceScatterSeq,
@@ -59,6 +59,10 @@ def shard_array(full, axis: int, rank: int, size: int, parts: int = 1):
     """This rank's shard of ``full``: along ``axis``, part ``rank`` of ``size`` of each of
     ``parts`` equal blocks, concatenated (a contiguous copy)."""
     xp = B.xp
+    if is_placeholder(full):                         # another pipeline rank's: still no storage
+        shape = list(full.shape)
+        shape[axis] //= size
+        return placeholder(shape, full.dtype)
     blk = full.shape[axis] // parts
     k = blk // size
     pieces = [xp.take(full, xp.arange(g * blk + rank * k, g * blk + (rank + 1) * k), axis=axis)

@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
+from hpcnn.nn.core import is_placeholder
 from hpcnn.parallel.tensor import shard_array
 from hpcnn.train import train
 
@@ -44,8 +45,11 @@ for name, args in cases:
     ref = {q.name: q.data for q in serial["model"].params}
     local = set(par["local_params"])
     for q in par["model"].params:
+        # another pipeline rank's stage: a placeholder, no storage (built so from the start)
+        assert is_placeholder(q.data) == (q.name not in local), (name, q.name)
         if q.name not in local:
-            continue                       # another pipeline rank's stage
+            assert q.data.base is not None and q.data.base.size == 1, (name, q.name)
+            continue
         axis = getattr(q, "tp_axis", None)
         want = ref[q.name] if axis is None else shard_array(ref[q.name], axis, tp_rank, tp, q.tp_parts)
         err = np.max(np.abs(want - q.data))
@@ -61,6 +65,11 @@ for name, args in cases:
         assert run.plan["pp"] == pp and len(run.plan["stages"]) >= pp
         peaks = run.plan["peak_activation_bytes_per_rank"]
         assert len(peaks) == p and all(b > 0 for b in peaks), peaks
+        held = run.plan["param_bytes_per_rank"]                  # each rank: its stages only
+        whole = sum(q.data.nbytes for q in serial["model"].params)
+        assert len(held) == p and all(0 <= b < whole for b in held), (held, whole)
+        if tp == 1:
+            assert sum(held) == dp * whole, (held, whole)
         kinds = set(run.timeline["kind"].tolist())
         assert {"F", "B"} <= kinds or {"forward", "backward"} <= kinds, kinds
     world.Barrier()
