@@ -29,7 +29,9 @@ def run_mpi(scenario: str, n: int, *args, timeout: float = 120, env=None) -> str
     cmd = [mpiexec(), "-n", str(n)]
     if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
         cmd += ["--oversubscribe", "--allow-run-as-root"]
-    cmd += [sys.executable, "-m", "mpi4py", os.path.join(HERE, "mpi", scenario + ".py"), *map(str, args)]
+    # a shared window kept at free() because an array still uses it is a leak: fail the scenario
+    cmd += [sys.executable, "-W", "error:shm:ResourceWarning", "-m", "mpi4py",
+            os.path.join(HERE, "mpi", scenario + ".py"), *map(str, args)]
     e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     e.update(env or {})

@@ -268,7 +268,7 @@ class DataParallel:
         the communicator is freed; the parameters keep their gradients)."""
         for p in self.params:
             p.bind_grad(B.xp.zeros_like(p.data))
-        self.flats = []
+        self.flats, self.buckets, self.order, self._reqs = [], [], [], []   # no window views stay
         if self.comm.size > 1:
             from hpcnn.parallel import allreduce
             allreduce.free(self.comm)

@@ -34,7 +34,8 @@ passive-target epoch (``Lock_all``) and a sync is ``Win.Sync`` (my stores are vi
 on the node communicator, ``Win.Sync`` (peers' stores are visible to my loads). The node's
 window is made on first use and grown (collectively, the same size on every rank) for a larger
 piece; it and the :func:`zeros` arrays' windows are freed by
-:func:`hpcnn.parallel.allreduce.free` (do not use those arrays afterwards).
+:func:`hpcnn.parallel.allreduce.free`, except those whose arrays are still alive on some rank
+(kept, with a ``ResourceWarning``, so that no array ever points at unmapped memory).
 
 An algorithm is a generator yielding the window to sync at each sync point: the blocking call
 syncs with ``Barrier``, :class:`ShmRequest` with ``Ibarrier``. The requests of a node run one at
@@ -46,6 +47,8 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
+import weakref
 from collections import deque
 
 import numpy
@@ -83,6 +86,11 @@ class Shared:
         self.hdrs = [g[hdr:hdr + 24].view(numpy.int64) for g in segs]
         self.base = self.segs[comm.Get_rank()].__array_interface__["data"][0]
         self.seq = 0
+        self.user = None           # weakref to the array under every view handed out
+
+    def in_use(self) -> bool:
+        """True while an array handed out by :func:`zeros` (or any view of it) is alive."""
+        return self.user is not None and self.user() is not None
 
 
 class Node:
@@ -114,10 +122,22 @@ class Node:
             self.win, self.half = None, 0
 
     def free(self) -> None:
+        """Free the windows (collective). A :func:`zeros` allocation that some rank still uses
+        (an array or view of it alive) is kept, with a warning: unmapping it would leave that
+        array pointing at nothing."""
         self.release()
+        MPI = _mpi()
+        used = numpy.array([sh.in_use() for sh in self.shared] or [0], numpy.int8)
+        self.comm.Allreduce(MPI.IN_PLACE, used, op=MPI.MAX)
+        kept = [sh for sh, u in zip(self.shared, used) if u]
         for sh in self.shared:
-            sh.win.Unlock_all()
-            sh.win.Free()
+            if sh not in kept:
+                sh.win.Unlock_all()
+                sh.win.Free()
+        if kept:
+            warnings.warn(f"shm: {len(kept)} shared array(s) ({sum(sh.nbytes for sh in kept)} "
+                          f"bytes per rank) still in use at free(): kept until the process "
+                          f"ends", ResourceWarning, stacklevel=3)
         self.shared = []
         self.comm.Free()
 
@@ -194,7 +214,9 @@ def zeros(node, shape, dtype):
     n = int(numpy.prod(shape, dtype=numpy.int64))
     sh = Shared(node.comm, max(1, n * dtype.itemsize))
     node.shared.append(sh)
-    a = sh.segs[node.rank][:n * dtype.itemsize].view(dtype).reshape(shape)
+    owner = numpy.frombuffer(sh.win.Shared_query(node.rank)[0], numpy.uint8)  # base of all views
+    sh.user = weakref.ref(owner)
+    a = owner[:n * dtype.itemsize].view(dtype).reshape(shape)
     a[...] = 0
     return a
 

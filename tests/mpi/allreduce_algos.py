@@ -12,6 +12,8 @@ engine with ``auto`` picking shm for blocking and non-blocking buckets.
 """
 import os
 
+import warnings
+
 import numpy as np
 from mpi4py import MPI
 
@@ -316,8 +318,12 @@ def dp_grads(algorithm, overlap, shm_everywhere):
     picked = {(AR.choose_nonblocking if overlap else AR.choose)(cd, b.view.nbytes)
               for b in dp.buckets}
     used = bool(shm.node_of(cd).half)       # the window was made: shm ran
-    dp.release()                            # gradients back to private memory, windows freed
-    return [q.grad.copy() for q in model.params], dp.n_buckets, picked, used
+    nb = dp.n_buckets
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp.release()                        # gradients back to private memory, windows freed
+    assert dp.n_buckets == 0 and not caught, [str(w.message) for w in caught]   # none kept
+    return [q.grad.copy() for q in model.params], nb, picked, used
 
 
 ref = dp_grads("mpi", False, False)[0]
@@ -348,6 +354,31 @@ assert "cma" not in AR.calibrate(refused, sizes=[1024], repeats=1)["times"]
 AR.free(refused)
 refused.comm.Free()
 cma._calls = saved_calls
+
+# -- free() keeps a shared allocation whose array is still alive on some rank ------------------
+import gc  # noqa: E402
+del z64, z32, flat, reqs, big, empty
+gc.collect()
+AR.free(c)                                                  # nothing in use: all windows freed
+kept = c.shared_zeros(1000, np.float64)
+gone = c.shared_zeros(1000, np.float64)
+view = kept[10:20] if r == 0 else None                      # alive on rank 0 only
+del kept, gone
+gc.collect()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    AR.free(c)
+msgs = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+assert len(msgs) == 1 and "1 shared array(s) (8000 bytes per rank)" in msgs[0], msgs
+if view is not None:
+    view[:] = 7.0                                           # still mapped: usable
+    assert view.sum() == 70.0
+del view
+gc.collect()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    AR.free(c)
+assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 AR.free(c)
 if r == 0:

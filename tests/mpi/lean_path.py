@@ -58,6 +58,7 @@ if expect_c:
     assert fast.allreduce.shared and fast.allreduce.private_below > 0
     lo, hi = fast.allreduce.shared[0]
     assert lo <= shared.__array_interface__["data"][0] < hi
+del shared, buf                                  # freed windows must not be in use
 AR.free(fast)
 try:
     fast.allreduce(cases[0], nope="mpi")
