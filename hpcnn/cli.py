@@ -45,7 +45,11 @@ def cmd_train(args) -> int:
     if _under_mpi():
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-    result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args))
+    try:                  # a layout the ranks or the model refuse: the same message on every rank
+        result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args))
+    except ConfigError as e:
+        print(f"hpcnn train: {e}", file=sys.stderr)
+        return 2          # under mpi4py's runner a non-zero exit aborts the job: no rank waits
     if comm is None or comm.Get_rank() == 0:
         keys = [k for k in ("loss", "test_acc", "test_loss", "val_loss", "unigram_entropy") if k in result]
         print("result: " + ", ".join(f"{k}={result[k]:.4f}" for k in keys)

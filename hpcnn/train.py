@@ -280,7 +280,10 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     B.tune_allocator()
     par = _Parallel(cfg, comm) if comm is not None else None
     try:
-        task = _build_for(cfg, par)
+        try:
+            task = _build_for(cfg, par)
+        except ValueError as e:     # dimensions the layout does not divide, and the like
+            raise ConfigError(str(e)) from e
         if par is not None:
             par.attach(task.model, task.micro_shape())
     except Exception:
