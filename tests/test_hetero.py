@@ -171,21 +171,21 @@ def test_slowdown_sleep_pads_and_frees_the_core():
     cpu, t = time.thread_time(), time.perf_counter()
     extra = s.pad(0.05)                                # (3 - 1) * 0.05 = 0.1 s
     wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
-    assert 0.1 <= extra <= 0.15 and abs(wall - extra) < 0.01, (extra, wall)
+    assert 0.1 <= extra <= 0.5 and abs(wall - extra) < 0.05, (extra, wall)   # loose: shared CPU
     assert cpu < 0.05, cpu
 
 
 def test_slowdown_spin_burns_cpu():
     cpu = time.thread_time()
     extra = Slowdown(2.0, "spin").pad(0.05)
-    assert 0.05 <= extra <= 0.1, extra
+    assert 0.05 <= extra <= 0.5, extra
     assert time.thread_time() - cpu > 0.01
 
 
 def test_slowdown_noop_and_errors():
     t = time.perf_counter()
     assert Slowdown(1.0).pad(10.0) == 0.0 and Slowdown(2.0).pad(0.0) == 0.0
-    assert time.perf_counter() - t < 0.01
+    assert time.perf_counter() - t < 0.05            # no sleep (a preemption at most)
     for bad in (0.5, math.nan, math.inf):
         with pytest.raises(ValueError, match="finite and >= 1"):
             Slowdown(bad)
