@@ -163,8 +163,6 @@ class TrainConfig:
         need(not (self.remat != "none" and self.pp > 1 and self.schedule == "zb_h1"),
              f"remat={self.remat!r} with schedule='zb_h1': a rematerialized stage runs its "
              f"backward whole; use 1f1b, gpipe or interleaved")
-        need(not (self.remat != "none" and self.tp > 1),
-             f"remat={self.remat!r} with tp={self.tp}: not supported with tensor parallelism")
         need(not (self.half_layers and (self.model != "gpt" or self.tp > 1)),
              f"half_layers needs model='gpt' and tp=1 (got model={self.model!r}, tp={self.tp})")
         need(self.log_interval >= 1, f"log_interval={self.log_interval}: must be >= 1")

@@ -172,3 +172,8 @@ def test_dimensions_tp_does_not_divide(make, msg):
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_blocks_mpi(n):
     assert f"tp_blocks OK on {n} ranks" in run_mpi("tp_blocks", n, timeout=120)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tensor_parallel_specs_describe_the_caches(n):
+    assert f"tp_specs OK on {n} ranks" in run_mpi("tp_specs", n, timeout=120)

@@ -20,6 +20,7 @@ import time
 
 import numpy
 
+from hpcnn import backend as B
 from hpcnn.config import ConfigError
 from hpcnn.memory import combine, profile as P, rotor, sequence as S
 from hpcnn.memory.executor import Executor
@@ -115,6 +116,11 @@ def for_training(cfg, task, par, comm) -> RematPolicy:
     None) with the first step's sequences solved on every rank. An infeasible budget on any rank
     is raised on all of them, with every rank's message, before training communicates."""
     policy = RematPolicy(cfg.remat, cfg.memory_budget * 2**20, offload_gbps=cfg.offload_gbps)
+    if cfg.remat == "optimal" and comm is not None and comm.Get_size() > 1:
+        # one set of rates for every rank: tensor-parallel peers must run the same sequence
+        # (a recomputed forward repeats its collectives), so they must solve the same problem
+        rates = P.calibrate(B.dtype_of(cfg.dtype)) if comm.Get_rank() == 0 else None
+        policy.rates = comm.bcast(rates, root=0)
     err = ""
     try:
         from hpcnn.parallel.data import shard

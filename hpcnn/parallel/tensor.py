@@ -114,7 +114,8 @@ class ShardDropout(Dropout):
         full[self.axis] = n * self.size
         idx = [slice(None)] * x.ndim
         idx[self.axis] = slice(self.rank * n, (self.rank + 1) * n)
-        mask = self._mask(tuple(full))[tuple(idx)]            # this rank's part of the serial mask
+        # this rank's part of the serial mask, copied: a view would keep the whole mask alive
+        mask = self._mask(tuple(full))[tuple(idx)].copy()
         return x * mask, mask
 
 
@@ -194,9 +195,11 @@ class ColumnParallelLinear(Block):
         vol = self.enter.volume(B.nbytes(full_in, dt))
         if self.gather is not None:
             vol = vol + self.gather.volume(B.nbytes(out, dt))
+        # the cache holds the input itself, or under sp the all-gathered copy (a new array)
         return replace(s, name=self.name, in_shape=x_shape, out_shape=out,
                        bytes_x=B.nbytes(x_shape, dt), bytes_y=B.nbytes(out, dt),
-                       comm_bytes=vol.sent(p))
+                       comm_bytes=vol.sent(p),
+                       cache_has_x=s.cache_has_x and not self.sequence_parallel)
 
 
 class RowParallelLinear(Block):
