@@ -129,5 +129,11 @@ def test_materialize_only_keeps_the_named_parameters_and_no_storage_for_the_rest
         del alive
     stored = sum(p.data.nbytes for p in full.params) * 2          # parameters and gradients
     assert held[None] > stored > 8 * held[()], (held, stored)     # placeholders: Python objects
+    tracemalloc.start()                                           # nor are their values drawn:
+    with materialize_only(()):                                    # the peak stays below one
+        alive = models.gpt(500, 16, 2, 128, 2, seed=2, dtype=np.float64)   # 512 KiB tensor
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < max(p.data.nbytes for p in alive.params) // 4, peak
     shard = shard_array(part.params[0].data, 0, 1, 2)            # a placeholder's shard is one
     assert is_placeholder(shard) and shard.shape == (20, 32)

@@ -62,8 +62,10 @@ class Conv2d(Block):
         self.stride, self.padding = int(stride), int(padding)
         fan_in = self.in_ch * self.kernel ** 2
         bound = math.sqrt(6.0 / fan_in)
-        w = init_rng(seed, index, 0).uniform(-bound, bound, (out_ch, in_ch, kernel, kernel))
-        self.weight = param_from_host(w, self.dtype, f"{name}.weight")
+        shape = (self.out_ch, self.in_ch, self.kernel, self.kernel)
+        self.weight = param_from_host(
+            lambda: init_rng(seed, index, 0).uniform(-bound, bound, shape),
+            self.dtype, f"{name}.weight", shape=shape)
         self.params = [self.weight]
         self.bias = None
         if bias:

@@ -223,9 +223,20 @@ def is_placeholder(a) -> bool:
     return a.size >= 1 and a.ndim > 0 and not any(a.strides)
 
 
-def param_from_host(values: numpy.ndarray, dtype, name: str) -> Parameter:
+def param_from_host(values, dtype, name: str, shape=None) -> Parameter:
     """Host values -> a Parameter of the backend's array type in ``dtype`` (a placeholder if
-    :func:`materialize_only` excludes ``name``)."""
+    :func:`materialize_only` excludes ``name``). ``values``: a NumPy array, or a function of no
+    argument returning one of ``shape`` (only called for a parameter that gets storage, so a
+    pipeline rank draws its own stages' initial values only)."""
+    if callable(values):
+        if shape is None:
+            raise ValueError(f"{name}: initial values given as a function need their shape")
+        shape = tuple(int(d) for d in shape)
+    else:
+        shape = tuple(values.shape)
     if _materialize is not None and name not in _materialize:
-        return Parameter(placeholder(values.shape, dtype), name)
-    return Parameter(B.asarray(values.astype(dtype, copy=False)), name)
+        return Parameter(placeholder(shape, dtype), name)
+    host = values() if callable(values) else values
+    if tuple(host.shape) != shape:
+        raise ValueError(f"{name}: initial values of shape {tuple(host.shape)}, expected {shape}")
+    return Parameter(B.asarray(host.astype(dtype, copy=False)), name)

@@ -54,8 +54,9 @@ class Linear(Block):
         super().__init__()
         self.name, self.n_in, self.n_out, self.dtype = name, int(n_in), int(n_out), B.dtype_of(dtype)
         std = init_std if init_std is not None else 1.0 / math.sqrt(n_in)
-        w = init_rng(seed, index, 0).standard_normal((n_in, n_out)) * std
-        self.weight = param_from_host(w, self.dtype, f"{name}.weight")
+        self.weight = param_from_host(
+            lambda: init_rng(seed, index, 0).standard_normal((n_in, n_out)) * std,
+            self.dtype, f"{name}.weight", shape=(n_in, n_out))
         self.params = [self.weight]
         self.bias = None
         if bias:

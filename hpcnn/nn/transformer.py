@@ -77,10 +77,11 @@ class Embedding(Block):
         super().__init__()
         self.name, self.dtype = name, B.dtype_of(dtype)
         self.vocab, self.dim, self.max_len = int(vocab), int(dim), int(max_len)
-        wte = init_rng(seed, index, 0).standard_normal((self.vocab, self.dim)) * 0.02
-        wpe = init_rng(seed, index, 1).standard_normal((self.max_len, self.dim)) * 0.02
-        self.wte = param_from_host(wte, self.dtype, f"{name}.wte")
-        self.wpe = param_from_host(wpe, self.dtype, f"{name}.wpe")
+        te, pe = (self.vocab, self.dim), (self.max_len, self.dim)
+        self.wte = param_from_host(lambda: init_rng(seed, index, 0).standard_normal(te) * 0.02,
+                                   self.dtype, f"{name}.wte", shape=te)
+        self.wpe = param_from_host(lambda: init_rng(seed, index, 1).standard_normal(pe) * 0.02,
+                                   self.dtype, f"{name}.wpe", shape=pe)
         self.params = [self.wte, self.wpe]
 
     def forward(self, tokens):
