@@ -83,6 +83,9 @@ class TrainConfig:
     log: str = ""                       # HDF5 run log path; "" = runs/<model>-<dataset>-<seed>.h5
     log_interval: int = 10              # steps between log flushes and progress lines
     overwrite: bool = True              # replace an existing log file at the same path
+    checkpoint: str = ""                # HDF5 checkpoint to write ("{step}" in it: one file per save)
+    checkpoint_every: int = 0           # steps between checkpoints; 0 = at the end only
+    resume: str = ""                    # checkpoint to start from (any dp/tp/pp layout)
     progress: bool = True               # print a progress line on rank 0
 
     def resolved(self) -> "TrainConfig":
@@ -166,6 +169,8 @@ class TrainConfig:
         need(not (self.half_layers and (self.model != "gpt" or self.tp > 1)),
              f"half_layers needs model='gpt' and tp=1 (got model={self.model!r}, tp={self.tp})")
         need(self.log_interval >= 1, f"log_interval={self.log_interval}: must be >= 1")
+        need(self.checkpoint_every >= 0 and not (self.checkpoint_every and not self.checkpoint),
+             f"checkpoint_every={self.checkpoint_every}: must be >= 0, and needs --checkpoint")
         need(self.eval_interval >= 0, f"eval_interval={self.eval_interval}: must be >= 0")
         if errs:
             raise ConfigError("invalid configuration: " + "; ".join(errs))

@@ -22,6 +22,7 @@ import numpy
 from hpcnn import backend as B
 from hpcnn import data as D
 from hpcnn.config import ConfigError, TrainConfig
+from hpcnn.log import checkpoint
 from hpcnn.nn import models
 from hpcnn.nn.core import is_placeholder, materialize_only
 from hpcnn.nn.layers import place_draws
@@ -303,6 +304,17 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     own = par.local if par is not None and par.local is not None else model
     opt = make_optimizer(cfg.optimizer, own.params, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay)
+    start = 0
+    if cfg.resume:                   # every rank reads the file: the same error everywhere
+        try:
+            start = checkpoint.restore(cfg.resume, cfg, model, own.params, opt, par,
+                                       steps=task.steps)
+        except ValueError as e:
+            if par is not None:
+                par.free()
+            if task.remat is not None:
+                task.remat.close()
+            raise ConfigError(str(e)) from None
     log = None
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)
@@ -323,7 +335,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
                       "remat": cfg.remat, "memory_budget_bytes": cfg.memory_budget * 2**20,
                       "offload_gbps": cfg.offload_gbps, "grad_accum": cfg.grad_accum, "balance": cfg.balance,
                       "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
-                      "overlap": cfg.overlap})
+                      "overlap": cfg.overlap,
+                      "resumed_from": cfg.resume, "start_step": start})
     say = (lambda s: print(s, flush=True)) if (rank == 0 and cfg.progress) else (lambda s: None)
     say(f"hpcnn: {model.name} ({model.num_params():,} parameters) on {task.data.name}, "
         f"{task.steps} steps of {cfg.batch_size}, {cfg.dtype}, dp={cfg.dp}, log {cfg.log}")
@@ -332,11 +345,15 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     pending_rows, pending_events = [], []
     try:
         model.train()
-        for step in range(task.steps):
+        for step in range(start, task.steps):
             row, rank_row, events = _train_step(cfg, task, par, opt, step, t_start)
             pending_rows.append(rank_row)
             pending_events += events
             done = step + 1
+            if cfg.checkpoint and (done == task.steps or (cfg.checkpoint_every and
+                                                          done % cfg.checkpoint_every == 0)):
+                checkpoint.save(cfg.checkpoint.replace("{step}", str(done)), done, cfg,
+                                own.params, opt, par, comm)
             if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
                 sums = task.eval_sums(par.rank, par.size, par) if par else task.eval_sums()
                 if par is not None:
