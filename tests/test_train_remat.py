@@ -46,7 +46,11 @@ def test_remat_training_equals_plain_training(tmp_path, mode):
     (rec,) = plan["remat_plans"]
     assert rec["recomputed_forwards"] > 0 and rec["sequence"].startswith("F_")
     (measured,) = plan["remat_measured_peak_bytes_per_rank"]
-    assert 0 < measured <= rec["predicted_peak_bytes"] < rec["store_all_bytes"]
+    assert 0 < measured and rec["predicted_peak_bytes"] < rec["store_all_bytes"]
+    if mode != "offload":            # no channel: the account follows the model exactly
+        assert measured <= rec["predicted_peak_bytes"]
+    else:                            # a copy slower than modelled holds its value longer, but an
+        assert measured <= plan["memory_budget_bytes"]    # op waits for it rather than overflow
     if mode != "sqrt":
         assert rec["predicted_peak_bytes"] <= plan["memory_budget_bytes"]
     if mode == "offload":
