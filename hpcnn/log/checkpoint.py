@@ -10,14 +10,15 @@
     /balancer  shares, speeds (heterogeneous data parallelism), when the run had them
 
 Saving is collective: the data-parallel replica 0 unshards its tensor-parallel parameters and
-optimizer slots, the pipeline ranks send their stages' arrays to world rank 0, which writes a
-temporary file and renames it over the target (a crash never leaves a half-written checkpoint).
+optimizer slots, the pipeline ranks send their stages' arrays to world rank 0 one after the other
+(it holds one other rank's at a time), which writes a temporary file and renames it over the
+target (a crash never leaves a half-written checkpoint).
 Every rank of a resumed run reads the file itself and takes its own shard of its own stages, so
 a run may resume under another layout (dp, tp, pp). Batches, learning rates and dropout masks
 are functions of the step, so a resumed run continues exactly where the saved one was; only an
 online speed measurement window (``--balance=proportional`` without ``--speeds``) starts afresh.
-Arrays travel by pickled point-to-point messages (mpi4py's lowercase gather): fine for models of
-a few GB per pipeline rank.
+Arrays travel as pickled point-to-point messages (mpi4py's lowercase send): fine for a few GB
+per pipeline rank.
 """
 from __future__ import annotations
 
@@ -66,20 +67,31 @@ def save(path: str, step: int, cfg, params, opt, par=None, world=None) -> None:
     the training loop's parallel side, is given). ``params``: this rank's parameters."""
     arrays, rank = None, 0
     if par is None:
-        arrays = _local_state(params, opt, None)
+        arrays = _local_state(params, opt, None).items()
     else:
         rank = world.Get_rank()
         dp_rank, tp_rank = par.grid.dp_rank, par.grid.tp_rank
         if dp_rank == 0:                                  # replicas are identical: one writes
             mine = _local_state(params, opt, par.tp)
             if tp_rank == 0:
-                parts = par.pp.comm.gather(mine, root=0)  # the stages' owners -> world rank 0
-                if rank == 0:
-                    arrays = {k: v for part in parts for k, v in part.items()}
+                pp = par.pp.comm                          # the stages' owners -> world rank 0,
+                if pp.Get_rank() > 0:                     # one pipeline rank at a time
+                    pp.send(mine, dest=0, tag=7)
+                else:
+                    arrays = _streamed(mine, pp)
     if rank == 0:
         _write(path, step, cfg, arrays, opt, par)
     if world is not None:
         world.Barrier()                                   # the file exists when save returns
+
+
+def _streamed(mine, pp):
+    """My arrays, then each pipeline rank's as it arrives (received while the previous ones are
+    written: rank 0 holds one other rank's stages at a time)."""
+    yield from mine.items()
+    del mine
+    for q in range(1, pp.Get_size()):
+        yield from pp.recv(source=q, tag=7).items()
 
 
 def _write(path, step, cfg, arrays, opt, par) -> None:
@@ -91,7 +103,7 @@ def _write(path, step, cfg, arrays, opt, par) -> None:
                         "optimizer": cfg.optimizer, "layout": f"{cfg.dp},{cfg.tp},{cfg.pp}",
                         "config": cfg.to_json()})
         params, optim = f.create_group("params"), f.create_group("optim")
-        for key, a in arrays.items():
+        for key, a in arrays:                             # (name, array) pairs
             (optim if "/" in key else params).create_dataset(key, data=a)
         for k, v in opt.state.items():
             if numpy.isscalar(v):
