@@ -1,4 +1,4 @@
-"""The ``hpcnn`` command: train, info, report.
+"""The ``hpcnn`` command: train, info, report, simulate, calibrate.
 
 ::
 
@@ -6,6 +6,8 @@
     mpiexec -n 1 python -m mpi4py -m hpcnn train   # under MPI (an exception aborts every rank)
     hpcnn info                                     # versions, MPI library, backend, BLAS threads
     hpcnn report runs/mlp-digits-s0.h5             # curves and step times as PNG
+    hpcnn simulate --schedule=zb_h1 --ranks=4      # a pipeline schedule's predicted timeline
+    mpiexec -n 2 python -m mpi4py -m hpcnn calibrate   # what --allreduce=auto picks here
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ commands:
   train [--key=value ...]   train a model (hpcnn train --help lists the options)
   info                      versions, MPI library, backend, BLAS threads
   report RUN.h5 [OUT.png]   plot a run log's curves and step times
+  simulate [--key=value]    a pipeline schedule's predicted makespan, bubble and chart
+  calibrate                 (under mpiexec) time the allreduce algorithms, print auto's table
 """
 
 
@@ -110,7 +114,18 @@ def cmd_report(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "info": cmd_info, "report": cmd_report}
+def cmd_simulate(args) -> int:
+    from hpcnn.cli_tools import cmd_simulate as run
+    return run(args)
+
+
+def cmd_calibrate(args) -> int:
+    from hpcnn.cli_tools import cmd_calibrate as run
+    return run(args)
+
+
+COMMANDS = {"train": cmd_train, "info": cmd_info, "report": cmd_report,
+            "simulate": cmd_simulate, "calibrate": cmd_calibrate}
 
 
 def main(argv=None) -> int:

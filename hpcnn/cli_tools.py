@@ -1,0 +1,118 @@
+"""``hpcnn simulate`` (a pipeline schedule's predicted timeline, no MPI) and ``hpcnn calibrate``
+(the allreduce table ``--allreduce=auto`` would use on these ranks)."""
+from __future__ import annotations
+
+import difflib
+import sys
+
+SIMULATE = {"schedule": ("1f1b", str, "gpipe | 1f1b | interleaved | zb_h1"),
+            "ranks": (4, int, "pipeline ranks"),
+            "microbatches": (8, int, "micro-batches per step"),
+            "virtual": (1, int, "stages per rank (interleaved; gpipe)"),
+            "t_f": (1.0, float, "forward time of a stage and micro-batch"),
+            "t_b": (2.0, float, "backward time (input and weight gradients: t_b + t_w)"),
+            "t_w": (0.0, float, "of which weight gradients, split off by zb_h1"),
+            "t_comm": (0.0, float, "time a message takes between stages"),
+            "width": (72, int, "columns of the chart")}
+
+
+def _options(args, spec, command):
+    """--key=value pairs checked against ``spec``: (values, None) or (None, error message)."""
+    out = {k: v[0] for k, v in spec.items()}
+    for a in args:
+        key, eq, raw = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        if key not in spec or not eq:
+            near = difflib.get_close_matches(key, spec, n=1)
+            hint = f" (did you mean --{near[0]}?)" if near else ""
+            return None, f"hpcnn {command}: unknown option {a!r}{hint}"
+        try:
+            out[key] = spec[key][1](raw)
+        except ValueError:
+            return None, f"hpcnn {command}: --{key}={raw!r} is not a {spec[key][1].__name__}"
+    return out, None
+
+
+def _help(command, spec):
+    lines = [f"usage: hpcnn {command} [--key=value ...]", "", "options (default, meaning):"]
+    lines += [f"  --{k}={v[0]!s:<8} {v[2]}" for k, v in spec.items()]
+    return "\n".join(lines)
+
+
+def chart(sim, n_ranks: int, width: int) -> list[str]:
+    """Two text lines per rank: the op running in each time column (F, B, W, '.' idle) and its
+    micro-batch (0-9, then a-z)."""
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    scale = width / sim.makespan if sim.makespan > 0 else 0.0
+    lines = []
+    for r in range(n_ranks):
+        ops, mbs = ["."] * width, [" "] * width
+        for ins, t0, t1 in sim.timelines[r]:
+            a, b = int(round(t0 * scale)), max(int(round(t0 * scale)) + 1, int(round(t1 * scale)))
+            for c in range(a, min(b, width)):
+                ops[c], mbs[c] = ins.op, digits[ins.mb % len(digits)]
+        lines += [f"rank {r:>2} |{''.join(ops)}|", f"     mb |{''.join(mbs)}|"]
+    return lines
+
+
+def cmd_simulate(args) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        print(_help("simulate", SIMULATE))
+        return 0
+    o, err = _options(args, SIMULATE, "simulate")
+    if err:
+        print(err, file=sys.stderr)
+        return 2
+    from hpcnn.parallel import schedules
+    if o["schedule"] not in schedules.SCHEDULES:
+        print(f"hpcnn simulate: --schedule={o['schedule']!r}: one of "
+              f"{', '.join(schedules.SCHEDULES)}", file=sys.stderr)
+        return 2
+    p, m, v = o["ranks"], o["microbatches"], o["virtual"]
+    try:
+        if min(p, m, v, o["width"]) < 1 or min(o["t_f"], o["t_b"], o["t_w"], o["t_comm"]) < 0:
+            raise ValueError(f"ranks, microbatches, virtual, width must be >= 1 and times >= 0, "
+                             f"got {p}, {m}, {v}, {o['width']}, {o['t_f']}, {o['t_b']}, "
+                             f"{o['t_w']}, {o['t_comm']}")
+        lists = schedules.SCHEDULES[o["schedule"]](p * v, m, p)
+        sim = schedules.simulate(lists, o["t_f"], o["t_b"] - o["t_w"], o["t_w"], o["t_comm"])
+    except ValueError as e:
+        print(f"hpcnn simulate: {e}", file=sys.stderr)
+        return 2
+    s = p * v
+    ideal = m * s / p * (o["t_f"] + o["t_b"])          # every rank busy all the time
+    print(f"{o['schedule']}: {p} ranks, {s} stages, {m} micro-batches; per stage and "
+          f"micro-batch F {o['t_f']:g}, B {o['t_b']:g} (W {o['t_w']:g}), message {o['t_comm']:g}")
+    print(f"makespan {sim.makespan:g} (all busy: {ideal:g}); bubble {sim.bubble:.3f}, "
+          f"(S-1)/(M+S-1) = {(p - 1) / (m + p - 1):.3f}")
+    print("micro-batches in flight per rank (peak): "
+          + " ".join(str(k) for k in sim.peak_inflight))
+    print("\n".join(chart(sim, p, o["width"])))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    if args:
+        print("usage: mpiexec -n N python -m mpi4py -m hpcnn calibrate\n\nTimes every allreduce "
+              "algorithm at 1 KiB .. 64 MiB on these ranks and prints what --allreduce=auto "
+              "would choose.", file=sys.stderr if args[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if args[0] in ("-h", "--help") else 2
+    from mpi4py import MPI
+
+    from hpcnn.parallel import allreduce as AR
+    from hpcnn.parallel.comm import Communicator
+    comm = Communicator(MPI.COMM_WORLD)
+    if comm.size == 1:
+        print("hpcnn calibrate: one rank: nothing to reduce (run it under mpiexec -n N)",
+              file=sys.stderr)
+        return 2
+    table = AR.calibrate(comm)
+    if comm.rank == 0:
+        algos = list(table["times"])
+        print(f"{comm.size} ranks, {'one node' if AR.single_node(comm) else 'several nodes'}; "
+              f"median of the slowest rank, microseconds")
+        print(f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in algos) + "  auto")
+        for i, (n, choice) in enumerate(zip(table["sizes"], table["choice"])):
+            print(f"{n:>10} " + " ".join(f"{table['times'][a][i] * 1e6:9.1f}" for a in algos)
+                  + f"  {choice}")
+    AR.free(comm)
+    return 0

@@ -1,0 +1,55 @@
+"""``hpcnn simulate`` and ``hpcnn calibrate``: what they print, and their errors."""
+import os
+import subprocess
+import sys
+
+from hpcnn.cli_tools import cmd_simulate
+from mpi_util import ROOT, mpiexec
+
+
+def test_simulate_prints_the_bubble_and_a_chart(capsys):
+    assert cmd_simulate(["--schedule=1f1b", "--ranks=4", "--microbatches=6", "--width=54"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "makespan 27 (all busy: 18); bubble 0.333, (S-1)/(M+S-1) = 0.333" in out
+    assert "micro-batches in flight per rank (peak): 4 3 2 1" in out
+    rows = [line for line in out if line.startswith("rank")]
+    mbs = [line for line in out if line.startswith("     mb")]
+    assert len(rows) == len(mbs) == 4 and all(len(r) == len("rank  0 |") + 54 + 1 for r in rows)
+    for r in rows:                       # 2 columns a time unit: F 1, B 2, six of each per rank
+        body = r.split("|")[1]
+        assert body.count("F") == 6 * 2 and body.count("B") == 6 * 4, r
+    assert cmd_simulate(["--schedule=zb_h1", "--ranks=4", "--microbatches=6", "--t_w=1"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 0.250" in out and "W" in out          # zero bubble: below 1F1B's third
+
+
+def test_simulate_errors(capsys):
+    assert cmd_simulate(["--schedul=1f1b"]) == 2
+    assert "unknown option '--schedul=1f1b' (did you mean --schedule?)" in capsys.readouterr().err
+    assert cmd_simulate(["--schedule=fast"]) == 2
+    assert "--schedule='fast': one of gpipe, 1f1b, interleaved, zb_h1" in capsys.readouterr().err
+    assert cmd_simulate(["--ranks=x"]) == 2
+    assert "--ranks='x' is not a int" in capsys.readouterr().err
+    assert cmd_simulate(["--ranks=0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
+    assert cmd_simulate(["--schedule=interleaved", "--ranks=4", "--microbatches=6",
+                         "--virtual=2"]) == 2                # interleaving needs M % p == 0
+    assert "hpcnn simulate:" in capsys.readouterr().err
+    assert cmd_simulate(["--help"]) == 0 and "--t_comm" in capsys.readouterr().out
+
+
+def test_calibrate_under_mpi_and_alone():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnn",
+                        "calibrate"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("2 ranks") and lines[1].split()[0] == "bytes"
+    rows = [line.split() for line in lines[2:]]
+    assert [int(r[0]) for r in rows] == [1 << k for k in range(10, 27, 2)]
+    algos = lines[1].split()[1:-1]
+    assert "mpi" in algos and all(r[-1] in algos for r in rows)
+    assert all(float(v) > 0 for r in rows for v in r[1:-1])
+    alone = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate"], capture_output=True,
+                           text=True, timeout=60, env=env, cwd=ROOT)
+    assert alone.returncode == 2 and "one rank" in alone.stderr
