@@ -75,3 +75,31 @@ def test_bad_bandwidth_and_impossible_budget():
         combine.solve(prof, 1e6, 0.0)
     with pytest.raises(rotor.InfeasibleBudget, match="too small even with offloading"):
         combine.solve(prof, 1000.0, 1e9)
+
+
+def test_a_copy_finishing_while_the_executor_waits_for_room():
+    """A copy may be seen done between two looks at the outgoing set (on a loaded machine): the
+    wait for room must look at what is still out after retiring, and with nothing left to wait
+    for, go on (it used to call next() on the emptied set: StopIteration)."""
+    from hpcnn.memory.executor import _State
+
+    class Late:                                   # not done at the first look, done at the next
+        def __init__(self):
+            self.looks = 0
+
+        def offloaded(self, key):
+            self.looks += 1
+            return self.looks > 1
+
+        def wait_offload(self, key):
+            self.looks += 1
+
+    x, _ = tokens()
+    chain = gpt()
+    prof = P.of_chain(chain, x.shape)
+    seq = rotor.Solver(prof, 100).solve(0.5 * rotor.Solver(prof, 100).top).sequence
+    ex = Executor(chain, seq, channel=Late(), need_dx=False, prof=prof, budget=1000.0)
+    st = _State(x)
+    st.outgoing[("k", "x", 1)] = 4096              # out at the first look, retired at the second
+    ex._wait_room(st, seq[0], need=10 ** 9)        # does not fit either way: proceed
+    assert not st.outgoing and ex.channel.looks >= 2

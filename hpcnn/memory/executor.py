@@ -250,8 +250,10 @@ class Executor:
         if self.budget is None or self.prof is None or self.channel is None:
             return
         need = self._need(op) if need is None else need
-        self._retire(st)
-        while st.outgoing and self._live(st) + need > self.budget:
+        while True:
+            live = self._live(st)            # retires the copies done meanwhile: count first,
+            if not st.outgoing or live + need <= self.budget:   # then look at what is still out
+                return
             key = next(iter(st.outgoing))
             self.channel.wait_offload(key)
             del st.outgoing[key]
