@@ -42,6 +42,21 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, opt):
         assert f["optim"].attrs["step"] == 6
 
 
+def test_resume_and_checkpoint_to_the_same_file(tmp_path):
+    """The job-script pattern: a slice resumes from the file it then keeps overwriting."""
+    import shutil
+    whole = _run(tmp_path, "whole.h5", *GPT, f"--checkpoint={tmp_path / 'ck-{step}.h5'}",
+                 "--checkpoint_every=2")
+    ck = str(tmp_path / "run.ckpt.h5")
+    shutil.copy(tmp_path / "ck-2.h5", ck)         # where an earlier slice stopped
+    rest = _run(tmp_path, "rest.h5", *GPT, f"--resume={ck}", f"--checkpoint={ck}",
+                "--checkpoint_every=2")
+    assert checkpoint.summary(ck)["step"] == 6
+    for a, b in zip(whole["model"].params, rest["model"].params):
+        np.testing.assert_array_equal(a.data, b.data, err_msg=a.name)
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+
+
 def test_bad_checkpoints_are_refused(tmp_path):
     ck = str(tmp_path / "ck.h5")
     _run(tmp_path, "a.h5", *GPT, "--steps=2", f"--checkpoint={ck}")
