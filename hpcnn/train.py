@@ -305,16 +305,23 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     opt = make_optimizer(cfg.optimizer, own.params, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay)
     start = 0
-    if cfg.resume:                   # every rank reads the file: the same error everywhere
+    if cfg.resume:                   # every rank reads the file; one that cannot (a file system
+        err = ""                     # not shared) must not leave the others waiting
         try:
             start = checkpoint.restore(cfg.resume, cfg, model, own.params, opt, par,
                                        steps=task.steps)
         except ValueError as e:
+            err = str(e)
+        errs = comm.allgather(err) if comm is not None else [err]
+        if any(errs):
             if par is not None:
                 par.free()
             if task.remat is not None:
                 task.remat.close()
-            raise ConfigError(str(e)) from None
+            first = next(e for e in errs if e)
+            where = [r for r, e in enumerate(errs) if e]
+            raise ConfigError(first if len(where) == len(errs) else
+                              f"{first} (on rank(s) {where} of {len(errs)})")
     log = None
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)

@@ -66,6 +66,12 @@ try:                                                  # refused on every rank, n
     raise AssertionError("a checkpoint of another width accepted")
 except ConfigError as e:
     assert "parameter embed.wte is (40, 16) in the checkpoint, (40, 32) here" in str(e), e
+try:                                                  # seen by rank 0 only: all stop, none waits
+    mine = ck.replace("{step}", "2") if rank == 0 else os.path.join(tmp, "elsewhere.h5")
+    train(cfg("bad2.h5", "--dp=4", f"--resume={mine}"), comm=world)
+    raise AssertionError("a checkpoint missing on some ranks accepted")
+except ConfigError as e:
+    assert "no such checkpoint file (on rank(s) [1, 2, 3] of 4)" in str(e), e
 world.Barrier()
 if rank == 0:
     print(f"train_checkpoint OK on {p} ranks")
