@@ -70,6 +70,9 @@ def test_bad_checkpoints_are_refused(tmp_path):
     for extra, match in cases:
         with pytest.raises(ConfigError, match=match):
             _run(tmp_path, "b.h5", *GPT, *extra)
+    (tmp_path / "plain").write_text("a file, not a directory")
+    with pytest.raises(OSError, match="checkpoint .*plain/ck.h5"):   # cannot write: says where
+        _run(tmp_path, "c.h5", *GPT, "--steps=1", f"--checkpoint={tmp_path / 'plain' / 'ck.h5'}")
     with pytest.raises(ConfigError, match="needs --checkpoint"):
         parse_overrides(["--checkpoint_every=5"]).resolved()
     assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]         # no half-written file

@@ -79,10 +79,18 @@ def save(path: str, step: int, cfg, params, opt, par=None, world=None) -> None:
                     pp.send(mine, dest=0, tag=7)
                 else:
                     arrays = _streamed(mine, pp)
+    err = ""
     if rank == 0:
-        _write(path, step, cfg, arrays, opt, par)
-    if world is not None:
-        world.Barrier()                                   # the file exists when save returns
+        try:
+            _write(path, step, cfg, arrays, opt, par)
+        except (OSError, ValueError) as e:                # disk full, no permission, ...
+            for _ in arrays:                              # still receive what others send
+                pass
+            err = f"checkpoint {path}: {e}"
+    if world is not None:                                 # the file exists when save returns,
+        err = world.bcast(err, root=0)                    # or every rank raises
+    if err:
+        raise OSError(err)
 
 
 def _streamed(mine, pp):
@@ -95,9 +103,18 @@ def _streamed(mine, pp):
 
 
 def _write(path, step, cfg, arrays, opt, par) -> None:
-    import hpcnn
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        _write_file(tmp, step, cfg, arrays, opt, par)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _write_file(tmp, step, cfg, arrays, opt, par) -> None:
+    import hpcnn
     with h5py.File(tmp, "w") as f:
         f.attrs.update({"format": FORMAT, "step": int(step), "hpcnn_version": hpcnn.__version__,
                         "optimizer": cfg.optimizer, "layout": f"{cfg.dp},{cfg.tp},{cfg.pp}",
@@ -112,7 +129,6 @@ def _write(path, step, cfg, arrays, opt, par) -> None:
             g = f.create_group("balancer")
             g.create_dataset("shares", data=par.balancer.shares)
             g.create_dataset("speeds", data=par.balancer.speeds)
-    os.replace(tmp, path)
 
 
 def restore(path: str, cfg, model, params, opt, par=None, steps: int = 0) -> int:
