@@ -44,6 +44,7 @@ def cmd_train(args) -> int:
     except ConfigError as e:
         print(f"hpcnn train: {e}", file=sys.stderr)
         return 2
+    from hpcnn.log.checkpoint import CheckpointError
     from hpcnn.train import train
     comm = None
     if _under_mpi():
@@ -51,7 +52,7 @@ def cmd_train(args) -> int:
         comm = MPI.COMM_WORLD
     try:                  # a layout the ranks or the model refuse: the same message on every rank
         result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args))
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"hpcnn train: {e}", file=sys.stderr)
         return 2          # under mpi4py's runner a non-zero exit aborts the job: no rank waits
     if comm is None or comm.Get_rank() == 0:

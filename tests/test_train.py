@@ -99,6 +99,9 @@ def test_cli_rejects_bad_options():
     p = _cli("train", "--dp=2", "--steps=1")              # refused by the layout check in train()
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "world size (1) != dp*tp*pp (2*1*1 = 2)" in p.stderr, p.stderr
+    p = _cli("train", "--steps=1", "--checkpoint=/dev/null/ck.h5")   # cannot be written
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "hpcnn train: checkpoint /dev/null/ck.h5:" in p.stderr, p.stderr
     p = _cli("frobnicate")
     assert p.returncode == 2 and "unknown command" in p.stderr
     p = _cli("train", "--help")

@@ -33,6 +33,10 @@ from hpcnn import backend as B
 FORMAT = 1
 
 
+class CheckpointError(OSError):
+    """A checkpoint could not be written (raised on every rank)."""
+
+
 def _shard_of(p):
     """(axis, parts) of a tensor-parallel shard, or None for a full array."""
     axis = getattr(p, "tp_axis", None)
@@ -90,7 +94,7 @@ def save(path: str, step: int, cfg, params, opt, par=None, world=None) -> None:
     if world is not None:                                 # the file exists when save returns,
         err = world.bcast(err, root=0)                    # or every rank raises
     if err:
-        raise OSError(err)
+        raise CheckpointError(err)
 
 
 def _streamed(mine, pp):
