@@ -127,9 +127,6 @@ class TrainConfig:
         need(len(self.channels) >= 1 and all(c >= 1 for c in self.channels),
              f"channels={self.channels}: need at least one positive width")
         need(min(self.dp, self.tp, self.pp) >= 1, f"dp={self.dp}, tp={self.tp}, pp={self.pp}: must be >= 1")
-        need(not (self.tp > 1 and self.balance == "proportional"),
-             f"balance='proportional' with tp={self.tp}: shares must agree across a tensor-"
-             f"parallel group; use balance=equal")
         need(not (self.tp > 1 and self.model == "mlp"),
              f"tp={self.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
         need(self.pad_vocab >= 0, f"pad_vocab={self.pad_vocab}: must be >= 0")
@@ -139,8 +136,6 @@ class TrainConfig:
              f"microbatches={self.microbatches}, virtual={self.virtual}: must be >= 1")
         need(not (self.pp > 1 and self.grad_accum > 1),
              f"grad_accum={self.grad_accum} with pp={self.pp}: use --microbatches")
-        need(not (self.pp > 1 and self.balance == "proportional"),
-             f"balance='proportional' with pp={self.pp}: not supported with pipelines")
         need(self.batch_size >= self.dp * self.microbatches,
              f"batch_size={self.batch_size} < dp*microbatches={self.dp * self.microbatches}")
         need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: must be >= 1")

@@ -202,7 +202,8 @@ class _Parallel:
         self.slowdown = hetero.Slowdown(factors[self.rank], cfg.slowdown_mode)
         speeds = hetero.parse_speeds(cfg.speeds, self.size) if cfg.speeds else None
         self.balancer = hetero.Balancer(self.comm, cfg.batch_size, cfg.balance, speeds=speeds,
-                                        rebalance_every=cfg.rebalance_every, min_share=cfg.grad_accum)
+                                        rebalance_every=cfg.rebalance_every,
+                                        min_share=cfg.grad_accum if cfg.pp == 1 else cfg.microbatches)
         if cfg.allreduce == "auto" and self.size > 1:
             from hpcnn.parallel.allreduce import calibrate
             calibrate(self.comm)
@@ -211,6 +212,16 @@ class _Parallel:
                                    overlap=cfg.overlap and self.local is None)
         self.engine.broadcast_parameters()
         self.factors = factors
+
+    def replica_seconds(self, compute: float) -> float:
+        """The compute time of this rank's data-parallel replica: its slowest tensor- or
+        pipeline-parallel member's (the same float on all of them, so that the balancers of the
+        replica's ranks, one per (tp, pp) position, measure alike and choose the same shares)."""
+        if self.balancer.measured and self.tp.size * self.pp.size > 1:
+            from mpi4py import MPI
+            compute = self.tp.comm.allreduce(compute, op=MPI.MAX)
+            compute = self.pp.comm.allreduce(compute, op=MPI.MAX)
+        return compute
 
     def sync_replicated(self, model) -> None:
         """Sequence parallelism leaves partial gradients on replicated parameters: sum over tp."""
@@ -412,7 +423,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     out = dict(last)
     out.update(steps=task.steps, log=cfg.log, wall_s=time.perf_counter() - t_start,
                params=model.num_params(), model=model,
-               local_params=[q.name for q in opt.params])   # this rank's (pipeline stages')
+               local_params=[q.name for q in opt.params],   # this rank's (pipeline stages')
+               shares=par.balancer.shares.tolist() if par is not None else [cfg.batch_size])
     if task.is_text:
         out["unigram_entropy"] = task.data.unigram_entropy()
     if task.remat is not None:
@@ -501,7 +513,7 @@ def _train_step(cfg, task, par, opt, step, t_start):
             loss_sum = float(par.pp.bcast(numpy.array([loss_sum]), root=par.pp.size - 1)[0])
         events.append((wrank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
         loss_sum = float(par.comm.allreduce_scalars([loss_sum])[0])
-        par.balancer.step(step, len(mine), compute)
+        par.balancer.step(step, len(mine), par.replica_seconds(compute))
     if not math.isfinite(loss_sum):
         raise FloatingPointError(f"loss is {loss_sum} at step {step} (rank {rank})")
     gnorm = float("nan")

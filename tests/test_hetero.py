@@ -224,3 +224,9 @@ def test_parse_speeds():
 @pytest.mark.parametrize("n", [2, 4])
 def test_balancer_straggler_mpi(n):
     assert f"hetero_balancer OK on {n} ranks" in run_mpi("hetero_balancer", n, timeout=60)
+
+
+def test_proportional_shares_in_hybrid_layouts_under_mpi(tmp_path):
+    from mpi_util import run_mpi
+    out = run_mpi("train_hetero_hybrid", 4, str(tmp_path), timeout=300)
+    assert "train_hetero_hybrid OK on 4 ranks" in out
