@@ -126,6 +126,9 @@ def for_training(cfg, task, par, comm) -> RematPolicy:
         from hpcnn.parallel.data import shard
         rows = len(shard(numpy.arange(cfg.batch_size), par.balancer.shares, par.rank)) \
             if par is not None else cfg.batch_size
+        moving = par is not None and par.balancer.measured and par.size > 1
+        if moving:                   # measured shares move: plan for the most a replica can get
+            rows = cfg.batch_size - (par.size - 1) * par.balancer.min_share
         x, _ = task.global_batch(0)
         feat = tuple(x.shape[1:])
         if par is not None and par.local is not None:
@@ -137,7 +140,8 @@ def for_training(cfg, task, par, comm) -> RematPolicy:
                 if len(part):
                     policy.executor(task.model, (len(part),) + feat, need_dx=False)
     except ValueError as e:
-        err = str(e)
+        err = str(e) + (f" (with --balance=proportional and measured speeds a replica may get "
+                        f"up to {rows} of the {cfg.batch_size} rows)" if moving else "")
     errs = comm.allgather(err) if comm is not None else [err]
     bad = [f"rank {r}: {m}" for r, m in enumerate(errs) if m]
     if bad:

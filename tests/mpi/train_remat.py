@@ -56,5 +56,18 @@ for name, args in cases:
         if pp > 1 and "1f1b" in name:
             assert max(r["inflight"] for r in plans) == pp
     world.Barrier()
+if dp == 2 and pp == 1:      # measured shares move: the budget must fit the largest one
+    from hpcnn.config import ConfigError
+    from hpcnn.memory import profile as P, rotor
+    prof = P.of_chain(serial["model"], (4, 8), need_dx=False)      # the equal share, 4 of 8
+    tight = 1.02 * rotor.Solver(prof, 500).least / 2 ** 20
+    train(cfg("equal-tight.h5", *layout, "--remat=optimal", f"--memory_budget={tight}"),
+          comm=world)                                   # fits the equal share
+    try:
+        train(cfg("moving-tight.h5", *layout, "--remat=optimal", f"--memory_budget={tight}",
+                  "--balance=proportional"), comm=world)
+        raise AssertionError("a budget that only fits the equal share accepted")
+    except ConfigError as e:
+        assert "a replica may get up to 7 of the 8 rows" in str(e), e
 if rank == 0:
     print(f"train_remat OK on {p} ranks (dp={dp}, pp={pp})")
