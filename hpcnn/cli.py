@@ -82,6 +82,7 @@ def info_lines() -> list[str]:
     except ImportError:
         lines.append("MPI library: none (mpi4py not importable)")
     lines.append(f"backend: {B.device} ({B.xp.__name__}), default dtype {numpy.dtype(B.DEFAULT_DTYPE)}")
+    lines += _allreduce_lines()
     try:
         from threadpoolctl import threadpool_info
         for p in threadpool_info():
@@ -93,6 +94,28 @@ def info_lines() -> list[str]:
                                       "HPCNN_DEVICE") if k in os.environ}
     lines.append(f"environment: {env or 'no thread or device variables set'}")
     return lines
+
+
+def _allreduce_lines() -> list[str]:
+    """What the allreduce fast paths will find: the C module, and the kernel's ptrace policy
+    that decides whether 'cma' (process_vm_readv/writev between ranks) can work."""
+    import importlib.util
+    from hpcnn.parallel import lean_build
+    built = os.path.exists(lean_build.target()) and importlib.util.find_spec(
+        "hpcnn.parallel._lean") is not None
+    out = ["allreduce C fast path: " + ("built" if built else
+                                        "not built (python -m hpcnn.parallel.lean_build)")]
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = f.read().strip()
+        meaning = {"0": "ranks of one user may read each other: cma possible",
+                   "1": "descendants only (or CAP_SYS_PTRACE): cma usually refused between "
+                        "MPI ranks (probed at run time)"}
+        out.append(f"kernel.yama.ptrace_scope = {scope}: "
+                   + meaning.get(scope, "no cross-process reads: cma refused"))
+    except OSError:
+        out.append("kernel.yama.ptrace_scope: not present (cma probed at run time)")
+    return out
 
 
 def cmd_info(args) -> int:

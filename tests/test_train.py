@@ -90,6 +90,7 @@ def test_cli_train_report_info(tmp_path):
     p = _cli("info")
     assert p.returncode == 0 and "MPI library:" in p.stdout
     assert "BLAS" in p.stdout and "backend: cpu" in p.stdout
+    assert "allreduce C fast path: " in p.stdout and "ptrace_scope" in p.stdout
 
 
 def test_cli_rejects_bad_options():
