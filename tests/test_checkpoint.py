@@ -64,6 +64,8 @@ def test_bad_checkpoints_are_refused(tmp_path):
              ([f"--resume={ck}", "--optimizer=sgd"], "saved with optimizer 'adamw'"),
              ([f"--resume={ck}", "--dim=32"],
               r"parameter embed.wte is \(\d+, 16\) in the checkpoint, \(\d+, 32\) here"),
+             ([f"--resume={ck}", "--pad_vocab=3"],
+              r"padded to a multiple of 1, here of 3: give both runs the same --pad_vocab"),
              ([f"--resume={ck}", "--n_layers=3"], "parameter h2.ln1.weight is not in"),
              ([f"--resume={ck}", "--n_layers=1"], "has parameters this model has not: h1"),
              ([f"--resume={ck}", "--steps=2"], "at step 2, nothing is left")]

@@ -164,7 +164,8 @@ def restore(path: str, cfg, model, params, opt, par=None, steps: int = 0) -> int
                                  f"{' (it has ' + ', '.join(extra[:3]) + ')' if extra else ''}")
             if tuple(saved[name].shape) != shape:
                 raise ValueError(f"--resume={path}: parameter {name} is "
-                                 f"{tuple(saved[name].shape)} in the checkpoint, {shape} here")
+                                 f"{tuple(saved[name].shape)} in the checkpoint, {shape} here"
+                                 + _padding_hint(f.attrs["config"], cfg))
         if extra:
             raise ValueError(f"--resume={path}: the checkpoint has parameters this model has "
                              f"not: {', '.join(extra[:5])}")
@@ -187,6 +188,17 @@ def restore(path: str, cfg, model, params, opt, par=None, steps: int = 0) -> int
             par.balancer.shares = numpy.array(f["balancer/shares"][...])
             par.balancer.speeds = numpy.array(f["balancer/speeds"][...])
     return step
+
+
+def _padding_hint(saved_json: str, cfg) -> str:
+    """Why a GPT's vocabulary-sized tensors may differ: the padding multiple (--pad_vocab, by
+    default tp) of the saving run and of this one."""
+    saved = json.loads(saved_json)
+    was, now = saved.get("pad_vocab") or saved.get("tp", 1), cfg.pad_vocab or cfg.tp
+    if cfg.model != "gpt" or was == now:
+        return ""
+    return (f" (the vocabulary was padded to a multiple of {was}, here of {now}: give both runs "
+            f"the same --pad_vocab, e.g. --pad_vocab={max(was, now)})")
 
 
 def summary(path: str) -> dict:
