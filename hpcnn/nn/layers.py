@@ -6,6 +6,7 @@ Inputs may have any number of leading dimensions: ``(..., C)``.
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 
 import numpy  # host-side initial values only; array code goes through B.xp
@@ -282,10 +283,12 @@ class LayerNorm(Block):
                          nb + rows * self.dtype.itemsize, 2 * self.dim * self.dtype.itemsize)
 
 
-def dropouts(root) -> list:
-    """Every :class:`Dropout` reachable from ``root`` (a block, a chain, or a list of them)
-    through attributes, lists and tuples, each once, in a fixed order."""
-    found, seen, stack = [], set(), [root]
+_DROPOUTS = weakref.WeakKeyDictionary()     # block -> the dropouts inside it (found once)
+
+
+def _walk(block) -> list:
+    """Every :class:`Dropout` reachable from ``block`` through attributes, lists and tuples."""
+    found, seen, stack = [], set(), [block]
     while stack:
         obj = stack.pop()
         if id(obj) in seen:
@@ -299,6 +302,24 @@ def dropouts(root) -> list:
             stack.extend(v for v in reversed(list(vars(obj).values()))
                          if isinstance(v, (Block, list, tuple)) or hasattr(v, "blocks"))
     return found
+
+
+def dropouts(root) -> list:
+    """Every :class:`Dropout` reachable from ``root`` (a block, a chain, or a list of them),
+    each once, in a fixed order. A block's are found once and remembered (its structure does not
+    change), so the training loop's call before every forward costs a lookup per block."""
+    if isinstance(root, Block):
+        found = _DROPOUTS.get(root)
+        if found is None:
+            found = _DROPOUTS[root] = _walk(root)
+        return found
+    out, seen = [], set()
+    for part in (root.blocks if hasattr(root, "blocks") else root):
+        for d in dropouts(part):
+            if id(d) not in seen:
+                seen.add(id(d))
+                out.append(d)
+    return out
 
 
 def place_draws(root, draw: int, row: int) -> None:
