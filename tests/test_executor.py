@@ -11,6 +11,8 @@ from hpcnn.memory.executor import Executor, live_bytes, store_all_reference
 from hpcnn.memory.simulate import simulate
 from hpcnn.nn import models
 
+from mpi_util import run_mpi
+
 F64 = np.float64
 
 
@@ -127,6 +129,37 @@ def test_live_bytes_counts_views_once():
     a = np.zeros(1000)
     assert live_bytes(a, a[:10], (a.reshape(10, 100),)) == a.nbytes
     assert live_bytes([a, np.ones(5)], {"k": None}) == a.nbytes + 40
+
+
+def test_live_bytes_counts_what_a_view_addresses():
+    a = np.zeros((10, 100))
+    assert live_bytes(a[2:4]) == 2 * 800                       # a slice: its rows only
+    assert live_bytes(a[2:4], a[3:6]) == 4 * 800               # overlapping slices: the union
+    assert live_bytes(a[:2], a[8:]) == 4 * 800                 # disjoint slices: both
+    assert live_bytes(a[2:4], a) == a.nbytes                   # the whole buffer once
+    assert live_bytes(a.T, a[::-1], a[:, ::-1]) == a.nbytes    # whole views, any strides
+    assert live_bytes(a[1:3, 10:20]) == 800 + 10 * 8           # strided: first to last element
+    assert live_bytes(a[5:5]) == 0
+
+
+def test_account_of_a_micro_batch_view_equals_the_model():
+    """A pipeline's micro-batch is a slice of the rank's batch: the account counts the slice,
+    as the model's x[0] does, not the whole batch."""
+    x, y = batch("gpt")
+    chain = gpt()
+    prof = P.of_chain(chain, x[2:4].shape, need_dx=False)
+    solver = rotor.Solver(prof, 300)
+    for seq in (S.store_all(len(prof)), solver.solve(solver.least).sequence):
+        res, sim = Executor(chain, seq, need_dx=False).run(x[2:4], y[2:4]), simulate(seq, prof)
+        assert res.peak == sim.peak
+        assert [live for _, live in res.trace[1:]] == sim.peaks      # op by op
+
+
+def test_account_equals_the_plan_at_the_least_budget_under_tp_and_pp(tmp_path):
+    """Under tp (with and without sequence parallelism) and pp, at the least budget the planner
+    accepts, the measured account is the predicted peak on every rank."""
+    out = run_mpi("remat_least_budget", 2, str(tmp_path), timeout=300)
+    assert "remat_least_budget OK on 2 ranks" in out
 
 
 def test_executor_rejects_bad_sequences():

@@ -12,9 +12,14 @@ the current gradient δ. A recomputed forward restores the block's RNG state of 
 splits in two: :meth:`Executor.forward` runs the ops before the first backward and returns the
 stage output (or the loss) and a state; :meth:`Executor.backward` finishes from the output gradient.
 
-**The account** is the sum of the sizes of the distinct memory buffers (an array and its views
-count once) reachable from the stored values, taken after each op with its results and before its
-frees: the peak in the model of :mod:`.simulate`, measured on the real arrays. It leaves out what
+**The account** is the number of distinct bytes the arrays reachable from the stored values
+address (:func:`live_bytes`: an array and its views count once; a view of part of a buffer counts
+its own part), taken after each op with its results and before its frees: the peak in the model of
+:mod:`.simulate`, measured on the real arrays. A view counts what it addresses, as a spec counts
+it: a pipeline's micro-batch is a slice of the rank's batch, which the caller holds anyway, and
+x[0] is the micro-batch's bytes in the model. A block never keeps a part of a larger buffer of
+its own in its cache or output, where the rest would be held unseen: the block tests check that
+(``tests/cachecheck.py``). It leaves out what
 a block allocates and frees inside one call (its transient) and the parameters and their
 gradients: the constants to add when comparing with ``tracemalloc``.
 
@@ -33,12 +38,14 @@ from hpcnn.memory.sequence import CHANNEL
 
 
 def _root(a):
+    """The array that owns the memory ``a`` views (``a`` itself if it owns its memory)."""
     while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
         a = a.base
     return a
 
 
 def _arrays(obj, out):
+    """The arrays in ``obj`` (an array, or tuples, lists and dicts of them), appended to ``out``."""
     if hasattr(obj, "nbytes") and hasattr(obj, "dtype") and hasattr(obj, "shape"):
         out.append(obj)
     elif isinstance(obj, (tuple, list)):
@@ -50,14 +57,40 @@ def _arrays(obj, out):
     return out
 
 
+def extent(a) -> tuple:
+    """(first byte, one past the last byte) of the memory ``a`` addresses, as addresses; a
+    strided view spans from its lowest to its highest element (NumPy or CuPy arrays)."""
+    iface = getattr(a, "__array_interface__", None)
+    lo = iface["data"][0] if iface is not None else a.data.ptr
+    if a.size == 0:
+        return lo, lo
+    hi = lo
+    for n, stride in zip(a.shape, a.strides):
+        if stride < 0:
+            lo += stride * (n - 1)
+        else:
+            hi += stride * (n - 1)
+    return lo, hi + a.itemsize
+
+
 def live_bytes(*objs) -> int:
-    """Bytes of the distinct buffers reachable from ``objs`` (views of one buffer count once)."""
-    seen, total = set(), 0
+    """Distinct bytes addressed by the arrays reachable from ``objs``: per buffer, the union of
+    its arrays' extents (:func:`extent`). An array and its whole views count once; a slice of a
+    buffer counts the slice, two overlapping slices their union."""
+    spans = {}
     for a in _arrays(objs, []):
-        r = _root(a)
-        if id(r) not in seen:
-            seen.add(id(r))
-            total += int(r.nbytes)
+        spans.setdefault(id(_root(a)), []).append(extent(a))
+    total = 0
+    for intervals in spans.values():
+        intervals.sort()
+        start, end = intervals[0]
+        for lo, hi in intervals[1:]:
+            if lo > end:                     # a gap: close the current run
+                total += end - start
+                start, end = lo, hi
+            else:
+                end = max(end, hi)
+        total += end - start
     return total
 
 
@@ -282,4 +315,4 @@ def store_all_reference(chain, x, targets=None):
     return loss, dx
 
 
-__all__ = ["Executor", "RunResult", "live_bytes", "store_all_reference"]
+__all__ = ["Executor", "RunResult", "extent", "live_bytes", "store_all_reference"]

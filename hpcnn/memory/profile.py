@@ -144,8 +144,8 @@ def from_specs(specs, *, has_loss: bool = True, need_dx: bool = True, rates: Rat
 def of_chain(chain, x_shape, *, need_dx: bool = True, rates: Rates | None = None) -> ChainProfile:
     """:func:`from_specs` of ``chain.spec(x_shape)`` (integer token input detected from block 0)."""
     specs = chain.spec(x_shape)
-    int_input = bool(specs[0].cache_has_x and specs[0].bytes_x and
-                     type(chain.blocks[0]).__name__.endswith("Embedding"))
+    # token ids in (an Embedding, serial or vocabulary-parallel, whatever its cache): no dL/dx[0]
+    int_input = bool(specs[0].bytes_x and type(chain.blocks[0]).__name__.endswith("Embedding"))
     # without need_dx only a block with a separate weight backward skips producing dL/dx[0]
     skips = not need_dx and hasattr(chain.blocks[0], "backward_weight")
     return from_specs(specs, has_loss=chain.loss is not None, need_dx=not skips, rates=rates,

@@ -154,9 +154,11 @@ class VocabParallelCrossEntropy:
         return d.reshape(shape)
 
     def spec(self, x_shape, dtype=B.DEFAULT_DTYPE):
+        """The cache is this shard's probabilities and, per row, the target's local column
+        (int64 targets assumed), whether it is held here and whether the row counts (bools)."""
         dt, p = B.dtype_of(dtype), self.comm.size
         nb = B.nbytes(x_shape, dt)
         n, rows = nb // dt.itemsize, nb // dt.itemsize // int(x_shape[-1])
         vol = Volume(allreduce=2 * rows * dt.itemsize, allreduce_max=rows * dt.itemsize)
-        return BlockSpec(self.name, tuple(x_shape), (), 5 * n, 3 * n, nb, 8, nb, 0,
+        return BlockSpec(self.name, tuple(x_shape), (), 5 * n, 3 * n, nb, 8, nb + 10 * rows, 0,
                          comm_bytes=vol.sent(p) if p > 1 else 0)
