@@ -169,26 +169,3 @@ def test_executor_rejects_bad_sequences():
     with pytest.raises(ValueError, match="OffloadChannel"):
         Executor(chain, S.store_all(len(chain) + 1) + [S.Op("OFF", 1, "x")])
 
-
-def test_spec_alias_flags_match_the_caches():
-    """cache_has_x / cache_has_y and bytes_cache_own describe the real cache of every block."""
-    from cachecheck import spec_matches_cache
-    from hpcnn.nn.conv import AvgPool2d, Conv2d, Flatten, MaxPool2d
-    from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU
-    from hpcnn.nn.residual import halves
-    from hpcnn.nn.transformer import (CausalSelfAttention, Embedding, MLPBlock,
-                                      TransformerBlock)
-    rng = np.random.default_rng(0)
-    seq3 = rng.standard_normal((2, 8, 16))
-    img = rng.standard_normal((2, 3, 8, 8))
-    cases = [(Linear(16, 8, dtype=F64), seq3), (ReLU(dtype=F64), seq3), (GELU(dtype=F64), seq3),
-             (LayerNorm(16, dtype=F64), seq3), (Dropout(0.3, dtype=F64), seq3),
-             (CausalSelfAttention(16, 4, dropout=0.1, dtype=F64), seq3),
-             (MLPBlock(16, dropout=0.1, dtype=F64), seq3),
-             (TransformerBlock(16, 4, dropout=0.1, dtype=F64), seq3),
-             *[(h, seq3) for h in halves(TransformerBlock(16, 4, dropout=0.1, dtype=F64))],
-             (Embedding(20, 16, 8, dtype=F64), rng.integers(0, 20, (2, 8))),
-             (Conv2d(3, 4, 3, padding=1, dtype=F64), img), (MaxPool2d(2, dtype=F64), img),
-             (AvgPool2d(2, dtype=F64), img), (Flatten(dtype=F64), img)]
-    for block, x in cases:
-        spec_matches_cache(block, x)

@@ -25,6 +25,20 @@ def random_chain(rng, n, transients=True):
                         rng.uniform(1.0, 3.0, n), wx, wbar, wd, of, ob)
 
 
+def byte_chain(rng, n):
+    """n stages (the last a loss) with sizes in bytes, from a few hundred to tens of thousands:
+    no size is a multiple of a slot, so rounding to slots matters."""
+    wx = rng.integers(300, 40_000, n + 1)
+    wbar = wx + rng.integers(0, 60_000, n + 1)
+    wd = wx.copy()
+    wx[n] = wd[n] = 0
+    wbar[n] = rng.integers(300, 20_000)
+    wbar[0] = 0
+    return ChainProfile(tuple(f"s{i}" for i in range(n)), rng.uniform(0.5, 2.0, n),
+                        rng.uniform(1.0, 3.0, n), wx, wbar, wd, rng.integers(0, 8_000, n),
+                        rng.integers(0, 8_000, n))
+
+
 def exhaustive(p, M):
     """Least makespan over all valid *persistent* sequences with peak <= M: Dijkstra over the
     states (stored x's A, those of them kept as checkpoints C, stored x̄'s F, backward front d),
@@ -105,6 +119,27 @@ def test_makespan_monotone_and_reaches_store_all():
         times.append(sol.time)
     assert times[-1] == pytest.approx(p.store_all_time)
     assert solver.solve(top).sequence == S.store_all(len(p))
+
+
+def test_every_answer_fits_its_budget():
+    """Random 8-stage chains x coarse to fine slots x a fine grid of budgets from the least to
+    store-all: the simulated peak (exact sizes) of every returned sequence is within its budget.
+    Small integer sizes (a slot of one unit from 100 slots on: no rounding slack) make a memory
+    index one slot too generous in ``Solver.solve`` fail about half of these; byte sizes check
+    the rounding up."""
+    rng = np.random.default_rng(2024)
+    over, solves = [], 0
+    for chain in range(8):
+        p = random_chain(rng, 8) if chain < 6 else byte_chain(rng, 8)
+        for slots in (20, 45, 100, 220, 500):
+            solver = rotor.Solver(p, slots)
+            for budget in np.linspace(solver.least, solver.top, 70):
+                sol = solver.solve(budget)
+                peak = simulate(sol.sequence, p).peak
+                solves += 1
+                if peak > budget or sol.peak != peak:
+                    over.append((chain, slots, float(budget), float(peak), sol.peak))
+    assert not over, f"{len(over)} of {solves} solves over their budget, e.g. {over[:3]}"
 
 
 def test_below_least_budget_names_it():

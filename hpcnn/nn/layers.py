@@ -377,6 +377,6 @@ class Dropout(Block):
     def spec(self, x_shape):
         nb = B.nbytes(x_shape, self.dtype)
         n = nb // self.dtype.itemsize
-        active = self.p > 0.0
+        active = self.training and self.p > 0.0        # in eval mode: the identity, no mask
         return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), n if active else 0,
                          n if active else 0, nb, nb, nb if active else 0, 0)

@@ -195,11 +195,12 @@ class ColumnParallelLinear(Block):
         vol = self.enter.volume(B.nbytes(full_in, dt))
         if self.gather is not None:
             vol = vol + self.gather.volume(B.nbytes(out, dt))
-        # the cache holds the input itself, or under sp the all-gathered copy (a new array)
+        # the cache holds the input itself, or under sp the all-gathered copy (a new array;
+        # on one rank the gather is the identity and the input is cached itself)
+        gathered = self.sequence_parallel and self.enter.active
         return replace(s, name=self.name, in_shape=x_shape, out_shape=out,
                        bytes_x=B.nbytes(x_shape, dt), bytes_y=B.nbytes(out, dt),
-                       comm_bytes=vol.sent(p),
-                       cache_has_x=s.cache_has_x and not self.sequence_parallel)
+                       comm_bytes=vol.sent(p), cache_has_x=s.cache_has_x and not gathered)
 
 
 class RowParallelLinear(Block):

@@ -1,5 +1,8 @@
-"""Every tensor-parallel block's ``spec()`` describes the cache its forward keeps on this rank
-(alias flags, own cache bytes, input and output bytes): rematerialization budgets rest on it.
+"""Every tensor-parallel block and loss keeps the block contract on this rank (tests/cachecheck.py):
+its ``spec()`` counts the cache its forward keeps exactly as the memory account does (alias
+flags, own cache bytes, input and output bytes), and its backward accumulates gradients.
+Rematerialization budgets rest on the first, gradient accumulation (micro-batches, pipelines) on
+the second.
 
     mpiexec -n N python -m mpi4py tests/mpi/tp_specs.py
 """
@@ -9,15 +12,16 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+import hpcnn.parallel
 from hpcnn.parallel.comm import CommStats, Communicator
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
                                    ShardDropout, replicated_layernorm)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
 from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
-from hpcnn.parallel.tensor_vocab import VocabParallelEmbedding
+from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
-from cachecheck import spec_matches_cache  # noqa: E402
+from cachecheck import block_kinds, grads_accumulate, spec_matches_cache  # noqa: E402
 
 world = MPI.COMM_WORLD
 r, P = world.Get_rank(), world.Get_size()
@@ -26,11 +30,28 @@ Bn, T, C, NH, V, H = 2, 8, 16, 4, 32, 24
 kw = dict(seed=4, dtype=np.float64)
 rng = np.random.default_rng(3)
 full = rng.standard_normal((Bn, T, C))
-local = full[:, :T // P]                              # a sequence slice (sp)
+local = full[:, :T // P].copy()                       # a sequence slice (sp)
 wide = rng.standard_normal((Bn, T, H // P))           # a column-parallel output
-failures = []
+logits = rng.standard_normal((Bn, T, V // P))         # this rank's vocabulary columns
+targets = rng.integers(0, V, (Bn, T))
+targets[0, :3] = -100                                 # ignored rows
+img = rng.standard_normal((2, 3, 8, 8))
+failures, covered = [], set()
+
+
+def check(label, block, x, tgt=None):
+    """Both halves of the contract; every failure is collected, not just the first."""
+    covered.add(type(block))
+    for what, fn in (("spec", lambda: spec_matches_cache(block, x, tgt)),
+                     ("grads", lambda: grads_accumulate(block, x) if block.params else None)):
+        try:
+            fn()
+        except AssertionError as e:
+            failures.append(f"{label} {what}: {e}")
+
+
 for sp in (False, True):
-    xs = local.copy() if sp else full.copy()
+    xs = local if sp else full
     cases = [
         (ColumnParallelLinear(comm, C, H, sequence_parallel=sp, name="col", **kw), xs),
         (RowParallelLinear(comm, H, C, sequence_parallel=sp, name="row", **kw), wide),
@@ -46,12 +67,15 @@ for sp in (False, True):
     else:
         cases += [(ColumnParallelLinear(comm, C, H, gather_output=True, name="cg", **kw), xs)]
     for block, x in cases:
-        try:
-            spec_matches_cache(block, x)
-        except AssertionError as e:                   # every mismatch, not just the first
-            failures.append(f"sp={sp}: {e}")
-img = rng.standard_normal((2, 3, 8, 8))
-spec_matches_cache(ChannelParallelConv2d(comm, 3, 4 * P, 3, padding=1, **kw), img)
+        check(f"sp={sp} {block}", block, x)
+    # the loss after an sp model's LM head: the head all-gathers, so the logits are (B, T, V/tp)
+    # either way; with sum reduction too
+    for reduction in ("mean", "sum"):
+        check(f"sp={sp} xent-{reduction}", VocabParallelCrossEntropy(comm, reduction=reduction),
+              logits, targets)
+check("conv", ChannelParallelConv2d(comm, 3, 4 * P, 3, padding=1, **kw), img)
+missing = block_kinds(hpcnn.parallel) - covered
+assert not missing, f"sharded kinds not checked: {sorted(k.__name__ for k in missing)}"
 assert not failures, "\n".join(failures)
 if r == 0:
     print(f"tp_specs OK on {P} ranks")
