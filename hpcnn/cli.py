@@ -83,17 +83,35 @@ def info_lines() -> list[str]:
         lines.append("MPI library: none (mpi4py not importable)")
     lines.append(f"backend: {B.device} ({B.xp.__name__}), default dtype {numpy.dtype(B.DEFAULT_DTYPE)}")
     lines += _allreduce_lines()
-    try:
-        from threadpoolctl import threadpool_info
-        for p in threadpool_info():
-            lines.append(f"BLAS: {p.get('internal_api')} {p.get('version')} "
-                         f"({p.get('architecture')}), {p.get('num_threads')} threads")
-    except ImportError:
-        lines.append("BLAS threads: unknown (pip install threadpoolctl)")
+    lines += _thread_pool_lines()
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                                       "HPCNN_DEVICE") if k in os.environ}
     lines.append(f"environment: {env or 'no thread or device variables set'}")
     return lines
+
+
+def _thread_pool_lines() -> list[str]:
+    """One line per native thread pool loaded in this process (threadpoolctl's view): the BLAS
+    libraries (NumPy's and SciPy's each bundle an OpenBLAS) and OpenMP runtimes (scikit-learn's),
+    each named by the package that ships it, with its thread count."""
+    try:
+        import scipy.linalg  # noqa: F401 - load SciPy's BLAS too, so that its threads are shown
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return ["BLAS threads: unknown (pip install threadpoolctl)"]
+    out = []
+    for p in threadpool_info():
+        where = os.path.basename(os.path.dirname(p.get("filepath") or "")).removesuffix(".libs")
+        what = ("BLAS" if p.get("user_api") == "blas" else "OpenMP") + f" in {where or '?'}: "
+        if p.get("user_api") == "blas":
+            detail = ", ".join(str(v) for v in (p.get("architecture"), p.get("threading_layer"))
+                               if v)
+            what += f"{p.get('internal_api')} {p.get('version') or ''}".rstrip()
+            what += f" ({detail})" if detail else ""
+        else:
+            what += p.get("prefix") or p.get("internal_api") or "openmp"
+        out.append(f"{what}, {p.get('num_threads')} threads")
+    return out or ["BLAS: none found by threadpoolctl"]
 
 
 def _allreduce_lines() -> list[str]:

@@ -147,6 +147,32 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
     return Task(cfg, data, model, cfg.steps or TEXT_DEFAULT_STEPS)
 
 
+def whole_model_params(model) -> int:
+    """Parameters of the whole model, whatever this rank stores: a tensor-parallel shard counts
+    for its ``tp_parts`` shards, a pipeline rank's placeholders for the stages they stand for."""
+    return sum(p.size * (p.tp_parts if getattr(p, "tp_axis", None) is not None else 1)
+               for p in model.params)
+
+
+def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -> str:
+    """The first line a run prints: model and its whole parameter count, data, steps, layout
+    (dp x tp x pp, the schedule and micro-batches when pipelined), and where it resumed from."""
+    layout = f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp} on {world_size} rank(s)"
+    if cfg.pp > 1:
+        layout += f", {cfg.schedule} with {cfg.microbatches} micro-batches"
+        layout += f" and {cfg.virtual} stages per rank" if cfg.virtual > 1 else ""
+    if cfg.tp > 1 and cfg.sequence_parallel:
+        layout += ", sequence parallel"
+    line = (f"hpcnn: {model.name} ({whole_model_params(model):,} parameters) on "
+            f"{task.data.name}, {task.steps} steps of {cfg.batch_size}, {cfg.dtype}, {layout}")
+    if cfg.remat != "none":
+        line += f", remat={cfg.remat}" + (f" within {cfg.memory_budget:g} MiB"
+                                          if cfg.remat == "optimal" else "")
+    if cfg.resume:
+        line += f", resumed from {cfg.resume} at step {start}"
+    return line + f", log {cfg.log}"
+
+
 def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
@@ -336,7 +362,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     log = None
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)
-        extra = {"model_params": model.num_params(), "dataset_name": task.data.name}
+        extra = {"model_params": whole_model_params(model), "dataset_name": task.data.name}
         if task.is_text:
             extra["unigram_entropy_nats"] = task.data.unigram_entropy()
         if par is not None and any(f != 1.0 for f in par.factors):
@@ -356,8 +382,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
                       "overlap": cfg.overlap,
                       "resumed_from": cfg.resume, "start_step": start})
     say = (lambda s: print(s, flush=True)) if (rank == 0 and cfg.progress) else (lambda s: None)
-    say(f"hpcnn: {model.name} ({model.num_params():,} parameters) on {task.data.name}, "
-        f"{task.steps} steps of {cfg.batch_size}, {cfg.dtype}, dp={cfg.dp}, log {cfg.log}")
+    say(run_header(cfg, model, task, world_size, start))
     t_start = time.perf_counter()
     status, last = "failed", {}
     pending_rows, pending_events = [], []

@@ -27,3 +27,37 @@ def test_make_builds_the_c_path_when_mpicc_is_there():
 def test_c_and_python_paths_agree(n):
     out = run_mpi("lean_path", n, "1" if built() else "0", timeout=120)
     assert f"lean_path OK on {n} ranks" in out
+
+
+@pytest.mark.skipif(not os.path.exists(MPICC), reason="no mpicc next to this Python")
+def test_an_installed_wheel_carries_the_c_source_and_builds_it(tmp_path):
+    """A non-editable install: the wheel holds _lean.c, and lean_build compiles it in place
+    (exit 0); with a compiler that fails, it says so and exits 1 (never a silent 0)."""
+    import subprocess
+    import zipfile
+    import shutil
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = tmp_path / "src"              # a copy: the build writes build/ and egg-info beside it
+    src.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(root, name), src / name)
+    shutil.copytree(os.path.join(root, "hpcnn"), src / "hpcnn",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", ".lean-built"))
+    run = dict(capture_output=True, text=True, timeout=240)
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)], **run)
+    assert p.returncode == 0, p.stderr
+    wheel, = (tmp_path / "dist").glob("hpcnn-*.whl")
+    assert "hpcnn/parallel/_lean.c" in zipfile.ZipFile(wheel).namelist()
+    site = tmp_path / "site"
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        "--target", str(site), str(wheel)], **run)
+    assert p.returncode == 0, p.stderr
+    env = dict(os.environ, PYTHONPATH=str(site))
+    p = subprocess.run([sys.executable, "-m", "hpcnn.parallel.lean_build"], cwd=tmp_path,
+                       env=env, **run)
+    assert p.returncode == 0 and "built" in p.stdout, p.stdout + p.stderr
+    assert list((site / "hpcnn" / "parallel").glob("_lean*.so")), "module not next to the package"
+    p = subprocess.run([sys.executable, "-m", "hpcnn.parallel.lean_build", "--mpicc=/bin/false"],
+                       cwd=tmp_path, env=env, **run)
+    assert p.returncode == 1 and "not built" in p.stderr, p.stdout + p.stderr

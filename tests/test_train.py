@@ -91,6 +91,9 @@ def test_cli_train_report_info(tmp_path):
     assert p.returncode == 0 and "MPI library:" in p.stdout
     assert "BLAS" in p.stdout and "backend: cpu" in p.stdout
     assert "allreduce C fast path: " in p.stdout and "ptrace_scope" in p.stdout
+    blas = [ln for ln in p.stdout.splitlines() if ln.startswith(("BLAS", "OpenMP"))]
+    assert any(ln.startswith("BLAS in numpy: ") and " threads" in ln for ln in blas), blas
+    assert not any("None" in ln for ln in blas), blas     # no unnamed library or version
 
 
 def test_cli_rejects_bad_options():
@@ -107,3 +110,20 @@ def test_cli_rejects_bad_options():
     assert p.returncode == 2 and "unknown command" in p.stderr
     p = _cli("train", "--help")
     assert p.returncode == 0 and "--batch_size" in p.stdout
+
+
+def test_run_header_names_the_layout_the_whole_model_and_a_resume():
+    from types import SimpleNamespace
+
+    from hpcnn.nn import models
+    from hpcnn.train import run_header, whole_model_params
+    model = models.mlp(64, (32,), 10, seed=0)
+    task = SimpleNamespace(data=SimpleNamespace(name="digits"), steps=40)
+    cfg = parse_overrides(["--dp=2", "--pp=2", "--microbatches=4", "--schedule=gpipe",
+                           "--resume=runs/a.h5", "--log=x.h5"]).resolved()
+    line = run_header(cfg, model, task, world_size=4, start=30)
+    assert f"({whole_model_params(model):,} parameters)" in line and "2,410 parameters" in line
+    assert "dp=2 x tp=1 x pp=2 on 4 rank(s), gpipe with 4 micro-batches" in line, line
+    assert "resumed from runs/a.h5 at step 30" in line, line
+    serial = run_header(parse_overrides(["--log=x.h5"]).resolved(), model, task, world_size=1)
+    assert "dp=1 x tp=1 x pp=1 on 1 rank(s)" in serial and "resumed" not in serial, serial

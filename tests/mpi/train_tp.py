@@ -11,7 +11,7 @@ from mpi4py import MPI
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
 from hpcnn.parallel.tensor import shard_array
-from hpcnn.train import train
+from hpcnn.train import train, whole_model_params
 
 world = MPI.COMM_WORLD
 rank, p = world.Get_rank(), world.Get_size()
@@ -50,6 +50,9 @@ for name, args in cases.items():
     if rank == 0:
         run = read_run(os.path.join(tmp, f"{name}-tp.h5"))
         assert run.plan["tp"] == tp and run.plan["dp"] == dp
+        # the log and the header count the whole model, not this rank's shard
+        assert run.attrs["model_params"] == whole_model_params(serial["model"]) \
+            == serial["model"].num_params() > par["model"].num_params(), run.attrs["model_params"]
         s = read_run(os.path.join(tmp, f"{name}-serial-r0.h5")).metrics
         assert np.max(np.abs(s["loss"] - run.metrics["loss"])) < 1e-10
         key = "val_loss" if name.startswith("gpt") else "test_loss"
