@@ -251,7 +251,7 @@ def zb_v(n_stages, n_micro, n_ranks):
     V (:func:`v_shape`), backward split into B and W as in :func:`zb_h1`.
 
     Rank r runs, on its chunk 0 (stage r) and chunk 1 (stage 2p-1-r): (1) 2(p-r)-1 chunk-0
-    forwards, the time chunk 1's first input takes to come back down the V; (2) r pairs F1, F0;
+    forwards, the time micro-batch 0 takes down to the V's tip and back to r; (2) r pairs F1, F0;
     (3) p-r triples F1, B1, W1: the loss gradient climbs back to rank r; (4) the steady state
     F0, B0, W0, F1, B1, W1 until every forward has run; (5) the cool-down: r pairs B0, B1, then
     p-r pairs B0, W0, then the W's left. At t_f = t_b = t_w every rank is busy from the moment
