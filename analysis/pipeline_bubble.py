@@ -7,10 +7,10 @@ Reads only the HDF5 tables written by experiments/pipeline_bubble.py (no MPI, no
 Left: per schedule, the measured bubble fraction (mean ± std over the timed steps) against the
 number of micro-batches M, with the simulator's prediction from the measured stage costs (dashed)
 and the analytic (S-1)/(M+S-1) (black, equal for GPipe and 1F1B; the schedule's own formula for
-interleaved and ZB-H1 dotted). Right: peak activation memory per rank (MiB, from the blocks'
-spec) of GPipe vs 1F1B (and ZB-H1, whose split backward keeps each micro-batch's Linear caches
-until its W) at each M, with the peak number of micro-batches in flight (F done, B not yet) on
-the bars.
+interleaved, ZB-H1 and ZB-V dotted). Right: peak activation memory per rank (MiB, from the blocks'
+spec) of GPipe vs 1F1B (and ZB-H1 and ZB-V, whose split backward keeps each micro-batch's Linear
+caches until its W) at each M, with the peak number of micro-batches in flight (F done, B not
+yet; ZB-V's stages are half the size) on the bars.
 """
 import os
 import sys
@@ -22,7 +22,8 @@ from hpcnn.log.results import load_table  # noqa: E402
 from hpcnn.log.report import save_figure  # noqa: E402
 
 STYLE = {"gpipe": ("tab:gray", "o"), "1f1b": ("tab:blue", "s"),
-         "interleaved": ("tab:orange", "^"), "zb_h1": ("tab:green", "D")}
+         "interleaved": ("tab:orange", "^"), "zb_h1": ("tab:green", "D"),
+         "zb_v": ("tab:red", "v")}
 
 
 def bubble_panel(ax, t):
@@ -36,7 +37,7 @@ def bubble_panel(ax, t):
                     color=color, marker=marker, capsize=3, label=f"{name} measured")
         ax.plot(M, t["bubble_simulated"][sel][order], color=color, ls="--", lw=1,
                 label=f"{name} simulated")
-        if name in ("interleaved", "zb_h1"):
+        if name in ("interleaved", "zb_h1", "zb_v"):
             ax.plot(M, t["bubble_analytic_sched"][sel][order], color=color, ls=":", lw=1.2,
                     label=f"{name} analytic")
     p = int(t["pp"][0])
@@ -54,7 +55,7 @@ def bubble_panel(ax, t):
 
 
 def memory_panel(ax, mem):
-    names = [s for s in ("gpipe", "1f1b", "zb_h1") if s in set(mem["schedule"].tolist())]
+    names = [s for s in ("gpipe", "1f1b", "zb_h1", "zb_v") if s in set(mem["schedule"].tolist())]
     Ms = np.unique(mem["M"])
     ranks = np.unique(mem["rank"])
     width = 0.8 / (len(names) * len(ranks))

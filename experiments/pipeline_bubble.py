@@ -4,19 +4,21 @@ pp = world size. The model is an MLP of ``--pairs`` identical Linear(W, W) + ReL
 then softmax cross-entropy over W classes), cut uniformly so that every stage has the same cost;
 W = 1024 and a micro-batch of 32 rows make one stage's forward a few ms on one core, so MPI latency
 is small next to compute. For each schedule in {gpipe, 1f1b, interleaved (v = 2, only where
-M % pp == 0), zb_h1} and M in {1, 2, 4, 8, 16} micro-batches (global batch = M x micro-batch, so
-the micro-batch size is fixed), the script runs ``--warmup`` untimed steps, then ``--steps`` timed
-``pipeline.train_step`` calls, each after a barrier. From the gathered events (small: lowercase
-``gather`` to rank 0):
+M % pp == 0), zb_h1, zb_v (v = 2 in a V)} and M in {1, 2, 4, 8, 16} micro-batches (global batch =
+M x micro-batch, so the micro-batch size is fixed), the script runs ``--warmup`` untimed steps,
+then ``--steps`` timed ``pipeline.train_step`` calls, each after a barrier. From the gathered
+events (small: lowercase ``gather`` to rank 0):
 
     measured bubble = 1 - (sum over ranks of F + B + W time) / (n_ranks x step makespan)
     analytic        = (S - 1) / (M + S - 1)          S = pp (GPipe and 1F1B, equal stage costs)
-    analytic_sched  = the schedule's own formula: (p-1)/(vM + p-1) interleaved (Narayanan et al.
-                      2021), (p-1)/(3M + p-1) ZB-H1 at t_f = t_b = t_w, M >= p (Qi et al. 2024)
+    analytic_sched  = the schedule's own formula (schedules.formula_makespan) at t_f = t_b = t_w:
+                      (p-1)/(vM + p-1) interleaved (Narayanan et al. 2021); (p-1)/(3M + p-1)
+                      ZB-H1, M >= p, and (p-1)/(6M + p-1) ZB-V, M >= 2p-1 (Qi et al. 2024)
     simulated       = schedules.simulate(lists, t_f, t_b, t_w) with the measured per-stage means
 
 plus the peak activation memory per rank (``peak_bytes`` from the blocks' spec, ``peak_inflight``
-micro-batches) of every schedule: GPipe holds M micro-batches on stage 0, 1F1B at most S.
+micro-batches) of every schedule: GPipe holds M micro-batches on stage 0, 1F1B at most S, ZB-V
+at most 2S of its half-size stages.
 
 Outputs: one HDF5 run log per configuration, runs/pipeline_bubble/<schedule>-M<M>.h5 (/timeline:
 every timed step's events, times from the first timed step's barrier; /metrics: per step
@@ -61,12 +63,10 @@ def equal_mlp(width, pairs, seed=0):
 
 
 def analytic_sched(name, p, v, M):
-    """Bubble fraction of the schedule at equal stage costs (see the module docstring)."""
-    if name == "interleaved":
-        return (p - 1) / (v * M + p - 1)
-    if name == "zb_h1":                             # the formula holds for M >= p only
-        return (p - 1) / (3 * M + p - 1) if M >= p else float("nan")
-    return (p - 1) / (M + p - 1)
+    """Bubble fraction of the schedule's published formula at t_f = t_b = t_w = 1 per stage,
+    NaN outside its conditions (see the module docstring)."""
+    makespan = schedules.formula_makespan(name, p, M, 1.0, 1.0, 1.0, v)
+    return float("nan") if makespan is None else 1.0 - 3.0 * v * M / makespan
 
 
 def step_bubble(events, n_ranks):
@@ -174,7 +174,7 @@ def summarize(args, name, M, v, p, lists, ranges, gathered):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb_h1")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb_h1,zb_v")
     ap.add_argument("--micro-batches", dest="micro_batches", default="1,2,4,8,16")
     ap.add_argument("--width", type=int, default=1024)      # a stage's F is a few ms on one core
     ap.add_argument("--pairs", type=int, default=8)         # Linear+ReLU pairs; multiple of 2 pp
@@ -196,10 +196,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     rows, mem_rows = [], []
     for name in names:
-        v = 2 if name == "interleaved" else 1
+        v = 2 if name in ("interleaved", "zb_v") else 1
         for M in Ms:
-            if v > 1 and (M % p or args.pairs % (v * p)):
-                continue                                    # interleaved needs M % pp == 0
+            if args.pairs % (v * p) or (name == "interleaved" and M % p):
+                continue                       # equal stages; interleaved needs M % pp == 0
             res = run_config(args, world, name, M, v)
             if res is not None:
                 rows.append(res[0])

@@ -5,13 +5,13 @@ from __future__ import annotations
 import difflib
 import sys
 
-SIMULATE = {"schedule": ("1f1b", str, "gpipe | 1f1b | interleaved | zb_h1"),
+SIMULATE = {"schedule": ("1f1b", str, "gpipe | 1f1b | interleaved | zb_h1 | zb_v"),
             "ranks": (4, int, "pipeline ranks"),
             "microbatches": (8, int, "micro-batches per step"),
-            "virtual": (1, int, "stages per rank (interleaved; gpipe)"),
+            "virtual": (1, int, "stages per rank (interleaved; gpipe; zb_v: 2)"),
             "t_f": (1.0, float, "forward time of a stage and micro-batch"),
             "t_b": (2.0, float, "backward time (input and weight gradients: t_b + t_w)"),
-            "t_w": (0.0, float, "of which weight gradients, split off by zb_h1"),
+            "t_w": (0.0, float, "of which weight gradients, split off by zb_h1 and zb_v"),
             "t_comm": (0.0, float, "time a message takes between stages"),
             "width": (72, int, "columns of the chart")}
 
@@ -84,8 +84,15 @@ def cmd_simulate(args) -> int:
           f"micro-batch F {o['t_f']:g}, B {o['t_b']:g} (W {o['t_w']:g}), message {o['t_comm']:g}")
     print(f"makespan {sim.makespan:g} (all busy: {ideal:g}); bubble {sim.bubble:.3f}, "
           f"(S-1)/(M+S-1) = {(p - 1) / (m + p - 1):.3f}")
+    formula = schedules.formula_makespan(o["schedule"], p, m, o["t_f"], o["t_b"] - o["t_w"],
+                                         o["t_w"], v)
+    if formula is not None and o["t_comm"] == 0:
+        print(f"published formula: makespan {formula:g}, bubble {1 - ideal / formula:.3f}")
     print("micro-batches in flight per rank (peak): "
           + " ".join(str(k) for k in sim.peak_inflight))
+    if sim.peak_held != sim.peak_inflight:
+        print("micro-batches held until their W per rank (peak): "
+              + " ".join(str(k) for k in sim.peak_held))
     print("\n".join(chart(sim, p, o["width"])))
     return 0
 

@@ -52,7 +52,7 @@ class TrainConfig:
     dp: int = 1                         # data-parallel replicas (world size = dp * tp * pp)
     tp: int = 1                         # tensor-parallel degree (operator parallelism)
     pp: int = 1                         # pipeline stages
-    schedule: str = "1f1b"              # pipeline schedule: gpipe | 1f1b | interleaved | zb_h1
+    schedule: str = "1f1b"              # pipeline schedule: gpipe | 1f1b | interleaved | zb_h1 | zb_v
     microbatches: int = 1               # pipeline micro-batches per step (per data-parallel rank)
     virtual: int = 1                    # stages per pipeline rank (interleaved 1F1B; gpipe)
     layout: str = ""                    # explicit stage sizes in blocks, e.g. "4|4|3|5"; "" = by cost
@@ -130,8 +130,11 @@ class TrainConfig:
         need(not (self.tp > 1 and self.model == "mlp"),
              f"tp={self.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
         need(self.pad_vocab >= 0, f"pad_vocab={self.pad_vocab}: must be >= 0")
-        need(self.schedule in ("gpipe", "1f1b", "interleaved", "zb_h1"),
-             f"schedule={self.schedule!r}: expected gpipe, 1f1b, interleaved or zb_h1")
+        need(self.schedule in ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_v"),
+             f"schedule={self.schedule!r}: expected gpipe, 1f1b, interleaved, zb_h1 or zb_v")
+        need(not (self.schedule == "zb_v" and self.pp > 1 and self.virtual != 2),
+             f"schedule='zb_v' with virtual={self.virtual}: ZB-V places two stages per rank in "
+             f"a V, pass --virtual=2")
         need(self.microbatches >= 1 and self.virtual >= 1,
              f"microbatches={self.microbatches}, virtual={self.virtual}: must be >= 1")
         need(not (self.pp > 1 and self.grad_accum > 1),
@@ -158,8 +161,8 @@ class TrainConfig:
              f"memory_budget={self.memory_budget}, offload_gbps={self.offload_gbps}: must be >= 0")
         need(not (self.offload_gbps > 0 and self.remat != "optimal"),
              f"offload_gbps={self.offload_gbps} needs remat='optimal' (got {self.remat!r})")
-        need(not (self.remat != "none" and self.pp > 1 and self.schedule == "zb_h1"),
-             f"remat={self.remat!r} with schedule='zb_h1': a rematerialized stage runs its "
+        need(not (self.remat != "none" and self.pp > 1 and self.schedule in ("zb_h1", "zb_v")),
+             f"remat={self.remat!r} with schedule={self.schedule!r}: a rematerialized stage runs its "
              f"backward whole; use 1f1b, gpipe or interleaved")
         need(not (self.half_layers and (self.model != "gpt" or self.tp > 1)),
              f"half_layers needs model='gpt' and tp=1 (got model={self.model!r}, tp={self.tp})")

@@ -71,7 +71,7 @@ class Task:
         from hpcnn.parallel.pipeline import forward_only
         self.model.eval()
         try:
-            return forward_only(self.model, par.ranges, par.pp, x)
+            return forward_only(self.model, par.ranges, par.pp, x, owner=par.owner)
         finally:
             self.model.train()
 
@@ -99,7 +99,7 @@ class Task:
                     correct = float(B.to_host((logits.argmax(axis=-1) == y).sum()))
                     tot += [m.loss.forward(logits, y)[0] * len(part), correct, len(part)]
         if par is not None and par.local is not None:
-            par.pp.bcast(tot, root=par.pp.size - 1)
+            par.pp.bcast(tot, root=par.owner[-1])
         return tot
 
 
@@ -199,16 +199,18 @@ class _Parallel:
         self.rank, self.size = self.comm.rank, self.comm.size
         self.local = None          # with pp > 1: the chain of this rank's stage blocks
         self.ranges = None         # with pp > 1: the stages' block ranges
+        self.owner = None          # with pp > 1: the rank of each stage (round robin, or zb_v's V)
 
     def plan_stages(self, model, micro_shape) -> set:
         """pp > 1: cut ``model`` (its shapes suffice) into stages (``--layout``, else by cost);
         returns the names of this rank's stages' parameters."""
-        from hpcnn.parallel import partition
+        from hpcnn.parallel import partition, schedules
         from hpcnn.parallel.pipeline import build_stages
         cfg = self.cfg
         self.ranges = (partition.parse_layout(cfg.layout, len(model)) if cfg.layout
                        else partition.by_spec(model, micro_shape, cfg.pp * cfg.virtual))
-        stages = build_stages(model, self.ranges, self.pp.rank, self.pp.size)
+        self.owner = schedules.placement(cfg.schedule, len(self.ranges), self.pp.size)
+        stages = build_stages(model, self.ranges, self.pp.rank, self.pp.size, self.owner)
         return {q.name for st in stages for q in st.chain.params}
 
     def attach(self, model, micro_shape) -> None:
@@ -222,7 +224,7 @@ class _Parallel:
             from hpcnn.parallel.pipeline import build_stages
             if self.ranges is None:
                 self.plan_stages(model, micro_shape)
-            stages = build_stages(model, self.ranges, self.pp.rank, self.pp.size)
+            stages = build_stages(model, self.ranges, self.pp.rank, self.pp.size, self.owner)
             self.local = Chain([b for st in stages for b in st.chain.blocks], None, name="stages")
         factors = hetero.slowdowns_from_config(cfg.slowdown, self.size)
         self.slowdown = hetero.Slowdown(factors[self.rank], cfg.slowdown_mode)
@@ -535,7 +537,7 @@ def _train_step(cfg, task, par, opt, step, t_start):
         par.engine.finish(step)      # each pipeline rank starts as soon as its stages are done
         par.sync_replicated(par.local or model)      # this rank's parameters only
         if par.local is not None:    # the loss, known on the last stage, after the reduction
-            loss_sum = float(par.pp.bcast(numpy.array([loss_sum]), root=par.pp.size - 1)[0])
+            loss_sum = float(par.pp.bcast(numpy.array([loss_sum]), root=par.owner[-1])[0])
         events.append((wrank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
         loss_sum = float(par.comm.allreduce_scalars([loss_sum])[0])
         par.balancer.step(step, len(mine), par.replica_seconds(compute))

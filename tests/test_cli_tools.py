@@ -19,15 +19,19 @@ def test_simulate_prints_the_bubble_and_a_chart(capsys):
         body = r.split("|")[1]
         assert body.count("F") == 6 * 2 and body.count("B") == 6 * 4, r
     assert cmd_simulate(["--schedule=zb_h1", "--ranks=4", "--microbatches=6", "--t_w=1"]) == 0
-    out = capsys.readouterr().out
-    assert "bubble 0.250" in out and "W" in out          # zero bubble: below 1F1B's third
+    out = capsys.readouterr().out                        # zero bubble: 3M + p - 1 at unit costs
+    assert "makespan 21 (all busy: 18); bubble 0.143" in out and "W" in out
+    assert "published formula: makespan 21, bubble 0.143" in out
+    assert cmd_simulate(["--schedule=zb_v", "--virtual=2", "--ranks=4", "--microbatches=8",
+                         "--t_w=1"]) == 0                # ZB-V: 6M + p - 1 chunk passes
+    assert "makespan 51 (all busy: 48); bubble 0.059" in capsys.readouterr().out
 
 
 def test_simulate_errors(capsys):
     assert cmd_simulate(["--schedul=1f1b"]) == 2
     assert "unknown option '--schedul=1f1b' (did you mean --schedule?)" in capsys.readouterr().err
     assert cmd_simulate(["--schedule=fast"]) == 2
-    assert "--schedule='fast': one of gpipe, 1f1b, interleaved, zb_h1" in capsys.readouterr().err
+    assert "--schedule='fast': one of gpipe, 1f1b, interleaved, zb_h1, zb_v" in capsys.readouterr().err
     assert cmd_simulate(["--ranks=x"]) == 2
     assert "--ranks='x' is not a int" in capsys.readouterr().err
     assert cmd_simulate(["--ranks=0"]) == 2
@@ -35,6 +39,8 @@ def test_simulate_errors(capsys):
     assert cmd_simulate(["--schedule=interleaved", "--ranks=4", "--microbatches=6",
                          "--virtual=2"]) == 2                # interleaving needs M % p == 0
     assert "hpcnn simulate:" in capsys.readouterr().err
+    assert cmd_simulate(["--schedule=zb_v", "--ranks=4"]) == 2            # the V needs 2 per rank
+    assert "4 stages given, 8 needed (virtual=2)" in capsys.readouterr().err
     assert cmd_simulate(["--help"]) == 0 and "--t_comm" in capsys.readouterr().out
 
 

@@ -58,6 +58,10 @@ def test_build_stages_placement():
     assert stages[0].chain.blocks == model.blocks[ranges[1][0]:ranges[1][1]]
     with pytest.raises(ValueError, match="do not split evenly"):
         pipeline.build_stages(model, partition.uniform(7, 3), 0, 2)
+    v = schedules.placement("zb_v", 4, 2)                   # the V: rank 0 has stages 0 and 3
+    stages = [pipeline.build_stages(model, ranges, r, 2, v) for r in (0, 1)]
+    assert [[s.index for s in st] for st in stages] == [[0, 3], [1, 2]]
+    assert stages[0][0].first and stages[0][1].last and not stages[1][1].last
 
 
 def test_split_backward_matches_whole_backward():
@@ -82,7 +86,8 @@ def test_split_backward_matches_whole_backward():
 
 # -- single-rank runs of every schedule -----------------------------------------------------------
 @pytest.mark.parametrize("name,virtual,M", [("gpipe", 3, 4), ("interleaved", 3, 3),
-                                            ("1f1b", 1, 4), ("zb_h1", 1, 4), ("gpipe", 1, 1)])
+                                            ("1f1b", 1, 4), ("zb_h1", 1, 4), ("gpipe", 1, 1),
+                                            ("zb_v", 2, 4)])
 def test_single_rank_equals_serial(name, virtual, M):
     x, y = batch(10)
     model = mlp()
@@ -121,7 +126,11 @@ def test_errors():
 
 
 # -- under mpiexec --------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [2, 4])
-def test_pipeline_equivalence_mpi(n):
-    out = run_mpi("pipeline_equivalence", n, timeout=120)
+@pytest.mark.parametrize("n,names", [(2, ()), (4, ()), (3, ("zb_h1", "zb_v"))])
+def test_pipeline_equivalence_mpi(n, names):
+    """Every schedule on 2 and 4 ranks; the zero-bubble ones also on an odd pp (3 stages, or
+    6 in a V)."""
+    out = run_mpi("pipeline_equivalence", n, *([",".join(names)] if names else []), timeout=120)
     assert f"pipeline_equivalence OK on {n} ranks" in out
+    ran = dict(x.rsplit(" ", 1) for x in out.split("runs: ")[1].split(")")[0].split(", "))
+    assert set(ran) == set(names or schedules.SCHEDULES)        # each ran at least once

@@ -33,7 +33,7 @@ def test_pipeline_bubble_experiment_and_figures(tmp_path):
     t, attrs = load_table(out / "results.h5", "bubble")
     assert set(t) == COLUMNS and attrs["ranks"] == 2
     got = sorted(zip(t["schedule"].tolist(), t["M"].tolist()))
-    assert got == sorted([(s, m) for s in ("gpipe", "1f1b", "zb_h1") for m in (1, 2)]
+    assert got == sorted([(s, m) for s in ("gpipe", "1f1b", "zb_h1", "zb_v") for m in (1, 2)]
                          + [("interleaved", 2)])        # interleaved needs M % pp == 0
     S = 2
     for name, M, inflight in zip(t["schedule"], t["M"], t["peak_inflight_stage0"]):
@@ -41,6 +41,10 @@ def test_pipeline_bubble_experiment_and_figures(tmp_path):
             assert inflight == M
         if name == "1f1b":
             assert inflight <= S
+    row = {(n, m): k for k, (n, m) in enumerate(zip(t["schedule"], t["M"]))}
+    # ZB-V's two half-size stages per rank hold no more than 1F1B's whole one (Qi et al. 2024)
+    assert t["peak_bytes_max"][row[("zb_v", 2)]] <= t["peak_bytes_max"][row[("1f1b", 2)]]
+    assert t["n_stages"][row[("zb_v", 2)]] == 2 * S and t["virtual"][row[("zb_v", 1)]] == 2
     assert ((t["bubble_measured"] >= 0) & (t["bubble_measured"] < 1)).all()
     assert ((t["bubble_simulated"] >= 0) & (t["bubble_simulated"] < 1)).all()
     np.testing.assert_allclose(t["bubble_analytic"], (S - 1) / (t["M"] + S - 1))
@@ -49,9 +53,10 @@ def test_pipeline_bubble_experiment_and_figures(tmp_path):
     run = read_run(out / "gpipe-M2.h5")
     assert run.status == "finished" and len(run.metrics["step"]) == 2
     assert {"F", "B", "SEND_ACT", "RECV_ACT"} <= set(run.timeline["kind"].tolist())
-    assert "W" in set(read_run(out / "zb_h1-M2.h5").timeline["kind"].tolist())
+    for name in ("zb_h1", "zb_v"):
+        assert "W" in set(read_run(out / f"{name}-M2.h5").timeline["kind"].tolist())
     _figure("pipeline_bubble.py", out / "results.h5", tmp_path / "bubble.png")
     _figure("pipeline_gantt.py", out / "zb_h1-M2.h5", tmp_path / "gantt.png")
-    _figure("pipeline_gantt.py", out / "interleaved-M2.h5", tmp_path / "gantt_all.png", "--all")
+    _figure("pipeline_gantt.py", out / "zb_v-M2.h5", tmp_path / "gantt_all.png", "--all")
     for png in ("bubble.png", "gantt.png", "gantt_all.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"

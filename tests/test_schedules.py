@@ -1,5 +1,7 @@
 """Pipeline schedules as data: validity on a grid of sizes, textbook orders, simulated makespans,
 in-flight memory, and a validator that rejects broken schedules with the right message."""
+import itertools
+
 import pytest
 
 from hpcnn.parallel import schedules as sch
@@ -11,7 +13,7 @@ RANKS, MICRO = (1, 2, 3, 4), (1, 2, 3, 4, 8)
 def _grid():
     for name in sch.SCHEDULES:
         for p in RANKS:
-            for v in ((1, 2) if name in ("gpipe", "interleaved") else (1,)):
+            for v in {"gpipe": (1, 2), "interleaved": (1, 2), "zb_v": (2,)}.get(name, (1,)):
                 for m in MICRO:
                     yield name, p * v, m, p
 
@@ -23,10 +25,10 @@ def test_every_schedule_validates(name, S, M, P):
             sch.interleaved_1f1b(S, M, P)
         return
     lists = sch.SCHEDULES[name](S, M, P)
-    sch.validate(lists, S, M, P)
+    sch.validate(lists, S, M, P, sch.placement(name, S, P))
     ops = [i.op for lst in lists for i in lst]
     assert ops.count("F") == ops.count("B") == S * M
-    assert ops.count("W") == (S * M if name == "zb_h1" else 0)
+    assert ops.count("W") == (S * M if name in ("zb_h1", "zb_v") else 0)
     if P == 1:                                  # consecutive stages on one rank: no messages
         assert set(ops) <= {"F", "B", "W"}
 
@@ -36,6 +38,9 @@ def test_one_stage_per_rank_required():
         sch.one_f_one_b(4, 4, 2)
     with pytest.raises(ValueError, match=r"n_stages \(4\) != n_ranks \(2\)"):
         sch.zb_h1(4, 4, 2)
+    with pytest.raises(ValueError, match=r"two stages on each of the 2 ranks: 2 stages given, 4 "
+                                         r"needed \(virtual=2\)"):
+        sch.zb_v(2, 4, 2)
     with pytest.raises(ValueError, match=r"n_stages \(3\) is not a multiple of n_ranks \(2\)"):
         sch.gpipe(3, 4, 2)
     with pytest.raises(ValueError, match="n_micro must be a positive integer"):
@@ -86,22 +91,112 @@ def test_makespans_unit_costs(S, M):
     zb = sch.simulate(sch.zb_h1(S, M, S), t_f=1, t_b=0.5, t_w=0.5).makespan
     assert one == 2 * (M + S - 1)
     assert zb < one if S > 1 else zb == one
-    if M >= S:
-        # W's bounded so that activations held from F until W never exceed 1F1B's S - s: at unit
-        # costs 3M + 2(S-1), between 1F1B's 3(M + S - 1) and Qi et al.'s 3M + S - 1 (which
-        # keeps one more micro-batch's W-side memory)
-        assert sch.simulate(sch.zb_h1(S, M, S), 1, 1, 1).makespan == 3 * M + 2 * (S - 1)
 
 
-@pytest.mark.parametrize("S", [2, 3, 4])
-@pytest.mark.parametrize("M", [1, 4, 16])
-def test_zb_h1_memory_from_f_to_w_is_bounded_like_1f1b(S, M):
-    for s, instrs in enumerate(sch.zb_h1(S, M, S)):
-        live = peak = 0
-        for ins in instrs:
-            live += {"F": 1, "W": -1}.get(ins.op, 0)
-            peak = max(peak, live)
-        assert peak <= min(S - s, M), (s, peak)
+# -- zero bubble ----------------------------------------------------------------------------------
+ZB_COSTS = [(1, 1, 1), (2, 2, 1), (1, 2, 1), (2, 1, 1), (3, 2, 1), (1, 1, 0.5), (2, 3, 2),
+            (1.5, 1, 1)]                                  # (t_f, t_b, t_w), t_w <= t_f, t_b
+
+
+@pytest.mark.parametrize("S", [2, 3, 4, 5, 6])
+def test_zb_h1_makespan_is_the_papers(S):
+    """Qi et al. 2024, Sec. 3.1: at t_f = t_b = t_w = 1, 3M + S - 1 (1F1B: 3(M + S - 1)); in
+    general a bubble of (S - 1)(t_f + t_b - t_w) per stage when t_w <= t_f, t_b (M >= S)."""
+    for M in (S, S + 1, 2 * S, 8, 13):
+        lists = sch.zb_h1(S, M, S)
+        sim = sch.simulate(lists, 1, 1, 1)
+        assert sim.makespan == 3 * M + S - 1, M
+        assert sim.bubble == pytest.approx((S - 1) / (3 * M + S - 1))
+        assert sch.simulate(sch.one_f_one_b(S, M, S), 1, 2).makespan == 3 * (M + S - 1)
+        for f, b, w in ZB_COSTS:
+            sim = sch.simulate(lists, f, b, w)
+            assert sim.makespan == pytest.approx(M * (f + b + w) + (S - 1) * (f + b - w)), (M, f)
+            assert sim.busy == [pytest.approx(M * (f + b + w))] * S
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("M", [1, 2, 4, 6, 16])
+def test_zb_h1_memory_is_1f1bs(S, M):
+    """Without its W's, ZB-H1 is 1F1B's order (same warm-up, same F-to-B memory per stage,
+    S - s); a stage holds at most S micro-batches between F and W, 1F1B's peak (stage 0's)."""
+    zb, one = sch.zb_h1(S, M, S), sch.one_f_one_b(S, M, S)
+    for a, b in zip(zb, one):
+        assert [i for i in a if i.op != "W"] == b
+    sim_zb, sim_one = sch.simulate(zb, 1, 1, 1), sch.simulate(one, 1, 1, 1)
+    assert sim_zb.peak_inflight_stage == sim_one.peak_inflight_stage == [min(S - s, M)
+                                                                         for s in range(S)]
+    assert max(sim_zb.peak_held_stage) == max(sim_one.peak_held_stage) == min(S, M)
+    assert sim_one.peak_held_stage == sim_one.peak_inflight_stage     # no W: held until B
+
+
+def test_v_placement():
+    assert sch.v_shape(8, 4) == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert sch.placement("zb_v", 8, 4) == sch.v_shape(8, 4)
+    assert sch.placement("interleaved", 8, 4) == sch.round_robin(8, 4) == [0, 1, 2, 3] * 2
+    lists = sch.zb_v(6, 5, 3)
+    # the V's middle (stages 2 and 3, both on rank 2) exchanges no message; rank 0 starts the V
+    # (stage 0) and ends it (stage 5, the loss, fed by rank 1's stage 4)
+    assert not [i for i in lists[2] if i.op.endswith("ACT") and i.stage == 2]
+    assert lists[0][:2] == [Instr("F", 0, 0), Instr("SEND_ACT", 0, 0, 1)]
+    assert Instr("RECV_ACT", 0, 4, 1) in lists[0] and Instr("SEND_GRAD", 0, 5, 1) in lists[0]
+    with pytest.raises(ValueError, match=r"rank 0, position \d+, RECV_ACT\(mb=0, stage=4, peer=1\): "
+                                         r"belongs on rank 2, not 0"):
+        sch.validate(lists, 6, 5, 3)                     # round robin expected: refused
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_zb_v_makespan_and_memory(p):
+    """At t_f = t_b = t_w = 1 per chunk pass, every rank is busy from its first input (time r)
+    on: makespan 6M + p - 1 for M >= 2p - 1. A rank holds at most 2p chunk micro-batches (p
+    whole-stage ones, 1F1B's peak). Against 1F1B and ZB-H1 on p stages of twice the cost."""
+    for M in sorted({2 * p - 1, 2 * p, 3 * p + 1, 8}):
+        if M < 2 * p - 1:
+            continue
+        lists = sch.zb_v(2 * p, M, p)
+        sim = sch.simulate(lists, 1, 1, 1)
+        assert sim.makespan == 6 * M + p - 1, M
+        assert sim.busy == [6 * M] * p
+        assert sim.bubble == pytest.approx((p - 1) / (6 * M + p - 1))
+        assert sim.peak_held == [2 * p] * p
+        for r in range(p):                              # busy without a gap after time r
+            starts = [(a, b) for _, a, b in sim.timelines[r]]
+            assert starts[0][0] == r and all(b == a2 for (_, b), (a2, _) in zip(starts,
+                                                                                starts[1:]))
+        h1 = sch.simulate(sch.zb_h1(p, M, p), 2, 2, 2)
+        one = sch.simulate(sch.one_f_one_b(p, M, p), 2, 4)
+        assert one.makespan == 6 * (M + p - 1) and h1.makespan == 6 * M + 2 * (p - 1)
+        assert sim.makespan <= h1.makespan <= one.makespan
+        assert max(sim.peak_held) == 2 * max(one.peak_inflight)       # half-size chunks
+
+
+@pytest.mark.parametrize("name", list(sch.SCHEDULES))
+def test_formula_makespan_is_simulated(name):
+    """Wherever the closed form applies, the simulated makespan equals it; and it applies to
+    ZB-H1 and ZB-V in the paper's conditions."""
+    applied = 0
+    for p, M, v in itertools.product((1, 2, 3, 4, 5), (1, 2, 3, 4, 6, 9), (1, 2)):
+        for f, b, w in ZB_COSTS:
+            want = sch.formula_makespan(name, p, M, f, b, w, v)
+            if want is None:
+                continue
+            lists = sch.SCHEDULES[name](p * v, M, p)     # without W's, B costs t_b + t_w
+            assert sch.simulate(lists, f, b, w).makespan == pytest.approx(want), (p, M, v, f, b)
+            applied += 1
+    assert applied >= 10
+    assert sch.formula_makespan("zb_h1", 4, 3, 1, 1, 1) is None              # M < p
+    assert sch.formula_makespan("zb_h1", 4, 8, 1, 1, 2) is None              # t_w > t_f
+    assert sch.formula_makespan("zb_v", 4, 8, 1, 2, 1, 2) is None            # unequal costs
+    assert sch.formula_makespan("zb_v", 4, 8, 1, 1, 1, 2) == 51
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("M", [1, 2, 3])
+def test_zb_v_few_micro_batches(p, M):
+    """Below 2p - 1 micro-batches the pattern runs with the missing ones left out: valid, all
+    work done, never faster than the work allows."""
+    sim = sch.simulate(sch.zb_v(2 * p, M, p), 1, 1, 1)
+    assert sim.busy == [6 * M] * p and sim.makespan >= 6 * M + p - 1
+    assert max(sim.peak_held) <= 2 * p
 
 
 @pytest.mark.parametrize("P,v,M", [(2, 2, 2), (2, 2, 8), (3, 2, 6), (4, 2, 8), (4, 3, 4),
@@ -121,6 +216,7 @@ def test_peak_in_flight(S, M):
     assert max(one.peak_inflight) <= S
     assert sch.simulate(sch.gpipe(S, M, S), 1, 1).peak_inflight == [M] * S
     assert sch.simulate(sch.zb_h1(S, M, S), 1, 1, 1).peak_inflight == one.peak_inflight
+    assert one.peak_held == one.peak_inflight
 
 
 def test_per_stage_costs_and_comm():

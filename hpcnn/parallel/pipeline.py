@@ -1,7 +1,9 @@
 """Pipeline parallelism: run a schedule's instruction lists (:mod:`.schedules`) on MPI.
 
 The chain is cut into stages (:mod:`.partition`); stage ``s`` lives on pipeline rank ``s % p``
-(one stage per rank, or v *virtual* stages for interleaved 1F1B). Each rank executes its own list:
+(one stage per rank, or v *virtual* stages for interleaved 1F1B), or for ZB-V on the rank the V
+gives (:func:`.schedules.placement`: rank r holds stages r and 2p-1-r, so rank 0 has the loss).
+Each rank executes its own list:
 
     F(mb, s)      forward of micro-batch mb through stage s; the first stage reads the micro-batch,
                   the last computes the loss; one cache per (stage, mb) in flight
@@ -129,12 +131,15 @@ class PipelineStage:
         return f"PipelineStage({self.index}/{self.n_stages}, {self.chain.name})"
 
 
-def build_stages(chain, ranges, rank: int, n_ranks: int) -> list[PipelineStage]:
-    """This rank's stages: ranges[s] for s = rank, rank + p, ... (p = n_ranks), as sub-chains."""
+def build_stages(chain, ranges, rank: int, n_ranks: int, owner=None) -> list[PipelineStage]:
+    """This rank's stages as sub-chains: ranges[s] for every s with ``owner[s] == rank``
+    (default round robin: s = rank, rank + p, ..., p = n_ranks), in stage order."""
     if len(ranges) % n_ranks:
         raise ValueError(f"{len(ranges)} stages do not split evenly over {n_ranks} pipeline ranks")
+    owner = owner or schedules.round_robin(len(ranges), n_ranks)
     chains = partition.stage_chains(chain, ranges)
-    return [PipelineStage(s, chains[s], len(ranges)) for s in range(rank, len(ranges), n_ranks)]
+    return [PipelineStage(s, chains[s], len(ranges)) for s in range(len(ranges))
+            if owner[s] == rank]
 
 
 def boundary_shapes(chain, ranges, micro_shapes) -> list[list[tuple]]:
@@ -246,27 +251,28 @@ def split_batch(x, y, n_micro: int):
     return ([x[a:b] for a, b in zip(cuts, cuts[1:])], [y[a:b] for a, b in zip(cuts, cuts[1:])])
 
 
-def forward_only(chain, ranges, pp, x, y=None):
+def forward_only(chain, ranges, pp, x, y=None, owner=None):
     """Forward of the whole chain through the pipeline, stage after stage (evaluation).
 
     Returns the last stage's output (logits) on the rank owning the last stage, None elsewhere.
-    Stage s lives on rank s % p; activations go to the next stage's rank by point-to-point.
+    Stage s lives on rank ``owner[s]`` (default s % p); activations go to the next stage's rank
+    by point-to-point.
     """
     p, S = pp.size, len(ranges)
+    owner = owner or schedules.round_robin(S, p)
     chains = partition.stage_chains(chain, ranges)
     shapes = boundary_shapes(chain, ranges, [x.shape])[0]
     dtype = chain.params[0].data.dtype
     h = x
     for s in range(S):
-        owner = s % p
-        if pp.rank == owner:
-            if s > 0 and (s - 1) % p != owner:
+        if pp.rank == owner[s]:
+            if s > 0 and owner[s - 1] != owner[s]:
                 h = B.xp.empty(shapes[s], dtype=dtype)
-                pp.irecv(h, (s - 1) % p, tag=s).wait()
+                pp.irecv(h, owner[s - 1], tag=s).wait()
             h = chains[s].forward_blocks(h)[0]
-            if s < S - 1 and (s + 1) % p != owner:
-                pp.isend(h, (s + 1) % p, tag=s + 1).wait()
-    return h if pp.rank == (S - 1) % p else None
+            if s < S - 1 and owner[s + 1] != owner[s]:
+                pp.isend(h, owner[s + 1], tag=s + 1).wait()
+    return h if pp.rank == owner[S - 1] else None
 
 
 def _pp_communicator(comm):
@@ -307,10 +313,12 @@ def plan_remat(policy, schedule_name, chain, ranges, comm, rows: int, feat: tupl
     of ``feat``-shaped samples (what :func:`train_step` would solve at its first F); returns the
     stages with the policy attached."""
     pp = _pp_communicator(comm)
-    lists = schedules.SCHEDULES[schedule_name](pp.size * int(virtual), n_micro, pp.size)
+    n_stages = pp.size * int(virtual)
+    lists = schedules.SCHEDULES[schedule_name](n_stages, n_micro, pp.size)
     sizes = [len(a) for a in numpy.array_split(numpy.arange(rows), n_micro)]
     shapes = boundary_shapes(chain, ranges, [(m,) + tuple(feat) for m in sizes])
-    stages = build_stages(chain, ranges, pp.rank, pp.size)
+    stages = build_stages(chain, ranges, pp.rank, pp.size,
+                          schedules.placement(schedule_name, n_stages, pp.size))
     attach_remat(stages, lists[pp.rank], policy, schedule_name)
     for st in stages:
         for mb in range(n_micro):
@@ -331,6 +339,9 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     dloss = dloss_scale * micro-batch size / global size (the global mean loss, scaled: data
     parallelism passes b_i/B so that the replicas' sum is the full-batch gradient). Every rank needs x and y for
     the shapes (the first stage reads x, the last y).
+
+    Stage s runs on rank ``schedules.placement(schedule_name, S, p)[s]``: round robin, or the V
+    of zb_v (which needs ``virtual=2``); the loss is broadcast from the last stage's rank.
 
     ``remat``: a :class:`hpcnn.memory.policy.RematPolicy`; each local stage then runs its
     rematerialization sequence (forward part at F, the rest at B), its budget divided by the
@@ -355,12 +366,13 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     if len(ranges) != n_stages:
         raise ValueError(f"{len(ranges)} stages given, expected pp * virtual = {p} * {virtual}")
     # -- plan: schedule, micro-batches, receive shapes (identical on every rank) --
+    owner = schedules.placement(schedule_name, n_stages, p)
     lists = schedules.SCHEDULES[schedule_name](n_stages, n_micro, p)
-    schedules.validate(lists, n_stages, n_micro, p)
+    schedules.validate(lists, n_stages, n_micro, p, owner)
     xs, ys = split_batch(x, y, n_micro)
     shapes = boundary_shapes(chain, ranges, [a.shape for a in xs])
     dtype = chain.params[0].data.dtype
-    stages = build_stages(chain, ranges, pp.rank, p)
+    stages = build_stages(chain, ranges, pp.rank, p, owner)
     if remat:                        # each stage's budget covers its micro-batches in flight
         attach_remat(stages, lists[pp.rank], remat, schedule_name)
     # -- run: zero once, accumulate over micro-batches --
@@ -371,12 +383,12 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     draws = None if draw is None else [(int(draw), int(a)) for a in starts[:-1]]
     out = run_schedule(lists[pp.rank], stages, pp, xs, ys, dloss=dloss, shapes=shapes,
                        dtype=dtype, clock=clock, t0=t0, rank=rank, draws=draws)
-    # -- the loss lives on the last stage's rank (stage S-1 is on rank p-1); a caller that
+    # -- the loss lives on the last stage's rank (owner[S-1]: p-1, or 0 for zb_v); a caller that
     # reduces gradients next (data parallelism) broadcasts it later, so that the last stages
     # start their allreduce while the first ones are still in the cool-down --
     if broadcast_loss:
         buf = B.xp.asarray([out["loss"] if out["loss"] is not None else 0.0], dtype="float64")
-        pp.bcast(buf, root=p - 1)
+        pp.bcast(buf, root=owner[-1])
         out["loss"] = float(buf[0])
     out.update(stages=stages, ranges=ranges)
     return out

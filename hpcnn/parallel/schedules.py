@@ -2,8 +2,10 @@
 
 A schedule is a function ``(n_stages, n_micro, n_ranks) -> list[list[Instr]]``: one instruction list
 per pipeline rank. Stage ``s`` lives on rank ``s % n_ranks``; with ``v = n_stages / n_ranks > 1`` a
-rank holds v *virtual* stages (interleaved placement, Narayanan et al. 2021). No MPI here: the
-executor runs the lists, :func:`simulate` costs them, the analysis scripts draw them.
+rank holds v *virtual* stages (interleaved placement, Narayanan et al. 2021). ZB-V places its 2p
+stages in a V instead (:func:`v_shape`); :func:`placement` gives any schedule's stage -> rank map.
+No MPI here: the executor runs the lists, :func:`simulate` costs them, the analysis scripts draw
+them.
 
 Instructions (:class:`Instr`)::
 
@@ -18,12 +20,13 @@ Instructions (:class:`Instr`)::
 The ``stage`` of a SEND/RECV is the stage that *produced* the message, so a matched pair has equal
 ``(kind, mb, stage)``: the executor can use that triple as the MPI tag. A RECV_ACT sits right before
 the F that consumes it, a SEND_ACT right after the F that produced it (B, grads, likewise). Between
-stages on the same rank (``n_ranks == 1``) there is no message. Sends may be eager (``Isend``):
-:func:`validate` proves the order cannot deadlock when only receives block.
+stages on the same rank (``n_ranks == 1``, or the V's two middle stages) there is no message. Sends
+may be eager (``Isend``): :func:`validate` proves the order cannot deadlock when only receives
+block.
 
 Schedules: :func:`gpipe` (Huang et al. 2019), :func:`one_f_one_b` (PipeDream-Flush, Narayanan et al.
-2021), :func:`interleaved_1f1b` (Narayanan et al. 2021, Sec. 2.2), :func:`zb_h1` (Qi et al.,
-"Zero Bubble Pipeline Parallelism", ICLR 2024).
+2021), :func:`interleaved_1f1b` (Narayanan et al. 2021, Sec. 2.2), :func:`zb_h1` and :func:`zb_v`
+(Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
     >>> from hpcnn.parallel import schedules as sch
     >>> lists = sch.one_f_one_b(4, 8, 4)              # S = 4 stages, M = 8, 4 ranks
@@ -70,20 +73,44 @@ def _check_sizes(n_stages, n_micro, n_ranks, same=False):
                          f"({n_ranks}); use interleaved_1f1b for virtual stages")
 
 
-def with_comm(compute, n_stages, n_ranks):
-    """Insert SEND/RECV around per-rank compute orders ``[[(op, mb, stage), ...], ...]``."""
+def round_robin(n_stages, n_ranks):
+    """Stage s on rank s % p: one stage per rank, or interleaved virtual stages (the default)."""
+    return [s % n_ranks for s in range(n_stages)]
+
+
+def v_shape(n_stages, n_ranks):
+    """Two stages per rank in a V (ZB-V, Qi et al. 2024, Sec. 6): rank r holds stage r (going
+    down) and stage 2p-1-r (coming back up), so the last rank holds the two middle stages p-1
+    and p, and rank 0 both the first stage and the last one (the loss)."""
+    if n_stages != 2 * n_ranks:
+        raise ValueError(f"the V placement (zb_v) puts two stages on each of the {n_ranks} "
+                         f"ranks: {n_stages} stages given, {2 * n_ranks} needed (virtual=2)")
+    return [s if s < n_ranks else n_stages - 1 - s for s in range(n_stages)]
+
+
+def placement(name, n_stages, n_ranks):
+    """``owner[s]``: the rank of stage s under schedule ``name`` (:func:`v_shape` for zb_v,
+    :func:`round_robin` for the others)."""
+    return (v_shape if name == "zb_v" else round_robin)(n_stages, n_ranks)
+
+
+def with_comm(compute, n_stages, n_ranks, owner=None):
+    """Insert SEND/RECV around per-rank compute orders ``[[(op, mb, stage), ...], ...]``;
+    ``owner[s]`` is the rank of stage s (default :func:`round_robin`)."""
+    owner = owner or round_robin(n_stages, n_ranks)
     out = [[] for _ in range(n_ranks)]
     for r, ops in enumerate(compute):
         for op, mb, s in ops:
-            up, down = (s - 1) % n_ranks, (s + 1) % n_ranks    # ranks of stages s-1 and s+1
-            if op == "F" and s > 0 and up != r:
+            up = owner[s - 1] if s > 0 else r                   # ranks of stages s-1 and s+1
+            down = owner[s + 1] if s < n_stages - 1 else r
+            if op == "F" and up != r:
                 out[r].append(Instr("RECV_ACT", mb, s - 1, up))
-            if op == "B" and s < n_stages - 1 and down != r:
+            if op == "B" and down != r:
                 out[r].append(Instr("RECV_GRAD", mb, s + 1, down))
             out[r].append(Instr(op, mb, s))
-            if op == "F" and s < n_stages - 1 and down != r:
+            if op == "F" and down != r:
                 out[r].append(Instr("SEND_ACT", mb, s, down))
-            if op == "B" and s > 0 and up != r:
+            if op == "B" and up != r:
                 out[r].append(Instr("SEND_GRAD", mb, s, up))
     return out
 
@@ -152,77 +179,149 @@ def interleaved_1f1b(n_stages, n_micro, n_ranks):
     return with_comm(compute, n_stages, n_ranks)
 
 
-def zb_h1(n_stages, n_micro, n_ranks):
-    """ZB-H1 (Qi et al., ICLR 2024, Sec. 3.1): 1F1B with B split into B (input gradient, on the
-    critical path) and W (weight gradient, off it); W's wait and fill the bubbles. Memory is
-    bounded like 1F1B's: at most S - s micro-batches on stage s between their F and their W (a
-    pending W keeps its inputs and output gradients alive, so W's cannot all wait for the
-    cool-down, or memory would grow with M as in GPipe).
+def _zb_h1_order(s, n_stages, n_micro):
+    """ZB-H1 compute order of stage s: [(op, mb, stage), ...] (see :func:`zb_h1`)."""
+    warm = min(n_stages - 1 - s, n_micro)
+    ops = [("F", mb, s) for mb in range(warm)]                    # warm-up: 1F1B's forwards
+    w = 0                                                         # next micro-batch's W
+    for k in range(n_micro):                                      # the k-th B
+        steady = warm + k < n_micro
+        if steady:
+            ops.append(("F", warm + k, s))
+        ops.append(("B", k, s))
+        if k >= s or not steady:          # steady: W trails its B by s F-B rounds; cool-down: BW
+            ops.append(("W", w, s))
+            w += 1
+    return ops + [("W", mb, s) for mb in range(w, n_micro)]      # the W's still pending
 
-    The order is list scheduling at the paper's unit costs (t_f = t_b = t_w): whenever a stage is
-    free it runs, by priority, the next B if its gradient has arrived, else the next F if its input
-    has arrived and fewer than S - s micro-batches are between F and W, else the oldest pending
-    W. For M >= S this gives a makespan of 3M + 2(S - 1), against 3(M + S - 1) for 1F1B; the
-    paper's 3M + S - 1 holds one more micro-batch's W-side memory on each stage.
+
+def zb_h1(n_stages, n_micro, n_ranks):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 3.1): 1F1B with the
+    backward split into B (input gradient, on the critical path) and W (weight gradient, off it).
+
+    Stage s runs 1F1B's warm-up (S-1-s forwards) and its F,B steady state, but the W of each
+    micro-batch waits s steady rounds: the first s rounds run F,B only, the later ones F,B,W.
+    In the cool-down each B is followed by one pending W, the last s W's close the stage. The
+    deferred W's fill what is 1F1B's cool-down bubble, so the last stage, which runs F,B,W
+    back to back, sets the pace and stage s ends s+1 W's after its last B.
+
+    Memory (the paper's account, Sec. 3.1): between F and B stage s holds at most S - s
+    micro-batches, exactly 1F1B's; it keeps at most s more between their B and their W (the
+    inputs and output gradients W needs), so at most S micro-batches anywhere: the peak of
+    1F1B's first stage. Makespan, for M >= S and t_w <= t_f, t_b:
+    M (t_f + t_b + t_w) + (S - 1)(t_f + t_b - t_w), i.e. 3M + S - 1 at unit costs, against
+    3(M + S - 1) for 1F1B.
     """
     _check_sizes(n_stages, n_micro, n_ranks, same=True)
-    S, M = n_stages, n_micro
-    end = {}                                          # (op, mb, stage) -> unit-time end
-    nf, nb, pending, free = [0] * S, [0] * S, [deque() for _ in range(S)], [0] * S
-    compute, t = [[] for _ in range(S)], 0
-    ready = lambda key: end.get(key, t + 1) <= t      # noqa: E731
-    while any(nb[s] < M or pending[s] for s in range(S)):
-        for s in range(S):
-            f, b = nf[s], nb[s]
-            if free[s] > t:
-                continue
-            if b < f and (s == S - 1 or ready(("B", b, s + 1))):
-                op = ("B", b, s)
-                nb[s] += 1
-                pending[s].append(b)
-            elif f < M and f - (b - len(pending[s])) < S - s and (s == 0 or ready(("F", f, s - 1))):
-                op = ("F", f, s)
-                nf[s] += 1
-            elif pending[s]:
-                op = ("W", pending[s].popleft(), s)
-            else:
-                continue
-            compute[s].append(op)
-            end[op] = free[s] = t + 1
-        t += 1
+    compute = [_zb_h1_order(s, n_stages, n_micro) for s in range(n_stages)]
     return with_comm(compute, n_stages, n_ranks)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb_h1": zb_h1}
+def _zb_v_order(r, p, n_micro):
+    """ZB-V compute order of rank r of p: [(op, mb, stage), ...] (see :func:`zb_v`)."""
+    n = max(n_micro, 2 * p - 1)           # the pattern's shape; micro-batches >= M dropped below
+    chunk = (r, 2 * p - 1 - r)            # stage of chunk 0 (going down) and of chunk 1 (up)
+    count = {}                            # (op, chunk) -> micro-batches issued
+    ops = []
+
+    def run(*steps):                      # steps: "F0", "B1", "W0", ...: the next micro-batch
+        for step in steps:
+            op, c = step[0], int(step[1])
+            mb = count.get((op, c), 0)
+            count[(op, c)] = mb + 1
+            ops.append((op, mb, chunk[c]))
+
+    run(*["F0"] * (2 * (p - r) - 1))      # 1: chunk-0 forwards until chunk 1's first input comes
+    for _ in range(r):                    # 2: both chunks' forwards, alternating
+        run("F1", "F0")
+    for _ in range(p - r):                # 3: chunk 1's first backwards, each with its W
+        run("F1", "B1", "W1")
+    while count[("F", 1)] < n:            # 4: steady state, both chunks F,B,W
+        run(*(["F0"] if count[("F", 0)] < n else []), "B0", "W0", "F1", "B1", "W1")
+    for _ in range(r):                    # 5: cool-down, the backwards first ...
+        run("B0", "B1")
+    for _ in range(p - r):
+        run("B0", "W0")
+    run(*["W1"] * (n - count[("W", 1)]), *["W0"] * (n - count[("W", 0)]))   # ... the W's last
+    return [op for op in ops if op[1] < n_micro]
+
+
+def zb_v(n_stages, n_micro, n_ranks):
+    """ZB-V (Qi et al. 2024, Sec. 6; PyTorch's ScheduleZBVZeroBubble): 2p stages on p ranks in a
+    V (:func:`v_shape`), backward split into B and W as in :func:`zb_h1`.
+
+    Rank r runs, on its chunk 0 (stage r) and chunk 1 (stage 2p-1-r): (1) 2(p-r)-1 chunk-0
+    forwards, the time micro-batch 0 takes down to the V's tip and back to r; (2) r pairs F1, F0;
+    (3) p-r triples F1, B1, W1: the loss gradient climbs back to rank r; (4) the steady state
+    F0, B0, W0, F1, B1, W1 until every forward has run; (5) the cool-down: r pairs B0, B1, then
+    p-r pairs B0, W0, then the W's left. At t_f = t_b = t_w every rank is busy from the moment
+    its first input arrives (time r) to its end: the makespan is 6M + p - 1 chunk costs for
+    M >= 2p - 1 (the work of 2M chunk passes, and the p-1 steps the first micro-batch takes to
+    reach the last rank). With fewer micro-batches the same pattern (built for 2p-1) runs with
+    the missing ones left out, so any M >= 1 works, with a larger bubble.
+
+    Memory: a rank holds at most 2p chunk micro-batches between their F and their W, i.e. p
+    whole-stage micro-batches of a p-stage cut, the peak of 1F1B's first stage.
+    """
+    _check_sizes(n_stages, n_micro, n_ranks)
+    owner = v_shape(n_stages, n_ranks)
+    compute = [_zb_v_order(r, n_ranks, n_micro) for r in range(n_ranks)]
+    return with_comm(compute, n_stages, n_ranks, owner)
+
+
+def formula_makespan(name, n_ranks, n_micro, t_f, t_b, t_w=0.0, virtual=1):
+    """The published closed-form makespan of schedule ``name`` on p = n_ranks ranks, v =
+    ``virtual`` stages per rank, M = n_micro, every stage costing t_f, t_b, t_w (a whole backward
+    t_b + t_w) and messages free; None where the literature gives none (outside its conditions).
+
+    GPipe, 1F1B (v = 1): (M + p - 1)(t_f + t_b + t_w). Interleaved (M % p == 0): (vM + p - 1)
+    (t_f + t_b + t_w). ZB-H1 (M >= p, t_w <= t_f, t_b): M (t_f + t_b + t_w) + (p - 1)(t_f + t_b
+    - t_w). ZB-V (M >= 2p - 1, t_f = t_b = t_w): (6M + p - 1) t_f. :func:`simulate` reaches
+    each exactly (tests/test_schedules.py).
+    """
+    p, M, v, whole = n_ranks, n_micro, virtual, t_f + t_b + t_w
+    if name in ("gpipe", "1f1b") and v == 1:
+        return (M + p - 1) * whole
+    if name == "interleaved" and (v == 1 or M % p == 0):
+        return (v * M + p - 1) * whole
+    if name == "zb_h1" and v == 1 and M >= p and t_w <= min(t_f, t_b):
+        return M * whole + (p - 1) * (t_f + t_b - t_w)
+    if name == "zb_v" and v == 2 and M >= 2 * p - 1 and t_f == t_b == t_w:
+        return (6 * M + p - 1) * t_f
+    return None
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb_h1": zb_h1,
+             "zb_v": zb_v}
 
 
 # -- validation -----------------------------------------------------------------------------------
-def _needs(ins, n_stages, n_ranks):
+def _needs(ins, n_stages, owner):
     """What must have run on the same rank before ``ins``: a list of (op, mb, stage)."""
-    op, mb, s, local = ins.op, ins.mb, ins.stage, n_ranks == 1   # local: neighbours share rank
+    op, mb, s = ins.op, ins.mb, ins.stage
     need = {"B": [("F", mb, s)], "W": [("B", mb, s)], "SEND_ACT": [("F", mb, s)],
             "SEND_GRAD": [("B", mb, s)]}.get(op, [])
-    if op == "F" and s > 0:
-        need = [("F" if local else "RECV_ACT", mb, s - 1)]
+    if op == "F" and s > 0:                  # the previous stage's F, or its message
+        need = [("F" if owner[s - 1] == owner[s] else "RECV_ACT", mb, s - 1)]
     if op == "B" and s < n_stages - 1:
-        need.append(("B" if local else "RECV_GRAD", mb, s + 1))
+        need.append(("B" if owner[s + 1] == owner[s] else "RECV_GRAD", mb, s + 1))
     return need
 
 
-def _check_instr(ins, r, n_stages, n_micro, n_ranks):
-    """Static checks of one instruction on rank r: returns an error string or None."""
-    owner = lambda t: t % n_ranks  # noqa: E731
+def _check_instr(ins, r, n_stages, n_micro, owner):
+    """Static checks of one instruction on rank r (``owner[s]``: rank of stage s): returns an
+    error string or None."""
     if ins.op not in OPS:
         return f"unknown op {ins.op!r} (one of {', '.join(OPS)})"
     if not (0 <= ins.stage < n_stages and 0 <= ins.mb < n_micro):
         return f"stage must be in [0, {n_stages}) and mb in [0, {n_micro})"
     s = ins.stage
     if ins.op in COMPUTE:
-        return None if owner(s) == r else f"stage {s} lives on rank {owner(s)}, not {r}"
+        return None if owner[s] == r else f"stage {s} lives on rank {owner[s]}, not {r}"
     to = s + 1 if ins.op.endswith("ACT") else s - 1          # stage the message goes to
     if not 0 <= to < n_stages:
         return f"stage {s} has no stage {to} to exchange with"
-    me, other = (owner(s), owner(to)) if ins.op.startswith("SEND") else (owner(to), owner(s))
+    me, other = (owner[s], owner[to]) if ins.op.startswith("SEND") else (owner[to], owner[s])
     if me != r:
         return f"belongs on rank {me}, not {r}"
     if me == other:
@@ -232,9 +331,10 @@ def _check_instr(ins, r, n_stages, n_micro, n_ranks):
     return None
 
 
-def validate(schedule_lists, n_stages, n_micro, n_ranks):
+def validate(schedule_lists, n_stages, n_micro, n_ranks, owner=None):
     """Check a schedule; raise ValueError naming the rank, position and instruction of the first
-    violation. Checks: ops, ranges, placement and peers; completeness (one F and one B per
+    violation. ``owner[s]``: the rank stage s must live on (default :func:`round_robin`; zb_v:
+    :func:`placement`). Checks: ops, ranges, placement and peers; completeness (one F and one B per
     (stage, mb), and one W if any W appears); dependency order (F after the previous stage's F or
     its RECV_ACT, B after F and after the next stage's B or its RECV_GRAD, W after B, SEND after
     the compute it sends); deadlock freedom with eager sends and blocking receives; every SEND
@@ -242,10 +342,14 @@ def validate(schedule_lists, n_stages, n_micro, n_ranks):
     _check_sizes(n_stages, n_micro, n_ranks)
     if len(schedule_lists) != n_ranks:
         raise ValueError(f"{len(schedule_lists)} instruction lists for {n_ranks} ranks")
+    owner = list(owner or round_robin(n_stages, n_ranks))
+    if len(owner) != n_stages or any(not 0 <= q < n_ranks for q in owner):
+        raise ValueError(f"placement {owner}: expected one rank in [0, {n_ranks}) per stage "
+                         f"({n_stages} stages)")
     seen = {}                                               # (op, mb, stage) -> position
     for r, lst in enumerate(schedule_lists):
         for k, ins in enumerate(lst):
-            err = _check_instr(ins, r, n_stages, n_micro, n_ranks)
+            err = _check_instr(ins, r, n_stages, n_micro, owner)
             key = (ins.op, ins.mb, ins.stage)
             if err is None and ins.op in COMPUTE and key in seen:
                 err = f"duplicate (first at position {seen[key]})"
@@ -255,11 +359,11 @@ def validate(schedule_lists, n_stages, n_micro, n_ranks):
     ops = ("F", "B", "W") if any(op == "W" for op, _, _ in seen) else ("F", "B")
     for s, mb, op in itertools.product(range(n_stages), range(n_micro), ops):
         if (op, mb, s) not in seen:
-            r = s % n_ranks
+            r = owner[s]
             raise ValueError(f"rank {r}, position {len(schedule_lists[r])}, {Instr(op, mb, s)}: "
                              f"missing (incomplete schedule)")
     for r, k, ins, done in _execute(schedule_lists):       # dependencies, deadlock, unmatched
-        for need in _needs(ins, n_stages, n_ranks):
+        for need in _needs(ins, n_stages, owner):
             if need not in done:
                 raise ValueError(f"rank {r}, position {k}, {ins}: runs before "
                                  f"{Instr(*need)} (dependency order)")
@@ -325,7 +429,9 @@ class Simulation:
     """Predicted run of a schedule. ``timelines[r]``: (instr, start, end) of rank r's compute
     instructions; ``busy[r]``: its compute time; ``bubble`` = 1 - sum(busy) / (n_ranks makespan);
     ``peak_inflight[r]`` / ``peak_inflight_stage[s]``: most micro-batches whose activations are
-    alive (F done, B not yet) at once on rank r / stage s."""
+    alive (F done, B not yet) at once on rank r / stage s; ``peak_held[r]`` /
+    ``peak_held_stage[s]``: most micro-batches holding any memory (F done, W not yet: a split B
+    keeps what W needs; without W's, the same as in flight)."""
 
     timelines: list
     makespan: float
@@ -333,6 +439,8 @@ class Simulation:
     bubble: float
     peak_inflight: list
     peak_inflight_stage: list
+    peak_held: list
+    peak_held_stage: list
 
 
 def _per_stage(t, n_stages, name):
@@ -344,6 +452,19 @@ def _per_stage(t, n_stages, name):
     return t
 
 
+def _peaks(schedule_lists, n_stages, release):
+    """Most micro-batches between their F and their ``release`` op, per rank and per stage."""
+    peak_r, peak_s, live_s = [0] * len(schedule_lists), [0] * n_stages, [0] * n_stages
+    for r, lst in enumerate(schedule_lists):
+        live = 0
+        for ins in lst:
+            d = 1 if ins.op == "F" else -1 if ins.op == release else 0
+            live, live_s[ins.stage] = live + d, live_s[ins.stage] + d
+            peak_r[r], peak_s[ins.stage] = max(peak_r[r], live), max(peak_s[ins.stage],
+                                                                     live_s[ins.stage])
+    return peak_r, peak_s
+
+
 def simulate(schedule_lists, t_f, t_b, t_w=0.0, t_comm=0.0, n_stages=None, n_micro=None):
     """Cost a schedule: each rank runs its list in order, a compute instruction takes its cost,
     a SEND is instantaneous (eager) and its message arrives ``t_comm`` later, a RECV waits for it.
@@ -351,13 +472,19 @@ def simulate(schedule_lists, t_f, t_b, t_w=0.0, t_comm=0.0, n_stages=None, n_mic
     Parameters: t_f, t_b, t_w: forward, input-gradient and weight-gradient cost, scalars or one per
     stage; a schedule without W runs the whole backward as B, costing ``t_b + t_w`` (so the same
     costs compare 1F1B with ZB-H1 fairly). n_stages, n_micro default to what the lists hold.
-    Returns a :class:`Simulation`; the schedule is validated first.
+    Returns a :class:`Simulation`; the schedule is validated first, each stage placed on the
+    lowest rank that runs a compute instruction of it (any placement: round robin, V, ...).
     """
     n_ranks = len(schedule_lists)
     flat = [i for lst in schedule_lists for i in lst]
     n_stages = n_stages or 1 + max(i.stage for i in flat)
     n_micro = n_micro or 1 + max(i.mb for i in flat)
-    validate(schedule_lists, n_stages, n_micro, n_ranks)
+    owner = round_robin(n_stages, n_ranks)
+    for r in reversed(range(n_ranks)):
+        for ins in schedule_lists[r]:
+            if ins.op in COMPUTE and 0 <= ins.stage < n_stages:
+                owner[ins.stage] = r
+    validate(schedule_lists, n_stages, n_micro, n_ranks, owner)
     split = any(i.op == "W" for i in flat)
     t_f, t_b, t_w = (_per_stage(t, n_stages, nm) for t, nm in ((t_f, "t_f"), (t_b, "t_b"),
                                                               (t_w, "t_w")))
@@ -377,12 +504,6 @@ def simulate(schedule_lists, t_f, t_b, t_w=0.0, t_comm=0.0, n_stages=None, n_mic
             busy[r] += c
     makespan = max(clock)
     bubble = 1.0 - sum(busy) / (n_ranks * makespan) if makespan > 0 else 0.0
-    peak_r, peak_s, live_s = [0] * n_ranks, [0] * n_stages, [0] * n_stages
-    for r, lst in enumerate(schedule_lists):
-        live = 0
-        for ins in lst:
-            d = {"F": 1, "B": -1}.get(ins.op, 0)
-            live, live_s[ins.stage] = live + d, live_s[ins.stage] + d
-            peak_r[r], peak_s[ins.stage] = max(peak_r[r], live), max(peak_s[ins.stage],
-                                                                     live_s[ins.stage])
-    return Simulation(timelines, makespan, busy, bubble, peak_r, peak_s)
+    in_flight = _peaks(schedule_lists, n_stages, "B")
+    held = _peaks(schedule_lists, n_stages, "W" if split else "B")
+    return Simulation(timelines, makespan, busy, bubble, *in_flight, *held)

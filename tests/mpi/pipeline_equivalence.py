@@ -2,14 +2,19 @@
 
     mpiexec -n 2 python -m mpi4py tests/mpi/pipeline_equivalence.py
     mpiexec -n 4 python -m mpi4py tests/mpi/pipeline_equivalence.py
+    mpiexec -n 3 python -m mpi4py tests/mpi/pipeline_equivalence.py zb_h1,zb_v
 
 pp = world size. For an MLP on digits (7 blocks) and a small GPT on the fallback text (8 blocks),
-every schedule (GPipe, 1F1B, interleaved with 2 virtual stages per rank where the block count and
-M allow, ZB-H1), M in {1, 2, 4} micro-batches (uneven micro-batch sizes: the global batch does not
-divide by 4), uneven stage layouts: after several SGD steps every local parameter and every loss
-equals the serial run. Also: one event per instruction, compute events complete, and the first
-stage holds M micro-batches in flight under GPipe against min(S, M) under 1F1B.
+every schedule (GPipe, 1F1B, ZB-H1, and with 2 stages per rank where the block count allows:
+interleaved where M allows, ZB-V in its V placement), or those named in the argument, M in
+{1, 2, 4} micro-batches (uneven micro-batch sizes: the global batch does not divide by 4),
+uneven stage layouts: after several SGD steps every local parameter and every loss equals the
+serial run. Also: one event per instruction, compute events complete, micro-batches in flight
+as the simulator predicts, and the first stage holds M micro-batches in flight under GPipe
+against min(S, M) under 1F1B.
 """
+import sys
+
 import numpy as np
 from mpi4py import MPI
 
@@ -29,10 +34,13 @@ text = D.shakespeare(fallback=True)
 BATCH = {"mlp": 10, "gpt": 6}                  # 4 micro-batches: sizes 3,3,2,2 and 2,2,1,1
 LAYOUTS = {                                    # (one stage per rank, two stages per rank)
     ("mlp", 2): (["2|5", None], "1|3|2|1"),
-    ("mlp", 4): (["1|3|2|1"], None),           # 7 blocks < 8 stages: no interleaving
+    ("mlp", 3): (["2|3|2"], "1|1|2|1|1|1"),    # odd pp: 3 stages, or 6 in a V
+    ("mlp", 4): (["1|3|2|1"], None),           # 7 blocks < 8 stages: no interleaving, no V
     ("gpt", 2): (["5|3"], "2|1|3|2"),
+    ("gpt", 3): ([None], "1|2|1|1|2|1"),
     ("gpt", 4): (["3|2|2|1", None], "1|1|1|1|1|1|1|1"),
 }
+NAMES = sys.argv[1].split(",") if len(sys.argv) > 1 else list(schedules.SCHEDULES)
 
 
 def make(kind):
@@ -89,15 +97,15 @@ def pipelined(kind, name, layout, virtual, M):
     return model, losses, out, lst
 
 
-runs = 0
+runs = {}
 for kind in ("mlp", "gpt"):
     ref, ref_losses = serial(kind)
     flat, inter = LAYOUTS[(kind, P)]
     configs = [(n, lay, 1) for n in ("gpipe", "1f1b", "zb_h1") for lay in flat]
-    configs += [("interleaved", inter, 2)] if inter else []
-    for name, layout, virtual in configs:
+    configs += [(n, inter, 2) for n in ("interleaved", "zb_v")] if inter else []
+    for name, layout, virtual in [c for c in configs if c[0] in NAMES]:
         for M in (1, 2, 4):
-            if virtual > 1 and M % P:
+            if name == "interleaved" and M % P:
                 continue                       # interleaved needs M % pp == 0
             tag = f"{kind} {name} layout={layout} M={M} on {P} ranks"
             model, losses, out, lst = pipelined(kind, name, layout, virtual, M)
@@ -109,14 +117,18 @@ for kind in ("mlp", "gpt"):
             d = max(abs(u - v) for u, v in zip(losses, ref_losses))
             assert d < TOL, f"{tag}: losses differ by {d}"
             check_events(out, lst, tag)
-            assert (name == "zb_h1") == any(k == "W" for _, k, _, _, _ in out["events"]), tag
+            split = any(k == "W" for _, k, _, _, _ in out["events"])
+            assert split == (name in ("zb_h1", "zb_v")), tag
             assert out["peak_bytes"] > 0, tag
+            sim = schedules.simulate(schedules.SCHEDULES[name](P * virtual, M, P), 1, 1, 1)
+            assert out["peak_inflight"] == sim.peak_inflight[r], tag
             if r == 0 and virtual == 1:        # stage 0: GPipe holds M, 1F1B at most S
                 peak = out["peak_inflight_stage"][0]
                 want = M if name == "gpipe" else min(P, M)
                 assert peak == want, f"{tag}: {peak} micro-batches in flight, expected {want}"
                 assert name == "gpipe" or peak <= P, tag
-            runs += 1
+            runs[name] = runs.get(name, 0) + 1
 
 if r == 0:
-    print(f"pipeline_equivalence OK on {P} ranks ({runs} runs)")
+    print(f"pipeline_equivalence OK on {P} ranks ({sum(runs.values())} runs: "
+          + ", ".join(f"{k} {v}" for k, v in runs.items()) + ")")

@@ -32,11 +32,14 @@ gpt = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_si
 cases = []
 for sched in ("gpipe", "1f1b", "zb_h1"):
     cases.append((f"mlp-{sched}", mlp + [f"--schedule={sched}", "--microbatches=4"]))
+if 2 * pp <= 7:                                # ZB-V: 2 pp stages in a V (the MLP has 7 blocks)
+    cases.append(("mlp-zb_v", mlp + ["--schedule=zb_v", "--virtual=2", "--microbatches=3"]))
 cases.append(("mlp-uneven", mlp + ["--schedule=1f1b", "--microbatches=3",
                                    "--layout=" + "|".join(["1"] * (pp - 1) + [str(7 - (pp - 1))])]))
 for sched in ("gpipe", "1f1b", "zb_h1"):
     cases.append((f"gpt-{sched}", gpt + [f"--schedule={sched}", "--microbatches=2"]))
 cases.append(("gpt-interleaved", gpt + ["--schedule=interleaved", "--virtual=2", f"--microbatches={pp}"]))
+cases.append(("gpt-zb_v", gpt + ["--schedule=zb_v", "--virtual=2", "--microbatches=2"]))
 for name, args in cases:
     if tp > 1 and name.startswith("mlp"):
         continue
@@ -63,6 +66,8 @@ for name, args in cases:
         key = "val_loss" if name.startswith("gpt") else "test_loss"
         np.testing.assert_allclose(s[key], run.metrics[key], rtol=0, atol=1e-10)
         assert run.plan["pp"] == pp and len(run.plan["stages"]) >= pp
+        assert len(run.plan["stages"]) == (2 * pp if "zb_v" in name or "interleaved" in name
+                                           else pp), name
         peaks = run.plan["peak_activation_bytes_per_rank"]
         assert len(peaks) == p and all(b > 0 for b in peaks), peaks
         held = run.plan["param_bytes_per_rank"]                  # each rank: its stages only
@@ -72,6 +77,7 @@ for name, args in cases:
             assert sum(held) == dp * whole, (held, whole)
         kinds = set(run.timeline["kind"].tolist())
         assert {"F", "B"} <= kinds or {"forward", "backward"} <= kinds, kinds
+        assert ("W" in kinds) == ("zb_" in name), (name, kinds)
     world.Barrier()
 if rank == 0:
     print(f"train_pp OK on {p} ranks (dp={dp}, tp={tp}, pp={pp})")
