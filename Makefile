@@ -39,7 +39,11 @@ demo: $(VENV)/.installed $(LEAN)
 		--eval_interval=50 --log_interval=25 --log=runs/demo-gpt-dp2-pp2.h5
 	$(BIN)/hpcnn report runs/demo-gpt-dp2-pp2.h5 runs/demo-gpt-dp2-pp2.png
 	$(BIN)/hpcnn train --model=gpt --n_layers=4 --half_layers=true --steps=50 --batch_size=32 \
-		--remat=optimal --memory_budget=24 --eval_interval=25 --log=runs/demo-gpt-remat.h5
+		--lr=5e-3 --warmup=10 --clip=1 --remat=optimal --memory_budget=24 --eval_interval=25 \
+		--log=runs/demo-gpt-remat.h5
+	$(BIN)/hpcnn report runs/demo-gpt-remat.h5 runs/demo-gpt-remat.png
+	@echo "--- what each demo run shows"
+	@$(BIN)/hpcnn report --headline runs/demo-mlp-dp4.h5 runs/demo-gpt-dp2-pp2.h5 runs/demo-gpt-remat.h5
 
 bench: $(VENV)/.installed $(LEAN)
 	$(BIN)/python benchmarks/serial_step.py

@@ -143,14 +143,25 @@ def cmd_info(args) -> int:
 
 def cmd_report(args) -> int:
     if not args or args[0] in ("-h", "--help"):
-        print("usage: hpcnn report RUN.h5 [OUT.png]")
+        print("usage: hpcnn report RUN.h5 [OUT.png]     figure, headline and summary of one run\n"
+              "       hpcnn report --headline RUN.h5 ...  one line of figures per run")
         return 0 if args else 2
-    from hpcnn.log.report import make_report, summary
+    from hpcnn.log.report import headline, make_report, summary
+    if args[0] == "--headline":
+        missing = [p for p in args[1:] if not os.path.exists(p)]
+        if missing or len(args) == 1:
+            print(f"hpcnn report --headline: no such file: {' '.join(missing) or '(none given)'}",
+                  file=sys.stderr)
+            return 2
+        for p in args[1:]:
+            print(headline(p))
+        return 0
     path = args[0]
     if not os.path.exists(path):
         print(f"hpcnn report: no such file: {path}", file=sys.stderr)
         return 2
     png = make_report(path, args[1] if len(args) > 1 else None)
+    print(headline(path))
     print(summary(path))
     print(f"wrote {png}")
     return 0

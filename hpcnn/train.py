@@ -430,12 +430,13 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
                 log.set_plan({"peak_activation_bytes_per_rank": [a for a, _ in peaks],
                               "param_bytes_per_rank": [b for _, b in peaks]})
         if task.remat is not None:                      # sequences, predicted and measured peaks
-            rec = (task.remat.records, task.remat.measured_peak)
+            rec = (task.remat.records, task.remat.measured_peak, task.remat.recompute_seconds)
             recs = comm.gather(rec, root=0) if comm is not None else [rec]
             if log is not None:
-                log.set_plan({"remat_plans": [dict(r, rank=k) for k, (rs, _) in enumerate(recs)
+                log.set_plan({"remat_plans": [dict(r, rank=k) for k, (rs, _, _) in enumerate(recs)
                                               for r in rs],
-                              "remat_measured_peak_bytes_per_rank": [m for _, m in recs]})
+                              "remat_measured_peak_bytes_per_rank": [m for _, m, _ in recs],
+                              "remat_recompute_s_per_rank": [t for _, _, t in recs]})
         status = "finished"
     finally:
         if log is not None:

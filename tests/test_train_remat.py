@@ -5,6 +5,7 @@ import pytest
 
 from hpcnn.config import ConfigError, parse_overrides
 from hpcnn.log import read_run
+from hpcnn.log.report import headline
 from hpcnn.memory import profile as P, rotor
 from hpcnn.nn import models
 from hpcnn.train import train
@@ -55,6 +56,16 @@ def test_remat_training_equals_plain_training(tmp_path, mode):
         assert rec["predicted_peak_bytes"] <= plan["memory_budget_bytes"]
     if mode == "offload":
         assert "OFF(" in rec["sequence"] and "PRE(" in rec["sequence"]
+    # the executor timed the recomputed forwards (4 passes, each recomputing some), and the
+    # report's one line shows budget, peaks and both overheads; store-all times nothing again
+    (again,) = plan["remat_recompute_s_per_rank"]
+    compute = float(np.sum(r1.ranks["compute_s"]))
+    assert 0 < again < compute, (again, compute)
+    line = headline(tmp_path / f"{mode}.h5")
+    assert f"measured peak {measured / 2**20:.1f} MiB" in line, line
+    assert f"measured overhead {compute / (compute - again):.2f}x" in line, line
+    assert "val_loss" in line and "unigram entropy" in line, line
+    assert "remat_recompute_s_per_rank" not in r0.plan
 
 
 def test_remat_config_errors(tmp_path):

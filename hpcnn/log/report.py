@@ -79,6 +79,79 @@ def summary(h5_path) -> str:
     return "\n".join(lines)
 
 
+def _mib(nbytes) -> str:
+    return f"{float(nbytes) / 2**20:.1f} MiB"
+
+
+def _learning(run: RunData) -> str:
+    """What the model learned: the last validation loss against the data's unigram entropy
+    (text; a model that learns nothing sits at that entropy), or the last test accuracy."""
+    for name in ("val_loss", "test_loss"):
+        if name in run.metrics and np.isfinite(run.metrics[name]).any() and \
+                "unigram_entropy_nats" in run.attrs:
+            v, u = float(_finite(run, name)[1][-1]), float(run.attrs["unigram_entropy_nats"])
+            side = "below" if v < u else "ABOVE"
+            return f"{name} {v:.3f} nats, {abs(u - v):.2f} {side} the unigram entropy {u:.3f}"
+    if "test_acc" in run.metrics and np.isfinite(run.metrics["test_acc"]).any():
+        return f"test_acc {float(_finite(run, 'test_acc')[1][-1]):.3f}"
+    if "loss" in run.metrics and np.isfinite(run.metrics["loss"]).any():
+        return f"loss {float(_finite(run, 'loss')[1][-1]):.4g}"
+    return "no metric logged"
+
+
+def _remat_figures(run: RunData) -> str:
+    """Budget, store-all peak, predicted and measured peaks, predicted and measured overheads.
+
+    Predicted overhead: the sequence's simulated time over store-all's (rotor's cost model).
+    Measured overhead: a rank's compute time over that time less its recomputed forwards
+    (``remat_recompute_s_per_rank``, timed by the executor), the worst rank; a store-all run
+    would run each forward once, so this is the time the plan costs on this machine."""
+    plan = run.plan
+    recs = plan.get("remat_plans") or []
+    if not recs:
+        return ""
+    worst = max(recs, key=lambda r: r["predicted_time_s"] / max(r["store_all_time_s"], 1e-30))
+    parts = [f"remat {plan.get('remat')}",
+             f"budget {_mib(plan.get('memory_budget_bytes', 0))}" if plan.get("remat") == "optimal"
+             else "", f"store-all {_mib(max(r['store_all_bytes'] * r['inflight'] for r in recs))}",
+             f"predicted peak {_mib(max(r['predicted_peak_bytes'] * r['inflight'] for r in recs))}"]
+    measured = plan.get("remat_measured_peak_bytes_per_rank")
+    if measured:
+        parts.append(f"measured peak {_mib(max(measured))}")
+    parts.append(f"predicted overhead {worst['predicted_time_s'] / worst['store_all_time_s']:.2f}x")
+    again = plan.get("remat_recompute_s_per_rank")
+    if again and run.ranks and len(run.ranks.get("rank", ())):
+        ratios = []
+        for k, t in enumerate(again):
+            compute = float(np.sum(run.ranks["compute_s"][run.ranks["rank"] == k]))
+            if compute > t >= 0:
+                ratios.append(compute / (compute - t))
+        if ratios:
+            parts.append(f"measured overhead {max(ratios):.2f}x")
+    return ", ".join(p for p in parts if p)
+
+
+def headline(h5_path) -> str:
+    """The one line of figures a run exists to show: what it learned (against the unigram
+    entropy, or its accuracy), its layout and median throughput, and for a rematerialized run
+    the memory budget, peaks and overheads (:func:`_remat_figures`). ``make demo`` prints it."""
+    run = read_run(h5_path)
+    plan, parts = run.plan, [_learning(run)]
+    layout = f"dp={plan.get('dp', 1)} x tp={plan.get('tp', 1)} x pp={plan.get('pp', 1)}"
+    if int(plan.get("pp", 1)) > 1:
+        layout += f" ({plan.get('schedule')}, {plan.get('microbatches')} micro-batches)"
+    parts.append(layout)
+    if "samples_per_s" in run.metrics and np.isfinite(run.metrics["samples_per_s"]).any():
+        parts.append(f"median {np.nanmedian(run.metrics['samples_per_s']):,.0f} samples/s")
+    peaks = plan.get("peak_activation_bytes_per_rank")
+    if peaks:
+        parts.append("peak activations per rank " + "/".join(_mib(b) for b in peaks))
+    remat = _remat_figures(run)
+    if remat:
+        parts.append(remat)
+    return f"{os.path.basename(str(h5_path))}: " + "; ".join(parts)
+
+
 def make_report(h5_path, png_path=None) -> str:
     """Draw the training curves of one run into a PNG (matplotlib, Agg backend).
 

@@ -32,8 +32,10 @@ less than the simulator does.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from hpcnn import backend as B
 from hpcnn.memory.sequence import CHANNEL
 
 
@@ -120,6 +122,7 @@ class _State:
         self.loss = None
         self.hook = None
         self.out_at_start = 0      # bytes in flight out when the current compute op started
+        self.done = set()          # stages whose forward has run once in this pass
 
 
 class Executor:
@@ -139,11 +142,14 @@ class Executor:
             raise ValueError(f"the sequence's first backward must be B{self.n - 1} "
                              f"(the chain has {self.n} stages)")
         self.split = firsts[0]
+        self.recompute_seconds = 0.0   # wall time of forwards run again (what store-all saves)
+        self.passes = 0                # forward+backward passes run
 
     # -- the two halves ---------------------------------------------------------------------------
     def forward(self, x, targets=None):
         """Ops before the first backward. Returns (output or loss, state)."""
         st = _State(x, targets, self)
+        self.passes += 1
         self._account(st, "start")
         while st.pos < self.split:
             self._step(st, self.seq[st.pos])
@@ -227,7 +233,15 @@ class Executor:
             if st.hook is not None and i < len(self.chain.blocks):
                 st.hook(i)
             return
+        again = i in st.done                 # a recomputation: store-all would not run it
+        if again:                            # (on a GPU, time the kernels, not their launch)
+            B.sync()
+            t0 = time.perf_counter()
         y, cache = self._forward(st, i, self._value(st, i))
+        if again:
+            B.sync()
+            self.recompute_seconds += time.perf_counter() - t0
+        st.done.add(i)
         if kind == "F_all":
             st.bars[i + 1] = (y, cache)
         else:

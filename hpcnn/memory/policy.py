@@ -102,6 +102,12 @@ class RematPolicy:
             self._channel = OffloadChannel("auto")
         return self._channel
 
+    @property
+    def recompute_seconds(self) -> float:
+        """Wall time this rank spent running forwards again (every executor, every pass): the
+        measured cost of rematerialization, which a store-all run would not pay."""
+        return float(sum(ex.recompute_seconds for ex in self._cache.values()))
+
     def note_peak(self, peak: int) -> None:
         self.measured_peak = max(self.measured_peak, int(peak))
 
