@@ -96,14 +96,15 @@ def test_cli_train_report_info(tmp_path):
     assert not any("None" in ln for ln in blas), blas     # no unnamed library or version
 
 
-def test_cli_rejects_bad_options():
+def test_cli_rejects_bad_options(tmp_path):
     p = _cli("train", "--lrr=0.1", "--steps=x")
     assert p.returncode == 2
     assert "unknown option --lrr (did you mean --lr?)" in p.stderr and "--steps='x'" in p.stderr
     p = _cli("train", "--dp=2", "--steps=1")              # refused by the layout check in train()
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "world size (1) != dp*tp*pp (2*1*1 = 2)" in p.stderr, p.stderr
-    p = _cli("train", "--steps=1", "--checkpoint=/dev/null/ck.h5")   # cannot be written
+    p = _cli("train", "--steps=1", "--checkpoint=/dev/null/ck.h5",   # cannot be written
+             f"--log={tmp_path / 'ck.h5'}")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "hpcnn train: checkpoint /dev/null/ck.h5:" in p.stderr, p.stderr
     p = _cli("frobnicate")
