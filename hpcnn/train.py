@@ -147,10 +147,10 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
     return Task(cfg, data, model, cfg.steps or TEXT_DEFAULT_STEPS)
 
 
-def whole_model_params(model) -> int:
-    """Parameters of the whole model, whatever this rank stores: a tensor-parallel shard counts
-    for its ``tp_parts`` shards, a pipeline rank's placeholders for the stages they stand for."""
-    return sum(p.size * (p.tp_parts if getattr(p, "tp_axis", None) is not None else 1)
+def whole_model_params(model, tp: int = 1) -> int:
+    """Parameters of the whole model, whatever this rank stores: a tensor-parallel shard (one of
+    ``tp``) counts for all of them, a pipeline rank's placeholders for the stages they stand for."""
+    return sum(p.size * (tp if getattr(p, "tp_axis", None) is not None else 1)
                for p in model.params)
 
 
@@ -163,7 +163,7 @@ def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -
         layout += f" and {cfg.virtual} stages per rank" if cfg.virtual > 1 else ""
     if cfg.tp > 1 and cfg.sequence_parallel:
         layout += ", sequence parallel"
-    line = (f"hpcnn: {model.name} ({whole_model_params(model):,} parameters) on "
+    line = (f"hpcnn: {model.name} ({whole_model_params(model, cfg.tp):,} parameters) on "
             f"{task.data.name}, {task.steps} steps of {cfg.batch_size}, {cfg.dtype}, {layout}")
     if cfg.remat != "none":
         line += f", remat={cfg.remat}" + (f" within {cfg.memory_budget:g} MiB"
@@ -364,7 +364,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
     log = None
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)
-        extra = {"model_params": whole_model_params(model), "dataset_name": task.data.name}
+        extra = {"model_params": whole_model_params(model, cfg.tp), "dataset_name": task.data.name}
         if task.is_text:
             extra["unigram_entropy_nats"] = task.data.unigram_entropy()
         if par is not None and any(f != 1.0 for f in par.factors):
