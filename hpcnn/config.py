@@ -245,8 +245,8 @@ def combination_errors(c: TrainConfig) -> list[str]:
     need(not (c.tp > 1 and c.model == "mlp"),
          f"tp={c.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
     if c.tp > 1 and c.model == "gpt":
-        need(c.n_heads % c.tp == 0, f"n_heads={c.n_heads} is not divisible by tp={c.tp} "
-                                    f"(each tensor-parallel rank takes whole heads)")
+        need(c.n_heads % c.tp == 0, f"n_heads={c.n_heads} with tp={c.tp}: attention heads "
+                                    f"({c.n_heads}) is not divisible by tp ({c.tp})")
         need(c.pad_vocab % c.tp == 0, f"pad_vocab={c.pad_vocab} is not a multiple of tp={c.tp} "
                                       f"(the vocabulary is split over tp)")
         need(not c.sequence_parallel or c.block_size % c.tp == 0,
@@ -270,8 +270,8 @@ def combination_errors(c: TrainConfig) -> list[str]:
         n = len(c.layout.split("|")) if c.layout else c.pp * c.virtual
         need(n == c.pp * c.virtual, f"layout={c.layout!r} has {n} stages, pp*virtual = "
                                     f"{c.pp}*{c.virtual} = {c.pp * c.virtual}")
-    else:
-        need(not c.layout, f"layout={c.layout!r} cuts a pipeline: it needs pp > 1")
+    # (with pp = 1 the pipeline options are ignored, so that a serial reference run can take
+    # the same command line)
     need(not (c.remat != "none" and c.pp > 1 and c.schedule == "zb_h1"),
          f"remat={c.remat!r} with schedule='zb_h1': a rematerialized stage runs its "
          f"backward whole; use 1f1b, gpipe or interleaved")
