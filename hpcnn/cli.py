@@ -58,8 +58,10 @@ def cmd_train(args) -> int:
     try:
         result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args), data=data)
     except (ConfigError, CheckpointError, FloatingPointError) as e:
-        if comm is None:
+        if comm is None or comm.Get_size() == 1:    # (MPI stays usable for an in-process caller)
             print(f"hpcnn train: {e}", file=sys.stderr)
+            if agree is not None:
+                agree.Free()
             return 2
         return _stop_every_rank(str(e), agree)
     if agree is not None:

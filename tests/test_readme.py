@@ -65,10 +65,22 @@ def skip_reason(words: list[str]) -> str:
     return ""
 
 
+def split_env(words: list[str]) -> tuple[dict, list[str]]:
+    """Leading ``NAME=value`` words (as in ``HPCNN_SHM=0 mpiexec ...``) and the command."""
+    env = {}
+    while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
+        name, value = words[0].split("=", 1)
+        env[name], words = value, words[1:]
+    return env, words
+
+
 def runnable(words: list[str]) -> list[str]:
-    """``words`` as this test runs them: programs mapped, ``hpcnn train`` shortened."""
+    """``words`` as this test runs them: programs mapped, the repository's scripts by their
+    full path (the commands run in a scratch directory), ``hpcnn train`` shortened."""
     out = []
     for w in words:
+        if w.endswith(".py") and os.path.exists(os.path.join(ROOT, w)):
+            w = os.path.join(ROOT, w)
         if w == "hpcnn" and (not out or out[-1] != "-m"):
             out += [sys.executable, "-m", "hpcnn"]
         elif w == "python":
@@ -95,6 +107,11 @@ def test_the_blocks_are_found():
            "```text\nhpcnn train [--key=value ...]\n```\n```python\ny = f(x)\n```\n"
     assert command_blocks(text) == [["hpcnn train --a=1 --b=2   # note", "hpcnn info"]]
     assert shlex.split(command_blocks(text)[0][0], comments=True)[-1] == "--b=2"
+    assert split_env(["HPCNN_SHM=0", "mpiexec", "-n", "2"]) == ({"HPCNN_SHM": "0"},
+                                                                ["mpiexec", "-n", "2"])
+    shortened = runnable(["hpcnn", "train", "--steps=1000", "--resume=a.h5"])
+    assert shortened[:3] == [sys.executable, "-m", "hpcnn"] and shortened[-2:] == [
+        "--steps=2", "--allreduce=mpi"]                 # the last --steps wins
     commands = readme_commands()
     assert len(commands) >= 15 and any(c.startswith("mpiexec -n 8") for c in commands)
 
@@ -106,12 +123,13 @@ def scratch(tmp_path_factory):
 
 @pytest.mark.parametrize("command", readme_commands())
 def test_readme_command_runs(command, scratch):
-    words = shlex.split(command, comments=True)
+    assigned, words = split_env(shlex.split(command, comments=True))
     reason = skip_reason(words)
     if reason:
         pytest.skip(reason)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(assigned)
     cmd = runnable(words)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env,

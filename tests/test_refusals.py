@@ -274,3 +274,19 @@ def test_any_parallel_configuration_runs_or_is_refused_once(grid, opts, tmp_path
         assert "steps=1" in p.stdout and p.stderr == "", p.stderr
     else:
         assert_refused(p.returncode, p.stderr)
+
+
+@pytest.mark.parametrize("mode", ["all", "some"])
+def test_every_rank_stops_and_the_message_is_printed_once(mode):
+    cmd = [mpiexec(), "-n", "3"]
+    if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
+        cmd += ["--oversubscribe", "--allow-run-as-root"]
+    cmd += [sys.executable, "-m", "mpi4py", os.path.join(ROOT, "tests", "mpi", "refusals.py"), mode]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    ours = [ln for ln in p.stderr.splitlines() if ln.startswith("hpcnn train: ")]
+    if mode == "all":
+        assert p.returncode == 2 and p.stderr.splitlines() == ours == [
+            "hpcnn train: refused (on ranks 0, 2 of 3)", "hpcnn train: odd one out (on rank 1 of 3)"]
+    else:                        # the job ends (the timeout above would fail a hang)
+        assert p.returncode != 0 and ours == ["hpcnn train: rank 2 of 3: refused here only"]
