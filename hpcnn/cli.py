@@ -35,31 +35,85 @@ def _under_mpi() -> bool:
 
 
 def cmd_train(args) -> int:
+    from hpcnn import preflight
     from hpcnn.config import ConfigError, TrainConfig, describe, parse_overrides
     if any(a in ("-h", "--help") for a in args):
         print("usage: hpcnn train [--key=value ...]\n\noptions (default, meaning):\n" + describe(TrainConfig))
         return 0
-    try:
-        cfg = parse_overrides(args).resolved()
+    mpi = _under_mpi()
+    try:                  # every check that needs no MPI, before MPI starts: a refused run
+        cfg = parse_overrides(args).resolved()        # prints one line and starts nothing
+        data = preflight.check(cfg, preflight.world_size_from_env() if mpi else 1)
     except ConfigError as e:
-        print(f"hpcnn train: {e}", file=sys.stderr)
+        if preflight.rank_from_env() == 0:
+            print(f"hpcnn train: {e}", file=sys.stderr)
         return 2
     from hpcnn.log.checkpoint import CheckpointError
     from hpcnn.train import train
-    comm = None
-    if _under_mpi():
+    comm = agree = None
+    if mpi:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-    try:                  # a layout the ranks or the model refuse: the same message on every rank
-        result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args))
-    except (ConfigError, CheckpointError) as e:
-        print(f"hpcnn train: {e}", file=sys.stderr)
-        return 2          # under mpi4py's runner a non-zero exit aborts the job: no rank waits
+        agree = comm.Dup()        # used only to find out whether every rank stopped
+    try:
+        result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args), data=data)
+    except (ConfigError, CheckpointError, FloatingPointError) as e:
+        if comm is None or comm.Get_size() == 1:    # (MPI stays usable for an in-process caller)
+            print(f"hpcnn train: {e}", file=sys.stderr)
+            if agree is not None:
+                agree.Free()
+            return 2
+        return _stop_every_rank(str(e), agree)
+    if agree is not None:
+        agree.Free()
     if comm is None or comm.Get_rank() == 0:
         keys = [k for k in ("loss", "test_acc", "test_loss", "val_loss", "unigram_entropy") if k in result]
         print("result: " + ", ".join(f"{k}={result[k]:.4f}" for k in keys)
               + f", steps={result['steps']}, wall={result['wall_s']:.1f}s, log={result['log']}")
     return 0
+
+
+def merge_messages(messages: list[str]) -> list[str]:
+    """Each distinct message of ``messages`` (rank r's at index r) once, followed by the ranks
+    it concerns unless it concerns them all."""
+    out = []
+    for text in dict.fromkeys(messages):
+        ranks = [r for r, m in enumerate(messages) if m == text]
+        out.append(text if len(ranks) == len(messages) else
+                   f"{text} (on rank{'s' if len(ranks) > 1 else ''} "
+                   f"{', '.join(map(str, ranks))} of {len(messages)})")
+    return out
+
+
+AGREE_SECONDS = 60.0      # how long a rank that stopped waits for the others to stop too
+
+
+def _stop_every_rank(message: str, agree) -> int:
+    """A rank's run stopped with ``message`` (a refusal or a non-finite loss): print it once.
+
+    The refusals are raised on every rank alike, so normally every rank arrives here. A
+    non-blocking barrier on ``agree`` (a communicator nobody else uses) tells when all have:
+    rank 0 then prints each distinct message once, with the ranks it concerns unless it is all
+    of them, and every rank finalizes MPI and exits with 2, without MPI_Abort's noise. If some
+    rank does not arrive within :data:`AGREE_SECONDS` (it runs on, or waits in a collective),
+    this rank prints its message with its rank and aborts the job: never a hang.
+    """
+    import time
+    from mpi4py import MPI
+    rank, size = agree.Get_rank(), agree.Get_size()
+    req, t0 = agree.Ibarrier(), time.monotonic()
+    while not req.Test():
+        if time.monotonic() - t0 > AGREE_SECONDS:
+            print(f"hpcnn train: rank {rank} of {size}: {message}", file=sys.stderr, flush=True)
+            agree.Abort(2)
+        time.sleep(0.005)
+    messages = agree.gather(message, root=0)
+    if rank == 0:
+        for line in merge_messages(messages):
+            print(f"hpcnn train: {line}", file=sys.stderr, flush=True)
+    agree.Free()
+    MPI.Finalize()
+    return 2
 
 
 def info_lines() -> list[str]:
@@ -190,4 +244,8 @@ def main(argv=None) -> int:
     if cmd is None:
         print(f"hpcnn: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    return cmd(argv[1:])
+    try:
+        return cmd(argv[1:])
+    except BrokenPipeError:          # output piped into a reader that stopped (| head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -3,14 +3,25 @@
 ``hpcnn train --model=gpt --lr=3e-4`` turns each ``--key=value`` into a field of
 :class:`TrainConfig`: an unknown key or a value of the wrong type is an error that names it (with
 the closest field names), raised identically on every rank before any communication.
+
+Every option has its range in one place: :data:`CHOICES` (named values), :data:`RANGES`
+(intervals; floats also finite) or :data:`FREE` (switches and paths, and three strings parsed as
+the run parses them). :func:`combination_errors` refuses what the engine cannot run together
+(e.g. ``--schedule=interleaved`` with a micro-batch count the schedule cannot use); checks that
+need the data or the model's length are in :mod:`hpcnn.preflight`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
+import math
+import re
 import typing
 from dataclasses import dataclass
+
+from hpcnn.parallel.schedules import SCHEDULES
 
 MODELS = ("mlp", "cnn", "gpt")
 DATASETS = ("digits", "shakespeare", "sonnet")
@@ -18,7 +29,11 @@ DEFAULT_DATASET = {"mlp": "digits", "cnn": "digits", "gpt": "shakespeare"}
 
 
 class ConfigError(ValueError):
-    """A bad key or value in the run configuration."""
+    """A bad key or value in the run configuration, or a combination the engine cannot run.
+
+    Raised identically on every rank (the checks read only the configuration and data that every
+    rank loads alike, or gather every rank's verdict first), so that the command line prints it
+    once and every rank stops with exit code 2."""
 
 
 @dataclass
@@ -60,8 +75,8 @@ class TrainConfig:
     pad_vocab: int = 0                  # pad the GPT vocabulary to a multiple of this; 0 = of tp
     grad_accum: int = 1                 # micro-batches per rank per step, one allreduce per step
     bucket_mb: float = 25.0             # gradient bucket size for the overlapped allreduce
-    allreduce: str = "auto"             # mpi | ring | rd | auto (chosen by size from a start-up calibration)
-    overlap: bool = True                # start each bucket's allreduce as soon as its gradients are ready
+    allreduce: str = "auto"             # mpi | ring | rd | shm | cma | auto (chosen by size from a start-up calibration)
+    overlap: bool = True                # reduce each bucket during the backward (rd and cma block: after it)
     balance: str = "equal"              # equal | proportional (batch share proportional to replica speed)
     combine: str = "weighted"           # weighted (exact full-batch gradient) | uniform (plain mean of replicas)
     speeds: str = ""                    # fixed replica speeds "1,3" (proportional); "" = measure online
@@ -99,77 +114,14 @@ class TrainConfig:
         return c
 
     def validate(self) -> None:
-        """Check every value's range; raise ConfigError naming the bad ones."""
-        errs = []
+        """Check every option's range (:data:`CHOICES`, :data:`RANGES`, :func:`_syntax_errors`)
+        and every combination the engine cannot run; raise one ConfigError naming them all.
 
-        def need(ok, msg):
-            if not ok:
-                errs.append(msg)
-        need(self.model in MODELS, f"model={self.model!r}: expected one of {MODELS}")
-        need(self.dataset in DATASETS + ("",), f"dataset={self.dataset!r}: expected one of {DATASETS}")
-        need(not (self.model in ("mlp", "cnn") and self.dataset in ("shakespeare", "sonnet")),
-             f"model={self.model!r} classifies images; dataset={self.dataset!r} is text")
-        need(not (self.model == "gpt" and self.dataset == "digits"),
-             "model='gpt' needs a text dataset (shakespeare or sonnet), got 'digits'")
-        need(self.optimizer in ("adamw", "sgd"), f"optimizer={self.optimizer!r}: expected adamw or sgd")
-        need(self.lr_schedule in ("cosine", "constant"),
-             f"lr_schedule={self.lr_schedule!r}: expected cosine or constant")
-        need(self.dtype in ("float32", "float64"), f"dtype={self.dtype!r}: expected float32 or float64")
-        need(self.device in ("cpu", "gpu"), f"device={self.device!r}: expected cpu or gpu")
-        need(self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1")
-        need(self.steps >= 0, f"steps={self.steps}: must be >= 0")
-        need(self.steps > 0 or self.epochs > 0, f"steps=0 and epochs={self.epochs}: one must be positive")
-        need(self.lr > 0, f"lr={self.lr}: must be > 0")
-        need(0 <= self.dropout < 1, f"dropout={self.dropout}: must be in [0, 1)")
-        need(self.dim % max(self.n_heads, 1) == 0 and self.n_heads >= 1,
-             f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        need(all(h >= 1 for h in self.hidden), f"hidden={self.hidden}: widths must be >= 1")
-        need(len(self.channels) >= 1 and all(c >= 1 for c in self.channels),
-             f"channels={self.channels}: need at least one positive width")
-        need(min(self.dp, self.tp, self.pp) >= 1, f"dp={self.dp}, tp={self.tp}, pp={self.pp}: must be >= 1")
-        need(not (self.tp > 1 and self.model == "mlp"),
-             f"tp={self.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
-        need(self.pad_vocab >= 0, f"pad_vocab={self.pad_vocab}: must be >= 0")
-        need(self.schedule in ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_v"),
-             f"schedule={self.schedule!r}: expected gpipe, 1f1b, interleaved, zb_h1 or zb_v")
-        need(not (self.schedule == "zb_v" and self.pp > 1 and self.virtual != 2),
-             f"schedule='zb_v' with virtual={self.virtual}: ZB-V places two stages per rank in "
-             f"a V, pass --virtual=2")
-        need(self.microbatches >= 1 and self.virtual >= 1,
-             f"microbatches={self.microbatches}, virtual={self.virtual}: must be >= 1")
-        need(not (self.pp > 1 and self.grad_accum > 1),
-             f"grad_accum={self.grad_accum} with pp={self.pp}: use --microbatches")
-        need(self.batch_size >= self.dp * self.microbatches,
-             f"batch_size={self.batch_size} < dp*microbatches={self.dp * self.microbatches}")
-        need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: must be >= 1")
-        need(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb}: must be > 0")
-        need(self.allreduce in ("mpi", "ring", "rd", "auto"),
-             f"allreduce={self.allreduce!r}: expected mpi, ring, rd or auto")
-        need(self.balance in ("equal", "proportional"), f"balance={self.balance!r}: expected equal or proportional")
-        need(self.combine in ("weighted", "uniform"), f"combine={self.combine!r}: expected weighted or uniform")
-        need(self.rebalance_every >= 1, f"rebalance_every={self.rebalance_every}: must be >= 1")
-        need(self.slowdown_mode in ("sleep", "spin"), f"slowdown_mode={self.slowdown_mode!r}: expected sleep or spin")
-        need(self.shard in ("contiguous", "skewed"), f"shard={self.shard!r}: expected contiguous or skewed")
-        need(self.batch_size >= self.dp * self.grad_accum,
-             f"batch_size={self.batch_size} < dp*grad_accum={self.dp * self.grad_accum}: every "
-             f"replica needs at least one sample per micro-batch")
-        need(self.remat in ("none", "sqrt", "optimal"),
-             f"remat={self.remat!r}: expected none, sqrt or optimal")
-        need(not (self.remat == "optimal" and not self.memory_budget > 0),
-             f"remat='optimal' needs --memory_budget > 0 (MiB), got {self.memory_budget}")
-        need(self.memory_budget >= 0 and self.offload_gbps >= 0,
-             f"memory_budget={self.memory_budget}, offload_gbps={self.offload_gbps}: must be >= 0")
-        need(not (self.offload_gbps > 0 and self.remat != "optimal"),
-             f"offload_gbps={self.offload_gbps} needs remat='optimal' (got {self.remat!r})")
-        need(not (self.remat != "none" and self.pp > 1 and self.schedule in ("zb_h1", "zb_v")),
-             f"remat={self.remat!r} with schedule={self.schedule!r}: a rematerialized stage runs its "
-             f"backward whole; use 1f1b, gpipe or interleaved")
-        need(not (self.half_layers and (self.model != "gpt" or self.tp > 1)),
-             f"half_layers needs model='gpt' and tp=1 (got model={self.model!r}, tp={self.tp})")
-        need(self.log_interval >= 1, f"log_interval={self.log_interval}: must be >= 1")
-        need(self.checkpoint_every >= 0 and not (self.checkpoint_every and not self.checkpoint),
-             f"checkpoint_every={self.checkpoint_every}: must be >= 0, and needs --checkpoint")
-        need(self.eval_interval >= 0, f"eval_interval={self.eval_interval}: must be >= 0")
+        The checks read the configuration alone (and whether CuPy is importable), so every rank
+        takes the same decision before any communication. Those that need the data or the
+        model's length are in :mod:`hpcnn.preflight`.
+        """
+        errs = option_errors(self) + combination_errors(self)
         if errs:
             raise ConfigError("invalid configuration: " + "; ".join(errs))
 
@@ -178,6 +130,181 @@ class TrainConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+# -- the range of every option ---------------------------------------------------------------
+ALLREDUCE = ("mpi", "ring", "rd", "shm", "cma", "auto")
+CHOICES = {            # option -> its allowed values
+    "model": MODELS, "dataset": DATASETS + ("",), "optimizer": ("adamw", "sgd"),
+    "lr_schedule": ("cosine", "constant"), "allreduce": ALLREDUCE,
+    "balance": ("equal", "proportional"), "combine": ("weighted", "uniform"),
+    "slowdown_mode": ("sleep", "spin"), "shard": ("contiguous", "skewed"),
+    "remat": ("none", "sqrt", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu"),
+    "schedule": tuple(SCHEDULES),
+}
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric interval; ``open_lo``/``open_hi`` exclude the bound. Floats must also be
+    finite (``inf`` and ``nan`` parse as floats but are no learning rate or epoch count)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    open_hi: bool = False
+
+    def __contains__(self, v) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.open_lo else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.open_hi else v <= self.hi)
+
+    def __str__(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return (f"in {'(' if self.open_lo else '['}{self.lo:g}, {self.hi:g}"
+                    f"{')' if self.open_hi else ']'}")
+        if self.lo is not None:
+            return f"{'>' if self.open_lo else '>='} {self.lo:g}"
+        return f"{'<' if self.open_hi else '<='} {self.hi:g}"
+
+
+AT_LEAST_0, AT_LEAST_1, POSITIVE, UNIT = Range(0), Range(1), Range(0, open_lo=True), \
+    Range(0, 1, open_hi=True)
+RANGES = {             # option -> its interval (for a tuple option: every element's)
+    "hidden": AT_LEAST_1, "channels": AT_LEAST_1, "n_layers": AT_LEAST_1, "dim": AT_LEAST_1,
+    "n_heads": AT_LEAST_1, "block_size": AT_LEAST_1, "dropout": UNIT, "max_plays": AT_LEAST_0,
+    "steps": AT_LEAST_0, "epochs": AT_LEAST_0, "batch_size": AT_LEAST_1, "lr": POSITIVE,
+    "min_lr": AT_LEAST_0, "warmup": AT_LEAST_0, "momentum": UNIT, "weight_decay": AT_LEAST_0,
+    "clip": AT_LEAST_0, "dp": AT_LEAST_1, "tp": AT_LEAST_1, "pp": AT_LEAST_1,
+    "microbatches": AT_LEAST_1, "virtual": AT_LEAST_1, "pad_vocab": AT_LEAST_0,
+    "grad_accum": AT_LEAST_1, "bucket_mb": POSITIVE, "rebalance_every": AT_LEAST_1,
+    "memory_budget": AT_LEAST_0, "offload_gbps": AT_LEAST_0,
+    "seed": AT_LEAST_0,            # NumPy's generators take non-negative seeds only
+    "eval_interval": AT_LEAST_0, "eval_batches": AT_LEAST_1, "log_interval": AT_LEAST_1,
+    "checkpoint_every": AT_LEAST_0,
+}
+# options with any value of their type: switches and paths; layout, speeds and slowdown are
+# parsed by _syntax_errors
+FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "progress", "log",
+        "checkpoint", "resume", "layout", "speeds", "slowdown")
+
+
+def option_errors(c: TrainConfig) -> list[str]:
+    """One message per option whose value is outside its range or choices (or malformed)."""
+    errs = []
+    for name, allowed in CHOICES.items():
+        v = getattr(c, name)
+        if v not in allowed:
+            errs.append(f"{name}={v!r}: expected one of {', '.join(a for a in allowed if a)}")
+    for name, rng in RANGES.items():
+        v = getattr(c, name)
+        if isinstance(v, tuple):
+            if not all(x in rng for x in v):
+                errs.append(f"{name}={','.join(map(str, v))}: every entry must be {rng}")
+        elif v not in rng:
+            finite = "finite and " if isinstance(v, float) and not math.isfinite(v) else ""
+            errs.append(f"{name}={v!r}: must be {finite}{rng}")
+    return errs + _syntax_errors(c)
+
+
+def _syntax_errors(c: TrainConfig) -> list[str]:
+    """--layout, --speeds and --slowdown parsed as the run will parse them (against dp)."""
+    from hpcnn.parallel import hetero
+    errs = []
+    if c.layout and not re.fullmatch(r"\s*\d+\s*(\|\s*\d+\s*)*", c.layout):
+        errs.append(f"layout={c.layout!r}: expected block counts separated by '|', e.g. '4|4|3|5'")
+    if c.dp >= 1:
+        for parse, spec in ((hetero.parse_speeds, c.speeds), (hetero.slowdowns_from_config,
+                                                               c.slowdown)):
+            if spec:
+                try:
+                    parse(spec, c.dp)
+                except ValueError as e:
+                    errs.append(str(e))
+    return errs
+
+
+def combination_errors(c: TrainConfig) -> list[str]:
+    """One message per combination of options the engine cannot run (each names them)."""
+    errs = []
+
+    def need(ok, msg):
+        if not ok:
+            errs.append(msg)
+    need(not (c.model in ("mlp", "cnn") and c.dataset in ("shakespeare", "sonnet")),
+         f"model={c.model!r} classifies images; dataset={c.dataset!r} is text")
+    need(not (c.model == "gpt" and c.dataset == "digits"),
+         "model='gpt' needs a text dataset (shakespeare or sonnet), got 'digits'")
+    need(c.steps > 0 or c.epochs > 0, f"steps=0 and epochs={c.epochs}: one must be positive")
+    need(not c.min_lr > c.lr, f"min_lr={c.min_lr} > lr={c.lr}: the decay ends below the peak")
+    if c.model == "gpt" and c.n_heads >= 1:
+        need(c.dim % c.n_heads == 0, f"dim={c.dim} is not divisible by n_heads={c.n_heads}")
+    # -- tensor parallelism: what the shards need --
+    need(not (c.tp > 1 and c.model == "mlp"),
+         f"tp={c.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
+    if c.tp > 1 and c.model == "gpt":
+        need(c.n_heads % c.tp == 0, f"n_heads={c.n_heads} with tp={c.tp}: attention heads "
+                                    f"({c.n_heads}) is not divisible by tp ({c.tp})")
+        need(c.pad_vocab % c.tp == 0, f"pad_vocab={c.pad_vocab} is not a multiple of tp={c.tp} "
+                                      f"(the vocabulary is split over tp)")
+        need(not c.sequence_parallel or c.block_size % c.tp == 0,
+             f"sequence_parallel with block_size={c.block_size} not divisible by tp={c.tp}")
+    if c.tp > 1 and c.model == "cnn":
+        need(all(ch % c.tp == 0 for ch in c.channels),
+             f"channels={','.join(map(str, c.channels))}: every entry must be a multiple of "
+             f"tp={c.tp} (convolutions are split on output channels)")
+    need(not (c.sequence_parallel and c.model != "gpt"),
+         f"sequence_parallel with model={c.model!r}: the sequence is split in gpt only")
+    need(not (c.half_layers and (c.model != "gpt" or c.tp > 1)),
+         f"half_layers needs model='gpt' and tp=1 (got model={c.model!r}, tp={c.tp})")
+    # -- pipeline --
+    if c.pp > 1:
+        need(c.grad_accum == 1, f"grad_accum={c.grad_accum} with pp={c.pp}: use --microbatches")
+        need(c.batch_size >= c.dp * c.microbatches,
+             f"batch_size={c.batch_size} < dp*microbatches={c.dp * c.microbatches}: every "
+             f"replica needs at least one sample per micro-batch")
+        err = _schedule_error(c)
+        need(not err, err)
+        n = len(c.layout.split("|")) if c.layout else c.pp * c.virtual
+        need(n == c.pp * c.virtual, f"layout={c.layout!r} has {n} stages, pp*virtual = "
+                                    f"{c.pp}*{c.virtual} = {c.pp * c.virtual}")
+    # (with pp = 1 the pipeline options are ignored, so that a serial reference run can take
+    # the same command line)
+    need(not (c.remat != "none" and c.pp > 1 and c.schedule in ("zb_h1", "zb_v")),
+         f"remat={c.remat!r} with schedule={c.schedule!r}: a rematerialized stage runs its "
+         f"backward whole; use 1f1b, gpipe or interleaved")
+    # -- data parallelism --
+    need(c.batch_size >= c.dp * c.grad_accum,
+         f"batch_size={c.batch_size} < dp*grad_accum={c.dp * c.grad_accum}: every "
+         f"replica needs at least one sample per micro-batch")
+    need(not (c.speeds and c.balance != "proportional"),
+         f"speeds={c.speeds!r} with balance={c.balance!r}: fixed speeds set proportional "
+         f"shares (--balance=proportional)")
+    # -- memory --
+    need(not (c.remat == "optimal" and not c.memory_budget > 0),
+         f"remat='optimal' needs --memory_budget > 0 (MiB), got {c.memory_budget}")
+    need(not (c.offload_gbps > 0 and c.remat != "optimal"),
+         f"offload_gbps={c.offload_gbps} needs remat='optimal' (got {c.remat!r})")
+    # -- runs and files --
+    need(not (c.checkpoint_every and not c.checkpoint),
+         f"checkpoint_every={c.checkpoint_every} needs --checkpoint")
+    need(c.device != "gpu" or importlib.util.find_spec("cupy") is not None,
+         "device='gpu' needs CuPy, which is not installed here (pip install 'hpcnn[gpu]')")
+    return errs
+
+
+def _schedule_error(c: TrainConfig) -> str:
+    """Why the pipeline schedule cannot be built for these sizes ('' if it can)."""
+    if c.schedule not in SCHEDULES or min(c.pp, c.virtual, c.microbatches) < 1:
+        return ""                      # reported by the choices and ranges
+    try:
+        SCHEDULES[c.schedule](c.pp * c.virtual, c.microbatches, c.pp)
+    except ValueError as e:
+        return (f"schedule={c.schedule!r} with pp={c.pp}, virtual={c.virtual}, "
+                f"microbatches={c.microbatches}: {e}")
+    return ""
 
 
 def _field_types(cls) -> dict:
@@ -241,16 +368,27 @@ def parse_overrides(args, base: TrainConfig | None = None, cls=TrainConfig):
     return cfg
 
 
+def _shown(value) -> str:
+    """A default as it is typed on the command line: 256,256 for a tuple, true/false."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
 def describe(cls=TrainConfig) -> str:
-    """The fields with their defaults and comments, for ``hpcnn train --help``."""
+    """The options with their defaults and comments in aligned columns, grouped as in the
+    class body (for ``hpcnn train --help``)."""
     import inspect
-    import re
-    lines = []
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    rows = []                       # (heading, None) or (--key=default, comment)
     for line in inspect.getsource(cls).splitlines():
         s = line.strip()
-        m = re.fullmatch(r"(\w+): [^=]+= (.+?)\s+# (.*)", s)
+        m = re.fullmatch(r"(\w+): [^=]+= .+?\s+# (.*)", s)
         if s.startswith("# --"):
-            lines.append(s.strip("# -").strip() + ":")
-        elif m:
-            lines.append(f"  --{m.group(1)}={m.group(2).strip(chr(34)):<14} {m.group(3)}")
-    return "\n".join(lines)
+            rows.append((s.strip("# -").strip() + ":", None))
+        elif m and m.group(1) in defaults:
+            rows.append((f"  --{m.group(1)}={_shown(defaults[m.group(1)])}", m.group(2)))
+    width = max(len(k) for k, c in rows if c is not None) + 2
+    return "\n".join(k if c is None else f"{k:<{width}}{c}" for k, c in rows)

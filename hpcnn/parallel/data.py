@@ -43,7 +43,7 @@ import numpy
 from hpcnn import backend as B
 
 MODES = ("weighted", "uniform", "equal")
-ALGORITHMS = ("mpi", "ring", "rd", "shm", "auto")   # blocking (overlap=False)
+ALGORITHMS = ("mpi", "ring", "rd", "shm", "cma", "auto")   # blocking (overlap=False)
 NONBLOCKING = ("mpi", "ring", "shm", "auto")        # Communicator.iallreduce (overlap=True)
 
 

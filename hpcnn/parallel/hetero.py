@@ -259,9 +259,12 @@ class Slowdown:
 
 def slowdowns_from_config(spec: str, world_size: int) -> list[float]:
     """Parse ``"rank:factor,..."`` (e.g. ``"1:2.0"``, ``"1:2,3:4"``; ``""`` = none) into one
-    emulated slowdown factor per rank (1.0 where not given)."""
+    emulated slowdown factor per rank (1.0 where not given). A malformed item, a rank outside
+    [0, world_size), a rank given twice or a factor not finite and >= 1 is a ValueError that
+    starts with ``slowdown='...'`` (the option as the user wrote it)."""
     factors = [1.0] * world_size
     seen = set()
+    opt = f"slowdown={spec!r}"
     for item in (x.strip() for x in spec.split(",")) if spec.strip() else ():
         parts = item.split(":")
         try:
@@ -269,26 +272,30 @@ def slowdowns_from_config(spec: str, world_size: int) -> list[float]:
                 raise ValueError
             rank, factor = int(parts[0]), float(parts[1])
         except ValueError:
-            raise ValueError(f"slowdown {spec!r}: item {item!r} is not rank:factor "
+            raise ValueError(f"{opt}: item {item!r} is not rank:factor "
                              f"(e.g. '1:2.0' or '1:2,3:4')") from None
         if not 0 <= rank < world_size:
-            raise ValueError(f"slowdown {spec!r}: rank {rank} out of range for {world_size} ranks")
+            raise ValueError(f"{opt}: rank {rank} out of range for {world_size} ranks "
+                             f"(data-parallel ranks 0..{world_size - 1})")
         if rank in seen:
-            raise ValueError(f"slowdown {spec!r}: rank {rank} given twice")
+            raise ValueError(f"{opt}: rank {rank} given twice")
         if not (math.isfinite(factor) and factor >= 1):
-            raise ValueError(f"slowdown {spec!r}: factor {factor} for rank {rank} must be finite and >= 1")
+            raise ValueError(f"{opt}: factor {factor} for rank {rank} must be finite and >= 1")
         seen.add(rank)
         factors[rank] = factor
     return factors
 
 
 def parse_speeds(spec: str, p: int) -> list[float]:
-    """Parse ``"1,3"`` into ``[1.0, 3.0]``: one finite positive speed per replica (``p`` of them)."""
+    """Parse ``"1,3"`` into ``[1.0, 3.0]``: one finite positive speed per replica (``p`` of
+    them); otherwise a ValueError that starts with ``speeds='...'``."""
+    opt = f"speeds={spec!r}"
     try:
         speeds = [float(x) for x in spec.split(",")]
     except ValueError:
-        raise ValueError(f"speeds {spec!r}: expected comma-separated numbers such as '1,3'") from None
+        raise ValueError(f"{opt}: expected comma-separated numbers such as '1,3'") from None
     if len(speeds) != p:
-        raise ValueError(f"speeds {spec!r}: got {len(speeds)} values for {p} replicas")
-    _check_speeds(speeds)
+        raise ValueError(f"{opt}: got {len(speeds)} values for {p} replicas (one per --dp rank)")
+    if not all(math.isfinite(s) and s > 0 for s in speeds):
+        raise ValueError(f"{opt}: speeds must be finite and > 0, got {speeds}")
     return speeds

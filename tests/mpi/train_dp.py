@@ -39,8 +39,13 @@ cases = {
                           "--batch_size=12", "--dropout=0.2", "--grad_accum=2", "--balance=proportional",
                           "--speeds=" + ",".join(str(i + 1) for i in range(p))],
 }
+def one_replica(args):
+    """The arguments of the serial reference run: fixed speeds describe dp > 1 replicas."""
+    return [a for a in args if not a.startswith("--speeds=")]
+
+
 for name, args in cases.items():
-    serial = train(cfg(f"{name}-serial.h5", *args), comm=None) if rank == 0 else None
+    serial = train(cfg(f"{name}-serial.h5", *one_replica(args)), comm=None) if rank == 0 else None
     par = train(cfg(f"{name}-dp.h5", *args, f"--dp={p}"), comm=world)
     if rank == 0:
         for a, b in zip(params(serial), params(par)):
@@ -62,7 +67,7 @@ for name, args in cases.items():
 args = cases["mlp-weighted-speeds"]
 uni = train(cfg("uniform.h5", *args, f"--dp={p}", "--combine=uniform"), comm=world)
 if rank == 0:
-    serial = train(cfg("uni-serial.h5", *args), comm=None)
+    serial = train(cfg("uni-serial.h5", *one_replica(args)), comm=None)
     diff = max(np.max(np.abs(a - b)) for a, b in zip(params(serial), params(uni)))
     assert diff > 1e-6, diff
 

@@ -1,0 +1,85 @@
+"""The checks of a run that need more than its options: the number of ranks, the data, the model.
+
+:meth:`hpcnn.config.TrainConfig.validate` checks each option's range and the combinations the
+engine cannot run from the options alone. :func:`check` adds what needs the world size (dp·tp·pp
+must equal it), the loaded data (a context window longer than the validation text, a batch
+larger than the training set) and the model's length (a ``--layout`` that does not sum to it, more
+pipeline stages than blocks). It communicates with no one: every rank loads the same data and
+builds the same shapes, so every rank takes the same decision, before the first collective.
+``hpcnn train`` runs it before MPI is even initialised, with the world size the launcher announces
+(:func:`world_size_from_env`), so that a refused run prints one line and starts no MPI at all.
+"""
+from __future__ import annotations
+
+import os
+
+from hpcnn.config import ConfigError, TrainConfig
+
+# what MPI launchers put in each rank's environment: the number of ranks
+# (MPICH, Intel MPI and Open MPI; not Slurm's, which a serial run inside an allocation also sees)
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def _from_env(names) -> int | None:
+    for k in names:
+        v = os.environ.get(k, "")
+        if v.isdigit():
+            return int(v)
+    return None
+
+
+def world_size_from_env() -> int | None:
+    """The number of ranks as the MPI launcher announces it (None when not launched by one, or
+    by one this does not know: then :func:`hpcnn.train.train` checks it after MPI starts)."""
+    return _from_env(_SIZE_VARIABLES)
+
+
+def rank_from_env() -> int:
+    """This process's rank as the launcher announces it (0 when not launched by one)."""
+    return _from_env(_RANK_VARIABLES) or 0
+
+
+def check(cfg: TrainConfig, world_size: int | None = None, data=None):
+    """Raise ConfigError naming every option the ranks, the data or the model cannot serve; else
+    return the data (loaded unless given), for the run to use.
+
+    ``cfg`` is a resolved configuration (:meth:`TrainConfig.resolved`, which has validated it);
+    ``world_size`` the number of ranks (None: not checked).
+    """
+    from hpcnn import data as D
+    errs = []
+    if world_size is not None and cfg.dp * cfg.tp * cfg.pp != world_size:
+        errs.append(f"world size ({world_size}) != dp*tp*pp ({cfg.dp}*{cfg.tp}*{cfg.pp} = "
+                    f"{cfg.dp * cfg.tp * cfg.pp}) (pass --dp/--tp/--pp that multiply to the "
+                    f"number of ranks)")
+    if errs:                       # refused without loading the data
+        raise ConfigError("invalid configuration: " + "; ".join(errs))
+    data = data if data is not None else D.for_config(cfg)
+    errs += D.misfits(cfg, data)
+    if not errs and cfg.pp > 1:
+        errs += _stage_errors(cfg, data)
+    if errs:
+        raise ConfigError("invalid configuration: " + "; ".join(errs))
+    return data
+
+
+def _stage_errors(cfg: TrainConfig, data) -> list[str]:
+    """pp > 1: the stages must cut the model's blocks (shapes only: no parameter is stored)."""
+    from hpcnn.nn.core import materialize_only
+    from hpcnn.train import build_task
+    try:
+        with materialize_only(()):
+            model = build_task(cfg, None, data=data).model
+    except ValueError as e:      # what the options checks did not foresee: still one line
+        return [f"the model cannot be built: {e}"]
+    n, stages = len(model), cfg.pp * cfg.virtual
+    if cfg.layout:
+        sizes = [int(s) for s in cfg.layout.split("|")]
+        if sum(sizes) != n or min(sizes) < 1:
+            return [f"layout={cfg.layout!r}: the {cfg.model} has {n} blocks, the stage sizes "
+                    f"{sizes} sum to {sum(sizes)} (each stage needs at least one)"]
+    elif stages > n:
+        return [f"pp*virtual = {cfg.pp}*{cfg.virtual} = {stages} stages, the {cfg.model} has "
+                f"{n} blocks: every stage needs at least one"]
+    return []

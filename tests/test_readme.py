@@ -1,0 +1,141 @@
+"""Every command in README.md's command blocks runs as written (shortened, never edited).
+
+A command block is a fenced code block with no language or a shell one (``sh``, ``bash``,
+``console``, ``shell``); ``text`` (a synopsis) and ``python`` blocks are not commands. Each line
+is one command (a trailing backslash continues it; ``#`` starts a comment, as in a shell). They
+run in README order in one scratch directory, so a command may use a file an earlier one wrote
+(``--resume`` reads the checkpoint the command before it saved). The blocks are found anew at
+every run: a command added to the README is tested without touching this file.
+
+What the test changes, and why:
+
+- ``hpcnn`` is ``python -m hpcnn``, ``python`` this interpreter, ``mpiexec`` the one next to it
+  (``--oversubscribe`` added for Open MPI); this checkout is on PYTHONPATH.
+- An ``hpcnn train`` command gets :data:`SHORTEN` appended (a later ``--key=value`` overrides an
+  earlier one): one step (two for a resumed run, so that it has a step left after the saved
+  one), one evaluation at the end over one batch, the first play only of the Shakespeare corpus,
+  no progress lines, and the library's allreduce unless the command chooses one (``auto``
+  otherwise calibrates every algorithm at start-up: seconds to a minute on a busy 2-core
+  machine, and tested in tests/test_allreduce.py). The model, layout, schedule and memory
+  options stay as written, so the checks and plans they trigger run.
+- Skipped, because they cannot run inside a test: ``make`` (the whole test suite and demo),
+  ``pip install`` and ``module load`` (they change the environment; there is no network), and
+  anything naming CuPy (no GPU here).
+"""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from mpi_util import ROOT, mpiexec
+
+README = os.path.join(ROOT, "README.md")
+SHORTEN = ["--eval_interval=0", "--eval_batches=1", "--max_plays=1", "--progress=false"]
+SKIP = {"make": "runs the whole test suite or demo", "pip": "changes the environment",
+        "module": "changes the environment (cluster modules)"}
+SHELL_BLOCKS = ("", "sh", "bash", "console", "shell")
+TIMEOUT = 300             # seconds per command: 8 ranks on 2 busy cores are slow, never stuck
+
+
+def command_blocks(text: str) -> list[list[str]]:
+    """The commands of each shell code block of a Markdown text (continuations joined)."""
+    blocks = []
+    for lang, body in re.findall(r"^```(\w*)[^\n]*\n(.*?)^```", text, flags=re.M | re.S):
+        if lang.lower() not in SHELL_BLOCKS:
+            continue
+        joined = re.sub(r"\s*\\\n\s*", " ", body)
+        blocks.append([ln.strip() for ln in joined.splitlines()
+                       if ln.strip() and not ln.strip().startswith("#")])
+    return blocks
+
+
+def readme_commands() -> list[str]:
+    with open(README, encoding="utf-8") as f:
+        return [c for block in command_blocks(f.read()) for c in block]
+
+
+def skip_reason(words: list[str]) -> str:
+    if words[0] in SKIP:
+        return f"{words[0]}: {SKIP[words[0]]}"
+    if any("cupy" in w.lower() or w == "--device=gpu" for w in words):
+        return "needs CuPy and a GPU"
+    return ""
+
+
+def split_env(words: list[str]) -> tuple[dict, list[str]]:
+    """Leading ``NAME=value`` words (as in ``HPCNN_SHM=0 mpiexec ...``) and the command."""
+    env = {}
+    while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
+        name, value = words[0].split("=", 1)
+        env[name], words = value, words[1:]
+    return env, words
+
+
+def runnable(words: list[str]) -> list[str]:
+    """``words`` as this test runs them: programs mapped, the repository's scripts by their
+    full path (the commands run in a scratch directory), ``hpcnn train`` shortened."""
+    out = []
+    for w in words:
+        if w.endswith(".py") and os.path.exists(os.path.join(ROOT, w)):
+            w = os.path.join(ROOT, w)
+        if w == "hpcnn" and (not out or out[-1] != "-m"):
+            out += [sys.executable, "-m", "hpcnn"]
+        elif w == "python":
+            out.append(sys.executable)
+        elif w == "mpiexec":
+            out.append(mpiexec())
+            version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True)
+            if "Open MPI" in version.stdout:
+                out += ["--oversubscribe", "--allow-run-as-root"]
+        else:
+            out.append(w)
+    if "hpcnn" in out and out.index("hpcnn") + 1 < len(out) and out[out.index("hpcnn") + 1] == "train":
+        resumed = any(w.startswith("--resume=") for w in words)
+        out += SHORTEN + [f"--steps={2 if resumed else 1}"]
+        if not any(w.startswith("--allreduce=") for w in words):
+            out.append("--allreduce=mpi")
+    return out
+
+
+def test_the_blocks_are_found():
+    """The parser sees the README's blocks: continuations joined, comments dropped, synopsis
+    and Python blocks left out."""
+    text = "x\n```\nhpcnn train --a=1 \\\n    --b=2   # note\n# alone\n\nhpcnn info\n```\n" \
+           "```text\nhpcnn train [--key=value ...]\n```\n```python\ny = f(x)\n```\n"
+    assert command_blocks(text) == [["hpcnn train --a=1 --b=2   # note", "hpcnn info"]]
+    assert shlex.split(command_blocks(text)[0][0], comments=True)[-1] == "--b=2"
+    assert split_env(["HPCNN_SHM=0", "mpiexec", "-n", "2"]) == ({"HPCNN_SHM": "0"},
+                                                                ["mpiexec", "-n", "2"])
+    shortened = runnable(["hpcnn", "train", "--steps=1000", "--resume=a.h5"])
+    assert shortened[:3] == [sys.executable, "-m", "hpcnn"] and shortened[-2:] == [
+        "--steps=2", "--allreduce=mpi"]                 # the last --steps wins
+    commands = readme_commands()
+    assert len(commands) >= 15 and any(c.startswith("mpiexec -n 8") for c in commands)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return tmp_path_factory.mktemp("readme")
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_runs(command, scratch):
+    assigned, words = split_env(shlex.split(command, comments=True))
+    reason = skip_reason(words)
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(assigned)
+    cmd = runnable(words)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env,
+                           cwd=scratch)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"timed out after {TIMEOUT}s: {shlex.join(cmd)}\n{e.stdout or ''}{e.stderr or ''}")
+    assert p.returncode == 0, (f"{command}\nran as: {shlex.join(cmd)}\n--- stdout\n"
+                               f"{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}")
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
