@@ -18,6 +18,7 @@ What the test changes, and why:
   otherwise calibrates every algorithm at start-up: seconds to a minute on a busy 2-core
   machine, and tested in tests/test_allreduce.py). The model, layout, schedule and memory
   options stay as written, so the checks and plans they trigger run.
+- An experiment gets its :data:`SCRIPT_SHORTEN` options: the same sweep on smaller sizes.
 - Skipped, because they cannot run inside a test: ``make`` (the whole test suite and demo),
   ``pip install`` and ``module load`` (they change the environment; there is no network), and
   anything naming CuPy (no GPU here).
@@ -34,6 +35,12 @@ from mpi_util import ROOT, mpiexec
 
 README = os.path.join(ROOT, "README.md")
 SHORTEN = ["--eval_interval=0", "--eval_batches=1", "--max_plays=1", "--progress=false"]
+# experiments and benchmarks, shortened the same way (their sweeps' shape stays, sizes shrink)
+SCRIPT_SHORTEN = {
+    "experiments/pipeline_bubble.py": ["--width=64", "--pairs=4", "--micro-batches=1,8",
+                                       "--steps=1", "--warmup=0"],
+    "experiments/remat_tradeoff.py": ["--quick"],
+}
 SKIP = {"make": "runs the whole test suite or demo", "pip": "changes the environment",
         "module": "changes the environment (cluster modules)"}
 SHELL_BLOCKS = ("", "sh", "bash", "console", "shell")
@@ -92,6 +99,9 @@ def runnable(words: list[str]) -> list[str]:
                 out += ["--oversubscribe", "--allow-run-as-root"]
         else:
             out.append(w)
+    for script, extra in SCRIPT_SHORTEN.items():
+        if script in words:
+            out += extra
     if "hpcnn" in out and out.index("hpcnn") + 1 < len(out) and out[out.index("hpcnn") + 1] == "train":
         resumed = any(w.startswith("--resume=") for w in words)
         out += SHORTEN + [f"--steps={2 if resumed else 1}"]

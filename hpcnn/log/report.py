@@ -219,8 +219,9 @@ def make_report(h5_path, png_path=None) -> str:
 
 def save_figure(fig, path, *, rect=None, dpi: int = 110) -> str:
     """Lay ``fig`` out (within ``rect``, figure fractions), write it to ``path``, close it;
-    returns ``path``. The analysis scripts' figures all end here."""
+    returns ``path``. The analysis scripts' figures all end here; a missing folder is made."""
     import matplotlib.pyplot as plt
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
