@@ -15,9 +15,12 @@ an emulated slowdown's padding of it), so online this module models replica i's 
 fits a_i and c_i to each replica's measurements (:class:`StepTimeModel`), and chooses the
 integer shares that minimise the slowest replica's predicted time, max_i t_i(b_i)
 (:func:`balanced_shares`): equal predicted times where that is possible, ``min_share`` for a
-replica whose fixed part alone is slower than the others' whole step. Measuring samples/s
-instead (the previous estimator) makes a replica with a large fixed part look slower the less
-it gets, and its share shrinks step after step. Static speeds (``--speeds``) still use
+replica whose fixed part alone is slower than the others' whole step. Balancing by measured
+samples/s (the previous estimator) tends to the same split, but slowly: b/t(b) falls with the
+share when t has a fixed part, so each rebalance moves a share only part of the way
+(noiseless simulations, fixed part 25-100 % of an equal share's per-sample part, 2-4
+replicas: up to 35 rebalances to come within 5 %, against at most 3 here), and every
+window's noise moves it again. Static speeds (``--speeds``) still use
 :func:`proportional_shares`. The gradient weighting g_W = Σ_i (b_i/B)·g_i is done by the
 training loop, which scales each rank's loss gradient by b_i/B before the sum allreduce.
 
@@ -152,27 +155,29 @@ def balanced_shares(fixed, per_sample, batch: int, min_share: int = 1) -> numpy.
 class StepTimeModel:
     """One replica's compute seconds as a function of its share: t(b) = fixed + per_sample·b.
 
-    Fitted from the replica's last ``memory`` measurements, each a pair (share, median compute
-    seconds of one rebalancing window), in this order of preference:
+    Fitted from the replica's last ``memory`` measurements, each (share, median compute
+    seconds of one rebalancing window, standard error of that median), in this order:
 
-    1. a least-squares line, when the kept shares span at least max(2, 10 % of the largest)
-       samples (closer shares leave the slope to noise) and the line is physical:
-       per_sample > 0, and a negative fixed part is refitted as a line through the origin;
+    1. a least-squares line, when the kept shares span at least max(2, 20 % of the largest)
+       samples and the slope is determined: per_sample > 0 by at least ``MIN_SLOPE_SIGMAS``
+       standard errors (propagated from the medians' errors; a loaded machine's noise can
+       otherwise make the fixed part, or the per-sample part, look like all of it). A
+       negative fixed part is refitted as a line through the origin;
     2. otherwise only a scale: the shape (fixed : per_sample) of the last model is kept and
        multiplied to fit all kept measurements. Before any line the shape is (0 : 1), i.e.
        seconds proportional to the share: the samples/s estimate of static balancing. This is
        what keeps the model (and the shares) still once the shares stop moving, when every
        kept measurement has the same share and a slope cannot be identified.
 
-    A measurement that differs by more than ``change`` (relative) from what the model predicts
-    between the kept shares (not extrapolated: a line from two close shares may be far off
-    outside them) starts a new regime: the older measurements are dropped, the shape is kept
-    (a straggler appearing, the machine's load changing).
+    A measurement that differs from the model's prediction by more than ``change`` (relative)
+    and by more than 3 of its standard errors, between the kept shares (not extrapolated: a
+    line from two close shares may be far off outside them), starts a new regime: the older
+    measurements are dropped, the shape is kept (a straggler appearing, the load changing).
     Attributes: ``fixed``, ``per_sample`` (None before the first measurement); ``line`` True
-    when the current shape comes from a fitted line.
+    when the current shape comes from a fitted line; ``kept`` the measurements.
     """
 
-    MIN_SPREAD, MIN_RELATIVE_SPREAD = 2, 0.2
+    MIN_SPREAD, MIN_RELATIVE_SPREAD, MIN_SLOPE_SIGMAS = 2, 0.2, 2.0
 
     def __init__(self, memory: int = 16, change: float = 0.25):
         if int(memory) != memory or memory < 1:
@@ -180,7 +185,7 @@ class StepTimeModel:
         if not change > 0:
             raise ValueError(f"change={change!r}: must be > 0")
         self.change = float(change)
-        self.kept = deque(maxlen=int(memory))     # (share, seconds), oldest first
+        self.kept = deque(maxlen=int(memory))     # (share, seconds, error), oldest first
         self.fixed = self.per_sample = None
         self.line = False
 
@@ -190,39 +195,46 @@ class StepTimeModel:
             raise ValueError("StepTimeModel.predict(): no measurement yet")
         return self.fixed + self.per_sample * share
 
-    def observe(self, share: float, seconds: float) -> None:
-        """Add one measurement (``share`` samples took ``seconds``, both > 0) and refit."""
+    def observe(self, share: float, seconds: float, error: float = 0.0) -> None:
+        """Add one measurement and refit: ``share`` samples took ``seconds`` (both > 0), known
+        to within ``error`` seconds (standard error; 0 if unknown)."""
         if not (share > 0 and seconds > 0 and math.isfinite(share) and math.isfinite(seconds)):
             raise ValueError(f"share and seconds must be finite and > 0, got {share!r}, {seconds!r}")
-        share, seconds = float(share), float(seconds)
-        trusted = bool(self.kept) and min(b for b, _ in self.kept) <= share <= max(b for b, _ in self.kept)
-        if trusted and abs(seconds / self.predict(share) - 1) > self.change:
-            self.kept.clear()                     # a new regime: the old measurements are stale
-            self.line = False
-        self.kept.append((share, seconds))
+        if not (error >= 0 and math.isfinite(error)):
+            raise ValueError(f"error must be finite and >= 0, got {error!r}")
+        share, seconds, error = float(share), float(seconds), float(error)
+        shares = [b for b, _, _ in self.kept]
+        if shares and min(shares) <= share <= max(shares):
+            miss = abs(seconds - self.predict(share))
+            if miss > self.change * self.predict(share) and miss > 3 * error:
+                self.kept.clear()                 # a new regime: the old measurements are stale
+                self.line = False
+        self.kept.append((share, seconds, error))
         if not self._fit_line():
             self._fit_scale()
 
     def _fit_line(self) -> bool:
-        bs, ts = [b for b, _ in self.kept], [t for _, t in self.kept]
+        bs = [b for b, _, _ in self.kept]
         if max(bs) - min(bs) < max(self.MIN_SPREAD, self.MIN_RELATIVE_SPREAD * max(bs)):
             return False
         n = len(bs)
-        mb, mt = math.fsum(bs) / n, math.fsum(ts) / n
-        slope = (math.fsum((b - mb) * (t - mt) for b, t in self.kept)
-                 / math.fsum((b - mb) ** 2 for b in bs))
-        if slope <= 0:                            # noise, or time falling with work: not physical
+        mb, mt = math.fsum(bs) / n, math.fsum(t for _, t, _ in self.kept) / n
+        sbb = math.fsum((b - mb) ** 2 for b in bs)
+        slope = math.fsum((b - mb) * (t - mt) for b, t, _ in self.kept) / sbb
+        slope_error = math.sqrt(math.fsum(((b - mb) * e) ** 2 for b, _, e in self.kept)) / sbb
+        if slope <= self.MIN_SLOPE_SIGMAS * slope_error:   # not physical, or not determined
             return False
         fixed = mt - slope * mb
         if fixed < 0:                             # through the origin instead
-            fixed, slope = 0.0, math.fsum(b * t for b, t in self.kept) / math.fsum(b * b for b in bs)
+            fixed = 0.0
+            slope = math.fsum(b * t for b, t, _ in self.kept) / math.fsum(b * b for b in bs)
         self.fixed, self.per_sample, self.line = fixed, slope, True
         return True
 
     def _fit_scale(self) -> None:
         shape = (0.0, 1.0) if self.fixed is None else (self.fixed, self.per_sample)
-        pred = [shape[0] + shape[1] * b for b, _ in self.kept]
-        scale = math.fsum(p * t for p, (_, t) in zip(pred, self.kept)) / math.fsum(p * p for p in pred)
+        pred = [shape[0] + shape[1] * b for b, _, _ in self.kept]
+        scale = math.fsum(p * t for p, (_, t, _) in zip(pred, self.kept)) / math.fsum(p * p for p in pred)
         self.fixed, self.per_sample = scale * shape[0], scale * shape[1]
 
 
@@ -243,13 +255,18 @@ class StepMeter:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def summary(self) -> tuple[float, float]:
-        """(mean samples, median seconds) of the recorded steps: the median ignores a step
-        that a preemption or a first-step warm-up made much slower than the others."""
+    def summary(self) -> tuple[float, float, float]:
+        """(mean samples, median seconds, standard error of that median) of the recorded
+        steps. The median ignores a step that a preemption or a first-step warm-up made much
+        slower than the others; its error is estimated robustly too, from the median absolute
+        deviation: 1.2533 · 1.4826 · MAD / √n (both factors exact for normal noise; 0 for
+        one step, where nothing is known)."""
         if not self._steps:
             raise ValueError("StepMeter.summary(): no step recorded yet")
-        return (math.fsum(x for x, _ in self._steps) / len(self._steps),
-                statistics.median(y for _, y in self._steps))
+        n = len(self._steps)
+        med = statistics.median(y for _, y in self._steps)
+        mad = statistics.median(abs(y - med) for _, y in self._steps)
+        return math.fsum(x for x, _ in self._steps) / n, med, 1.2533 * 1.4826 * mad / math.sqrt(n)
 
     def reset(self) -> None:
         self._steps.clear()
@@ -266,10 +283,10 @@ class Balancer:
     ``change``: see :class:`StepTimeModel`.
 
     Online (proportional, no ``speeds``): every rank calls :meth:`step` after every step with
-    the same ``step`` number. After steps K-1, 2K-1, ... each rank's (share, median compute
-    seconds) over the last K steps, all taken with the same shares, is allgathered; every rank
-    then updates the same P models t_i(b) = a_i + c_i·b from these values only and takes the
-    shares from :func:`balanced_shares`, so ``shares`` and ``speeds`` are bitwise identical on
+    the same ``step`` number. After steps K-1, 2K-1, ... each rank's share, median compute
+    seconds over the last K steps (all taken with the same shares) and that median's standard
+    error (:meth:`StepMeter.summary`) are allgathered; every rank then updates the same P
+    models t_i(b) = a_i + c_i·b from these values only and takes the shares from :func:`balanced_shares`, so ``shares`` and ``speeds`` are bitwise identical on
     every rank. The first rebalance has one share per replica and balances by samples/s; the
     second, with two shares per replica, fits the lines; from then on the shares stay at the
     minimiser of the slowest predicted time until the measured times move away from the model.
@@ -337,12 +354,12 @@ class Balancer:
         self.meter.record(local_samples, local_compute_seconds)
         if (step + 1) % self.every:
             return False
-        measured = self.comm.allgather_scalars(self.meter.summary())      # (P, 2)
+        measured = self.comm.allgather_scalars(self.meter.summary())      # (P, 3)
         self.meter.reset()
-        if not numpy.all(numpy.isfinite(measured) & (measured > 0)):
+        if not (numpy.all(numpy.isfinite(measured)) and numpy.all(measured[:, :2] > 0)):
             return False              # a rank measured no time or no samples: keep the shares
-        for model, (share, seconds) in zip(self.models, measured.tolist()):
-            model.observe(share, seconds)
+        for model, (share, seconds, error) in zip(self.models, measured.tolist()):
+            model.observe(share, seconds, error)
         self.shares = balanced_shares([m.fixed for m in self.models],
                                       [m.per_sample for m in self.models], self.batch, self.min_share)
         self.speeds = self.shares / self.predicted_seconds()
