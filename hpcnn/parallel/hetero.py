@@ -17,9 +17,7 @@ integer shares that minimise the slowest replica's predicted time, max_i t_i(b_i
 (:func:`balanced_shares`): equal predicted times where that is possible, ``min_share`` for a
 replica whose fixed part alone is slower than the others' whole step. Balancing by measured
 samples/s (the previous estimator) tends to the same split, but slowly: b/t(b) falls with the
-share when t has a fixed part, so each rebalance moves a share only part of the way
-(noiseless simulations, fixed part 25-100 % of an equal share's per-sample part, 2-4
-replicas: up to 35 rebalances to come within 5 %, against at most 3 here), and every
+share when t has a fixed part, so each rebalance moves a share only part of the way, and every
 window's noise moves it again. Static speeds (``--speeds``) still use
 :func:`proportional_shares`. The gradient weighting g_W = Σ_i (b_i/B)·g_i is done by the
 training loop, which scales each rank's loss gradient by b_i/B before the sum allreduce.
