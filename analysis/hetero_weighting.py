@@ -6,7 +6,10 @@ Reads only the HDF5 table written by experiments/hetero_weighting.py (no MPI, no
 
 Rows: shard layout (contiguous, class-skewed). Columns: median time per epoch vs the emulated
 slowdown r of one replica, per arm; final test accuracy and final training loss (mean ± std over
-seeds), with the serial large-batch run as a dashed line.
+seeds), with the serial large-batch run as a dashed line; the slow replica's final share of the
+batch, with the share that balancing by samples/s would give if time were proportional to the
+share, 1/((P-1)r+1), dotted; the spread of the replicas' median compute times in the second half
+of each run, (max - min)/max, with the 10 % target dotted.
 """
 import os
 import sys
@@ -29,9 +32,10 @@ def main(path, out=None):
     runs, attrs = load_table(path, "runs")
     serial, _ = load_table(path, "serial")
     shards = list(dict.fromkeys(runs["shard"]))
-    fig, axes = plt.subplots(len(shards), 3, figsize=(15, 3.8 * len(shards)), squeeze=False)
+    p = int(attrs.get("ranks"))
+    fig, axes = plt.subplots(len(shards), 5, figsize=(25, 3.8 * len(shards)), squeeze=False)
     for row, shard in enumerate(shards):
-        ax_t, ax_a, ax_l = axes[row]
+        ax_t, ax_a, ax_l, ax_s, ax_d = axes[row]
         for arm, (color, marker) in STYLE.items():
             sel = (runs["shard"] == shard) & (runs["arm"] == arm)
             fs = np.unique(runs["factor"][sel])
@@ -44,11 +48,18 @@ def main(path, out=None):
             lo = [runs["final_loss"][sel & (runs["factor"] == f)] for f in fs]
             ax_l.errorbar(fs, [np.mean(v) for v in lo], [np.std(v) for v in lo],
                           color=color, marker=marker, capsize=3, label=arm)
+            for ax, key, scale in ((ax_s, "slow_rank_share_final", 100), (ax_d, "compute_spread", 100)):
+                v = [runs[key][sel & (runs["factor"] == f)] for f in fs]
+                ax.errorbar(fs, [scale * np.mean(x) for x in v], [scale * np.std(x) for x in v],
+                            color=color, marker=marker, capsize=3, label=arm)
         s = serial["test_acc"][serial["shard"] == shard]
         ax_a.axhline(100 * np.mean(s), color="k", ls="--", lw=1, label="serial large batch")
         ax_l.axhline(np.mean(serial["final_loss"][serial["shard"] == shard]), color="k", ls="--",
                      lw=1, label="serial large batch")
-        for ax in (ax_t, ax_a, ax_l):
+        fr = np.geomspace(1, max(runs["factor"]), 50)
+        ax_s.plot(fr, 100 / ((p - 1) * fr + 1), "k:", lw=1, label="samples/s, time ∝ share")
+        ax_d.axhline(10, color="k", ls=":", lw=1, label="10 %")
+        for ax in (ax_t, ax_a, ax_l, ax_s, ax_d):
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(set(runs["factor"].tolist())))
             ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -60,10 +71,15 @@ def main(path, out=None):
         ax_a.set_title(f"{shard} shards: accuracy (mean ± std over seeds)")
         ax_l.set_ylabel("final training loss")
         ax_l.set_title(f"{shard} shards: final loss (uniform's bias)")
-        for ax in (ax_t, ax_a, ax_l):
+        ax_s.set_ylabel("slow replica's final share (% of batch)")
+        ax_s.set_title(f"{shard} shards: slow replica's share")
+        ax_d.set_ylabel("compute time spread, 2nd half (%)")
+        ax_d.set_title(f"{shard} shards: (max - min) / max of replica times")
+        for ax in (ax_t, ax_a, ax_l, ax_s, ax_d):
             ax.legend(fontsize=8)
-    fig.suptitle(f"Heterogeneous data parallelism, {attrs.get('ranks')} ranks, {attrs.get('model')} "
-                 f"(slowdown emulated: {attrs.get('emulated_slowdown_mode')})")
+    fig.suptitle(f"Heterogeneous data parallelism, {p} ranks, {attrs.get('model')} "
+                 f"(slowdown emulated: {attrs.get('emulated_slowdown_mode')}; "
+                 f"balancer: {attrs.get('balancer', 'samples/s')})")
     out = save_figure(fig, out or os.path.splitext(path)[0] + ".png")
     print(f"wrote {out}")
     return out

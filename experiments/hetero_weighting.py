@@ -9,10 +9,27 @@ gradients used by earlier static balancing.
 
 The last rank is slowed by an EMULATED factor r (extra time proportional to its real compute,
 see hpcnn.parallel.hetero.Slowdown). Arms: equal shares; proportional + uniform mean;
-proportional + weighted. Each (shard layout, r, arm, seed) is a full training run of an MLP on
-digits with its own HDF5 log under runs/hetero_weighting/; the summary table goes to
+proportional + weighted. The proportional arms measure the replicas online (no fixed speeds):
+every 5 steps the balancer refits each replica's compute time as fixed + per-sample cost and
+takes the shares that minimise the slowest predicted time (hpcnn.parallel.hetero.Balancer).
+Until this version it balanced by measured samples/s, which a step's fixed part biases against
+a replica with a small share. Each (shard layout, r, arm, seed) is a full training run of an MLP
+on digits with its own HDF5 log under runs/hetero_weighting/; the summary table goes to
 runs/hetero_weighting/results.h5 (table "runs"), and the serial large-batch reference of each seed
-to table "serial". Plot with analysis/hetero_weighting.py.
+to table "serial". Besides time, accuracy and loss, each run records the slow replica's share
+(mean after the first rebalance, and final) and the spread of the replicas' median compute
+times over the second half of the run, (max - min) / max, from the log's per-rank rows. Plot
+with analysis/hetero_weighting.py.
+
+What changed with the fixed + per-sample balancer (docs/figures/hetero_weighting_p2.png, 3 seeds,
+2-core machine shared with other jobs): the slow replica ends with 24 % of the batch at r = 2 and
+5.5 % at r = 4 (time proportional to the share would give 33 % and 20 %: this MLP's fixed part
+is large), the replicas' compute times 2.7 % apart (median); an epoch at r = 4 took 31 ms
+(contiguous) and 27 ms (skewed) with the weighted arm, 46 and 29 ms in the previous figure,
+64-66 ms with equal shares in both. The smaller slow share makes each of its samples weigh more
+in the uniform mean: its final loss at r = 4 is 0.005 and 0.004 (0.004 in the previous figure;
+serial 0.002). On 4 ranks sharing 2 cores the wait for a core is a fixed part of every step and
+the slow replica gets the minimum share (docs/figures/hetero_weighting_p4.png).
 
     mpiexec -n 2 python -m mpi4py experiments/hetero_weighting.py --seeds=3
     mpiexec -n 4 python -m mpi4py experiments/hetero_weighting.py --factors=1,2,4 --seeds=3
@@ -50,6 +67,19 @@ def per_epoch_time(log_path, batch):
     m = read_run(log_path).metrics
     spe = steps_per_epoch(1437, batch)
     return float(np.median(m["step_time"]) * spe), float(np.sum(m["step_time"]) / (len(m["step_time"]) / spe))
+
+
+def balance_summary(log_path, batch):
+    """(slow rank's mean share after the first rebalance, its final share, both / batch;
+    spread (max - min) / max of the ranks' median compute seconds over the run's second half)."""
+    run = read_run(log_path)
+    hist = run.plan.get("shares_history", [])
+    shares = [h[1][-1] / batch for h in hist]
+    mean = float(np.mean(shares[1:])) if len(shares) > 1 else shares[0]
+    r = run.ranks
+    late = r["step"] >= r["step"].max() / 2
+    med = [float(np.median(r["compute_s"][late & (r["rank"] == k)])) for k in np.unique(r["rank"])]
+    return mean, shares[-1], (max(med) - min(med)) / max(med)
 
 
 def main():
@@ -99,21 +129,22 @@ def main():
                         med, mean = per_epoch_time(cfg.log, args.batch)
                         ref = serial_params[(shard, seed)]
                         diff = max(float(np.max(np.abs(a.data - b))) for a, b in zip(r["model"].params, ref))
-                        plan = read_run(cfg.log).plan
-                        hist = plan.get("shares_history", [])
-                        slow_share = float(np.mean([h[1][-1] / args.batch for h in hist[1:]])) if len(hist) > 1 \
-                            else 1.0 / p
+                        slow_share, slow_final, spread = balance_summary(cfg.log, args.batch)
                         rows.append({"shard": shard, "factor": f, "arm": arm, "seed": seed,
                                      "epoch_time_s": med, "epoch_time_mean_s": mean, "wall_s": wall,
                                      "test_acc": r["test_acc"], "final_loss": r["loss"],
-                                     "max_param_diff_vs_serial": diff, "slow_rank_share": slow_share})
+                                     "max_param_diff_vs_serial": diff, "slow_rank_share": slow_share,
+                                     "slow_rank_share_final": slow_final, "compute_spread": spread})
                         print(f"{name:32s} epoch {med * 1e3:7.1f} ms  acc {r['test_acc']:.4f}  "
                               f"loss {r['loss']:.4f}  |dtheta| vs serial {diff:.2e}  "
-                              f"slow share {slow_share:.3f}", flush=True)
+                              f"slow share {slow_share:.3f} (final {slow_final:.3f})  "
+                              f"compute spread {spread:.1%}", flush=True)
     if rank == 0:
         path = os.path.join(args.out, "results.h5")
         attrs = {"ranks": p, "emulated_slowdown_mode": args.slowdown_mode, "batch": args.batch,
-                 "epochs": args.epochs, "model": "mlp 64-512-512-10", "slowed_rank": p - 1}
+                 "epochs": args.epochs, "model": "mlp 64-512-512-10", "slowed_rank": p - 1,
+                 "rebalance_every": args.rebalance_every,
+                 "balancer": "online fixed + per-sample time model, min-max shares"}
         save_table(path, "runs", rows, attrs)
         save_table(path, "serial", serial_rows, attrs)
         print(f"wrote {path}")

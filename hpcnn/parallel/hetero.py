@@ -1,14 +1,26 @@
-"""Load balancing for heterogeneous data parallelism: batch shares proportional to replica speed.
+"""Load balancing for heterogeneous data parallelism: batch shares that equalise step times.
 
 Moreno-Álvarez, Paoletti, Rico-Gallego, Haut (J. Supercomputing 2022), building on their static
 balancing (J. Supercomputing 2020): replica i of P, running at s_i samples/s, gets
 
     b_i = B · s_i / Σ_j s_j        (integers, Σ_i b_i = B)
 
-of the global batch B, so that the compute time of a step, max_i b_i / s_i, is equalised. This
-module only decides the b_i: from speeds given in the config (static) or from speeds measured
-online and re-decided every K steps. The gradient weighting g_W = Σ_i (b_i/B)·g_i is done by
-the training loop, which scales each rank's loss gradient by b_i/B before the sum allreduce.
+of the global batch B, so that the compute time of a step, max_i b_i / s_i, is equalised. That
+holds when a replica's compute time is proportional to its share. A real step also has a part
+that does not shrink with the share (Python and launch overheads, the optimizer's bookkeeping,
+an emulated slowdown's padding of it), so online this module models replica i's compute time as
+
+    t_i(b) = a_i + c_i · b          (a_i fixed seconds, c_i seconds per sample),
+
+fits a_i and c_i to each replica's measurements (:class:`StepTimeModel`), and chooses the
+integer shares that minimise the slowest replica's predicted time, max_i t_i(b_i)
+(:func:`balanced_shares`): equal predicted times where that is possible, ``min_share`` for a
+replica whose fixed part alone is slower than the others' whole step. Balancing by measured
+samples/s (the previous estimator) tends to the same split, but slowly: b/t(b) falls with the
+share when t has a fixed part, so each rebalance moves a share only part of the way, and every
+window's noise moves it again. Static speeds (``--speeds``) still use
+:func:`proportional_shares`. The gradient weighting g_W = Σ_i (b_i/B)·g_i is done by the
+training loop, which scales each rank's loss gradient by b_i/B before the sum allreduce.
 
 :class:`Slowdown` is an *emulation* of a slower replica on a homogeneous machine (tests, demos,
 teaching); it is not a model of any device. Example, a straggler appearing mid-run::
@@ -18,6 +30,7 @@ teaching); it is not a model of any device. Example, a straggler appearing mid-r
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 
@@ -92,14 +105,142 @@ def proportional_shares(speeds, batch: int, min_share: int = 1) -> numpy.ndarray
     return b
 
 
-class SpeedMeter:
-    """Samples per second of one rank's own compute over the last ``window`` steps."""
+def balanced_shares(fixed, per_sample, batch: int, min_share: int = 1) -> numpy.ndarray:
+    """Integer shares minimising the slowest replica's predicted time max_i (a_i + c_i·b_i).
 
-    def __init__(self, window: int):
-        if int(window) != window or window < 1:
-            raise ValueError(f"window must be a positive integer, got {window!r}")
-        self.window = int(window)
-        self._steps = deque(maxlen=self.window)
+    Water-filling: the common time T with Σ_i max(min_share, (T − a_i)/c_i) = B is found
+    exactly (replicas whose a_i + c_i·min_share exceeds T are pinned at ``min_share``, the
+    others share the rest so that their predicted times are all T); each replica then gets the
+    floor of its real-valued share, and the < P samples left go one at a time to the replica
+    whose time after taking one more is least (lowest rank among ties). Greedy filling from
+    below is optimal for this min-max problem, so the result is the integer optimum.
+    Computed in Python floats with exactly rounded sums (:func:`math.fsum`), so that equal
+    inputs give bitwise equal shares on every rank, whatever its machine.
+
+    Parameters: ``fixed`` (P,) a_i >= 0 seconds; ``per_sample`` (P,) c_i > 0 seconds per
+    sample; ``batch`` B >= P·min_share. Returns an int64 array (P,) with sum exactly B.
+    Example: ``balanced_shares([0, 0], [1, 3], 8) -> [6, 2]`` (proportional when a = 0);
+    ``balanced_shares([0, 2], [1, 1], 10) -> [6, 4]`` (both take 6 s).
+    """
+    a = [float(x) for x in numpy.asarray(fixed, dtype=numpy.float64).reshape(-1)]
+    c = [float(x) for x in numpy.asarray(per_sample, dtype=numpy.float64).reshape(-1)]
+    p = len(a)
+    if p == 0 or len(c) != p:
+        raise ValueError(f"fixed ({p} values) and per_sample ({len(c)} values): need one of each per replica")
+    if not all(math.isfinite(x) and x >= 0 for x in a) or not all(math.isfinite(x) and x > 0 for x in c):
+        raise ValueError(f"fixed must be finite and >= 0, per_sample finite and > 0; got {a}, {c}")
+    batch = _check_batch(batch, p, min_share)
+    free = list(range(p))
+    while True:                                   # water level over the replicas not pinned
+        rest = batch - min_share * (p - len(free))
+        level = (rest + math.fsum(a[i] / c[i] for i in free)) / math.fsum(1 / c[i] for i in free)
+        low = [i for i in free if a[i] + c[i] * min_share > level]
+        if not low or len(low) == len(free):      # the last case only through rounding
+            break
+        free = [i for i in free if i not in low]
+    b = [min_share] * p
+    for i in free:
+        b[i] = max(min_share, math.floor((level - a[i]) / c[i]))
+    while sum(b) > batch:                         # rounding pushed the sum over: slowest gives one
+        i = max((i for i in range(p) if b[i] > min_share), key=lambda i: (a[i] + c[i] * b[i], -i))
+        b[i] -= 1
+    while sum(b) < batch:                         # the remainder, one sample at a time
+        i = min(range(p), key=lambda i: (a[i] + c[i] * (b[i] + 1), i))
+        b[i] += 1
+    return numpy.array(b, dtype=numpy.int64)
+
+
+class StepTimeModel:
+    """One replica's compute seconds as a function of its share: t(b) = fixed + per_sample·b.
+
+    Fitted from the replica's last ``memory`` measurements, each (share, median compute
+    seconds of one rebalancing window, standard error of that median), in this order:
+
+    1. a least-squares line, when the kept shares span at least max(2, 20 % of the largest)
+       samples and the slope is determined: per_sample > 0 by at least ``MIN_SLOPE_SIGMAS``
+       standard errors (propagated from the medians' errors; a loaded machine's noise can
+       otherwise make the fixed part, or the per-sample part, look like all of it). A
+       negative fixed part is refitted as a line through the origin;
+    2. otherwise only a scale: the shape (fixed : per_sample) of the last model is kept and
+       multiplied to fit all kept measurements. Before any line the shape is (0 : 1), i.e.
+       seconds proportional to the share: the samples/s estimate of static balancing. This is
+       what keeps the model (and the shares) still once the shares stop moving, when every
+       kept measurement has the same share and a slope cannot be identified.
+
+    A measurement that differs from the model's prediction by more than ``change`` (relative)
+    and by more than 3 of its standard errors, between the kept shares (not extrapolated: a
+    line from two close shares may be far off outside them), starts a new regime: the older
+    measurements are dropped, the shape is kept (a straggler appearing, the load changing).
+    Attributes: ``fixed``, ``per_sample`` (None before the first measurement); ``line`` True
+    when the current shape comes from a fitted line; ``kept`` the measurements.
+    """
+
+    MIN_SPREAD, MIN_RELATIVE_SPREAD, MIN_SLOPE_SIGMAS = 2, 0.2, 2.0
+
+    def __init__(self, memory: int = 16, change: float = 0.25):
+        if int(memory) != memory or memory < 1:
+            raise ValueError(f"memory={memory!r}: must be a positive integer")
+        if not change > 0:
+            raise ValueError(f"change={change!r}: must be > 0")
+        self.change = float(change)
+        self.kept = deque(maxlen=int(memory))     # (share, seconds, error), oldest first
+        self.fixed = self.per_sample = None
+        self.line = False
+
+    def predict(self, share: float) -> float:
+        """Predicted compute seconds at ``share`` samples."""
+        if self.fixed is None:
+            raise ValueError("StepTimeModel.predict(): no measurement yet")
+        return self.fixed + self.per_sample * share
+
+    def observe(self, share: float, seconds: float, error: float = 0.0) -> None:
+        """Add one measurement and refit: ``share`` samples took ``seconds`` (both > 0), known
+        to within ``error`` seconds (standard error; 0 if unknown)."""
+        if not (share > 0 and seconds > 0 and math.isfinite(share) and math.isfinite(seconds)):
+            raise ValueError(f"share and seconds must be finite and > 0, got {share!r}, {seconds!r}")
+        if not (error >= 0 and math.isfinite(error)):
+            raise ValueError(f"error must be finite and >= 0, got {error!r}")
+        share, seconds, error = float(share), float(seconds), float(error)
+        shares = [b for b, _, _ in self.kept]
+        if shares and min(shares) <= share <= max(shares):
+            miss = abs(seconds - self.predict(share))
+            if miss > self.change * self.predict(share) and miss > 3 * error:
+                self.kept.clear()                 # a new regime: the old measurements are stale
+                self.line = False
+        self.kept.append((share, seconds, error))
+        if not self._fit_line():
+            self._fit_scale()
+
+    def _fit_line(self) -> bool:
+        bs = [b for b, _, _ in self.kept]
+        if max(bs) - min(bs) < max(self.MIN_SPREAD, self.MIN_RELATIVE_SPREAD * max(bs)):
+            return False
+        n = len(bs)
+        mb, mt = math.fsum(bs) / n, math.fsum(t for _, t, _ in self.kept) / n
+        sbb = math.fsum((b - mb) ** 2 for b in bs)
+        slope = math.fsum((b - mb) * (t - mt) for b, t, _ in self.kept) / sbb
+        slope_error = math.sqrt(math.fsum(((b - mb) * e) ** 2 for b, _, e in self.kept)) / sbb
+        if slope <= self.MIN_SLOPE_SIGMAS * slope_error:   # not physical, or not determined
+            return False
+        fixed = mt - slope * mb
+        if fixed < 0:                             # through the origin instead
+            fixed = 0.0
+            slope = math.fsum(b * t for b, t, _ in self.kept) / math.fsum(b * b for b in bs)
+        self.fixed, self.per_sample, self.line = fixed, slope, True
+        return True
+
+    def _fit_scale(self) -> None:
+        shape = (0.0, 1.0) if self.fixed is None else (self.fixed, self.per_sample)
+        pred = [shape[0] + shape[1] * b for b, _, _ in self.kept]
+        scale = math.fsum(p * t for p, (_, t, _) in zip(pred, self.kept)) / math.fsum(p * p for p in pred)
+        self.fixed, self.per_sample = scale * shape[0], scale * shape[1]
+
+
+class StepMeter:
+    """One rank's compute steps since the last rebalance: (samples, seconds) of each."""
+
+    def __init__(self):
+        self._steps = []
 
     def record(self, samples: float, seconds: float) -> None:
         """Add one step: ``samples`` processed in ``seconds`` of compute (waiting excluded)."""
@@ -112,18 +253,18 @@ class SpeedMeter:
     def __len__(self) -> int:
         return len(self._steps)
 
-    @property
-    def ready(self) -> bool:
-        """True once ``window`` steps have been recorded."""
-        return len(self._steps) == self.window
-
-    def speed(self) -> float:
-        """Σ samples / Σ seconds over the window (``inf`` if no time was measured)."""
+    def summary(self) -> tuple[float, float, float]:
+        """(mean samples, median seconds, standard error of that median) of the recorded
+        steps. The median ignores a step that a preemption or a first-step warm-up made much
+        slower than the others; its error is estimated robustly too, from the median absolute
+        deviation: 1.2533 · 1.4826 · MAD / √n (both factors exact for normal noise; 0 for
+        one step, where nothing is known)."""
         if not self._steps:
-            raise ValueError("SpeedMeter.speed(): no step recorded yet")
-        n = sum(x for x, _ in self._steps)
-        t = sum(y for _, y in self._steps)
-        return n / t if t > 0 else math.inf
+            raise ValueError("StepMeter.summary(): no step recorded yet")
+        n = len(self._steps)
+        med = statistics.median(y for _, y in self._steps)
+        mad = statistics.median(abs(y - med) for _, y in self._steps)
+        return math.fsum(x for x, _ in self._steps) / n, med, 1.2533 * 1.4826 * mad / math.sqrt(n)
 
     def reset(self) -> None:
         self._steps.clear()
@@ -134,41 +275,44 @@ class Balancer:
 
     Parameters: ``comm`` a :class:`~hpcnn.parallel.comm.Communicator` over the data-parallel
     replicas; ``batch`` the global batch B; ``policy`` ``"equal"`` (always equal shares) or
-    ``"proportional"`` (shares from speeds, :func:`proportional_shares`); ``speeds`` one number
-    per rank for static proportional balancing, else ``None`` to measure online;
-    ``rebalance_every`` K; ``smoothing`` in [0, 1), the weight of the old speed estimate in the
-    exponential moving average (0 = use the latest window only); ``min_share`` the least share
-    of any rank; ``window`` steps per speed measurement (default K).
+    ``"proportional"`` (shares by speed); ``speeds`` one number per rank for static
+    proportional balancing (:func:`proportional_shares`), else ``None`` to measure online;
+    ``rebalance_every`` K; ``min_share`` the least share of any rank; ``memory`` and
+    ``change``: see :class:`StepTimeModel`.
 
     Online (proportional, no ``speeds``): every rank calls :meth:`step` after every step with
-    the same ``step`` number; after steps K-1, 2K-1, ... the ranks' windowed speeds are
-    allgathered and smoothed (the first measurement replaces the initial guess), and the shares
-    recomputed. Only allgathered values enter the decision, so ``shares`` and ``speeds`` are
-    bitwise identical on every rank. ``equal`` and static policies never communicate.
+    the same ``step`` number. After steps K-1, 2K-1, ... each rank's share, median compute
+    seconds over the last K steps (all taken with the same shares) and that median's standard
+    error (:meth:`StepMeter.summary`) are allgathered; every rank then updates the same P
+    models t_i(b) = a_i + c_i·b from these values only and takes the shares from :func:`balanced_shares`, so ``shares`` and ``speeds`` are bitwise identical on
+    every rank. The first rebalance has one share per replica and balances by samples/s; the
+    second, with two shares per replica, fits the lines; from then on the shares stay at the
+    minimiser of the slowest predicted time until the measured times move away from the model.
+    ``equal`` and static policies never communicate.
 
-    Attributes: ``shares`` int64 (P,), in force for the next step; ``speeds`` float64 (P,) or
-    ``None`` before the first measurement; ``history`` list of ``(step, shares, speeds)``, each
-    entry the shares in force from ``step`` on (``speeds`` all NaN if none known yet).
+    Attributes: ``shares`` int64 (P,), in force for the next step; ``speeds`` float64 (P,),
+    each replica's predicted samples/s at its share, b_i / t_i(b_i) (static: the given ones),
+    or ``None`` before the first measurement; ``models`` the P :class:`StepTimeModel`;
+    ``history`` list of ``(step, shares, speeds)``, each entry the shares in force from
+    ``step`` on (``speeds`` all NaN if none known yet).
     """
 
     def __init__(self, comm, batch: int, policy: str = "proportional", *, speeds=None,
-                 rebalance_every: int = 10, smoothing: float = 0.5, min_share: int = 1,
-                 window: int | None = None):
+                 rebalance_every: int = 10, min_share: int = 1, memory: int = 16,
+                 change: float = 0.25):
         p = comm.size
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
         if int(rebalance_every) != rebalance_every or rebalance_every < 1:
             raise ValueError(f"rebalance_every={rebalance_every!r}: must be a positive integer")
-        if not 0 <= smoothing < 1:
-            raise ValueError(f"smoothing={smoothing!r}: must be in [0, 1)")
         if speeds is not None and policy == "equal":
             raise ValueError(f"speeds {list(speeds)} given with policy 'equal': use 'proportional'")
         self.comm, self.rank, self.size = comm, comm.rank, p
         self.batch = _check_batch(batch, p, min_share)
-        self.policy, self.every = policy, int(rebalance_every)
-        self.smoothing, self.min_share = float(smoothing), int(min_share)
+        self.policy, self.every, self.min_share = policy, int(rebalance_every), int(min_share)
         self.measured = policy == "proportional" and speeds is None
-        self.meter = SpeedMeter(window or self.every)
+        self.meter = StepMeter()
+        self.models = [StepTimeModel(memory, change) for _ in range(p)]
         if speeds is not None:
             self.speeds = _check_speeds(speeds, p)
             self.shares = proportional_shares(self.speeds, self.batch, self.min_share)
@@ -190,8 +334,13 @@ class Balancer:
         """(P,) index of each rank's first sample in the global batch (exclusive prefix sum)."""
         return numpy.concatenate(([0], numpy.cumsum(self.shares)[:-1])).astype(numpy.int64)
 
+    def predicted_seconds(self, shares=None) -> numpy.ndarray:
+        """(P,) each replica's predicted compute seconds at ``shares`` (default: the current)."""
+        shares = self.shares if shares is None else shares
+        return numpy.array([m.predict(float(b)) for m, b in zip(self.models, shares)])
+
     def step(self, step: int, local_samples: int, local_compute_seconds: float) -> bool:
-        """Record this rank's step; every K steps, measure, smooth and rebalance (collective).
+        """Record this rank's step; every K steps, measure, refit and rebalance (collective).
 
         ``local_compute_seconds`` is this rank's own compute time for ``local_samples``
         (including any emulated slowdown, excluding time spent waiting for other ranks), so a
@@ -203,14 +352,15 @@ class Balancer:
         self.meter.record(local_samples, local_compute_seconds)
         if (step + 1) % self.every:
             return False
-        measured = self.comm.allgather_scalars([self.meter.speed()])[:, 0]     # (P,)
-        if not numpy.all(numpy.isfinite(measured) & (measured > 0)):
+        measured = self.comm.allgather_scalars(self.meter.summary())      # (P, 3)
+        self.meter.reset()
+        if not (numpy.all(numpy.isfinite(measured)) and numpy.all(measured[:, :2] > 0)):
             return False              # a rank measured no time or no samples: keep the shares
-        if self.speeds is None:
-            self.speeds = measured
-        else:
-            self.speeds = self.smoothing * self.speeds + (1 - self.smoothing) * measured
-        self.shares = proportional_shares(self.speeds, self.batch, self.min_share)
+        for model, (share, seconds, error) in zip(self.models, measured.tolist()):
+            model.observe(share, seconds, error)
+        self.shares = balanced_shares([m.fixed for m in self.models],
+                                      [m.per_sample for m in self.models], self.batch, self.min_share)
+        self.speeds = self.shares / self.predicted_seconds()
         self.history.append((step + 1, self.shares.copy(), self.speeds.copy()))
         return True
 
