@@ -67,10 +67,11 @@ class Linear(Block):
     def forward(self, x):
         if x.shape[-1] != self.n_in:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.n_in}")
-        y = B.xp.matmul(x, self.weight.data)            # (..., out)
+        # one 2-D product over all rows: a stacked (B, T, in) operand would be B small products
+        y = B.xp.matmul(x.reshape(-1, self.n_in), self.weight.data)   # (N, out)
         if self.bias is not None:
             y += self.bias.data
-        return y, x
+        return y.reshape(tuple(x.shape[:-1]) + (self.n_out,)), x
 
     def backward(self, dy, cache):
         if _deferred is not None:                   # zero-bubble split: W comes later
@@ -80,8 +81,9 @@ class Linear(Block):
         return self.backward_input(dy, cache)
 
     def backward_input(self, dy, cache):
-        """dx = dy W^T  (from y = x W)."""
-        return B.xp.matmul(dy, self.weight.data.T)     # (..., in)
+        """dx = dy W^T  (from y = x W), as one 2-D product over all rows."""
+        dx = B.xp.matmul(dy.reshape(-1, self.n_out), self.weight.data.T)   # (N, in)
+        return dx.reshape(tuple(dy.shape[:-1]) + (self.n_in,))
 
     def backward_weight(self, dy, cache):
         """dW += x^T dy, db += sum(dy)  (from y = x W + b)."""
