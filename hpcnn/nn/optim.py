@@ -65,7 +65,9 @@ class SGD(Optimizer):
         for p in self.params:
             g, tmp = p.grad, self._tmp(p)
             if self.weight_decay and self.decay[p.name]:
-                g = g + self.weight_decay * p.data
+                xp.multiply(p.data, self.weight_decay, out=tmp)
+                tmp += g
+                g = tmp                                  # g + wd p, in the scratch array
             if self.momentum:
                 key = p.name + "/momentum"
                 v = self.state.get(key)
@@ -74,9 +76,10 @@ class SGD(Optimizer):
                 v *= self.momentum
                 v += g
                 if self.nesterov:
-                    xp.multiply(v, self.momentum, out=tmp)
-                    tmp += g
-                    g = tmp
+                    if g is not tmp:
+                        tmp[...] = g
+                    B.axpy(self.momentum, v, tmp)
+                    g = tmp                              # g + mu v
                 else:
                     g = v
             B.axpy(-lr, g, p.data)                   # p -= lr * (v, or g + mu v, or g)
