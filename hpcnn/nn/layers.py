@@ -32,7 +32,7 @@ def filled(value: float, n: int, dtype):
     callers only read. Sums along either axis of a 2-D array as BLAS matrix-vector products,
     ``filled(1, N) @ a`` (column sums) and ``a @ filled(1/C, C)`` (row means), are 1.5-6x faster
     than ``a.sum(axis)`` on the CPU at the shapes of a step, and need no temporary."""
-    key = (float(value), B.xp.dtype(dtype).str)
+    key = (float(value), numpy.dtype(dtype).str)
     v = _FILLED.get(key)
     if v is None or not isinstance(v, B.xp.ndarray) or v.shape[0] < n:
         v = _FILLED[key] = B.xp.full(int(n), value, dtype=dtype)

@@ -92,9 +92,9 @@ class AdamW(Optimizer):
     m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p -= lr (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps);
     p -= lr wd p (decoupled, applied first).
 
-    The step makes 10 passes over memory per parameter (was 13): the two moment updates use
-    BLAS axpy (one pass each for ``+= (1-b) x``) and the bias corrections are folded into two
-    scalars (see :meth:`step`); tests check it against the formula above.
+    The step makes 10 passes over memory per parameter where the formula read literally makes
+    13: the moment updates add ``(1-b) x`` with one BLAS axpy each, and the bias corrections
+    are folded into two scalars (see :meth:`step`). Tests check it against the formula above.
     """
 
     def __init__(self, params, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
