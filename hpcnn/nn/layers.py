@@ -31,7 +31,11 @@ def filled(value: float, n: int, dtype):
     """A vector of ``n`` elements all equal to ``value``: a view of a memoised vector, which
     callers only read. Sums along either axis of a 2-D array as BLAS matrix-vector products,
     ``filled(1, N) @ a`` (column sums) and ``a @ filled(1/C, C)`` (row means), are 1.5-6x faster
-    than ``a.sum(axis)`` on the CPU at the shapes of a step, and need no temporary."""
+    than ``a.sum(axis)`` on the CPU at the shapes of a step, and need no temporary (LayerNorm).
+
+    Linear's bias gradient and the attention softmax keep ``a.sum(axis)``: their tensor-parallel
+    counterparts (:mod:`hpcnn.parallel.tensor`, :mod:`hpcnn.parallel.tensor_attn`) sum that
+    way, and one tensor-parallel rank must reproduce the serial gradients bit for bit."""
     key = (float(value), numpy.dtype(dtype).str)
     v = _FILLED.get(key)
     if v is None or not isinstance(v, B.xp.ndarray) or v.shape[0] < n:
@@ -105,8 +109,8 @@ class Linear(Block):
         x2 = cache.reshape(-1, self.n_in)               # (N, in)
         dy2 = dy.reshape(-1, self.n_out)                # (N, out)
         self.weight.add_matmul(x2.T, dy2)               # (in, out)
-        if self.bias is not None:                       # column sums, as ones(N) @ dy
-            self.bias.add_grad(B.xp.matmul(filled(1.0, dy2.shape[0], dy2.dtype), dy2))
+        if self.bias is not None:
+            self.bias.add_grad(dy2.sum(axis=0))
 
     def spec(self, x_shape):
         n = _rows(x_shape)

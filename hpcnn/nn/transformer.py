@@ -18,7 +18,7 @@ import numpy  # host-side initial values and dtypes only; array code goes throug
 
 from hpcnn import backend as B
 from hpcnn.nn.core import Block, BlockSpec, init_rng, param_from_host
-from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, filled
+from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear
 
 _SUB = 1 << 62   # sub-block keys live above any top-level chain index
 
@@ -208,7 +208,6 @@ class CausalSelfAttention(Block):
         yh = y.transpose(0, 2, 1, 3)                             # (B, nh, T, hs) view of y
         bs = self._batch_step(Bn, T)
         qT_buf = self._buffer("qT", (bs, nh, hs, T), dt)
-        ones = filled(1.0, T, dt)      # column sums as batched ones @ a: BLAS, 5x a.sum(axis=-2)
         for b0 in range(0, Bn, bs):
             sl = slice(b0, min(Bn, b0 + bs))
             a = att[sl]                                          # (n, nh, T, T) slice
@@ -217,7 +216,7 @@ class CausalSelfAttention(Block):
             a += bias                                            # no attention to the future
             a -= a.max(axis=-2, keepdims=True)                   # (n, nh, 1, T) column max
             xp.exp(a, out=a)
-            s = xp.matmul(ones, a)[:, :, None, :]                # (n, nh, 1, T) column sums
+            s = a.sum(axis=-2, keepdims=True)                    # (n, nh, 1, T)
             a *= xp.divide(1.0, s, out=s)                        # softmax over keys, in place
             if not dropping:
                 xp.matmul(a.swapaxes(-1, -2), v[sl], out=yh[sl]) # y = att^T v
