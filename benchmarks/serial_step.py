@@ -6,7 +6,11 @@ SGD update), the achieved FLOP/s as a fraction of the FLOP/s of exactly the step
 back to back in plain NumPy (measured in the same run), and, where ``torch`` imports, the same
 model's step in PyTorch. Results go to runs/bench/serial_step.h5 (tables ``mlp`` and ``gpt``).
 
-    OMP_NUM_THREADS=1 python benchmarks/serial_step.py [--repeats=20]
+    OMP_NUM_THREADS=1 python benchmarks/serial_step.py [--repeats=20] [--breakdown]
+
+``--breakdown`` then runs each model's step instrumented (a separate, untimed-for-comparison
+run) and prints the exclusive time of every block method per step: where the time goes beyond
+the matmuls (each Linear's GEMMs and bias, the attention core, LayerNorm, GELU, loss, optimizer).
 
 Models: MLP 4 x Linear(1024, 1024) with ReLU, batch 256 (as in shared MEASURED.md);
 GPT-tiny 4 blocks, dim 128, 4 heads, context 64, vocab 81, batch 32.
@@ -28,9 +32,14 @@ from hpcnn.nn import models  # noqa: E402
 from hpcnn.nn.optim import SGD  # noqa: E402
 
 REPEATS = 20
+BREAKDOWN = False
 for a in sys.argv[1:]:
     if a.startswith("--repeats="):
         REPEATS = int(a.split("=", 1)[1])
+    elif a == "--breakdown":
+        BREAKDOWN = True
+    else:
+        sys.exit(f"unknown argument {a!r}; usage: serial_step.py [--repeats=N] [--breakdown]")
 
 
 def timeit_interleaved(fns: dict, repeats=REPEATS, warmup=3) -> dict:
@@ -55,6 +64,52 @@ def hpcnn_step(model, x, y, opt):
         model.backward(caches, need_dx=False)
         opt.step(1e-3)
     return step
+
+
+def breakdown(step, opt, steps=10) -> dict:
+    """Milliseconds per step spent in each block method itself (its callees' time excluded),
+    measured by wrapping the methods of hpcnn's block classes and the optimizer for ``steps``
+    steps; ``"(rest)"`` is the step time outside them (chain loop, zero_grad, dropout at p=0)."""
+    from hpcnn.nn import layers, loss, transformer
+    methods = {layers.Linear: ("forward", "backward_input", "backward_weight"),
+               layers.LayerNorm: ("forward", "backward"), layers.ReLU: ("forward", "backward"),
+               layers.GELU: ("forward", "forward_inplace", "backward", "backward_inplace"),
+               transformer.Embedding: ("forward", "backward"),
+               transformer.CausalSelfAttention: ("forward", "backward"),
+               transformer.MLPBlock: ("forward", "backward"),
+               transformer.TransformerBlock: ("forward", "backward"),
+               loss.SoftmaxCrossEntropy: ("forward", "backward"), type(opt): ("step",)}
+    totals, inner = {}, []          # inner: time spent in wrapped callees, per open call
+
+    def wrap(fn, label):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            inner.append(0.0)
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent = time.perf_counter() - t0
+                totals[label] = totals.get(label, 0.0) + spent - inner.pop()
+                if inner:
+                    inner[-1] += spent
+        return timed
+
+    saved = [(cls, m, cls.__dict__[m]) for cls, ms in methods.items() for m in ms]
+    for cls, m, fn in saved:
+        setattr(cls, m, wrap(fn, f"{cls.__name__}.{m}"))
+    try:
+        step()                                           # warm-up, not counted
+        totals.clear()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        whole = time.perf_counter() - t0
+    finally:
+        for cls, m, fn in saved:
+            setattr(cls, m, fn)
+    out = {k: 1e3 * v / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    out["(rest)"] = 1e3 * whole / steps - sum(out.values())
+    return out
 
 
 def matmul_reference(shapes):
@@ -164,7 +219,8 @@ def main():
         name, model, x, y, B, shapes = case()
         ref, flops = matmul_reference(shapes)
         tstep, tver = torch_step(name, B)
-        fns = {"hpcnn": hpcnn_step(model, x, y, SGD(model.params, momentum=0.9)), "matmul": ref}
+        opt = SGD(model.params, momentum=0.9)
+        fns = {"hpcnn": hpcnn_step(model, x, y, opt), "matmul": ref}
         if tstep:
             fns["torch"] = tstep
         t = timeit_interleaved(fns)
@@ -181,6 +237,12 @@ def main():
               f"samples/s = {row['hpcnn_over_torch']:.2f}x")
         save_table(out, name, [row], attrs={"threads": os.environ.get("OMP_NUM_THREADS", ""),
                                             "torch": tver, "repeats": REPEATS})
+        if BREAKDOWN:
+            parts = breakdown(fns["hpcnn"], opt)
+            total = sum(parts.values())
+            print(f"  {name} step, instrumented: {total:.2f} ms; matmuls alone {t_mm * 1e3:.2f} ms")
+            for label, ms in parts.items():
+                print(f"    {label:34s} {ms:7.2f} ms  {100 * ms / total:5.1f} %")
     print(f"wrote {out}")
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from gradcheck import check_block_gradients
-from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU
+from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU, filled
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 
 F64 = np.float64
@@ -31,6 +31,40 @@ def test_linear_split_backward_equals_whole():
     blk.backward_weight(dy, c)
     np.testing.assert_array_equal(dx, dx2)
     np.testing.assert_array_equal(gw, blk.weight.grad)
+
+
+def test_linear_stacked_input_equals_row_products():
+    """A (B, T, in) input runs as one (B*T, in) product: the same as the textbook per-row
+    formulas y = x W + b, dx = dy W^T, dW = sum x^T dy, db = sum dy (float64)."""
+    blk = Linear(7, 4, seed=3, dtype=F64)
+    blk.bias.data[:] = _x((4,), 6)
+    x, dy = _x((2, 3, 7)), _x((2, 3, 4), 2)
+    W, b = blk.weight.data, blk.bias.data
+    y, c = blk.forward(x)
+    assert y.shape == (2, 3, 4)
+    np.testing.assert_allclose(y, np.einsum("bti,io->bto", x, W) + b, rtol=1e-13, atol=1e-14)
+    blk.zero_grad()
+    dx = blk.backward(dy, c)
+    assert dx.shape == x.shape
+    np.testing.assert_allclose(dx, np.einsum("bto,io->bti", dy, W), rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(blk.weight.grad, np.einsum("bti,bto->io", x, dy), rtol=1e-13)
+    np.testing.assert_allclose(blk.bias.grad, dy.sum((0, 1)), rtol=1e-13)
+    xt = _x((3, 2, 7)).transpose(1, 0, 2)               # a non-contiguous input
+    np.testing.assert_allclose(blk.forward(xt)[0], xt @ W + b, rtol=1e-13, atol=1e-14)
+
+
+def test_filled_vectors_are_read_only_views_of_one_memo():
+    a = filled(1.0, 5, np.float32)
+    assert a.dtype == np.float32 and a.shape == (5,) and (a == 1).all()
+    b = filled(1.0, 3, np.float32)
+    assert b.shape == (3,) and np.shares_memory(a, b)      # a prefix of the same memo
+    c = filled(1.0, 9, np.float32)                          # longer: a new memo, same values
+    assert c.shape == (9,) and (c == 1).all() and (a == 1).all()
+    d = filled(0.25, 4, np.float64)
+    assert d.dtype == np.float64 and (d == 0.25).all() and not np.shares_memory(c, d)
+    m = _x((6, 4))
+    np.testing.assert_allclose(filled(1.0, 6, F64) @ m, m.sum(0), rtol=1e-14)
+    np.testing.assert_allclose(m @ filled(0.25, 4, F64), m.mean(1), rtol=1e-14)
 
 
 def test_relu_gradients():

@@ -35,6 +35,22 @@ def test_sgd_momentum_weight_decay_matches_formula():
     assert set(opt.state) == {"step", "w/momentum", "b/momentum"}
 
 
+def test_sgd_nesterov_weight_decay_matches_formula():
+    w, _ = _params()
+    p = w.data.copy()
+    opt = SGD([w], momentum=0.8, weight_decay=0.1, nesterov=True)
+    v = np.zeros_like(p)
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        g = rng.standard_normal(p.shape)
+        w.grad[...] = g
+        opt.step(0.05)
+        d = g + 0.1 * p                  # coupled weight decay
+        v = 0.8 * v + d
+        p = p - 0.05 * (d + 0.8 * v)     # Nesterov: the step looks ahead along v
+    np.testing.assert_allclose(w.data, p, rtol=1e-13)
+
+
 def test_adamw_matches_formula():
     w, _ = _params()
     p = w.data.copy()

@@ -24,6 +24,25 @@ def _rows(shape) -> int:
     return n
 
 
+_FILLED = {}           # (value, dtype) -> the longest constant vector made so far (a memo)
+
+
+def filled(value: float, n: int, dtype):
+    """A vector of ``n`` elements all equal to ``value``: a view of a memoised vector, which
+    callers only read. Sums along either axis of a 2-D array as BLAS matrix-vector products,
+    ``filled(1, N) @ a`` (column sums) and ``a @ filled(1/C, C)`` (row means), are 1.5-6x faster
+    than ``a.sum(axis)`` on the CPU at the shapes of a step, and need no temporary (LayerNorm).
+
+    Linear's bias gradient and the attention softmax keep ``a.sum(axis)``: their tensor-parallel
+    counterparts (:mod:`hpcnn.parallel.tensor`, :mod:`hpcnn.parallel.tensor_attn`) sum that
+    way, and one tensor-parallel rank must reproduce the serial gradients bit for bit."""
+    key = (float(value), numpy.dtype(dtype).str)
+    v = _FILLED.get(key)
+    if v is None or not isinstance(v, B.xp.ndarray) or v.shape[0] < n:
+        v = _FILLED[key] = B.xp.full(int(n), value, dtype=dtype)
+    return v[:n]
+
+
 _deferred = None       # a list while weight gradients are being deferred (zero-bubble pipelines)
 
 
@@ -67,10 +86,11 @@ class Linear(Block):
     def forward(self, x):
         if x.shape[-1] != self.n_in:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.n_in}")
-        y = B.xp.matmul(x, self.weight.data)            # (..., out)
+        # one 2-D product over all rows: a stacked (B, T, in) operand would be B small products
+        y = B.xp.matmul(x.reshape(-1, self.n_in), self.weight.data)   # (N, out)
         if self.bias is not None:
             y += self.bias.data
-        return y, x
+        return y.reshape(tuple(x.shape[:-1]) + (self.n_out,)), x
 
     def backward(self, dy, cache):
         if _deferred is not None:                   # zero-bubble split: W comes later
@@ -80,8 +100,9 @@ class Linear(Block):
         return self.backward_input(dy, cache)
 
     def backward_input(self, dy, cache):
-        """dx = dy W^T  (from y = x W)."""
-        return B.xp.matmul(dy, self.weight.data.T)     # (..., in)
+        """dx = dy W^T  (from y = x W), as one 2-D product over all rows."""
+        dx = B.xp.matmul(dy.reshape(-1, self.n_out), self.weight.data.T)   # (N, in)
+        return dx.reshape(tuple(dy.shape[:-1]) + (self.n_in,))
 
     def backward_weight(self, dy, cache):
         """dW += x^T dy, db += sum(dy)  (from y = x W + b)."""
@@ -223,16 +244,6 @@ class LayerNorm(Block):
         self.gamma = param_from_host(numpy.ones(dim), self.dtype, f"{name}.weight")
         self.beta = param_from_host(numpy.zeros(dim), self.dtype, f"{name}.bias")
         self.params = [self.gamma, self.beta]
-        self._consts = {}    # (kind, dtype) -> constant vector: a memo, not per-call state
-
-    def _const(self, kind, dtype, n):
-        """1/C over the features ("mean") or ones over the rows ("ones"), memoised (the last n)."""
-        key = (kind, dtype)
-        v = self._consts.get(key)
-        if v is None or not isinstance(v, B.xp.ndarray) or v.shape[0] != n:
-            v = B.xp.full(n, 1.0 / self.dim if kind == "mean" else 1.0, dtype=dtype)
-            self._consts[key] = v
-        return v
 
     def forward(self, x):
         if x.shape[-1] != self.dim:
@@ -240,7 +251,7 @@ class LayerNorm(Block):
         xp = B.xp
         C = self.dim
         x2 = x.reshape(-1, C)                                # (N, C)
-        mean = xp.matmul(x2, self._const("mean", x.dtype, C))   # (N,) row means
+        mean = xp.matmul(x2, filled(1.0 / C, C, x.dtype))   # (N,) row means
         xhat = xp.subtract(x2, mean[:, None])                # x - mean (becomes x_hat below)
         var = xp.einsum("ij,ij->i", xhat, xhat)              # (N,) C * var
         var *= 1.0 / C
@@ -261,11 +272,11 @@ class LayerNorm(Block):
         r = rstd.reshape(-1)                                 # (N,)
         # from y = x_hat*gamma + beta
         self.gamma.add_grad(xp.einsum("ij,ij->j", dy2, xh2))
-        self.beta.add_grad(xp.matmul(self._const("ones", dy.dtype, dy2.shape[0]), dy2))
+        self.beta.add_grad(xp.matmul(filled(1.0, dy2.shape[0], dy.dtype), dy2))
         # from x_hat = (x - mean) rstd, with g = dy*gamma = dL/dx_hat:
         # dx = rstd (g - mean(g) - x_hat mean(g x_hat))
         dx = xp.multiply(dy2, self.gamma.data)               # g
-        a = xp.matmul(dx, self._const("mean", dy.dtype, C))  # (N,) mean(g)
+        a = xp.matmul(dx, filled(1.0 / C, C, dy.dtype))      # (N,) mean(g)
         b = xp.einsum("ij,ij->i", dx, xh2)                   # (N,) C mean(g x_hat)
         b *= r
         b *= 1.0 / C                                         # rstd mean(g x_hat)
