@@ -1,9 +1,12 @@
 """Start-up cost of ``--allreduce=auto``: from the Communicator's creation to the first step.
 
 (a) startup: for the MLP on digits (the default run, and with ``--overlap=false``, whose gradient
-    bucket ``auto`` reduces with a calibrated choice) on 2, 3 and 4 ranks, the seconds from
+    bucket ``auto`` reduces with a calibrated choice) on 2, 3 and 4 ranks, and for the GPT of
+    ``make demo`` on 2 data-parallel x 2 pipeline ranks (``gpt-demo``), the seconds from
     ``_Parallel`` (grid, communicators) through the model build to the end of ``attach``
-    (data-parallel engine, the calibration), the slowest rank's, for:
+    (``start-up``), of which in ``attach`` (the data-parallel engine and the calibration) and in
+    the calibration itself (this code: ``calibration.for_run``; the older code:
+    ``allreduce.calibrate``; timed from a barrier), the slowest rank's, for:
       ``before``  the code of git revision ``--before=REV`` (extracted to a temporary folder);
       ``fresh``   this code with no saved calibration (``HPCNN_CALIBRATION=off``);
       ``saved``   this code with the calibration file a ``fresh`` run of the same layout wrote;
@@ -11,11 +14,12 @@
     Variants alternate round by round; each figure is the median of ``--repeats`` launches.
 (b) demo (``--demo``): the commands of the Makefile's ``demo`` recipe, run as written (logs in a
     temporary folder), timed end to end with the ``before`` code, this code without a saved file,
-    and this code again (files saved by the previous pass); and the seconds this code spent in
-    calibration (the runs' ``/plan`` ``allreduce_calibration``, world rank 0's group).
+    and this code again (files saved by the previous pass), ``--repeats`` rounds; and the share
+    of the calibration in it: (a)'s figures for the demo's two layouts (the MLP on 4 ranks,
+    ``gpt-demo``) over the demo's median.
 
     OMP_NUM_THREADS=1 python benchmarks/startup.py [--before=REV] [--ranks=2,3,4] [--repeats=3] \\
-        [--demo]
+        [--models=mlp,mlp-no-overlap,gpt-demo] [--demo]
 
 Prints the load average before and after. Results: runs/bench/startup.h5 (tables ``startup``,
 ``demo``).
@@ -32,7 +36,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join("runs", "bench", "startup.h5")
-MODELS = {"mlp": ["--model=mlp"], "mlp-no-overlap": ["--model=mlp", "--overlap=false"]}
+MODELS = {"mlp": ["--model=mlp"], "mlp-no-overlap": ["--model=mlp", "--overlap=false"],
+          # the GPT of `make demo`: 2 data-parallel x 2 pipeline ranks (4 ranks only)
+          "gpt-demo": ["--model=gpt", "--dp=2", "--pp=2", "--schedule=1f1b", "--microbatches=4",
+                       "--batch_size=32", "--n_layers=4", "--dim=64"]}
 
 
 def worker(args) -> None:
@@ -46,17 +53,28 @@ def worker(args) -> None:
     from hpcnn.parallel import allreduce as AR
     from hpcnn.train import _build_for, _Parallel
     world = MPI.COMM_WORLD
-    cfg = parse_overrides(args + [f"--dp={world.Get_size()}"]).resolved()
-    spent = [0.0]                     # in allreduce.calibrate: what the older code's attach calls
-    calibrate = AR.calibrate
+    dp = [] if any(a.startswith("--dp=") for a in args) else [f"--dp={world.Get_size()}"]
+    cfg = parse_overrides(args + dp).resolved()
+    spent = [0.0]
 
-    def timed_calibrate(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return calibrate(*a, **kw)
-        finally:
-            spent[0] += time.perf_counter() - t
-    AR.calibrate = timed_calibrate
+    def timed(module, name):
+        """``module.name(comm, ...)`` waits for every rank of ``comm`` first (the time is then
+        its own, not a slower rank's catching up) and adds its seconds to ``spent``."""
+        fn = getattr(module, name)
+
+        def wrapper(comm, *a, **kw):
+            comm.comm.Barrier()
+            t = time.perf_counter()
+            try:
+                return fn(comm, *a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t
+        setattr(module, name, wrapper)
+    try:
+        from hpcnn.parallel import calibration      # this code: the whole of for_run
+        timed(calibration, "for_run")
+    except ImportError:                             # the older code: its calibrate call
+        timed(AR, "calibrate")
     world.Barrier()
     t0 = time.perf_counter()
     par = _Parallel(cfg, world)
@@ -64,13 +82,14 @@ def worker(args) -> None:
     t1 = time.perf_counter()
     par.attach(task.model, task.micro_shape())
     t2 = time.perf_counter()
-    cal = getattr(par, "calibration", None)         # this code: the whole of for_run
-    slowest = numpy.array([t2 - t0, t2 - t1, cal["seconds"] if cal else spent[0]])
+    cal = getattr(par, "calibration", None)
+    slowest = numpy.array([t2 - t0, t2 - t1, spent[0]])
     world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
     par.free()
     if world.Get_rank() == 0:
         print(json.dumps({"seconds": float(slowest[0]), "attach_s": float(slowest[1]),
-                          "calibration_s": float(slowest[2]), "source": (cal or {}).get("source", "")}))
+                          "calibration_s": float(slowest[2]),
+                          "source": (cal or {}).get("source", "")}))
 
 
 def mpiexec() -> str:
@@ -104,7 +123,10 @@ def startup(opts, before, tmp) -> list:
     variants = (["before"] if before else []) + ["fresh", "saved", "mpi"]
     rows = []
     for n in opts["ranks"]:
-        for model, margs in MODELS.items():
+        for model in opts["models"]:
+            margs = MODELS[model]
+            if model == "gpt-demo" and n != 4:
+                continue
             saved = os.path.join(tmp, f"calibration-{n}-{model}.json")
             launch(ROOT, n, margs, {"HPCNN_CALIBRATION": saved})     # writes the saved file
             runs = {v: [] for v in variants}
@@ -138,47 +160,52 @@ def demo_commands(logs) -> list:
     return [shlex.split(c.replace("$(BIN)", bindir).replace("runs/", logs + "/")) for c in recipe]
 
 
-def demo(before, tmp) -> list:
-    """Time the demo with each code; this code's calibration files go to the default place
-    under a temporary XDG_CACHE_HOME: empty for the ``fresh`` pass, as it left them for
-    ``saved``."""
-    from hpcnn.log import read_run
-    rows = []
+def demo(before, tmp, repeats, startup_rows) -> list:
+    """Time the demo with each code, the variants alternating, ``repeats`` rounds; this code's
+    calibration files go to the default place under a temporary XDG_CACHE_HOME: a new, empty
+    one for each ``fresh`` pass, which the next ``saved`` pass reuses. The seconds the demo's
+    runs spend calibrating are the (a) figures of its layouts, if measured: the MLP on 4 ranks
+    and ``gpt-demo``."""
     env = {k: v for k, v in os.environ.items() if k != "HPCNN_CALIBRATION"}
-    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               XDG_CACHE_HOME=os.path.join(tmp, "cache"))
-    passes = ([("before", before)] if before else []) + [("fresh", ROOT), ("saved", ROOT)]
-    for k, (name, code) in enumerate(passes):
-        logs = os.path.join(tmp, f"demo-{k}")
-        os.makedirs(logs)
-        t0 = time.perf_counter()
-        for cmd in demo_commands(logs):
-            subprocess.run(cmd, env=dict(env, PYTHONPATH=code), cwd=ROOT, check=True,
-                           capture_output=True, timeout=3600)
-        total = time.perf_counter() - t0
-        cal = 0.0
-        if code == ROOT:
-            for f in sorted(os.listdir(logs)):
-                if f.endswith(".h5"):
-                    got = read_run(os.path.join(logs, f)).plan.get("allreduce_calibration")
-                    cal += (got or {}).get("seconds", 0.0)
-        rows.append({"variant": name, "total_s": total, "calibration_s": cal,
-                     "fraction": cal / total})
-        print(f"make demo ({name}): {total:6.1f} s, of which calibration {cal:.2f} s "
-              f"({100 * cal / total:.1f} %)" + (" (not recorded by that code)" if code != ROOT
-                                                 else ""), flush=True)
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    variants = (["before"] if before else []) + ["fresh", "saved"]
+    totals = {v: [] for v in variants}
+    for k in range(repeats):
+        for v in variants:
+            logs = os.path.join(tmp, f"demo-{k}-{v}")
+            os.makedirs(logs)
+            cache = os.path.join(tmp, f"cache-{k}")        # fresh: new; saved: as fresh left it
+            t0 = time.perf_counter()
+            for cmd in demo_commands(logs):
+                subprocess.run(cmd, env=dict(env, PYTHONPATH=before if v == "before" else ROOT,
+                                             XDG_CACHE_HOME=cache),
+                               cwd=ROOT, check=True, capture_output=True, timeout=3600)
+            totals[v].append(time.perf_counter() - t0)
+            print(f"make demo ({v}): {totals[v][-1]:6.1f} s", flush=True)
+    rows = []
+    for v in variants:
+        cal = {(r["model"], r["ranks"]): r["calibration_s"] for r in startup_rows
+               if r["variant"] == v}
+        parts = [cal.get(("mlp", 4)), cal.get(("gpt-demo", 4))]
+        spent = sum(parts) if None not in parts else float("nan")
+        total = statistics.median(totals[v])
+        rows.append({"variant": v, "total_s": total, "min_s": min(totals[v]),
+                     "calibration_s": spent, "fraction": spent / total})
+        print(f"make demo ({v}): median {total:6.1f} s (min {min(totals[v]):.1f}), of which "
+              f"calibration {spent:.2f} s ({100 * spent / total:.1f} %)", flush=True)
     return rows
 
 
 def main(argv) -> None:
-    opts = {"before": "", "ranks": [2, 3, 4], "repeats": 3, "demo": False}
+    opts = {"before": "", "ranks": [2, 3, 4], "repeats": 3, "demo": False,
+            "models": list(MODELS)}
     for a in argv:
         k, _, v = a.lstrip("-").partition("=")
-        if k not in opts:
+        if k not in opts or k == "models" and not set(v.split(",")) <= set(MODELS):
             raise SystemExit(f"unknown option {a!r}; expected --before=REV, --ranks=2,3,4, "
-                             "--repeats=N, --demo")
+                             f"--repeats=N, --models={','.join(MODELS)}, --demo")
         opts[k] = (True if k == "demo" else v if k == "before" else int(v) if k == "repeats"
-                   else [int(x) for x in v.split(",")])
+                   else v.split(",") if k == "models" else [int(x) for x in v.split(",")])
     sys.path.insert(0, ROOT)
     from hpcnn.log.results import save_table
     print(f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs", flush=True)
@@ -187,7 +214,8 @@ def main(argv) -> None:
         rows = startup(opts, before, tmp)
         save_table(OUT, "startup", rows, {"before": opts["before"]})
         if opts["demo"]:
-            save_table(OUT, "demo", demo(before, tmp), {"before": opts["before"]})
+            save_table(OUT, "demo", demo(before, tmp, opts["repeats"], rows),
+                       {"before": opts["before"]})
     print(f"load average {os.getloadavg()[0]:.2f} (1 min); results: {OUT}")
 
 
