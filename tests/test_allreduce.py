@@ -143,7 +143,7 @@ def test_calibration_file_round_trip_merge_and_replace(tmp_path):
 
 
 @pytest.mark.parametrize("content,why", [
-    ("{oops", "unreadable"), ("[1, 2]", "not an hpcnn calibration file"),
+    ("{oops", "unreadable"), ("[" * 100000, "unreadable"), ("[1, 2]", "not an hpcnn calibration file"),
     (json.dumps({"format": "x"}), "not an hpcnn calibration file"),
     (json.dumps({"format": CAL.FORMAT, "key": dict(KEY, ranks=3), **_timings([1])}),
      "made for another ranks"),
@@ -199,5 +199,12 @@ def test_describe_says_where_the_table_came_from():
     assert CAL.describe(info) == [
         "allreduce auto: measured 1 size in 0.12 s, saved to /x/c.json (340 KiB shm)",
         "allreduce auto: ignored /x/c.json: unreadable (JSONDecodeError: x)"]
+    info.update(source="file+measured", measured=[600], choice={600: "mpi", 2 << 20: "cma"},
+                notes=[])
+    assert CAL.describe(info) == ["allreduce auto: measured 1 size in 0.12 s, the rest loaded, "
+                                  "saved to /x/c.json (600 B mpi, 2.0 MiB cma)"]
+    info.update(source="measured", measured=[600, 2 << 20], path=None)
+    assert CAL.describe(info) == ["allreduce auto: measured 2 sizes in 0.12 s, "
+                                  "no file (HPCNN_CALIBRATION=off) (600 B mpi, 2.0 MiB cma)"]
     info.update(source="none")
     assert CAL.describe(info) == []

@@ -103,8 +103,8 @@ def load(path: str, k: dict) -> tuple:
             doc = json.load(f)
     except FileNotFoundError:
         return None, ""
-    except (OSError, ValueError) as e:
-        return None, f"ignored {path}: unreadable ({type(e).__name__}: {e})"
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"ignored {path}: unreadable ({type(e).__name__}: {' '.join(str(e).split())})"
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return None, f"ignored {path}: not an hpcnn calibration file"
     saved = doc.get("key")
@@ -144,7 +144,7 @@ def save(path: str, k: dict, timings: dict, replace: bool = False) -> str:
             json.dump(doc, f, indent=1)
         os.replace(tmp, path)
     except OSError as e:
-        return f"could not save {path}: {e}"
+        return f"could not save {path}: {' '.join(str(e).split())}"
     return ""
 
 
@@ -189,7 +189,8 @@ def for_run(comm, sizes, dtype=numpy.float32) -> dict:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB" if n >= 1024 \
+        else f"{n} B"
 
 
 def describe(info: dict) -> list:
