@@ -163,7 +163,9 @@ def demo_commands(logs) -> list:
 def demo(before, tmp, repeats, startup_rows) -> list:
     """Time the demo with each code, the variants alternating, ``repeats`` rounds; this code's
     calibration files go to the default place under a temporary XDG_CACHE_HOME: a new, empty
-    one for each ``fresh`` pass, which the next ``saved`` pass reuses. The seconds the demo's
+    one for each ``fresh`` pass, which the next ``saved`` pass reuses. The commands run in the
+    logs' folder: ``python -m hpcnn`` would import the package in the current folder first,
+    whatever PYTHONPATH says. The seconds the demo's
     runs spend calibrating are the (a) figures of its layouts, if measured: the MLP on 4 ranks
     and ``gpt-demo``."""
     env = {k: v for k, v in os.environ.items() if k != "HPCNN_CALIBRATION"}
@@ -179,7 +181,7 @@ def demo(before, tmp, repeats, startup_rows) -> list:
             for cmd in demo_commands(logs):
                 subprocess.run(cmd, env=dict(env, PYTHONPATH=before if v == "before" else ROOT,
                                              XDG_CACHE_HOME=cache),
-                               cwd=ROOT, check=True, capture_output=True, timeout=3600)
+                               cwd=logs, check=True, capture_output=True, timeout=3600)
             totals[v].append(time.perf_counter() - t0)
             print(f"make demo ({v}): {totals[v][-1]:6.1f} s", flush=True)
     rows = []
