@@ -1,5 +1,5 @@
 """``hpcnn simulate`` (a pipeline schedule's predicted timeline, no MPI) and ``hpcnn calibrate``
-(the allreduce table ``--allreduce=auto`` would use on these ranks)."""
+(the allreduce table ``--allreduce=auto`` would use on these ranks, saved for them)."""
 from __future__ import annotations
 
 import difflib
@@ -97,29 +97,49 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+CALIBRATE = {"dtype": ("float32", str, "float32 | float64: the dtype of the runs to serve")}
+
+
 def cmd_calibrate(args) -> int:
-    if args:
-        print("usage: mpiexec -n N python -m mpi4py -m hpcnn calibrate\n\nTimes every allreduce "
-              "algorithm at 1 KiB .. 64 MiB on these ranks and prints what --allreduce=auto "
-              "would choose.", file=sys.stderr if args[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if args[0] in ("-h", "--help") else 2
+    """Time every allreduce algorithm from 1 KiB to 64 MiB on these ranks, print the table and
+    save it where ``--allreduce=auto`` runs of the same key load it
+    (:mod:`hpcnn.parallel.calibration`)."""
+    if any(a in ("-h", "--help") for a in args):
+        print("usage: mpiexec -n N python -m mpi4py -m hpcnn calibrate [--dtype=float32]\n\n"
+              "Times every allreduce algorithm at 1 KiB .. 64 MiB on these ranks, prints what "
+              "--allreduce=auto would choose and saves it for the runs on the same ranks "
+              "(delete the file it names to measure again).\n\n" + _help("calibrate", CALIBRATE))
+        return 0
+    opts, err = _options(args, CALIBRATE, "calibrate")
+    if err or opts["dtype"] not in ("float32", "float64"):
+        print(err or f"hpcnn calibrate: --dtype={opts['dtype']!r}: expected float32 or float64",
+              file=sys.stderr)
+        return 2
     from mpi4py import MPI
 
     from hpcnn.parallel import allreduce as AR
+    from hpcnn.parallel import calibration
     from hpcnn.parallel.comm import Communicator
     comm = Communicator(MPI.COMM_WORLD)
     if comm.size == 1:
         print("hpcnn calibrate: one rank: nothing to reduce (run it under mpiexec -n N)",
               file=sys.stderr)
         return 2
-    table = AR.calibrate(comm)
+    key = calibration.key(comm, opts["dtype"])
+    table = AR.calibrate(comm, dtype=opts["dtype"])
+    status = 0
     if comm.rank == 0:
         algos = list(table["times"])
-        print(f"{comm.size} ranks, {'one node' if AR.single_node(comm) else 'several nodes'}; "
-              f"median of the slowest rank, microseconds")
+        print(f"{comm.size} ranks, {'one node' if AR.single_node(comm) else 'several nodes'}, "
+              f"{opts['dtype']}; median of the slowest rank, microseconds")
         print(f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in algos) + "  auto")
         for i, (n, choice) in enumerate(zip(table["sizes"], table["choice"])):
             print(f"{n:>10} " + " ".join(f"{table['times'][a][i] * 1e6:9.1f}" for a in algos)
                   + f"  {choice}")
+        path = calibration.path_for(key)
+        failed = calibration.save(path, key, table, replace=True) if path else ""
+        print(f"hpcnn calibrate: {failed}" if failed else f"saved to {path}" if path else
+              f"not saved ({calibration.ENV}=off)", file=sys.stderr if failed else sys.stdout)
+        status = 1 if failed else 0
     AR.free(comm)
-    return 0
+    return status

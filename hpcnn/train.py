@@ -232,14 +232,18 @@ class _Parallel:
         self.balancer = hetero.Balancer(self.comm, cfg.batch_size, cfg.balance, speeds=speeds,
                                         rebalance_every=cfg.rebalance_every,
                                         min_share=cfg.grad_accum if cfg.pp == 1 else cfg.microbatches)
-        if cfg.allreduce == "auto" and self.size > 1:
-            from hpcnn.parallel.allreduce import calibrate
-            calibrate(self.comm)
         self._check_single_copy()
         self.engine = DataParallel(self.local or model, self.comm, bucket_mb=cfg.bucket_mb,
                                    algorithm=cfg.allreduce,   # rd and cma block: no overlap
                                    overlap=cfg.overlap and self.local is None
                                    and cfg.allreduce in NONBLOCKING)
+        self.calibration = None       # auto: time (or load) only the sizes the engine sends
+        if cfg.allreduce == "auto" and self.size > 1:
+            from hpcnn.parallel import calibration
+            self.calibration = calibration.for_run(self.comm, self.engine.auto_sizes(), cfg.dtype)
+            if self.grid.rank == 0 and cfg.progress:
+                print("".join(f"hpcnn: {x}\n" for x in calibration.describe(self.calibration)),
+                      end="", flush=True)
         self.engine.broadcast_parameters()
         self.factors = factors
 
@@ -398,7 +402,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
                       "remat": cfg.remat, "memory_budget_bytes": cfg.memory_budget * 2**20,
                       "offload_gbps": cfg.offload_gbps, "grad_accum": cfg.grad_accum, "balance": cfg.balance,
                       "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
-                      "overlap": cfg.overlap,
+                      "overlap": cfg.overlap, "allreduce_calibration": par.calibration if par else None,
                       "resumed_from": cfg.resume, "start_step": start})
     say = (lambda s: print(s, flush=True)) if (rank == 0 and cfg.progress) else (lambda s: None)
     say(run_header(cfg, model, task, world_size, start))

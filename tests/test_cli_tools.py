@@ -1,4 +1,5 @@
 """``hpcnn simulate`` and ``hpcnn calibrate``: what they print, and their errors."""
+import json
 import os
 import subprocess
 import sys
@@ -44,18 +45,27 @@ def test_simulate_errors(capsys):
     assert cmd_simulate(["--help"]) == 0 and "--t_comm" in capsys.readouterr().out
 
 
-def test_calibrate_under_mpi_and_alone():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def test_calibrate_under_mpi_and_alone(tmp_path):
+    saved = tmp_path / "calibration.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HPCNN_CALIBRATION=str(saved))
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnn",
                         "calibrate"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].startswith("2 ranks") and lines[1].split()[0] == "bytes"
-    rows = [line.split() for line in lines[2:]]
+    assert lines[-1] == f"saved to {saved}"
+    rows = [line.split() for line in lines[2:-1]]
     assert [int(r[0]) for r in rows] == [1 << k for k in range(10, 27, 2)]
     algos = lines[1].split()[1:-1]
     assert "mpi" in algos and all(r[-1] in algos for r in rows)
     assert all(float(v) > 0 for r in rows for v in r[1:-1])
+    doc = json.loads(saved.read_text())            # what the runs on these 2 ranks will load
+    assert doc["key"]["ranks"] == 2 and doc["key"]["dtype"] == "float32"
+    assert doc["sizes"] == [int(r[0]) for r in rows] and list(doc["times"]) == algos
+    assert [round(t * 1e6, 1) for t in doc["times"]["mpi"]] == [float(r[1]) for r in rows]
+    bad = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate", "--dtype=int8"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "--dtype='int8'" in bad.stderr
     alone = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate"], capture_output=True,
                            text=True, timeout=60, env=env, cwd=ROOT)
     assert alone.returncode == 2 and "one rank" in alone.stderr

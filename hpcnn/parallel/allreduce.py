@@ -4,7 +4,8 @@ single-copy reads, auto.
 Called by :meth:`hpcnn.parallel.comm.Communicator.allreduce` (which times and counts them)::
 
     comm.allreduce(buf, algorithm="shm")       # mpi | ring | rd | shm | cma | auto; in place
-    calibrate(comm)                            # once at start-up: sets comm.allreduce_table
+    calibrate(comm, sizes)                     # sets comm.allreduce_table (a run: through
+                                               # hpcnn.parallel.calibration, which saves it)
     req = comm.iallreduce(buf, algorithm="ring")   # mpi | ring | shm | auto
     ...; req.test(); ...                       # between blocks of compute: advances the ring
     req.wait()
@@ -64,6 +65,7 @@ from hpcnn.parallel.ring import (ISEGMENT_BYTES, SEGMENT_BYTES, WINDOW, RingRequ
 
 __all__ = ["ALGORITHMS", "NONBLOCKING", "allreduce", "iallreduce", "iallreduce_ring", "choose",
            "choose_nonblocking", "default_table", "compile_table", "calibrate", "free",
+           "available_algorithms", "table_sizes", "table_from_times",
            "shared_zeros", "single_node", "RingRequest", "SEGMENT_BYTES", "ISEGMENT_BYTES",
            "WINDOW"]
 
@@ -84,6 +86,8 @@ DEFAULT_TABLE = {"sizes": [1 << 10, 1 << 22, 1 << 24], "choice": ["mpi", "mpi", 
 DEFAULT_SHM_TABLE = {"sizes": [1 << 22, 1 << 24], "choice": ["mpi", "shm"]}
 IALLREDUCE_RING_BYTES = 2 << 20   # iallreduce "auto": the ring from 2 MiB (library's below) ...
 IALLREDUCE_SHM_BYTES = 2 << 20    # ... or, all ranks on one node, shm from 2 MiB
+SWEEP = [1 << k for k in range(10, 27, 2)]  # calibrate's default sizes: 1 KiB .. 64 MiB
+MIN_REPEATS = 5             # calibrate with a time budget: at least this many timed rounds
 
 _state, _flat, _split, _rd = state, flat_view, split, rd     # older names
 
@@ -266,43 +270,36 @@ def iallreduce_ring(comm, buf, on_done=None) -> RingRequest:
     return iallreduce(comm, buf, "ring", on_done)
 
 
-def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float32) -> dict:
-    """Time each algorithm at each size (bytes), set ``comm.allreduce_table`` and return it.
+def available_algorithms(comm) -> list:
+    """What :func:`calibrate` times on ``comm``: mpi, ring, rd, and shm (and cma where the kernel
+    lets ranks read each other) when all ranks share a node (collective on the first call)."""
+    from hpcnn.parallel import cma
+    one = single_node(comm)
+    return ["mpi", "ring", "rd"] + (["shm"] if one else []) \
+        + (["cma"] if one and cma.available(comm) else [])
 
-    ``algorithms``: default mpi, ring, rd, and shm (and cma where it works) when all ranks share
-    a node. Every rank's
-    median is reduced with MAX before choosing, so all ranks choose alike; an algorithm other
-    than ``mpi`` is chosen only if it beats ``mpi`` by :data:`MARGIN`, and the default table's
-    choice (:func:`default_table`) is kept if within :data:`MARGIN` of the fastest. Repeats
-    (default: fewer for big sizes) are interleaved across algorithms, in a random order each, to
-    share drifts. Returns ``{"sizes", "choice", "times": {algorithm: max-median seconds}, "p"}``.
-    """
-    MPI = _mpi()
-    sizes = list(sizes or [1 << k for k in range(10, 27, 2)])
-    if algorithms is None:
-        from hpcnn.parallel import cma
-        one = single_node(comm)
-        algorithms = ("mpi", "ring", "rd") + (("shm",) if one else ()) \
-            + (("cma",) if one and cma.available(comm) else ())
-    algorithms = list(algorithms)
-    t = numpy.zeros((len(sizes), len(algorithms)))
-    for i, nbytes in enumerate(sizes):
-        buf = B.xp.zeros(max(1, nbytes // numpy.dtype(dtype).itemsize), dtype)
-        reps = repeats or max(7, min(200, (1 << 25) // max(nbytes, 1)))  # ~1-2 s at p=2
-        ts = [[] for _ in algorithms]
-        for rep in range(reps + 1):         # in a random order, the same on every rank
-            for j in numpy.random.default_rng(rep).permutation(len(algorithms)):
-                a = algorithms[j]
-                comm.comm.Barrier()
-                t0 = time.perf_counter()
-                allreduce(comm, buf, a)
-                if rep:                     # the first round warms up
-                    ts[j].append(time.perf_counter() - t0)
-        t[i] = [numpy.median(x) for x in ts]
-    comm.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+
+def table_sizes(comm, buffers) -> list:
+    """The distinct byte sizes of ``buffers`` (each to be reduced by a blocking ``auto``) whose
+    algorithm comes from ``comm.allreduce_table``: all but the empty ones and those in a shared
+    window from ``shm.ZERO_COPY_BYTES``, which take shm whatever the table says. What a run
+    needs calibrated."""
+    if comm.size == 1:
+        return []
+    return sorted({int(b.nbytes) for b in buffers if b.size and not (
+        b.nbytes >= shm.ZERO_COPY_BYTES and _in_shared(comm, flat_view(b)))})
+
+
+def table_from_times(comm, sizes, times) -> dict:
+    """The table ``auto`` reads, from ``times[algorithm][i]`` (seconds, the same on every rank)
+    at ``sizes[i]`` bytes: the fastest algorithm, but ``mpi`` unless beaten by :data:`MARGIN`,
+    and the default table's choice (:func:`default_table`) if within :data:`MARGIN` of the
+    fastest. Returns ``{"sizes", "choice", "times", "p"}``."""
+    algorithms = list(times)
     bounds, prior, _ = compile_table(default_table(comm))
     best = []
-    for nbytes, ti in zip(sizes, t):
+    for i, nbytes in enumerate(sizes):
+        ti = numpy.array([times[a][i] for a in algorithms])
         a = algorithms[int(numpy.argmin(ti))]
         d = prior[bisect_left(bounds, nbytes)]     # the default, unless clearly beaten
         if d in algorithms and ti[algorithms.index(d)] <= (1 + MARGIN) * ti.min():
@@ -310,7 +307,57 @@ def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float
         if "mpi" in algorithms and ti.min() > (1 - MARGIN) * ti[algorithms.index("mpi")]:
             a = "mpi"                       # keep mpi unless clearly beaten
         best.append(a)
-    table = {"sizes": sizes, "choice": best, "p": comm.size,
-             "times": {a: t[:, j].tolist() for j, a in enumerate(algorithms)}}
+    return {"sizes": [int(n) for n in sizes], "choice": best, "p": comm.size,
+            "times": {a: [float(x) for x in times[a]] for a in algorithms}}
+
+
+def _max_repeats(nbytes: int) -> int:
+    """Timed rounds at ``nbytes`` without a budget: ~1-2 s a size on 2 ranks."""
+    return max(7, min(200, (1 << 25) // max(nbytes, 1)))
+
+
+def _time_size(comm, nbytes, algorithms, dtype, repeats, budget) -> list:
+    """This rank's median seconds of each algorithm at ``nbytes`` (see :func:`calibrate`)."""
+    MPI = _mpi()
+    buf = B.xp.zeros(max(1, nbytes // numpy.dtype(dtype).itemsize), dtype)
+    reps = repeats or (None if budget else _max_repeats(nbytes))
+    ts = [[] for _ in algorithms]
+    rep = 0
+    while reps is None or rep <= reps:
+        for j in numpy.random.default_rng(rep).permutation(len(algorithms)):
+            comm.comm.Barrier()             # in a random order, the same on every rank
+            t0 = time.perf_counter()
+            allreduce(comm, buf, algorithms[j])
+            if rep:                         # the first round warms up
+                ts[j].append(time.perf_counter() - t0)
+        if reps is None and rep == 1:       # after the first timed round: how many fit the
+            one = numpy.array([sum(x[-1] for x in ts)])     # budget on the slowest rank
+            comm.comm.Allreduce(MPI.IN_PLACE, one, op=MPI.MAX)
+            fit = int(budget / max(one[0], 1e-9))
+            reps = min(_max_repeats(nbytes), max(MIN_REPEATS, fit))
+        rep += 1
+    return [float(numpy.median(x)) for x in ts]
+
+
+def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float32,
+              budget=None) -> dict:
+    """Time each algorithm at each size (bytes), set ``comm.allreduce_table`` and return it.
+
+    ``sizes``: default 1 KiB to 64 MiB by factors of 4 (:data:`SWEEP`). ``algorithms``: default
+    :func:`available_algorithms`. Repeats are interleaved across algorithms, in a random order
+    each (the same on every rank), to share drifts, after one warm-up round. ``repeats``: timed
+    rounds per size; default as many as fit ``budget`` seconds a size, judged from the slowest
+    rank's first timed round (at least :data:`MIN_REPEATS`), or without a budget ~1-2 s a size
+    on 2 ranks (fewer rounds for big sizes). Every rank's median is reduced with MAX and the
+    choice made by :func:`table_from_times`, so all ranks choose alike. Returns
+    ``{"sizes", "choice", "times": {algorithm: max-median seconds}, "p"}``.
+    """
+    MPI = _mpi()
+    sizes = [int(n) for n in (sizes or SWEEP)]
+    algorithms = list(algorithms or available_algorithms(comm))
+    t = numpy.array([_time_size(comm, n, algorithms, dtype, repeats, budget) for n in sizes])
+    t = t.reshape(len(sizes), len(algorithms))
+    comm.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+    table = table_from_times(comm, sizes, {a: t[:, j] for j, a in enumerate(algorithms)})
     comm.allreduce_table = table
     return table

@@ -178,6 +178,17 @@ class DataParallel:
     def n_buckets(self) -> int:
         return len(self.buckets)
 
+    def auto_sizes(self) -> list[int]:
+        """The bucket sizes (bytes) whose algorithm ``auto`` takes from the communicator's
+        calibrated table, i.e. what a start-up calibration must time
+        (:func:`hpcnn.parallel.calibration.for_run`): the buckets of a blocking ``auto``
+        (:func:`hpcnn.parallel.allreduce.table_sizes`); none with ``overlap``, whose
+        non-blocking ``auto`` goes by fixed thresholds, or with another algorithm."""
+        if self.algorithm != "auto" or self.overlap:
+            return []
+        from hpcnn.parallel.allreduce import table_sizes
+        return table_sizes(self.comm, [b.view for b in self.buckets])
+
     def zero_grad(self) -> None:
         self.model.zero_grad()
 
