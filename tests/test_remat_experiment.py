@@ -46,8 +46,12 @@ def test_remat_tradeoff_quick_and_figures(tmp_path):
     # the executor's account never exceeds the budget; the model without transients predicts it
     assert np.all(t["measured_peak"] <= t["budget_bytes"])
     assert np.all(t["predicted_peak"] <= t["budget_bytes"] + 1e-6)
-    assert np.all(t["predicted_account_peak"] <= t["predicted_peak"] + 1e-6)
+    assert np.all(t["predicted_account_peak"] <= t["budget_bytes"] + 1e-6)
     remat = t["arm"] != "optimal+offload"                # no channel: the account is deterministic
+    # (with a channel, the model without transients can peak above the heuristic's model with
+    # them: an op that needs less room waits less for a copy, which then holds its bytes longer;
+    # 1 run in 5 on the quick gpth. Both stay within the budget, which is the invariant.)
+    assert np.all(t["predicted_account_peak"][remat] <= t["predicted_peak"][remat] + 1e-6)
     np.testing.assert_allclose(t["measured_peak"][remat], t["predicted_account_peak"][remat],
                                rtol=1e-3)
     # tracemalloc sees the transients too: within the budget up to Python objects (64 KiB)

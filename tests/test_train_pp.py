@@ -16,8 +16,9 @@ def test_zb_v_config_errors():
     """ZB-V needs its two stages per rank, and splits backwards that remat cannot run."""
     ok = parse_overrides(["--pp=2", "--schedule=zb_v", "--virtual=2"]).resolved()
     assert ok.schedule == "zb_v"
-    with pytest.raises(ConfigError, match=r"schedule='zb_v' with virtual=1: ZB-V places two "
-                                          r"stages per rank in a V, pass --virtual=2"):
+    with pytest.raises(ConfigError, match=r"schedule='zb_v' with pp=2, virtual=1, microbatches=1: "
+                                          r"the V placement \(zb_v\) puts two stages on each of "
+                                          r"the 2 ranks: 2 stages given, 4 needed \(virtual=2\)"):
         parse_overrides(["--pp=2", "--schedule=zb_v"]).resolved()
     with pytest.raises(ConfigError, match=r"remat='sqrt' with schedule='zb_v': a rematerialized "
                                           r"stage runs its backward whole"):
