@@ -35,7 +35,7 @@ from hpcnn.parallel.stats import SAMPLE_EVERY, SAMPLED_BELOW, CommStats, _c_lean
 
 _perf = time.perf_counter
 _ndarray = numpy.ndarray
-_MPI = None                 # mpi4py.MPI once imported (not at import time: docs/architecture.md, rules of the house)
+_MPI = None                 # mpi4py.MPI once imported (never at import: docs/architecture.md)
 _AR = None                  # hpcnn.parallel.allreduce once imported (it imports this module)
 
 
