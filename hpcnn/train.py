@@ -27,6 +27,7 @@ from hpcnn.nn import models
 from hpcnn.nn.core import is_placeholder, materialize_only
 from hpcnn.nn.layers import place_draws
 from hpcnn.nn.optim import clip_grad_norm, grad_norm_sq, lr_at, make_optimizer
+from hpcnn.parallel.comm import library_version
 from hpcnn.parallel.data import NONBLOCKING, dloss_for, shard
 
 TEXT_DEFAULT_STEPS = 1000
@@ -268,9 +269,8 @@ class _Parallel:
         pipeline-parallel member's (the same float on all of them, so that the balancers of the
         replica's ranks, one per (tp, pp) position, measure alike and choose the same shares)."""
         if self.balancer.measured and self.tp.size * self.pp.size > 1:
-            from mpi4py import MPI
-            compute = self.tp.comm.allreduce(compute, op=MPI.MAX)
-            compute = self.pp.comm.allreduce(compute, op=MPI.MAX)
+            compute = float(self.tp.allreduce_scalars([compute], "max")[0])
+            compute = float(self.pp.allreduce_scalars([compute], "max")[0])
         return compute
 
     def sync_replicated(self, model) -> None:
@@ -303,13 +303,6 @@ def _log_ranks_events(log, rows, events) -> None:
     for s in sorted(by_step):
         log.log_ranks(s, sorted(by_step[s], key=lambda r: r["rank"]))
     log.log_events(events)
-
-
-def _mpi_library(world) -> str:
-    if world is None:
-        return ""
-    from mpi4py import MPI
-    return MPI.Get_library_version().splitlines()[0].strip()
 
 
 def _build_for(cfg: TrainConfig, par, data=None) -> Task:
@@ -392,7 +385,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
             extra["emulated_slowdown"] = ",".join(f"{f:g}" for f in par.factors)
             extra["emulated_slowdown_mode"] = cfg.slowdown_mode
         log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
-                     world_size=world_size, mpi_library=_mpi_library(comm), backend=B.device,
+                     world_size=world_size, backend=B.device,
+                     mpi_library=library_version() if comm is not None else "",
                      extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
         log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                       "schedule": cfg.schedule if cfg.pp > 1 else "none",

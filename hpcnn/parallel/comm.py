@@ -47,6 +47,11 @@ def _mpi():
     return _MPI
 
 
+def library_version() -> str:
+    """The first line of the MPI library's version string (what the run log records)."""
+    return _mpi().Get_library_version().splitlines()[0].strip()
+
+
 def _algorithms():
     global _AR
     if _AR is None:
