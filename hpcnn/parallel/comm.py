@@ -290,6 +290,24 @@ class Communicator:
                     lambda: self.comm.Allreduce(a, out, op=mop))
         return out
 
+    def allreduce_max(self, buf):
+        """Element-wise maximum of ``buf`` over all ranks, in place; returns ``buf``.
+
+        Counted under op ``allreduce_max`` as an allreduce (2(p-1)/p of the bytes, floored on
+        the total). ``buf`` must be contiguous. Identity on one rank.
+        """
+        if self.size == 1:
+            return buf
+        MPI = _mpi()
+        counter = self.stats.counter("allreduce_max", 2 * (self.size - 1), self.size)
+        t = _perf()
+        with host_buffers(buf, writeback=(0,)) as (h,):
+            self.comm.Allreduce(MPI.IN_PLACE, h, op=MPI.MAX)
+        counter.calls += 1
+        counter.raw += buf.nbytes
+        counter.seconds += _perf() - t
+        return buf
+
     def reduce_scatter(self, sendbuf, recvbuf):
         """recvbuf = this rank's 1/p block (along axis 0) of the sum of every rank's sendbuf."""
         if self.size == 1:

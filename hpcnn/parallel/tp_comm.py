@@ -32,11 +32,9 @@ full size n, floored per call), so a block's ``spec().comm_bytes`` equals what t
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from hpcnn import backend as B
-from hpcnn.parallel.comm import host_buffers
 
 
 @dataclass(frozen=True)
@@ -69,22 +67,9 @@ def check_divides(what: str, n: int, p: int) -> int:
 
 
 def allreduce_max(comm, buf):
-    """Element-wise maximum of ``buf`` over the ranks of ``comm``, in place; returns ``buf``.
-
-    Counted under op ``allreduce_max`` as an allreduce (2(p-1)/p of the bytes, floored on the
-    total). ``buf`` must be contiguous. Identity on one rank.
-    """
-    if comm.size == 1:
-        return buf
-    from mpi4py import MPI
-    counter = comm.stats.counter("allreduce_max", 2 * (comm.size - 1), comm.size)
-    t = time.perf_counter()
-    with host_buffers(buf, writeback=(0,)) as (h,):
-        comm.comm.Allreduce(MPI.IN_PLACE, h, op=MPI.MAX)
-    counter.calls += 1
-    counter.raw += buf.nbytes
-    counter.seconds += time.perf_counter() - t
-    return buf
+    """Element-wise maximum of ``buf`` over the ranks of ``comm``, in place; returns ``buf``
+    (:meth:`~hpcnn.parallel.comm.Communicator.allreduce_max`, counted as an allreduce)."""
+    return comm.allreduce_max(buf)
 
 
 # -- the three data movements, along any axis -----------------------------------------------------
