@@ -158,6 +158,7 @@ class GELU(Block):
 
     On the CPU the elementwise chain runs over slices of :attr:`CHUNK` elements that stay in
     cache, with two scratch buffers kept on ``self`` (temporaries only: never part of a result).
+    Plain twin: :func:`hpcnn.nn.plain.gelu_plain`.
     """
 
     name = "gelu"
@@ -236,6 +237,7 @@ class LayerNorm(Block):
     The variance is the two-pass mean((x - mean)^2). Row means are matrix-vector products and
     row/column sums of products are ``einsum`` contractions: both avoid reductions along a
     short last axis and the temporaries of a product followed by a sum.
+    Plain twin: :func:`hpcnn.nn.plain.layer_norm_plain`.
     """
 
     def __init__(self, dim, *, eps=1e-5, dtype=B.DEFAULT_DTYPE, name="ln"):

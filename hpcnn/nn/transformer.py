@@ -128,6 +128,7 @@ class CausalSelfAttention(Block):
     applied while copying q^T (forward) and dy^T (backward) into contiguous scratch, which makes
     every batched product a plain or left-transposed BLAS call. On the CPU the core runs over
     slices of the batch whose (nh, T, T) scores stay in cache.
+    Plain twin: :func:`hpcnn.nn.plain.attention_plain`.
     """
 
     CHUNK = 1 << 17      # score elements per cache-resident batch slice on the CPU

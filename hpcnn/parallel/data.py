@@ -115,6 +115,7 @@ class DataParallel:
 
     One step: ``model.zero_grad()``; per micro-batch ``loss, caches = model.forward(x, y)`` and
     ``dp.backward(caches, dloss, sync=last)``; then ``dp.finish(step)`` and the optimizer step.
+    Plain twin: :class:`hpcnn.parallel.naive_data.NaiveDataParallel`.
     """
 
     def __init__(self, model, comm, *, bucket_mb: float = 25.0, algorithm: str = "mpi",
