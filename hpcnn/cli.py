@@ -48,7 +48,7 @@ def cmd_train(args) -> int:
         if preflight.rank_from_env() == 0:
             print(f"hpcnn train: {e}", file=sys.stderr)
         return 2
-    from hpcnn.log.checkpoint import CheckpointError
+    from hpcnn.checkpoint import CheckpointError
     from hpcnn.train import train
     comm = agree = None
     if mpi:

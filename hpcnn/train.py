@@ -22,7 +22,7 @@ import numpy
 from hpcnn import backend as B
 from hpcnn import data as D
 from hpcnn.config import ConfigError, TrainConfig
-from hpcnn.log import checkpoint
+from hpcnn import checkpoint
 from hpcnn.nn import models
 from hpcnn.nn.core import is_placeholder, materialize_only
 from hpcnn.nn.layers import place_draws
@@ -126,7 +126,7 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
         if cfg.model == "mlp":
             model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed, dtype=dtype)
         elif tp:
-            from hpcnn.parallel.tensor_conv import parallel_cnn
+            from hpcnn.parallel.tp_models import parallel_cnn
             model = parallel_cnn(tp_comm, 1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
         else:
             model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
@@ -135,7 +135,7 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
     data = data or D.shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
     vocab = padded_vocab(data.vocab, cfg)
     if tp:
-        from hpcnn.parallel.tensor import parallel_gpt
+        from hpcnn.parallel.tp_models import parallel_gpt
         model = parallel_gpt(tp_comm, vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
                              sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout,
                              seed=cfg.seed, dtype=dtype)

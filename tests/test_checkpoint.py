@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hpcnn.config import ConfigError, parse_overrides
-from hpcnn.log import checkpoint, read_run
+from hpcnn import checkpoint
+from hpcnn.log import read_run
 from hpcnn.train import train
 
 GPT = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_size=8",

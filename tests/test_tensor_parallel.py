@@ -11,9 +11,10 @@ from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.transformer import TransformerBlock
 from hpcnn.parallel import tp_comm as TC
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
-                                   gather_params, parallel_gpt, shard_array)
+                                   gather_params, shard_array)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
 from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcnn.parallel.tp_models import parallel_gpt
 from mpi_util import run_mpi, single
 
 

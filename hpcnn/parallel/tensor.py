@@ -19,7 +19,7 @@ arrays. ``spec(x_shape)`` takes this rank's input shape and reports in ``comm_by
 forward+backward sends under :mod:`hpcnn.parallel.comm`'s counting convention.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tensor import \\
+        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tp_models import \\
         parallel_gpt; c = Communicator(MPI.COMM_WORLD); m = parallel_gpt(c, 32, 8, 1, 16, 4, \\
         seed=0, dtype=np.float64); t = np.arange(16).reshape(2, 8) % 32; \\
         print(m.forward(t, t)[0], c.stats.bytes_sent)"
@@ -338,34 +338,3 @@ def gather_params(model, comm, *, grads: bool = False) -> dict:
         out[p.name] = numpy.array(B.to_host(a))
     return out
 
-
-def parallel_gpt(comm, vocab: int, block_size: int = 64, n_layers: int = 2, dim: int = 64,
-                 n_heads: int = 4, *, sequence_parallel: bool = False, dropout: float = 0.0,
-                 seed: int = 0, dtype=B.DEFAULT_DTYPE):
-    """:func:`hpcnn.nn.models.gpt` sharded over ``comm`` (the tp group): same blocks, names, keys.
-
-    VocabParallelEmbedding -> ParallelTransformerBlocks -> LayerNorm (replicated) -> column-
-    parallel LM head, output NOT gathered: logits (B, T, vocab/tp) -> VocabParallelCrossEntropy.
-    With ``sequence_parallel`` the embedding reduce-scatters along T, the blocks and ``ln_f``
-    work on (B, T/tp, C) and the LM head all-gathers its input; call
-    ``sync_replicated_grads(chain.params, comm)`` after the backward.
-    """
-    from hpcnn.nn.chain import Chain
-    from hpcnn.parallel.tensor_attn import ParallelTransformerBlock
-    from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-    if dim % n_heads:
-        raise ValueError(f"dim ({dim}) is not divisible by n_heads ({n_heads})")
-    check_divides("gpt: vocabulary size", vocab, comm.size)
-    check_divides("gpt: attention heads", n_heads, comm.size)
-    sp = bool(sequence_parallel)
-    blocks = [VocabParallelEmbedding(comm, vocab, dim, block_size, sequence_parallel=sp,
-                                     seed=seed, index=0, dtype=dtype)]
-    for i in range(n_layers):
-        blocks.append(ParallelTransformerBlock(comm, dim, n_heads, dropout=dropout,
-                                               sequence_parallel=sp, seed=seed,
-                                               index=len(blocks), dtype=dtype, name=f"h{i}"))
-    blocks.append(replicated_layernorm(dim, sequence_parallel=sp, dtype=dtype, name="ln_f"))
-    blocks.append(ColumnParallelLinear(comm, dim, vocab, bias=False, sequence_parallel=sp,
-                                       seed=seed, index=len(blocks), init_std=0.02, dtype=dtype,
-                                       name="lm_head"))
-    return Chain(blocks, VocabParallelCrossEntropy(comm), name="gpt")

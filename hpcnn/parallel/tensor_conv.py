@@ -1,4 +1,4 @@
-"""Channel-parallel convolution and the tensor-parallel CNN.
+"""Channel-parallel convolution, the block of :func:`hpcnn.parallel.tp_models.parallel_cnn`.
 
 The output channels of a convolution are independent: in im2col form y = W cols + b with W of
 shape (O, C k k), so splitting W's rows over tp is the column-parallel GEMM of Shoeybi et al. 2019
@@ -120,20 +120,3 @@ class ChannelParallelConv2d(Block):
         return (f"ChannelParallelConv2d({self.name}, {self.in_ch}->{self.out_ch}/tp="
                 f"{self.out_ch // self.comm.size}, k={self.kernel}, tp={self.comm.size})")
 
-
-def parallel_cnn(comm, in_ch: int = 1, image: int = 8, channels=(16, 32), hidden: int = 64,
-                 n_out: int = 10, *, pool: str = "max", seed: int = 0, dtype=B.DEFAULT_DTYPE):
-    """:func:`hpcnn.nn.models.cnn` with its convolutions channel-parallel over ``comm`` (tp).
-
-    The serial chain is built (same checks, blocks, names and keys), then each Conv2d is replaced
-    by its :class:`ChannelParallelConv2d` shard. ReLU, pooling, Flatten and the MLP head stay
-    serial and replicated: their input is the all-gathered conv output, identical on every tp
-    rank, so their outputs and gradients are identical on every tp rank too and need no sync
-    (plain Parameters: the training loop counts them once in the gradient norm). An entry of
-    ``channels`` that tp does not divide is a ValueError naming the layer and both numbers.
-    """
-    from hpcnn.nn.models import cnn
-    chain = cnn(in_ch, image, channels, hidden, n_out, pool=pool, seed=seed, dtype=dtype)
-    chain.blocks = [ChannelParallelConv2d.from_serial(comm, b) if isinstance(b, Conv2d) else b
-                    for b in chain.blocks]
-    return chain

@@ -19,10 +19,10 @@ from hpcnn.nn.transformer import CausalSelfAttention, Embedding, MLPBlock, Trans
 from hpcnn.parallel import tp_comm as TC
 from hpcnn.parallel.comm import CommStats, Communicator
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
-                                   gather_params, parallel_gpt, replicated_sync_volume,
-                                   sync_replicated_grads)
+                                   gather_params, replicated_sync_volume, sync_replicated_grads)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
 from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcnn.parallel.tp_models import parallel_gpt
 
 import sgd_loop  # noqa: E402 - tests/mpi/sgd_loop.py, beside this script
 

@@ -17,7 +17,8 @@ from hpcnn.nn import models
 from hpcnn.nn.conv import Conv2d
 from hpcnn.parallel.comm import CommStats, Communicator
 from hpcnn.parallel.tensor import gather_params
-from hpcnn.parallel.tensor_conv import ChannelParallelConv2d, parallel_cnn
+from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
+from hpcnn.parallel.tp_models import parallel_cnn
 
 import sgd_loop  # noqa: E402 - tests/mpi/sgd_loop.py, beside this script
 
