@@ -135,7 +135,8 @@ def info_lines() -> list[str]:
                      f"world size {MPI.COMM_WORLD.Get_size()}")
     except ImportError:
         lines.append("MPI library: none (mpi4py not importable)")
-    lines.append(f"backend: {backend.device} ({backend.xp.__name__}), default dtype {numpy.dtype(backend.DEFAULT_DTYPE)}")
+    lines.append(f"backend: {backend.device} ({backend.xp.__name__}), "
+                 f"default dtype {numpy.dtype(backend.DEFAULT_DTYPE)}")
     lines += _allreduce_lines()
     lines += _thread_pool_lines()
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",

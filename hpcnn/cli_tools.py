@@ -130,7 +130,8 @@ def cmd_calibrate(args) -> int:
     status = 0
     if comm.rank == 0:
         algos = list(table["times"])
-        print(f"{comm.size} ranks, {'one node' if allreduce.single_node(comm) else 'several nodes'}, "
+        nodes = "one node" if allreduce.single_node(comm) else "several nodes"
+        print(f"{comm.size} ranks, {nodes}, "
               f"{opts['dtype']}; median of the slowest rank, microseconds")
         print(f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in algos) + "  auto")
         for i, (n, choice) in enumerate(zip(table["sizes"], table["choice"])):

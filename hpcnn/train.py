@@ -131,7 +131,8 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
             model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
         spe = datasets.steps_per_epoch(len(data.y_train), cfg.batch_size)
         return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
-    data = data or datasets.shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
+    data = data or datasets.shakespeare(max_plays=cfg.max_plays or None,
+                                        fallback=cfg.dataset == "sonnet")
     vocab = padded_vocab(data.vocab, cfg)
     if tp:
         from hpcnn.parallel.tensor import parallel_gpt

@@ -138,7 +138,8 @@ def test_calibration_file_round_trip_merge_and_replace(tmp_path):
     assert os.listdir(tmp_path / "sub") == ["c.json"]           # no temporary left behind
     blocked = tmp_path / "file"
     blocked.write_text("")
-    note = calibration.save(str(blocked / "c.json"), KEY, _timings([1]))  # a file where a folder goes
+    # a file where a folder goes
+    note = calibration.save(str(blocked / "c.json"), KEY, _timings([1]))
     assert note.startswith("could not save") and "\n" not in note
 
 
@@ -149,9 +150,11 @@ def test_calibration_file_round_trip_merge_and_replace(tmp_path):
      "made for another ranks"),
     (json.dumps({"format": calibration.FORMAT, "key": dict(KEY, mpi="Open MPI", dtype="float64"),
                  **_timings([1])}), "made for another dtype, mpi"),
-    (json.dumps({"format": calibration.FORMAT, "key": KEY, "sizes": [1, 2], "times": {"mpi": [1, 1]}}),
+    (json.dumps({"format": calibration.FORMAT, "key": KEY, "sizes": [1, 2],
+                 "times": {"mpi": [1, 1]}}),
      "malformed"),
-    (json.dumps({"format": calibration.FORMAT, "key": KEY, **dict(_timings([1, 2]), sizes=[1, -2])}),
+    (json.dumps({"format": calibration.FORMAT, "key": KEY,
+                 **dict(_timings([1, 2]), sizes=[1, -2])}),
      "malformed"),
     (json.dumps({"format": calibration.FORMAT, "key": KEY,
                  **_timings([1, 2]) | {"times": {a: [1e-4, float("nan")]
@@ -178,7 +181,8 @@ def test_calibration_path_and_coverage(monkeypatch, tmp_path):
     for off in ("off", "0", "OFF"):
         monkeypatch.setenv(calibration.ENV, off)
         assert calibration.path_for(KEY) is None
-    assert calibration.covered(1000, [500]) and calibration.covered(1000, [2000]) and calibration.covered(7, [7])
+    assert calibration.covered(1000, [500]) and calibration.covered(1000, [2000])
+    assert calibration.covered(7, [7])
     assert not calibration.covered(1000, [499, 2001]) and not calibration.covered(1000, [])
 
 
@@ -201,8 +205,9 @@ def test_describe_says_where_the_table_came_from():
         "allreduce auto: ignored /x/c.json: unreadable (JSONDecodeError: x)"]
     info.update(source="file+measured", measured=[600], choice={600: "mpi", 2 << 20: "cma"},
                 notes=[])
-    assert calibration.describe(info) == ["allreduce auto: measured 1 size in 0.12 s, the rest loaded, "
-                                  "saved to /x/c.json (600 B mpi, 2.0 MiB cma)"]
+    assert calibration.describe(info) == [
+        "allreduce auto: measured 1 size in 0.12 s, the rest loaded, "
+        "saved to /x/c.json (600 B mpi, 2.0 MiB cma)"]
     info.update(source="measured", measured=[600, 2 << 20], path=None)
     assert calibration.describe(info) == ["allreduce auto: measured 2 sizes in 0.12 s, "
                                   "no file (HPCNN_CALIBRATION=off) (600 B mpi, 2.0 MiB cma)"]

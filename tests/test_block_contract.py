@@ -129,7 +129,7 @@ def test_spec_check_sees_a_miscounted_cache():
 
 
 def test_block_spec_is_built_by_keyword_only():
-    """Nine counts given in a row could be put in the wrong order unnoticed: positional use fails."""
+    """Nine counts in a row could be put in the wrong order unnoticed: positional use fails."""
     counts = dict(flops_fwd=1.0, flops_bwd=2.0, bytes_x=8, bytes_y=8, bytes_cache=0, bytes_params=0)
     spec = hpcnn.nn.BlockSpec(name="b", in_shape=(1,), out_shape=(1,), **counts)
     assert (spec.flops_bwd, spec.bytes_cache, spec.comm_bytes) == (2.0, 0, 0)

@@ -59,7 +59,8 @@ def reference(kind, steps=2):
 def sequences(prof):
     n = len(prof)
     solver = rotor.Solver(prof, slots=300)
-    seqs = {"store_all": sequence.store_all(n), "sqrt": sequence.segments(n), "revolve2": sequence.revolve(n, 2)}
+    seqs = {"store_all": sequence.store_all(n), "sqrt": sequence.segments(n),
+            "revolve2": sequence.revolve(n, 2)}
     for frac in (0.35, 0.5, 0.7):
         budget = max(solver.least, frac * solver.top)
         seqs[f"optimal{frac}"] = solver.solve(budget).sequence

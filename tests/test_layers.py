@@ -206,13 +206,14 @@ def test_keep_mask_rows_do_not_depend_on_the_split():
     key, shape = (3, 7, 2), (11, 3, 5)
     whole = backend.keep_mask(key, 0, shape, 0.4, F64)
     for cuts in ((0, 11), (0, 1, 11), (0, 4, 5, 9, 11), tuple(range(12))):
-        parts = [backend.keep_mask(key, a, (b - a,) + shape[1:], 0.4, F64) for a, b in zip(cuts, cuts[1:])]
+        parts = [backend.keep_mask(key, a, (b - a,) + shape[1:], 0.4, F64)
+                 for a, b in zip(cuts, cuts[1:])]
         np.testing.assert_array_equal(np.concatenate(parts), whole)
     later = backend.keep_mask(key, 6, (5, 3, 5), 0.4, np.float32)     # any start, any dtype
     assert later.dtype == np.float32
     np.testing.assert_array_equal(later, whole[6:].astype(np.float32))
     assert set(np.unique(whole)) == {0.0, 1 / 0.6}
-    assert not np.array_equal(backend.keep_mask((3, 7, 3), 0, shape, 0.4, F64), whole)   # key matters
+    assert not np.array_equal(backend.keep_mask((3, 7, 3), 0, shape, 0.4, F64), whole)  # key
     big = backend.keep_mask((1,), 0, (400, 1000), 0.25, np.float32)
     assert abs((big != 0).mean() - 0.75) < 0.005                  # 4 sigma of 400k draws: 0.0028
     assert (backend.keep_mask((1,), 0, (50, 50), 0.0, F64) == 1).all()

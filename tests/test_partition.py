@@ -28,7 +28,7 @@ def test_by_cost_examples():
     assert partition.by_cost([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
     assert partition.by_cost([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
     assert partition.by_cost([0, 0, 0], 3) == [(0, 1), (1, 2), (2, 3)]       # never an empty stage
-    assert partition.by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [(0, 5), (5, 7), (7, 9)]   # 15|13|17
+    assert partition.by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [(0, 5), (5, 7), (7, 9)]  # 15|13|17
     with pytest.raises(ValueError, match=r"block costs must be >= 0, got \[1, -1\]"):
         partition.by_cost([1, -1], 2)
 

@@ -160,7 +160,8 @@ def test_baselines_are_valid_and_no_better_than_optimal(n):
     p = random_chain(rng, n, transients=False)
     top = int(simulate(sequence.store_all(n), p).peak)
     opt, _ = rotor.table(p, top)
-    candidates = [sequence.store_all(n), sequence.segments(n)] + [sequence.revolve(n, c) for c in (1, 2, 3)]
+    candidates = ([sequence.store_all(n), sequence.segments(n)]
+                  + [sequence.revolve(n, c) for c in (1, 2, 3)])
     for seq in candidates:
         r = simulate(seq, p)
         assert r.compute == pytest.approx(r.time)
@@ -175,7 +176,8 @@ def test_segments_and_revolve_shapes():
     # recomputed forwards follow Griewank's binomial recursion; closed forms at both ends:
     # one checkpoint recomputes l(l-1)/2 stages, l-1 checkpoints each stage once
     for steps, c in ((5, 1), (8, 2), (10, 3), (7, 6)):
-        assert sequence.recomputations(sequence.revolve(steps, c)) == sequence._binomial(steps, c)[0]
+        recomputed = sequence.recomputations(sequence.revolve(steps, c))
+        assert recomputed == sequence._binomial(steps, c)[0]
     assert sequence.recomputations(sequence.revolve(6, 1)) == 15
     assert sequence.recomputations(sequence.revolve(7, 6)) == 6
     assert sequence._binomial(8, 2)[0] < sequence._binomial(8, 1)[0]
@@ -190,7 +192,8 @@ def test_invalid_sequences_are_named():
     with pytest.raises(SequenceError, match="still stored"):
         simulate([sequence.Op("F_ck", 0)], p)
     with pytest.raises(SequenceError, match="offloaded"):
-        simulate([sequence.Op("F_all", 0), sequence.Op("OFF", 1, "bar"), sequence.Op("F_all", 1)], p, bandwidth=1.0)
+        simulate([sequence.Op("F_all", 0), sequence.Op("OFF", 1, "bar"), sequence.Op("F_all", 1)],
+                 p, bandwidth=1.0)
 
 
 def test_baselines_that_fit_are_never_refused():

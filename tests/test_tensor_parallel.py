@@ -50,8 +50,8 @@ def test_tp1_gpt_equals_serial(sp):
 def test_collectives_bypassed_on_one_rank():
     c = single()
     x = np.arange(24.0).reshape(2, 3, 4)
-    for op in (tp_comm.Copy, tp_comm.Reduce, tp_comm.GatherLast, tp_comm.SplitLast, tp_comm.AllGatherSeq,
-               tp_comm.ReduceScatterSeq):
+    for op in (tp_comm.Copy, tp_comm.Reduce, tp_comm.GatherLast, tp_comm.SplitLast,
+               tp_comm.AllGatherSeq, tp_comm.ReduceScatterSeq):
         y, cache = op(c).forward(x)
         assert y is x and op(c).backward(x, cache) is x
         assert op(c).volume(x.nbytes) == tp_comm.Volume()

@@ -101,7 +101,8 @@ class _FileIO:
 
     def __init__(self, directory):
         self.directory = directory
-        self.array_types = (numpy.ndarray,) if backend.xp is numpy else (numpy.ndarray, backend.xp.ndarray)
+        self.array_types = ((numpy.ndarray,) if backend.xp is numpy
+                            else (numpy.ndarray, backend.xp.ndarray))
 
     def put(self, e):
         path = os.path.join(self.directory, f"{e.seq}.bin")
@@ -109,7 +110,8 @@ class _FileIO:
         with open(path, "wb") as f:
             for a in e.arrays:
                 if a.size:
-                    f.write(numpy.ascontiguousarray(backend.to_host(a)).reshape(-1).view(numpy.uint8))
+                    host = numpy.ascontiguousarray(backend.to_host(a))
+                    f.write(host.reshape(-1).view(numpy.uint8))
 
     def get(self, e):
         out = []

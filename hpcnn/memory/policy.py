@@ -64,7 +64,8 @@ class RematPolicy:
 
     def _build(self, chain, x_shape, need_dx, inflight):
         if self.mode == "optimal" and self.rates is None:
-            self.rates = profile.calibrate(chain.params[0].data.dtype if chain.params else "float32")
+            dtype = chain.params[0].data.dtype if chain.params else "float32"
+            self.rates = profile.calibrate(dtype)
         prof = profile.of_chain(chain, x_shape, need_dx=need_dx, rates=self.rates)
         t0 = time.perf_counter()
         budget, channel = None, None
@@ -92,7 +93,8 @@ class RematPolicy:
             "budget_bytes": budget or 0.0, "predicted_peak_bytes": float(sim.peak),
             "store_all_bytes": float(prof.store_all_bytes()),
             "predicted_time_s": float(sim.time), "store_all_time_s": prof.store_all_time,
-            "recomputed_forwards": sequence.recomputations(seq), "solve_s": time.perf_counter() - t0,
+            "recomputed_forwards": sequence.recomputations(seq),
+            "solve_s": time.perf_counter() - t0,
             "sequence": sequence.fmt(seq)})
         return Executor(chain, seq, channel=channel, need_dx=need_dx, prof=prof, budget=budget)
 

@@ -175,7 +175,8 @@ class MaxPool2d(_Pool2d):
         dx = backend.xp.zeros(x_shape, dtype=dy.dtype)                         # (N, C, H, W)
         for i in range(k):
             for j in range(k):
-                dx[:, :, i:i + s * ho:s, j:j + s * wo:s] += backend.xp.where(idx == i * k + j, dy, 0)
+                picked = backend.xp.where(idx == i * k + j, dy, 0)
+                dx[:, :, i:i + s * ho:s, j:j + s * wo:s] += picked
         return dx
 
     def spec(self, x_shape):

@@ -72,7 +72,8 @@ class Linear(Block):
     def __init__(self, n_in, n_out, *, bias=True, seed=0, index=0, init_std=None,
                  dtype=backend.DEFAULT_DTYPE, name="linear"):
         super().__init__()
-        self.name, self.n_in, self.n_out, self.dtype = name, int(n_in), int(n_out), backend.dtype_of(dtype)
+        self.name, self.n_in, self.n_out = name, int(n_in), int(n_out)
+        self.dtype = backend.dtype_of(dtype)
         std = init_std if init_std is not None else 1.0 / math.sqrt(n_in)
         self.weight = param_from_host(
             lambda: init_rng(seed, index, 0).standard_normal((n_in, n_out)) * std,
@@ -245,7 +246,8 @@ class LayerNorm(Block):
 
     def __init__(self, dim, *, eps=1e-5, dtype=backend.DEFAULT_DTYPE, name="ln"):
         super().__init__()
-        self.name, self.dim, self.eps, self.dtype = name, int(dim), float(eps), backend.dtype_of(dtype)
+        self.name, self.dim, self.eps = name, int(dim), float(eps)
+        self.dtype = backend.dtype_of(dtype)
         self.gamma = param_from_host(numpy.ones(dim), self.dtype, f"{name}.weight")
         self.beta = param_from_host(numpy.zeros(dim), self.dtype, f"{name}.bias")
         self.params = [self.gamma, self.beta]

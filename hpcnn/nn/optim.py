@@ -37,7 +37,8 @@ class Optimizer:
         key = p.data.dtype.str
         buf = self._scratch.get(key)
         if buf is None or buf.size < p.size:
-            buf = self._scratch[key] = backend.xp.empty(max(q.size for q in self.params), p.data.dtype)
+            size = max(q.size for q in self.params)
+            buf = self._scratch[key] = backend.xp.empty(size, p.data.dtype)
         return buf[:p.size].reshape(p.data.shape)
 
     def step(self, lr: float) -> None:

@@ -282,7 +282,8 @@ class CausalSelfAttention(Block):
                            flops_fwd=mm + nx + 6 * n_att, flops_bwd=2 * mm + 3 * nx + 2 * n_att,
                            bytes_x=backend.nbytes(qkv_shape, dt),
                            bytes_y=backend.nbytes(att_shape, dt),
-                           bytes_cache=backend.nbytes(qkv_shape, dt) + backend.nbytes(att_shape, dt),
+                           bytes_cache=(backend.nbytes(qkv_shape, dt)
+                                        + backend.nbytes(att_shape, dt)),
                            bytes_params=0)
         # y = att_d^T v: fwd one product; bwd dv and datt products (+ att * mask recomputed).
         redo = n_att if self.attn_drop.p > 0 else 0

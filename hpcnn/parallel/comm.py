@@ -67,7 +67,8 @@ def host_buffers(*arrays, writeback=()):
     if backend.xp is numpy or _cuda_aware():
         yield arrays
         return
-    hosts = tuple(backend.to_host(a) for a in arrays)  # pragma: no cover - CuPy without CUDA-aware MPI
+    # CuPy without CUDA-aware MPI
+    hosts = tuple(backend.to_host(a) for a in arrays)  # pragma: no cover
     yield hosts  # pragma: no cover
     for i in writeback:  # pragma: no cover
         arrays[i][...] = backend.to_device(hosts[i])
@@ -259,7 +260,8 @@ class Communicator:
             return _algorithms().iallreduce(self, buf, algorithm, on_done)
         r = Request([], self._stats, "iallreduce", 0, _perf(), on_done)
         backend.sync()
-        if self.size == 1 or backend.xp is not numpy and not _cuda_aware():  # CuPy: staged, blocking
+        # one rank, or CuPy without CUDA-aware MPI (staged through the host): blocking
+        if self.size == 1 or backend.xp is not numpy and not _cuda_aware():
             self.allreduce(buf)
             r._finish(0.0)
             return r

@@ -252,7 +252,8 @@ class RowParallelLinear(Block):
         n_add = 0 if self.bias is None else backend.nbytes(out, dt) // dt.itemsize   # bias adds
         return replace(s, name=self.name, out_shape=out, bytes_y=backend.nbytes(out, dt),
                        flops_fwd=s.flops_fwd + n_add, flops_bwd=s.flops_bwd + n_add,
-                       bytes_params=s.bytes_params + (backend.nbytes((self.n_out,), dt) if n_add else 0),
+                       bytes_params=(s.bytes_params
+                                     + (backend.nbytes((self.n_out,), dt) if n_add else 0)),
                        comm_bytes=self.exit.volume(backend.nbytes(s.out_shape, dt)).sent(p))
 
 

@@ -112,7 +112,8 @@ class ChannelParallelConv2d(Block):
         x_shape = tuple(x_shape)
         s = self.conv.spec(x_shape)                   # flops and parameters: 1/tp
         out = (s.out_shape[0], self.out_ch) + tuple(s.out_shape[2:])   # (N, O, Ho, Wo)
-        vol = self.enter.volume(backend.nbytes(x_shape, dt)) + self.gather.volume(backend.nbytes(out, dt))
+        vol = (self.enter.volume(backend.nbytes(x_shape, dt))
+               + self.gather.volume(backend.nbytes(out, dt)))
         return replace(s, name=self.name, out_shape=out, bytes_y=backend.nbytes(out, dt),
                        comm_bytes=vol.sent(p))
 

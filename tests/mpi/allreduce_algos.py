@@ -86,7 +86,8 @@ c.allreduce_segment_bytes = c.iallreduce_segment_bytes = 2048
 bufs = [(r + 1) * pattern(n, np.float64) for n in (100003, 5, 40000, 1)]
 calls_before = c.stats.calls["iallreduce"]
 flags = []
-reqs = [allreduce.iallreduce_ring(c, b, on_done=lambda i=i: flags.append(i)) for i, b in enumerate(bufs)]
+reqs = [allreduce.iallreduce_ring(c, b, on_done=lambda i=i: flags.append(i))
+        for i, b in enumerate(bufs)]
 drive(reqs, 2000)
 for q in reqs:
     assert q.done and q.progress == 1.0
@@ -267,7 +268,8 @@ for bad, msg in ((lambda: c.allreduce(np.ones(4), algorithm="tree"), "unknown al
 os.environ["HPCNN_SHM"] = "0"
 c3 = Communicator(world)
 assert not allreduce.single_node(c3) and allreduce.default_table(c3) is allreduce.DEFAULT_TABLE
-assert allreduce.choose_nonblocking(c3, 1 << 20) == "mpi" and allreduce.choose_nonblocking(c3, 4 << 20) == "ring"
+assert allreduce.choose_nonblocking(c3, 1 << 20) == "mpi"
+assert allreduce.choose_nonblocking(c3, 4 << 20) == "ring"
 z = c3.shared_zeros((2, 3), np.float32)
 assert type(z) is np.ndarray and z.shape == (2, 3) and not z.any()
 c3.allreduce(z, algorithm="auto")
@@ -282,9 +284,10 @@ del os.environ["HPCNN_SHM"]
 # -- auto: the defaults, a forced table, then a calibration -----------------------------------
 assert allreduce.default_table(c) is allreduce.DEFAULT_SHM_TABLE
 assert allreduce.choose(c, 100) == "mpi" and allreduce.choose(c, 64 << 20) == "shm"
-assert allreduce.choose_nonblocking(c, 4 << 20) == "shm" and allreduce.choose_nonblocking(c, 1000) == "mpi"
+assert allreduce.choose_nonblocking(c, 4 << 20) == "shm"
+assert allreduce.choose_nonblocking(c, 1000) == "mpi"
 c.allreduce_table = {"sizes": [64, 1 << 20], "choice": ["rd", "ring"]}
-assert allreduce.choose(c, 8) == "rd" and allreduce.choose(c, 1 << 12) == "rd" and allreduce.choose(c, 1 << 14) == "ring"
+assert [allreduce.choose(c, n) for n in (8, 1 << 12, 1 << 14)] == ["rd", "rd", "ring"]
 assert c._auto_mpi_below == 0
 table = allreduce.calibrate(c, sizes=[1 << 10, 1 << 18], repeats=2)
 assert c.allreduce_table is table and table["p"] == p and len(table["choice"]) == 2
@@ -359,7 +362,7 @@ cma._calls = saved_calls
 import gc  # noqa: E402
 del z64, z32, flat, reqs, big, empty
 gc.collect()
-allreduce.free(c)                                                  # nothing in use: all windows freed
+allreduce.free(c)                                          # nothing in use: all windows freed
 kept = c.shared_zeros(1000, np.float64)
 gone = c.shared_zeros(1000, np.float64)
 view = kept[10:20] if r == 0 else None                      # alive on rank 0 only

@@ -126,7 +126,8 @@ for content, note in [("{not json", "unreadable"), ('{"format": "other"}', "not 
     assert len(timed) == n_timed + 1 and info["source"] == "measured", (content, info)
     if r == 0:
         assert len(info["notes"]) == 1 and note in info["notes"][0], (note, info["notes"])
-        assert "\n" not in info["notes"][0] and calibration.describe(info)[-1].endswith(info["notes"][0])
+        line = info["notes"][0]
+        assert "\n" not in line and calibration.describe(info)[-1].endswith(line)
     same_everywhere(c.allreduce_table["choice"], f"table after a bad file ({note})")
     assert saved()["key"] == key                            # replaced by a good one
     allreduce.free(c)
@@ -144,7 +145,8 @@ allreduce.free(c)
 os.environ[calibration.ENV] = FILE
 
 # -- the key: dtype and the number of ranks change it -------------------------------------------
-assert calibration.key(c, np.float32) != key and calibration.key(c, np.float32)["dtype"] == "float32"
+key32 = calibration.key(c, np.float32)
+assert key32 != key and key32["dtype"] == "float32"
 sub = world.Split(0 if r == 0 else 1, r)
 cs = Communicator(sub, CommStats())
 ks = calibration.key(cs, np.float64)

@@ -97,7 +97,8 @@ m = xs[r].copy()
 stats.reset()
 tp_comm.allreduce_max(comm, m)
 close(m, np.max(xs, axis=0), "allreduce_max")
-assert stats.bytes_sent == tp_comm.Volume(allreduce_max=m.nbytes).sent(P) == 2 * (P - 1) * m.nbytes // P
+sent = tp_comm.Volume(allreduce_max=m.nbytes).sent(P)
+assert stats.bytes_sent == sent == 2 * (P - 1) * m.nbytes // P
 
 
 # -- every block against its serial twin -----------------------------------------------------------
