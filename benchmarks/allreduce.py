@@ -38,12 +38,12 @@ from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.parallel import allreduce as AR  # noqa: E402
-from hpcnn.parallel import shm as SHM  # noqa: E402
+from hpcnn.parallel import allreduce  # noqa: E402
+from hpcnn.parallel import shm  # noqa: E402
 from hpcnn.parallel.comm import Communicator  # noqa: E402
 
-OPTS = {"max-mib": 256, "segment": AR.SEGMENT_BYTES, "isegment": AR.ISEGMENT_BYTES,
-        "piece": SHM.PIECE_BYTES, "overlap": 1, "calibrate": 1}
+OPTS = {"max-mib": 256, "segment": allreduce.SEGMENT_BYTES, "isegment": allreduce.ISEGMENT_BYTES,
+        "piece": shm.PIECE_BYTES, "overlap": 1, "calibrate": 1}
 for a in sys.argv[1:]:
     if a in ("--no-overlap", "--no-calibrate"):
         OPTS[a[5:]] = 0
@@ -98,7 +98,7 @@ def bench_sizes(c, world):
                 if rep:
                     ts[a].append(time.perf_counter() - t0)
         t = {a: slowest_median(world, ts[a]) for a in ALGOS}
-        row = {"bytes": nbytes, "auto_choice": AR.choose(c, nbytes)}
+        row = {"bytes": nbytes, "auto_choice": allreduce.choose(c, nbytes)}
         for a in ALGOS:
             row[f"{a}_us"] = t[a] * 1e6
             row[f"{a}_GBps"] = 2 * (p - 1) / p * nbytes / t[a] / 1e9
@@ -216,7 +216,7 @@ def main():
     c.allreduce_segment_bytes = OPTS["segment"]
     c.iallreduce_segment_bytes = OPTS["isegment"]
     c.shm_piece_bytes = OPTS["piece"]
-    if not AR.single_node(c):
+    if not allreduce.single_node(c):
         for a in ("shm", "shm0", "auto0"):
             ALGOS.remove(a)
     from hpcnn.parallel import cma
@@ -225,9 +225,9 @@ def main():
     world.Barrier()
     t0 = time.perf_counter()
     if OPTS["calibrate"]:
-        AR.calibrate(c)
+        allreduce.calibrate(c)
     t_cal = time.perf_counter() - t0
-    table = c.allreduce_table or AR.default_table(c)
+    table = c.allreduce_table or allreduce.default_table(c)
     if world.Get_rank() == 0:
         print(f"{library_version()}; {p} ranks; segment {OPTS['segment']} B, "
               f"non-blocking {OPTS['isegment']} B, shm piece {OPTS['piece']} B, "
@@ -259,7 +259,7 @@ def main():
             f"{r['bytes']} B {r['auto_x_raw']:.3f}x (+{r['auto_us'] - r['raw_us']:.2f} us)"
             for r in hrows))
         print(f"wrote {out}")
-    AR.free(c)
+    allreduce.free(c)
 
 
 if __name__ == "__main__":

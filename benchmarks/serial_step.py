@@ -152,7 +152,7 @@ def torch_step(name, B):
     try:
         import torch
         import torch.nn as tnn
-        import torch.nn.functional as F
+        import torch.nn.functional as functional
     except ImportError:
         return None, "torch not importable"
     torch.set_num_threads(1)
@@ -181,9 +181,9 @@ def torch_step(name, B):
                 b, t, c = x.shape
                 q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
                 q, k, v = (z.view(b, t, H, c // H).transpose(1, 2) for z in (q, k, v))
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                a = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
                 x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
-                return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+                return x + self.out(functional.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
         class GPT(tnn.Module):
             def __init__(self):
@@ -205,7 +205,7 @@ def torch_step(name, B):
 
     def step():
         opt.zero_grad(set_to_none=False)
-        F.cross_entropy(net(x), y).backward()
+        functional.cross_entropy(net(x), y).backward()
         opt.step()
     return step, torch.__version__
 

@@ -50,7 +50,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     from hpcnn.config import parse_overrides
-    from hpcnn.parallel import allreduce as AR
+    from hpcnn.parallel import allreduce
     from hpcnn.train import _build_for, _Parallel
     world = MPI.COMM_WORLD
     dp = [] if any(a.startswith("--dp=") for a in args) else [f"--dp={world.Get_size()}"]
@@ -74,7 +74,7 @@ def worker(args) -> None:
         from hpcnn.parallel import calibration      # this code: the whole of for_run
         timed(calibration, "for_run")
     except ImportError:                             # the older code: its calibrate call
-        timed(AR, "calibrate")
+        timed(allreduce, "calibrate")
     world.Barrier()
     t0 = time.perf_counter()
     par = _Parallel(cfg, world)

@@ -63,11 +63,11 @@ from dataclasses import replace
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn import backend as B  # noqa: E402
-from hpcnn import data as D  # noqa: E402
+from hpcnn import backend  # noqa: E402
+from hpcnn import data  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.memory import combine, rotor, sequence as S  # noqa: E402
-from hpcnn.memory import profile as P  # noqa: E402
+from hpcnn.memory import combine, rotor, sequence  # noqa: E402
+from hpcnn.memory import profile  # noqa: E402
 from hpcnn.memory.executor import Executor  # noqa: E402
 from hpcnn.memory.offload import OffloadChannel  # noqa: E402
 from hpcnn.memory.simulate import simulate  # noqa: E402
@@ -85,15 +85,15 @@ def build(name, quick, seed):
     ones ~1 ms."""
     if name == "cnn":
         ch, hidden, batch = ((4, 8), 16, 32) if quick else ((32, 64), 128, 256)
-        d = D.digits(image=True)
-        idx = D.batch_indices(len(d.y_train), batch, 0, seed)
+        d = data.digits(image=True)
+        idx = data.batch_indices(len(d.y_train), batch, 0, seed)
         chain = models.cnn(1, 8, channels=ch, hidden=hidden, seed=seed, dtype=F32)
         return (chain, d.x_train[idx].astype(F32), d.y_train[idx],
                 f"cnn conv{list(ch)} hidden {hidden}, digits 8x8, batch {batch}")
     if name in ("gpt", "gpth"):
         layers, dim, block, batch = (2, 32, 16, 4) if quick else (6, 128, 64, 16)
-        t = D.shakespeare(max_plays=1 if quick else None)
-        x, y = D.text_batch(t.train, batch, block, 0, seed)
+        t = data.shakespeare(max_plays=1 if quick else None)
+        x, y = data.text_batch(t.train, batch, block, 0, seed)
         chain = models.gpt(t.vocab, block, layers, dim, 4, seed=seed, dtype=F32)
         if name == "gpth":                         # each layer as two stages (residual halves)
             chain = split_layers(chain)
@@ -114,9 +114,9 @@ def plan(prof, solver, points, bandwidths):
                 "predicted_time": float(t), "predicted_peak": float(peak),
                 "predicted_account_peak": float(sim.peak), "solve_s": solve_s,
                 "n_offload": sum(op.kind == "OFF" for op in seq)}
-    sqrt_seq = S.segments(n)
+    sqrt_seq = sequence.segments(n)
     sq = simulate(sqrt_seq, prof)
-    arms = [arm("store_all", 0, top, S.store_all(n), prof.store_all_time, top, 0.0),
+    arms = [arm("store_all", 0, top, sequence.store_all(n), prof.store_all_time, top, 0.0),
             arm("sqrt", 0, sq.peak, sqrt_seq, sq.time, sq.peak, 0.0)]
     for budget in np.linspace(solver.least, top, points):
         t0 = time.perf_counter()
@@ -230,7 +230,7 @@ def rows_of(model, prof, arms):
             "predicted_peak": a["predicted_peak"],
             "predicted_account_peak": a["predicted_account_peak"],
             "measured_peak": a["peak"], "traced_peak": a["traced"],
-            "store_all_peak": arms[0]["peak"], "n_recompute": S.recomputations(a["seq"]),
+            "store_all_peak": arms[0]["peak"], "n_recompute": sequence.recomputations(a["seq"]),
             "n_offload": a["n_offload"], "grad_err": a["grad_err"],
             "solve_seconds": a["solve_s"], "run_id": a["run"]})
     return rows
@@ -246,7 +246,7 @@ def synthetic(L, rng):
     wd = wx.copy()
     wd[0] = 0
     uf = rng.lognormal(np.log(1e-3), 0.8, L)
-    return P.ChainProfile(tuple(f"s{i}" for i in range(L)), uf, uf * rng.uniform(1.5, 2.5, L),
+    return profile.ChainProfile(tuple(f"s{i}" for i in range(L)), uf, uf * rng.uniform(1.5, 2.5, L),
                           wx, wbar, wd, np.round(wx[1:] * rng.uniform(0, 1, L)).astype(np.int64),
                           np.round(wx[:-1] * rng.uniform(0, 1, L)).astype(np.int64))
 
@@ -376,7 +376,7 @@ def main():
     ap.add_argument("--out", default="runs/remat_tradeoff")
     ap.add_argument("--quick", action="store_true", help="tiny models, 4 points, 3 repeats")
     args = ap.parse_args()
-    B.tune_allocator()          # as the training loop does: freed steps' memory stays mapped
+    backend.tune_allocator()          # as the training loop does: freed steps' memory stays mapped
     if args.quick:
         args.points, args.repeats, args.warmup = 4, 3, 1      # 3 pairs: a median, not one sample
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
@@ -388,7 +388,7 @@ def main():
     rows, heads, model_rows, chan_rows = [], [], [], []
     for name in args.models.split(","):
         chain, x, y, desc = build(name, args.quick, args.seed)
-        prof = P.measure(chain, x, y, need_dx=False, repeats=3 if args.quick else 15)
+        prof = profile.measure(chain, x, y, need_dx=False, repeats=3 if args.quick else 15)
         t0 = time.perf_counter()
         solver = rotor.Solver(prof, args.slots)
         build_s = time.perf_counter() - t0

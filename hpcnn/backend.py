@@ -5,8 +5,8 @@ that, from the ``HPCNN_DEVICE`` environment variable (``cpu`` or ``gpu``; defaul
 code imports the module and uses ``backend.xp`` so that the choice made at start-up is seen
 everywhere::
 
-    from hpcnn import backend as B
-    y = B.xp.matmul(x, w)
+    from hpcnn import backend
+    y = backend.xp.matmul(x, w)
 
 MPI moves host memory unless the library is CUDA-aware; :func:`to_host` / :func:`to_device` stage
 arrays across, and :func:`sync` synchronises the CuPy stream before an MPI call reads a buffer.

@@ -28,7 +28,7 @@ import os
 import h5py
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 FORMAT = 1
 
@@ -62,7 +62,7 @@ def _local_state(params, opt, tp) -> dict:
             cut = _shard_of(p)
             if cut is not None and tp is not None and tp.size > 1:
                 a = unshard(tp, a, *cut)
-            out[key] = numpy.array(B.to_host(a))
+            out[key] = numpy.array(backend.to_host(a))
     return out
 
 
@@ -175,7 +175,7 @@ def restore(path: str, cfg, model, params, opt, par=None, steps: int = 0) -> int
             cut = _shard_of(p)
             a = full if cut is None or tp_size == 1 else shard_array(full, cut[0], tp_rank,
                                                                      tp_size, cut[1])
-            return B.asarray(numpy.ascontiguousarray(a).astype(p.data.dtype, copy=False))
+            return backend.asarray(numpy.ascontiguousarray(a).astype(p.data.dtype, copy=False))
 
         for p in params:
             p.data[...] = local(p, saved[p.name][...])

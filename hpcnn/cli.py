@@ -119,7 +119,7 @@ def _stop_every_rank(message: str, agree) -> int:
 def info_lines() -> list[str]:
     import numpy
     import hpcnn
-    from hpcnn import backend as B
+    from hpcnn import backend
     lines = [f"hpcnn {hpcnn.__version__}", f"python {platform.python_version()} ({sys.executable})",
              f"numpy {numpy.__version__}"]
     for mod in ("scipy", "h5py", "matplotlib", "mpi4py", "sklearn", "cupy"):
@@ -135,7 +135,8 @@ def info_lines() -> list[str]:
                      f"world size {MPI.COMM_WORLD.Get_size()}")
     except ImportError:
         lines.append("MPI library: none (mpi4py not importable)")
-    lines.append(f"backend: {B.device} ({B.xp.__name__}), default dtype {numpy.dtype(B.DEFAULT_DTYPE)}")
+    lines.append(f"backend: {backend.device} ({backend.xp.__name__}), "
+                 f"default dtype {numpy.dtype(backend.DEFAULT_DTYPE)}")
     lines += _allreduce_lines()
     lines += _thread_pool_lines()
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",

@@ -117,7 +117,7 @@ def cmd_calibrate(args) -> int:
         return 2
     from mpi4py import MPI
 
-    from hpcnn.parallel import allreduce as AR
+    from hpcnn.parallel import allreduce
     from hpcnn.parallel import calibration
     from hpcnn.parallel.comm import Communicator
     comm = Communicator(MPI.COMM_WORLD)
@@ -126,11 +126,12 @@ def cmd_calibrate(args) -> int:
               file=sys.stderr)
         return 2
     key = calibration.key(comm, opts["dtype"])
-    table = AR.calibrate(comm, dtype=opts["dtype"])
+    table = allreduce.calibrate(comm, dtype=opts["dtype"])
     status = 0
     if comm.rank == 0:
         algos = list(table["times"])
-        print(f"{comm.size} ranks, {'one node' if AR.single_node(comm) else 'several nodes'}, "
+        nodes = "one node" if allreduce.single_node(comm) else "several nodes"
+        print(f"{comm.size} ranks, {nodes}, "
               f"{opts['dtype']}; median of the slowest rank, microseconds")
         print(f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in algos) + "  auto")
         for i, (n, choice) in enumerate(zip(table["sizes"], table["choice"])):
@@ -141,5 +142,5 @@ def cmd_calibrate(args) -> int:
         print(f"hpcnn calibrate: {failed}" if failed else f"saved to {path}" if path else
               f"not saved ({calibration.ENV}=off)", file=sys.stderr if failed else sys.stdout)
         status = 1 if failed else 0
-    AR.free(comm)
+    allreduce.free(comm)
     return status

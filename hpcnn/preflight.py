@@ -47,7 +47,7 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     ``cfg`` is a resolved configuration (:meth:`TrainConfig.resolved`, which has validated it);
     ``world_size`` the number of ranks (None: not checked).
     """
-    from hpcnn import data as D
+    from hpcnn import data as datasets
     errs = []
     if world_size is not None and cfg.dp * cfg.tp * cfg.pp != world_size:
         errs.append(f"world size ({world_size}) != dp*tp*pp ({cfg.dp}*{cfg.tp}*{cfg.pp} = "
@@ -55,8 +55,8 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
                     f"number of ranks)")
     if errs:                       # refused without loading the data
         raise ConfigError("invalid configuration: " + "; ".join(errs))
-    data = data if data is not None else D.for_config(cfg)
-    errs += D.misfits(cfg, data)
+    data = data if data is not None else datasets.for_config(cfg)
+    errs += datasets.misfits(cfg, data)
     if not errs and cfg.pp > 1:
         errs += _stage_errors(cfg, data)
     if errs:

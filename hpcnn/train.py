@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy
 
-from hpcnn import backend as B
-from hpcnn import data as D
+from hpcnn import backend
+from hpcnn import data as datasets
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn import checkpoint
 from hpcnn.nn import models
@@ -46,14 +46,14 @@ class Task:
 
     @property
     def is_text(self) -> bool:
-        return isinstance(self.data, D.TextData)
+        return isinstance(self.data, datasets.TextData)
 
     def global_batch(self, step: int):
         """Host arrays (x, y) of the whole global batch of ``step`` (rows = samples/sequences)."""
         c = self.cfg
         if self.is_text:
-            return D.text_batch(self.data.train, c.batch_size, c.block_size, step, c.seed)
-        idx = D.batch_indices(len(self.data.y_train), c.batch_size, step, c.seed)
+            return datasets.text_batch(self.data.train, c.batch_size, c.block_size, step, c.seed)
+        idx = datasets.batch_indices(len(self.data.y_train), c.batch_size, step, c.seed)
         if c.shard == "skewed":       # class-skewed shards: neighbouring ranks see different classes
             idx = idx[numpy.argsort(self.data.y_train[idx], kind="stable")]
         return self.data.x_train[idx], self.data.y_train[idx]
@@ -78,7 +78,7 @@ class Task:
 
     def to_device(self, x, y):
         dtype = None if self.is_text else self.cfg.dtype
-        return B.asarray(x, dtype=dtype), B.asarray(y)
+        return backend.asarray(x, dtype=dtype), backend.asarray(y)
 
     def eval_sums(self, rank: int = 0, size: int = 1, par=None) -> numpy.ndarray:
         """[loss sum, correct, count] over this data-parallel rank's 1/size share of the
@@ -87,17 +87,17 @@ class Task:
         tot = numpy.zeros(3)
         if self.is_text:
             for i in range(rank, c.eval_batches, size):
-                x, y = D.text_batch(self.data.val, c.batch_size, c.block_size, i, VAL_SEED)
-                logits = self._logits(B.asarray(x), par)
+                x, y = datasets.text_batch(self.data.val, c.batch_size, c.block_size, i, VAL_SEED)
+                logits = self._logits(backend.asarray(x), par)
                 if logits is not None:
-                    tot += [m.loss.forward(logits, B.asarray(y))[0] * y.size, 0.0, y.size]
+                    tot += [m.loss.forward(logits, backend.asarray(y))[0] * y.size, 0.0, y.size]
         else:
             part = numpy.array_split(numpy.arange(len(self.data.y_test)), size)[rank]
             if len(part):
                 x, y = self.to_device(self.data.x_test[part], self.data.y_test[part])
                 logits = self._logits(x, par, batch_size=512)
                 if logits is not None:
-                    correct = float(B.to_host((logits.argmax(axis=-1) == y).sum()))
+                    correct = float(backend.to_host((logits.argmax(axis=-1) == y).sum()))
                     tot += [m.loss.forward(logits, y)[0] * len(part), correct, len(part)]
         if par is not None and par.local is not None:
             par.pp.bcast(tot, root=par.owner[-1])
@@ -119,10 +119,10 @@ def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
 def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
     """Load the data (unless given) and build the model named by a resolved config (sharded
     over ``tp_comm``)."""
-    dtype = B.dtype_of(cfg.dtype)
+    dtype = backend.dtype_of(cfg.dtype)
     tp = tp_comm is not None and tp_comm.size > 1
     if cfg.dataset == "digits":
-        data = data or D.digits(image=cfg.model == "cnn")
+        data = data or datasets.digits(image=cfg.model == "cnn")
         if cfg.model == "mlp":
             model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed, dtype=dtype)
         elif tp:
@@ -130,9 +130,10 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
             model = parallel_cnn(tp_comm, 1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
         else:
             model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
-        spe = D.steps_per_epoch(len(data.y_train), cfg.batch_size)
+        spe = datasets.steps_per_epoch(len(data.y_train), cfg.batch_size)
         return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
-    data = data or D.shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
+    data = data or datasets.shakespeare(max_plays=cfg.max_plays or None,
+                                        fallback=cfg.dataset == "sonnet")
     vocab = padded_vocab(data.vocab, cfg)
     if tp:
         from hpcnn.parallel.tp_models import parallel_gpt
@@ -330,8 +331,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     cfg = cfg.resolved()
     world_size = comm.Get_size() if comm is not None else 1
     data = preflight.check(cfg, world_size, data)    # options, ranks, data, model: no collective
-    B.set_device(cfg.device)
-    B.tune_allocator()
+    backend.set_device(cfg.device)
+    backend.tune_allocator()
     par = _Parallel(cfg, comm) if comm is not None else None
     try:
         try:
@@ -385,7 +386,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
             extra["emulated_slowdown"] = ",".join(f"{f:g}" for f in par.factors)
             extra["emulated_slowdown_mode"] = cfg.slowdown_mode
         log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
-                     world_size=world_size, backend=B.device,
+                     world_size=world_size, backend=backend.device,
                      mpi_library=library_version() if comm is not None else "",
                      extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
         log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
@@ -565,7 +566,7 @@ def _train_step(cfg, task, par, opt, step, t_start):
                                norm_sq=par.grad_norm_sq(opt.params) if par else None)
     td = time.perf_counter()
     opt.step(lr)
-    B.sync()
+    backend.sync()
     t3 = time.perf_counter()
     events.append((wrank, "optimizer", -1, td - t_start, t3 - t_start))
     dt = t3 - t0

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from hpcnn.parallel import calibration as CAL
+from hpcnn.parallel import calibration
 from hpcnn.parallel.allreduce import MARGIN, _split, compile_table, table_from_times
 from hpcnn.parallel.comm import CommStats, Communicator
 
@@ -126,60 +126,64 @@ def _timings(sizes, base=1e-4):
 
 def test_calibration_file_round_trip_merge_and_replace(tmp_path):
     path = str(tmp_path / "sub" / "c.json")
-    assert CAL.load(path, KEY) == (None, "")                    # no file: no note
-    assert CAL.save(path, KEY, _timings([1000, 4000])) == ""    # makes the folder
-    got, note = CAL.load(path, KEY)
+    assert calibration.load(path, KEY) == (None, "")                    # no file: no note
+    assert calibration.save(path, KEY, _timings([1000, 4000])) == ""    # makes the folder
+    got, note = calibration.load(path, KEY)
     assert note == "" and got == _timings([1000, 4000])
-    assert CAL.save(path, KEY, _timings([2000], base=1.0)) == ""       # merged in, sorted
-    got, _ = CAL.load(path, KEY)
+    assert calibration.save(path, KEY, _timings([2000], base=1.0)) == ""       # merged in, sorted
+    got, _ = calibration.load(path, KEY)
     assert got["sizes"] == [1000, 2000, 4000] and got["times"]["mpi"][1] == 1.0
-    assert CAL.save(path, KEY, _timings([8000]), replace=True) == ""
-    assert CAL.load(path, KEY)[0]["sizes"] == [8000]
+    assert calibration.save(path, KEY, _timings([8000]), replace=True) == ""
+    assert calibration.load(path, KEY)[0]["sizes"] == [8000]
     assert os.listdir(tmp_path / "sub") == ["c.json"]           # no temporary left behind
     blocked = tmp_path / "file"
     blocked.write_text("")
-    note = CAL.save(str(blocked / "c.json"), KEY, _timings([1]))  # a file where a folder goes
+    # a file where a folder goes
+    note = calibration.save(str(blocked / "c.json"), KEY, _timings([1]))
     assert note.startswith("could not save") and "\n" not in note
 
 
 @pytest.mark.parametrize("content,why", [
     ("{oops", "unreadable"), ("[" * 100000, "unreadable"), ("[1, 2]", "not an hpcnn calibration file"),
     (json.dumps({"format": "x"}), "not an hpcnn calibration file"),
-    (json.dumps({"format": CAL.FORMAT, "key": dict(KEY, ranks=3), **_timings([1])}),
+    (json.dumps({"format": calibration.FORMAT, "key": dict(KEY, ranks=3), **_timings([1])}),
      "made for another ranks"),
-    (json.dumps({"format": CAL.FORMAT, "key": dict(KEY, mpi="Open MPI", dtype="float64"),
+    (json.dumps({"format": calibration.FORMAT, "key": dict(KEY, mpi="Open MPI", dtype="float64"),
                  **_timings([1])}), "made for another dtype, mpi"),
-    (json.dumps({"format": CAL.FORMAT, "key": KEY, "sizes": [1, 2], "times": {"mpi": [1, 1]}}),
+    (json.dumps({"format": calibration.FORMAT, "key": KEY, "sizes": [1, 2],
+                 "times": {"mpi": [1, 1]}}),
      "malformed"),
-    (json.dumps({"format": CAL.FORMAT, "key": KEY, **dict(_timings([1, 2]), sizes=[1, -2])}),
+    (json.dumps({"format": calibration.FORMAT, "key": KEY,
+                 **dict(_timings([1, 2]), sizes=[1, -2])}),
      "malformed"),
-    (json.dumps({"format": CAL.FORMAT, "key": KEY,
+    (json.dumps({"format": calibration.FORMAT, "key": KEY,
                  **_timings([1, 2]) | {"times": {a: [1e-4, float("nan")]
                                                  for a in KEY["algorithms"]}}}), "malformed"),
 ])
 def test_a_bad_calibration_file_is_ignored_with_one_line(tmp_path, content, why):
     path = tmp_path / "c.json"
     path.write_text(content)
-    got, note = CAL.load(str(path), KEY)
+    got, note = calibration.load(str(path), KEY)
     assert got is None and note.startswith(f"ignored {path}: ") and why in note, note
     assert "\n" not in note
 
 
 def test_calibration_path_and_coverage(monkeypatch, tmp_path):
-    monkeypatch.delenv(CAL.ENV, raising=False)
+    monkeypatch.delenv(calibration.ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    default = CAL.path_for(KEY)
+    default = calibration.path_for(KEY)
     assert re.fullmatch(re.escape(str(tmp_path / "hpcnn")) + r"/calibration-[0-9a-f]{16}\.json",
                         default)
-    assert CAL.path_for(dict(KEY, ranks=4)) != default           # another key, another file
-    assert CAL.path_for(dict(KEY)) == default
-    monkeypatch.setenv(CAL.ENV, "~/mine.json")
-    assert CAL.path_for(KEY) == os.path.expanduser("~/mine.json")
+    assert calibration.path_for(dict(KEY, ranks=4)) != default           # another key, another file
+    assert calibration.path_for(dict(KEY)) == default
+    monkeypatch.setenv(calibration.ENV, "~/mine.json")
+    assert calibration.path_for(KEY) == os.path.expanduser("~/mine.json")
     for off in ("off", "0", "OFF"):
-        monkeypatch.setenv(CAL.ENV, off)
-        assert CAL.path_for(KEY) is None
-    assert CAL.covered(1000, [500]) and CAL.covered(1000, [2000]) and CAL.covered(7, [7])
-    assert not CAL.covered(1000, [499, 2001]) and not CAL.covered(1000, [])
+        monkeypatch.setenv(calibration.ENV, off)
+        assert calibration.path_for(KEY) is None
+    assert calibration.covered(1000, [500]) and calibration.covered(1000, [2000])
+    assert calibration.covered(7, [7])
+    assert not calibration.covered(1000, [499, 2001]) and not calibration.covered(1000, [])
 
 
 def test_table_from_times_keeps_mpi_unless_clearly_beaten():
@@ -193,18 +197,19 @@ def test_table_from_times_keeps_mpi_unless_clearly_beaten():
 def test_describe_says_where_the_table_came_from():
     info = {"source": "file", "path": "/x/c.json", "sizes": [340 << 10], "measured": [],
             "seconds": 0.01, "choice": {340 << 10: "shm"}, "notes": []}
-    assert CAL.describe(info) == ["allreduce auto: loaded from /x/c.json (340 KiB shm)"]
+    assert calibration.describe(info) == ["allreduce auto: loaded from /x/c.json (340 KiB shm)"]
     info.update(source="measured", measured=[340 << 10], seconds=0.123,
                 notes=["ignored /x/c.json: unreadable (JSONDecodeError: x)"])
-    assert CAL.describe(info) == [
+    assert calibration.describe(info) == [
         "allreduce auto: measured 1 size in 0.12 s, saved to /x/c.json (340 KiB shm)",
         "allreduce auto: ignored /x/c.json: unreadable (JSONDecodeError: x)"]
     info.update(source="file+measured", measured=[600], choice={600: "mpi", 2 << 20: "cma"},
                 notes=[])
-    assert CAL.describe(info) == ["allreduce auto: measured 1 size in 0.12 s, the rest loaded, "
-                                  "saved to /x/c.json (600 B mpi, 2.0 MiB cma)"]
+    assert calibration.describe(info) == [
+        "allreduce auto: measured 1 size in 0.12 s, the rest loaded, "
+        "saved to /x/c.json (600 B mpi, 2.0 MiB cma)"]
     info.update(source="measured", measured=[600, 2 << 20], path=None)
-    assert CAL.describe(info) == ["allreduce auto: measured 2 sizes in 0.12 s, "
+    assert calibration.describe(info) == ["allreduce auto: measured 2 sizes in 0.12 s, "
                                   "no file (HPCNN_CALIBRATION=off) (600 B mpi, 2.0 MiB cma)"]
     info.update(source="none")
-    assert CAL.describe(info) == []
+    assert calibration.describe(info) == []

@@ -21,16 +21,16 @@ from cachecheck import block_kinds, grads_accumulate, spec_matches_cache
 from mpi_util import single
 
 F64 = np.float64
-Bn, T, C, NH, V = 2, 8, 16, 4, 20
+B, T, C, NH, V = 2, 8, 16, 4, 20
 
 
 def _inputs():
     rng = np.random.default_rng(0)
-    seq = rng.standard_normal((Bn, T, C))
+    seq = rng.standard_normal((B, T, C))
     img = rng.standard_normal((2, 3, 8, 8))
-    tok = rng.integers(0, V, (Bn, T))
-    logits = rng.standard_normal((Bn, T, V))
-    targets = rng.integers(0, V, (Bn, T))
+    tok = rng.integers(0, V, (B, T))
+    logits = rng.standard_normal((B, T, V))
+    targets = rng.integers(0, V, (B, T))
     targets[0, :3] = -100                                    # ignored rows
     return seq, img, tok, logits, targets
 
@@ -126,3 +126,12 @@ def test_spec_check_sees_a_miscounted_cache():
         spec_matches_cache(Off(dtype=F64), seq)
     with pytest.raises(AssertionError, match="larger buffer"):
         spec_matches_cache(Slice(dtype=F64), seq)
+
+
+def test_block_spec_is_built_by_keyword_only():
+    """Nine counts in a row could be put in the wrong order unnoticed: positional use fails."""
+    counts = dict(flops_fwd=1.0, flops_bwd=2.0, bytes_x=8, bytes_y=8, bytes_cache=0, bytes_params=0)
+    spec = hpcnn.nn.BlockSpec(name="b", in_shape=(1,), out_shape=(1,), **counts)
+    assert (spec.flops_bwd, spec.bytes_cache, spec.comm_bytes) == (2.0, 0, 0)
+    with pytest.raises(TypeError):
+        hpcnn.nn.BlockSpec("b", (1,), (1,), *counts.values())

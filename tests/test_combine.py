@@ -3,7 +3,7 @@ when executed through the file channel."""
 import numpy as np
 import pytest
 
-from hpcnn.memory import combine, profile as P, rotor
+from hpcnn.memory import combine, profile, rotor
 from hpcnn.memory.executor import Executor, store_all_reference
 from hpcnn.memory.offload import OffloadChannel
 from hpcnn.memory.simulate import simulate
@@ -25,8 +25,8 @@ def tokens():
 
 @pytest.mark.parametrize("bandwidth", [2e8, 2e9])
 def test_never_slower_than_remat_and_within_budget(bandwidth):
-    prof = P.of_chain(models.gpt(65, block_size=64, n_layers=6, dim=128, n_heads=4), (16, 64),
-                      rates=P.Rates(50e9, 20e9))
+    prof = profile.of_chain(models.gpt(65, block_size=64, n_layers=6, dim=128, n_heads=4), (16, 64),
+                      rates=profile.Rates(50e9, 20e9))
     solver = rotor.Solver(prof, 300)
     gained = 0
     for frac in (0.9, 0.6, 0.4, 0.25, 0.2, 0.15):
@@ -51,7 +51,7 @@ def test_offloaded_execution_matches_store_all(tmp_path):
     x, y = tokens()
     ref = gpt()
     loss_ref, _ = store_all_reference(ref, x, y)
-    prof = P.of_chain(gpt(), x.shape)
+    prof = profile.of_chain(gpt(), x.shape)
     solver = rotor.Solver(prof, 300)
     budget = 0.3 * solver.top
     sol = combine.solve(prof, budget, 1e12, solver=solver)     # a link fast enough to be used
@@ -70,7 +70,7 @@ def test_offloaded_execution_matches_store_all(tmp_path):
 
 
 def test_bad_bandwidth_and_impossible_budget():
-    prof = P.of_chain(gpt(), tokens()[0].shape)
+    prof = profile.of_chain(gpt(), tokens()[0].shape)
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         combine.solve(prof, 1e6, 0.0)
     with pytest.raises(rotor.InfeasibleBudget, match="too small even with offloading"):
@@ -96,7 +96,7 @@ def test_a_copy_finishing_while_the_executor_waits_for_room():
 
     x, _ = tokens()
     chain = gpt()
-    prof = P.of_chain(chain, x.shape)
+    prof = profile.of_chain(chain, x.shape)
     seq = rotor.Solver(prof, 100).solve(0.5 * rotor.Solver(prof, 100).top).sequence
     ex = Executor(chain, seq, channel=Late(), need_dx=False, prof=prof, budget=1000.0)
     st = _State(x)

@@ -5,8 +5,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from hpcnn import data as D
-from hpcnn.memory import profile as P, rotor, sequence as S
+from hpcnn import data
+from hpcnn.memory import profile, rotor, sequence
 from hpcnn.memory.executor import Executor, live_bytes, store_all_reference
 from hpcnn.memory.simulate import simulate
 from hpcnn.nn import models
@@ -34,7 +34,7 @@ def batch(kind):
         rng = np.random.default_rng(0)
         tok = rng.integers(0, 32, (6, 16))
         return tok, np.roll(tok, -1, axis=1)
-    d = D.digits(image=kind == "cnn")
+    d = data.digits(image=kind == "cnn")
     return d.x_train[:40].astype(F64), d.y_train[:40]
 
 
@@ -59,7 +59,8 @@ def reference(kind, steps=2):
 def sequences(prof):
     n = len(prof)
     solver = rotor.Solver(prof, slots=300)
-    seqs = {"store_all": S.store_all(n), "sqrt": S.segments(n), "revolve2": S.revolve(n, 2)}
+    seqs = {"store_all": sequence.store_all(n), "sqrt": sequence.segments(n),
+            "revolve2": sequence.revolve(n, 2)}
     for frac in (0.35, 0.5, 0.7):
         budget = max(solver.least, frac * solver.top)
         seqs[f"optimal{frac}"] = solver.solve(budget).sequence
@@ -70,7 +71,7 @@ def sequences(prof):
 def test_sequences_give_store_all_gradients(kind):
     ref = reference(kind)
     x, y = batch(kind)
-    prof = P.of_chain(BUILD[kind](), x.shape)
+    prof = profile.of_chain(BUILD[kind](), x.shape)
     for name, seq in sequences(prof).items():
         chain = BUILD[kind]()
         ex = Executor(chain, seq, need_dx=kind != "gpt")
@@ -91,7 +92,7 @@ def test_sequences_give_store_all_gradients(kind):
 
 def test_recompute_restores_dropout_state():
     chain, (x, y) = gpt(), batch("gpt")
-    seq = S.revolve(len(chain) + 1, 1)
+    seq = sequence.revolve(len(chain) + 1, 1)
     Executor(chain, seq).run(x, y)
     ref = gpt()
     store_all_reference(ref, x, y)
@@ -103,9 +104,9 @@ def test_tracemalloc_agrees_with_the_account():
     chain, (x, y) = mlp(), batch("mlp")
     x = np.tile(x, (8, 1))
     y = np.tile(y, 8)
-    measured = P.measure(chain, x, y, repeats=1)
+    measured = profile.measure(chain, x, y, repeats=1)
     transient = int(max(measured.of.max(), measured.ob.max()))
-    prof = P.of_chain(chain, x.shape)
+    prof = profile.of_chain(chain, x.shape)
     solver = rotor.Solver(prof, slots=200)
     for budget in (solver.least * 1.05, 0.6 * solver.top, solver.top):
         seq = solver.solve(budget).sequence
@@ -147,9 +148,9 @@ def test_account_of_a_micro_batch_view_equals_the_model():
     as the model's x[0] does, not the whole batch."""
     x, y = batch("gpt")
     chain = gpt()
-    prof = P.of_chain(chain, x[2:4].shape, need_dx=False)
+    prof = profile.of_chain(chain, x[2:4].shape, need_dx=False)
     solver = rotor.Solver(prof, 300)
-    for seq in (S.store_all(len(prof)), solver.solve(solver.least).sequence):
+    for seq in (sequence.store_all(len(prof)), solver.solve(solver.least).sequence):
         res, sim = Executor(chain, seq, need_dx=False).run(x[2:4], y[2:4]), simulate(seq, prof)
         assert res.peak == sim.peak
         assert [live for _, live in res.trace[1:]] == sim.peaks      # op by op
@@ -165,7 +166,7 @@ def test_account_equals_the_plan_at_the_least_budget_under_tp_and_pp(tmp_path):
 def test_executor_rejects_bad_sequences():
     chain = mlp()
     with pytest.raises(ValueError, match="first backward must be B"):
-        Executor(chain, [S.Op("F_all", 0), S.Op("B", 0)])
+        Executor(chain, [sequence.Op("F_all", 0), sequence.Op("B", 0)])
     with pytest.raises(ValueError, match="OffloadChannel"):
-        Executor(chain, S.store_all(len(chain) + 1) + [S.Op("OFF", 1, "x")])
+        Executor(chain, sequence.store_all(len(chain) + 1) + [sequence.Op("OFF", 1, "x")])
 

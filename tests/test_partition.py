@@ -5,17 +5,17 @@ import numpy as np
 import pytest
 
 from hpcnn.nn import models
-from hpcnn.parallel import partition as P
+from hpcnn.parallel import partition
 
 
 def test_uniform():
-    assert P.uniform(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
-    assert P.uniform(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert P.uniform(5, 1) == [(0, 5)]
+    assert partition.uniform(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert partition.uniform(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert partition.uniform(5, 1) == [(0, 5)]
     with pytest.raises(ValueError, match="cannot cut 3 blocks into 4 non-empty stages"):
-        P.uniform(3, 4)
+        partition.uniform(3, 4)
     with pytest.raises(ValueError, match="n_stages must be a positive integer, got 0"):
-        P.uniform(3, 0)
+        partition.uniform(3, 0)
 
 
 def _brute(costs, S):
@@ -25,12 +25,12 @@ def _brute(costs, S):
 
 
 def test_by_cost_examples():
-    assert P.by_cost([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
-    assert P.by_cost([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
-    assert P.by_cost([0, 0, 0], 3) == [(0, 1), (1, 2), (2, 3)]       # never an empty stage
-    assert P.by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [(0, 5), (5, 7), (7, 9)]   # 15|13|17
+    assert partition.by_cost([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
+    assert partition.by_cost([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert partition.by_cost([0, 0, 0], 3) == [(0, 1), (1, 2), (2, 3)]       # never an empty stage
+    assert partition.by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [(0, 5), (5, 7), (7, 9)]  # 15|13|17
     with pytest.raises(ValueError, match=r"block costs must be >= 0, got \[1, -1\]"):
-        P.by_cost([1, -1], 2)
+        partition.by_cost([1, -1], 2)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -39,48 +39,48 @@ def test_by_cost_is_exact(seed):
     n = int(rng.integers(1, 9))
     S = int(rng.integers(1, n + 1))
     costs = [int(c) for c in rng.integers(0, 20, size=n)]
-    ranges = P.by_cost(costs, S)
-    P.check_ranges(ranges, n)
+    ranges = partition.by_cost(costs, S)
+    partition.check_ranges(ranges, n)
     assert len(ranges) == S
-    assert max(P.stage_costs(costs, ranges)) == _brute(costs, S)
+    assert max(partition.stage_costs(costs, ranges)) == _brute(costs, S)
 
 
 def test_parse_layout():
-    assert P.parse_layout("4|4|3|5", 16) == [(0, 4), (4, 8), (8, 11), (11, 16)]
-    assert P.parse_layout("7", 7) == [(0, 7)]
+    assert partition.parse_layout("4|4|3|5", 16) == [(0, 4), (4, 8), (8, 11), (11, 16)]
+    assert partition.parse_layout("7", 7) == [(0, 7)]
     with pytest.raises(ValueError, match=r"'4\|4\|3\|5'.*sum to 16 blocks, the chain has 15"):
-        P.parse_layout("4|4|3|5", 15)
+        partition.parse_layout("4|4|3|5", 15)
     with pytest.raises(ValueError, match=r"'4\|0\|3': stage 1 has 0 blocks"):
-        P.parse_layout("4|0|3", 7)
+        partition.parse_layout("4|0|3", 7)
     with pytest.raises(ValueError, match="expected integers separated by"):
-        P.parse_layout("4||3", 7)
+        partition.parse_layout("4||3", 7)
 
 
 def test_check_ranges():
-    P.check_ranges([(0, 2), (2, 5)], 5)
+    partition.check_ranges([(0, 2), (2, 5)], 5)
     with pytest.raises(ValueError, match=r"stage 1 is \(3, 5\)"):
-        P.check_ranges([(0, 2), (3, 5)], 5)
+        partition.check_ranges([(0, 2), (3, 5)], 5)
     with pytest.raises(ValueError, match="cover 4 blocks, the chain has 5"):
-        P.check_ranges([(0, 2), (2, 4)], 5)
+        partition.check_ranges([(0, 2), (2, 4)], 5)
 
 
 def test_by_params_and_stage_chains():
     model = models.mlp(16, hidden=(64, 64, 64), n_out=10)      # fc0 relu fc1 relu fc2 relu fc3
     sizes = [sum(p.size for p in b.params) for b in model.blocks]
-    ranges = P.by_params(model, 2)
-    assert max(P.stage_costs(sizes, ranges)) == _brute(sizes, 2)
-    stages = P.stage_chains(model, ranges)
+    ranges = partition.by_params(model, 2)
+    assert max(partition.stage_costs(sizes, ranges)) == _brute(sizes, 2)
+    stages = partition.stage_chains(model, ranges)
     assert [len(c) for c in stages] == [b - a for a, b in ranges]
     assert [c.loss for c in stages[:-1]] == [None] and stages[-1].loss is model.loss
     assert sum(c.num_params() for c in stages) == model.num_params()
     assert stages[0].blocks[0] is model.blocks[0]               # shared, not copied
     with pytest.raises(ValueError, match="cover 6 blocks, the chain has 7"):
-        P.stage_chains(model, [(0, 3), (3, 6)])
+        partition.stage_chains(model, [(0, 3), (3, 6)])
 
 
 def test_by_spec_balances_flops():
     model = models.mlp(16, hidden=(64, 64, 64), n_out=10)
     specs = model.spec((8, 16), include_loss=False)
     flops = [s.flops_fwd + s.flops_bwd for s in specs]
-    ranges = P.by_spec(model, (8, 16), 3)
-    assert max(P.stage_costs(flops, ranges)) == pytest.approx(_brute(flops, 3))
+    ranges = partition.by_spec(model, (8, 16), 3)
+    assert max(partition.stage_costs(flops, ranges)) == pytest.approx(_brute(flops, 3))

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from gradcheck import check_block_gradients
-from hpcnn.memory import profile as P, rotor
+from hpcnn.memory import profile, rotor
 from hpcnn.nn import models
 from hpcnn.nn.residual import ResidualHalf, halves, split_layers
 from hpcnn.nn.transformer import TransformerBlock
@@ -47,8 +47,8 @@ def test_split_gpt_equals_gpt():
 
 def test_halves_lower_the_least_remat_budget():
     chain = models.gpt(65, block_size=64, n_layers=4, dim=128, n_heads=4)
-    whole = rotor.Solver(P.of_chain(chain, (16, 64), need_dx=False), 200)
-    split = rotor.Solver(P.of_chain(split_layers(chain), (16, 64), need_dx=False), 200)
+    whole = rotor.Solver(profile.of_chain(chain, (16, 64), need_dx=False), 200)
+    split = rotor.Solver(profile.of_chain(split_layers(chain), (16, 64), need_dx=False), 200)
     # store-all also holds each layer's middle of the residual stream, x + attn(...)
     assert split.top - whole.top == 4 * 16 * 64 * 128 * 4
     assert split.least < 0.75 * whole.least

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcnn.memory import rotor, sequence as S
+from hpcnn.memory import rotor, sequence
 from hpcnn.memory.profile import ChainProfile
 from hpcnn.memory.simulate import SequenceError, check_peak, simulate
 
@@ -89,7 +89,7 @@ def test_dp_equals_exhaustive_search(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 7))
     p = random_chain(rng, n, transients=seed % 2 == 0)
-    top = int(simulate(S.store_all(n), p).peak)
+    top = int(simulate(sequence.store_all(n), p).peak)
     opt, choice = rotor.table(p, top)
     for M in range(int(p.wx[0]), top + 1):
         want = exhaustive(p, M)
@@ -118,7 +118,7 @@ def test_makespan_monotone_and_reaches_store_all():
         last = sol.time
         times.append(sol.time)
     assert times[-1] == pytest.approx(p.store_all_time)
-    assert solver.solve(top).sequence == S.store_all(len(p))
+    assert solver.solve(top).sequence == sequence.store_all(len(p))
 
 
 def test_every_answer_fits_its_budget():
@@ -158,39 +158,42 @@ def test_below_least_budget_names_it():
 def test_baselines_are_valid_and_no_better_than_optimal(n):
     rng = np.random.default_rng(n)
     p = random_chain(rng, n, transients=False)
-    top = int(simulate(S.store_all(n), p).peak)
+    top = int(simulate(sequence.store_all(n), p).peak)
     opt, _ = rotor.table(p, top)
-    candidates = [S.store_all(n), S.segments(n)] + [S.revolve(n, c) for c in (1, 2, 3)]
+    candidates = ([sequence.store_all(n), sequence.segments(n)]
+                  + [sequence.revolve(n, c) for c in (1, 2, 3)])
     for seq in candidates:
         r = simulate(seq, p)
         assert r.compute == pytest.approx(r.time)
         m = int(r.peak) - int(p.wx[0])
-        assert opt[0, n - 1][m] <= r.time + 1e-12, (S.fmt(seq), r.peak)
+        assert opt[0, n - 1][m] <= r.time + 1e-12, (sequence.fmt(seq), r.peak)
         assert sorted(op.index for op in seq if op.kind == "B") == list(range(n))
 
 
 def test_segments_and_revolve_shapes():
-    assert S.fmt(S.segments(5, 2)) == ("F_ck0 F_n1 F_all2 F_all3 F_all4 B4 B3 B2 "
+    assert sequence.fmt(sequence.segments(5, 2)) == ("F_ck0 F_n1 F_all2 F_all3 F_all4 B4 B3 B2 "
                                        "F_all0 F_all1 B1 B0")
     # recomputed forwards follow Griewank's binomial recursion; closed forms at both ends:
     # one checkpoint recomputes l(l-1)/2 stages, l-1 checkpoints each stage once
     for steps, c in ((5, 1), (8, 2), (10, 3), (7, 6)):
-        assert S.recomputations(S.revolve(steps, c)) == S._binomial(steps, c)[0]
-    assert S.recomputations(S.revolve(6, 1)) == 15
-    assert S.recomputations(S.revolve(7, 6)) == 6
-    assert S._binomial(8, 2)[0] < S._binomial(8, 1)[0]
+        recomputed = sequence.recomputations(sequence.revolve(steps, c))
+        assert recomputed == sequence._binomial(steps, c)[0]
+    assert sequence.recomputations(sequence.revolve(6, 1)) == 15
+    assert sequence.recomputations(sequence.revolve(7, 6)) == 6
+    assert sequence._binomial(8, 2)[0] < sequence._binomial(8, 1)[0]
 
 
 def test_invalid_sequences_are_named():
     p = random_chain(np.random.default_rng(0), 3)
     with pytest.raises(SequenceError, match=r"op 0 \(B2\)"):
-        simulate([S.Op("B", 2)], p)
+        simulate([sequence.Op("B", 2)], p)
     with pytest.raises(SequenceError, match="x1 is not stored"):
-        simulate([S.Op("F_all", 1)], p)
+        simulate([sequence.Op("F_all", 1)], p)
     with pytest.raises(SequenceError, match="still stored"):
-        simulate([S.Op("F_ck", 0)], p)
+        simulate([sequence.Op("F_ck", 0)], p)
     with pytest.raises(SequenceError, match="offloaded"):
-        simulate([S.Op("F_all", 0), S.Op("OFF", 1, "bar"), S.Op("F_all", 1)], p, bandwidth=1.0)
+        simulate([sequence.Op("F_all", 0), sequence.Op("OFF", 1, "bar"), sequence.Op("F_all", 1)],
+                 p, bandwidth=1.0)
 
 
 def test_baselines_that_fit_are_never_refused():
@@ -199,7 +202,7 @@ def test_baselines_that_fit_are_never_refused():
     for seed in range(6):
         p = random_chain(np.random.default_rng(100 + seed), 9)
         solver = rotor.Solver(p, slots=20)              # coarse slots: rounding matters
-        for seq in [S.segments(9)] + [S.revolve(9, c) for c in (1, 2, 3)]:
+        for seq in [sequence.segments(9)] + [sequence.revolve(9, c) for c in (1, 2, 3)]:
             r = simulate(seq, p)
             assert solver.least <= r.peak
             sol = solver.solve(r.peak)

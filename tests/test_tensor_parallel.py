@@ -9,7 +9,7 @@ from gradcheck import check_block_gradients
 from hpcnn.nn import models
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.transformer import TransformerBlock
-from hpcnn.parallel import tp_comm as TC
+from hpcnn.parallel import tp_comm
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
                                    gather_params, shard_array)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
@@ -51,12 +51,12 @@ def test_tp1_gpt_equals_serial(sp):
 def test_collectives_bypassed_on_one_rank():
     c = single()
     x = np.arange(24.0).reshape(2, 3, 4)
-    for op in (TC.Copy, TC.Reduce, TC.GatherLast, TC.SplitLast, TC.AllGatherSeq,
-               TC.ReduceScatterSeq):
+    for op in (tp_comm.Copy, tp_comm.Reduce, tp_comm.GatherLast, tp_comm.SplitLast,
+               tp_comm.AllGatherSeq, tp_comm.ReduceScatterSeq):
         y, cache = op(c).forward(x)
         assert y is x and op(c).backward(x, cache) is x
-        assert op(c).volume(x.nbytes) == TC.Volume()
-    assert TC.allreduce_max(c, x) is x and c.stats.bytes_sent == 0
+        assert op(c).volume(x.nbytes) == tp_comm.Volume()
+    assert tp_comm.allreduce_max(c, x) is x and c.stats.bytes_sent == 0
 
 
 # -- finite differences of the sharded blocks' backward (tp = 1) -----------------------------------
@@ -106,7 +106,7 @@ def test_shard_array_keeps_qkv_groups_together():
 
 
 def test_volume_convention():
-    v = TC.Volume(allreduce=800, allreduce_max=8, gather=(96, 96))
+    v = tp_comm.Volume(allreduce=800, allreduce_max=8, gather=(96, 96))
     assert v.sent(4) == 2 * 3 * 800 // 4 + 2 * 3 * 8 // 4 + 2 * (3 * 96 // 4)
     assert (v + v).allreduce == 1600 and (v + v).gather == (96,) * 4 and v.sent(1) == 0
 
@@ -127,22 +127,22 @@ def test_block_spec_four_allreduces(p, sp):
     """Megatron: two allreduces of (B, T, C) forward, two backward, per transformer layer
     (Shoeybi et al. 2019, Sec. 3); sequence parallelism moves the same bytes (Korthikanti et al.
     2022, Sec. 4.2.2), and its flops per rank are 1/p of the serial block's matmuls."""
-    Bn, T, C = 2, 8, 16
+    B, T, C = 2, 8, 16
     blk = ParallelTransformerBlock(sized(p), C, 4, sequence_parallel=sp, dtype=np.float64)
-    s = blk.spec((Bn, T // p, C) if sp else (Bn, T, C))
-    assert s.comm_bytes == 4 * 2 * (p - 1) * Bn * T * C * 8 // p
-    ser = leaves(TransformerBlock(C, 4, dtype=np.float64).spec((Bn, T, C)))
+    s = blk.spec((B, T // p, C) if sp else (B, T, C))
+    assert s.comm_bytes == 4 * 2 * (p - 1) * B * T * C * 8 // p
+    ser = leaves(TransformerBlock(C, 4, dtype=np.float64).spec((B, T, C)))
     par = leaves(s)
     assert list(par) == list(ser)
     for name in ("block.attn.qkv", "block.mlp.fc"):             # column-parallel: 1/p of all
         assert par[name].flops_fwd == ser[name].flops_fwd / p
         assert par[name].flops_bwd == ser[name].flops_bwd / p
     for name in ("block.attn.proj", "block.mlp.proj"):          # row-parallel: the bias once
-        assert par[name].flops_fwd <= ser[name].flops_fwd / p + Bn * T * C
+        assert par[name].flops_fwd <= ser[name].flops_fwd / p + B * T * C
     emb = VocabParallelEmbedding(sized(p), 32, C, T, sequence_parallel=sp, dtype=np.float64)
-    assert emb.spec((Bn, T)).comm_bytes == 2 * (p - 1) * Bn * T * C * 8 // p
-    xent = VocabParallelCrossEntropy(sized(p)).spec((Bn, T, 32 // p), np.float64)
-    assert xent.comm_bytes == 2 * (p - 1) * 3 * Bn * T * 8 // p
+    assert emb.spec((B, T)).comm_bytes == 2 * (p - 1) * B * T * C * 8 // p
+    xent = VocabParallelCrossEntropy(sized(p)).spec((B, T, 32 // p), np.float64)
+    assert xent.comm_bytes == 2 * (p - 1) * 3 * B * T * 8 // p
 
 
 @pytest.mark.parametrize("make, msg", [

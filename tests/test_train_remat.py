@@ -6,7 +6,7 @@ import pytest
 from hpcnn.config import ConfigError, parse_overrides
 from hpcnn.log import read_run
 from hpcnn.log.report import headline
-from hpcnn.memory import profile as P, rotor
+from hpcnn.memory import profile, rotor
 from hpcnn.nn import models
 from hpcnn.train import train
 
@@ -23,10 +23,10 @@ def _run(tmp_path, name, *args):
 
 def _budget_mib(frac):
     """A budget between the least feasible and store-all for the GPT above (vocab of the sonnet)."""
-    from hpcnn import data as D
-    vocab = D.shakespeare(fallback=True).vocab
+    from hpcnn import data
+    vocab = data.shakespeare(fallback=True).vocab
     chain = models.gpt(vocab, 16, 4, 16, 2, dropout=0.1, dtype=np.float64)
-    s = rotor.Solver(P.of_chain(chain, (6, 16), need_dx=False), 500)
+    s = rotor.Solver(profile.of_chain(chain, (6, 16), need_dx=False), 500)
     return (s.least + frac * (s.top - s.least)) / 2**20
 
 

@@ -7,15 +7,15 @@ from hpcnn.nn.transformer import (CausalSelfAttention, Embedding, MLPBlock, Tran
                                   sub_index)
 
 F64 = np.float64
-Bn, T, C, NH, V = 2, 5, 8, 2, 11
+B, T, C, NH, V = 2, 5, 8, 2, 11
 
 
-def _x(seed=1, shape=(Bn, T, C)):
+def _x(seed=1, shape=(B, T, C)):
     return np.random.default_rng(seed).standard_normal(shape)
 
 
 def _tokens(seed=2):
-    return np.random.default_rng(seed).integers(0, V, size=(Bn, T)).astype(np.int64)
+    return np.random.default_rng(seed).integers(0, V, size=(B, T)).astype(np.int64)
 
 
 def _randomize_ln(block, seed=5):
@@ -169,7 +169,7 @@ def test_attention_matches_naive_reference():
     W, b = attn.qkv.weight.data, attn.qkv.bias.data
     hs = C // NH
     ref = np.zeros_like(x)
-    for bi in range(Bn):
+    for bi in range(B):
         qkv = x[bi] @ W + b                                       # (T, 3C)
         for h in range(NH):
             q, k, v = (qkv[:, j * C + h * hs: j * C + (h + 1) * hs] for j in range(3))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.memory.sequence import CHANNEL
 
 
@@ -235,11 +235,11 @@ class Executor:
             return
         again = i in st.done                 # a recomputation: store-all would not run it
         if again:                            # (on a GPU, time the kernels, not their launch)
-            B.sync()
+            backend.sync()
             t0 = time.perf_counter()
         y, cache = self._forward(st, i, self._value(st, i))
         if again:
-            B.sync()
+            backend.sync()
             self.recompute_seconds += time.perf_counter() - t0
         st.done.add(i)
         if kind == "F_all":

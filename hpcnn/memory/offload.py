@@ -32,7 +32,7 @@ import weakref
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 KINDS = ("auto", "file", "pinned")
 
@@ -52,7 +52,7 @@ class _Entry:
         self.key, self.seq, self.skeleton = key, seq, skeleton
         self.arrays = arrays            # source arrays; None once the copy out has ended
         self.meta = meta                # [(shape, dtype, on_device)] per array
-        self.nbytes = sum(B.nbytes(s, d) for s, d, _ in meta)
+        self.nbytes = sum(backend.nbytes(s, d) for s, d, _ in meta)
         self.ready = ready              # CuPy event: the compute stream has produced the arrays
         self.ready_in = None            # CuPy event: the destination arrays are free to write
         self.store = None               # file path or list of pinned host arrays
@@ -101,7 +101,8 @@ class _FileIO:
 
     def __init__(self, directory):
         self.directory = directory
-        self.array_types = (numpy.ndarray,) if B.xp is numpy else (numpy.ndarray, B.xp.ndarray)
+        self.array_types = ((numpy.ndarray,) if backend.xp is numpy
+                            else (numpy.ndarray, backend.xp.ndarray))
 
     def put(self, e):
         path = os.path.join(self.directory, f"{e.seq}.bin")
@@ -109,7 +110,8 @@ class _FileIO:
         with open(path, "wb") as f:
             for a in e.arrays:
                 if a.size:
-                    f.write(numpy.ascontiguousarray(B.to_host(a)).reshape(-1).view(numpy.uint8))
+                    host = numpy.ascontiguousarray(backend.to_host(a))
+                    f.write(host.reshape(-1).view(numpy.uint8))
 
     def get(self, e):
         out = []
@@ -120,7 +122,7 @@ class _FileIO:
                     n = f.readinto(a.reshape(-1).view(numpy.uint8))
                     if n != a.nbytes:
                         raise OSError(f"short read from {e.store}: {n} of {a.nbytes} bytes")
-                out.append(B.to_device(a) if on_device else a)
+                out.append(backend.to_device(a) if on_device else a)
         os.remove(e.store)
         return out
 
@@ -235,8 +237,8 @@ class OffloadChannel:
         if bandwidth is not None and not bandwidth > 0:
             raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth!r}")
         if kind == "auto":
-            kind = "file" if B.xp is numpy else "pinned"
-        if kind == "pinned" and B.xp is numpy:
+            kind = "file" if backend.xp is numpy else "pinned"
+        if kind == "pinned" and backend.xp is numpy:
             raise ValueError("offload kind 'pinned' needs the CuPy backend (device 'gpu')")
         self.kind, self.bandwidth = kind, bandwidth
         self.directory = None
@@ -261,7 +263,7 @@ class OffloadChannel:
             raise ValueError(f"offload key {key!r} is already held by the channel")
         skeleton, arrays = _flatten(obj, self._io.array_types)
         meta = [(a.shape, a.dtype, not isinstance(a, numpy.ndarray)) for a in arrays]
-        ready = None if self.kind == "file" else B.xp.cuda.get_current_stream().record()
+        ready = None if self.kind == "file" else backend.xp.cuda.get_current_stream().record()
         e = _Entry(key, self._seq, skeleton, arrays, meta, ready)
         self._seq += 1
         self._entries[key] = e

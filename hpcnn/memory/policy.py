@@ -20,9 +20,9 @@ import time
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.config import ConfigError
-from hpcnn.memory import combine, profile as P, rotor, sequence as S
+from hpcnn.memory import combine, profile, rotor, sequence
 from hpcnn.memory.executor import Executor
 from hpcnn.memory.simulate import simulate
 
@@ -35,7 +35,7 @@ class RematPolicy:
     :func:`.profile.calibrate` at the first solve). False when ``mode`` is none."""
 
     def __init__(self, mode: str, budget_bytes: float = 0.0, *, slots: int = 500,
-                 offload_gbps: float = 0.0, rates: P.Rates | None = None):
+                 offload_gbps: float = 0.0, rates: profile.Rates | None = None):
         if mode not in MODES:
             raise ValueError(f"remat={mode!r}: expected one of {MODES}")
         if mode == "optimal" and not budget_bytes > 0:
@@ -64,12 +64,13 @@ class RematPolicy:
 
     def _build(self, chain, x_shape, need_dx, inflight):
         if self.mode == "optimal" and self.rates is None:
-            self.rates = P.calibrate(chain.params[0].data.dtype if chain.params else "float32")
-        prof = P.of_chain(chain, x_shape, need_dx=need_dx, rates=self.rates)
+            dtype = chain.params[0].data.dtype if chain.params else "float32"
+            self.rates = profile.calibrate(dtype)
+        prof = profile.of_chain(chain, x_shape, need_dx=need_dx, rates=self.rates)
         t0 = time.perf_counter()
         budget, channel = None, None
         if self.mode == "sqrt":
-            seq = S.segments(len(prof), has_loss=chain.loss is not None)
+            seq = sequence.segments(len(prof), has_loss=chain.loss is not None)
         else:
             budget = self.budget / inflight
             solver = rotor.Solver(prof, self.slots)
@@ -92,8 +93,9 @@ class RematPolicy:
             "budget_bytes": budget or 0.0, "predicted_peak_bytes": float(sim.peak),
             "store_all_bytes": float(prof.store_all_bytes()),
             "predicted_time_s": float(sim.time), "store_all_time_s": prof.store_all_time,
-            "recomputed_forwards": S.recomputations(seq), "solve_s": time.perf_counter() - t0,
-            "sequence": S.fmt(seq)})
+            "recomputed_forwards": sequence.recomputations(seq),
+            "solve_s": time.perf_counter() - t0,
+            "sequence": sequence.fmt(seq)})
         return Executor(chain, seq, channel=channel, need_dx=need_dx, prof=prof, budget=budget)
 
     def _open_channel(self):
@@ -125,7 +127,7 @@ def for_training(cfg, task, par, comm) -> RematPolicy:
     if cfg.remat == "optimal" and comm is not None and comm.Get_size() > 1:
         # one set of rates for every rank: tensor-parallel peers must run the same sequence
         # (a recomputed forward repeats its collectives), so they must solve the same problem
-        rates = P.calibrate(B.dtype_of(cfg.dtype)) if comm.Get_rank() == 0 else None
+        rates = profile.calibrate(backend.dtype_of(cfg.dtype)) if comm.Get_rank() == 0 else None
         policy.rates = comm.bcast(rates, root=0)
     err = ""
     try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,9 @@ class Rates:
     bandwidth: float = 20e9
 
 
-def calibrate(dtype=B.DEFAULT_DTYPE, n: int = 512, repeats: int = 3) -> Rates:
+def calibrate(dtype=backend.DEFAULT_DTYPE, n: int = 512, repeats: int = 3) -> Rates:
     """Measure this process's matmul rate and copy bandwidth (a fraction of a second)."""
-    xp = B.xp
+    xp = backend.xp
     a = xp.ones((n, n), dtype=dtype)
     big = xp.ones(1 << 22, dtype=dtype)
     out = xp.empty_like(big)
@@ -94,7 +94,7 @@ def calibrate(dtype=B.DEFAULT_DTYPE, n: int = 512, repeats: int = 3) -> Rates:
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
-            B.sync()
+            backend.sync()
             ts.append(time.perf_counter() - t0)
         return min(ts)
     flops = 2.0 * n ** 3 / best(lambda: a @ a)
@@ -166,7 +166,7 @@ def measure(chain, x, targets=None, *, need_dx: bool = True, repeats: int = 3) -
     uf, ub = numpy.zeros((repeats, n)), numpy.zeros((repeats, n))
     of, ob = numpy.zeros(n, dtype=numpy.int64), numpy.zeros(n, dtype=numpy.int64)
     states = chain.rng_state()
-    trace = B.xp is numpy and not tracemalloc.is_tracing()
+    trace = backend.xp is numpy and not tracemalloc.is_tracing()
     try:
         for r in range(-1, repeats + int(trace)):
             traced = r == repeats
@@ -194,14 +194,14 @@ def _pass(chain, stages, x, targets, need_dx, timed, transients):
             tracemalloc.reset_peak()
         t0 = time.perf_counter()
         cur, c = st.forward(cur, targets) if has_loss and i == n - 1 else st.forward(cur)
-        B.sync()
+        backend.sync()
         if timed is not None:
             timed[0][i] = time.perf_counter() - t0
         if transients is not None:
             now, peak = tracemalloc.get_traced_memory()
             transients[0][i] = max(transients[0][i], peak - now)
         caches.append(c)
-    dy = 1.0 if has_loss else B.xp.ones_like(cur)
+    dy = 1.0 if has_loss else backend.xp.ones_like(cur)
     for i in range(n - 1, -1, -1):
         if transients is not None:
             tracemalloc.reset_peak()
@@ -212,7 +212,7 @@ def _pass(chain, stages, x, targets, need_dx, timed, transients):
             dy = None
         else:
             dy = stages[i].backward(dy, caches[i])
-        B.sync()
+        backend.sync()
         if timed is not None:
             timed[1][i] = time.perf_counter() - t0
         if transients is not None:

@@ -105,10 +105,10 @@ class Chain:
         try:
             if batch_size is None:
                 return self.forward_blocks(x)[0]
-            from hpcnn import backend as B
+            from hpcnn import backend
             parts = [self.forward_blocks(x[i:i + batch_size])[0]
                      for i in range(0, x.shape[0], batch_size)]
-            return B.xp.concatenate(parts, axis=0)
+            return backend.xp.concatenate(parts, axis=0)
         finally:
             for b, m in zip(self.blocks, modes):
                 b.train(m)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 
-import numpy  # host-side initial values and index dtypes only; array code goes through B.xp
+import numpy  # host-side initial values and index dtypes only; array code goes through backend.xp
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, init_rng, param_from_host
 
 
@@ -39,7 +39,7 @@ def _check_geometry(kernel, stride, padding):
 def _windows(x, k, s, ho, wo):
     """Strided view of the k x k windows of a 4-D x: (A0, A1, k, k, Ho, Wo), no copy."""
     s0, s1, sh, sw = x.strides
-    return B.xp.lib.stride_tricks.as_strided(
+    return backend.xp.lib.stride_tricks.as_strided(
         x, shape=x.shape[:2] + (k, k, ho, wo), strides=(s0, s1, sh, sw, sh * s, sw * s))
 
 
@@ -54,10 +54,10 @@ class Conv2d(Block):
     """
 
     def __init__(self, in_ch, out_ch, kernel, *, stride=1, padding=0, bias=True, seed=0,
-                 index=0, dtype=B.DEFAULT_DTYPE, name="conv"):
+                 index=0, dtype=backend.DEFAULT_DTYPE, name="conv"):
         super().__init__()
         _check_geometry(kernel, stride, padding)
-        self.name, self.dtype = name, B.dtype_of(dtype)
+        self.name, self.dtype = name, backend.dtype_of(dtype)
         self.in_ch, self.out_ch, self.kernel = int(in_ch), int(out_ch), int(kernel)
         self.stride, self.padding = int(stride), int(padding)
         fan_in = self.in_ch * self.kernel ** 2
@@ -79,7 +79,7 @@ class Conv2d(Block):
         return ho, wo
 
     def forward(self, x):
-        xp, k, s, p = B.xp, self.kernel, self.stride, self.padding
+        xp, k, s, p = backend.xp, self.kernel, self.stride, self.padding
         n, c, h, w = x.shape
         ho, wo = self._check(x.shape)
         xpad = xp.zeros((c, n, h + 2 * p, w + 2 * p), dtype=x.dtype)   # (C, N, H+2p, W+2p)
@@ -95,7 +95,7 @@ class Conv2d(Block):
 
     def backward(self, dy, cache):
         """From y = W cols + b: dW += dy cols^T, db += sum(dy), dcols = W^T dy, dx = col2im."""
-        xp, k, s, p = B.xp, self.kernel, self.stride, self.padding
+        xp, k, s, p = backend.xp, self.kernel, self.stride, self.padding
         cols, (n, c, h, w) = cache
         ho, wo = dy.shape[2], dy.shape[3]
         dy2 = dy.transpose(1, 0, 2, 3).reshape(self.out_ch, n * ho * wo)  # (O, N*Ho*Wo)
@@ -117,29 +117,33 @@ class Conv2d(Block):
         pixels = n * ho * wo
         mm = 2.0 * pixels * self.out_ch * self.in_ch * k * k   # one GEMM; backward does two
         b = pixels * self.out_ch if self.bias is not None else 0
-        return BlockSpec(self.name, tuple(x_shape), out_shape, mm + b, 2 * mm + b,
-                         B.nbytes(x_shape, self.dtype), B.nbytes(out_shape, self.dtype),
-                         B.nbytes((self.in_ch * k * k, pixels), self.dtype),
-                         sum(B.nbytes(q.shape, self.dtype) for q in self.params))
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=out_shape,
+                         flops_fwd=mm + b, flops_bwd=2 * mm + b,
+                         bytes_x=backend.nbytes(x_shape, self.dtype),
+                         bytes_y=backend.nbytes(out_shape, self.dtype),
+                         bytes_cache=backend.nbytes((self.in_ch * k * k, pixels), self.dtype),
+                         bytes_params=sum(backend.nbytes(q.shape, self.dtype) for q in self.params))
 
 
 class _Pool2d(Block):
     """Shared geometry of the pooling blocks: square ``kernel``, ``stride`` (default: kernel)."""
 
-    def __init__(self, kernel, stride=None, *, dtype=B.DEFAULT_DTYPE, name="pool"):
+    def __init__(self, kernel, stride=None, *, dtype=backend.DEFAULT_DTYPE, name="pool"):
         super().__init__()
         stride = kernel if stride is None else stride
         _check_geometry(kernel, stride, 0)
         self.kernel, self.stride = int(kernel), int(stride)
-        self.name, self.dtype = name, B.dtype_of(dtype)
+        self.name, self.dtype = name, backend.dtype_of(dtype)
 
     def _spec(self, x_shape, flops_bwd, bytes_cache):
         ho, wo = _out_size(self.name, x_shape, self.kernel, self.stride, 0)
         out_shape = tuple(x_shape[:2]) + (ho, wo)
         flops = float(math.prod(out_shape)) * self.kernel ** 2   # one compare or add per tap
-        return BlockSpec(self.name, tuple(x_shape), out_shape, flops, flops_bwd * flops,
-                         B.nbytes(x_shape, self.dtype), B.nbytes(out_shape, self.dtype),
-                         bytes_cache(out_shape), 0)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=out_shape,
+                         flops_fwd=flops, flops_bwd=flops_bwd * flops,
+                         bytes_x=backend.nbytes(x_shape, self.dtype),
+                         bytes_y=backend.nbytes(out_shape, self.dtype),
+                         bytes_cache=bytes_cache(out_shape), bytes_params=0)
 
 
 class MaxPool2d(_Pool2d):
@@ -150,7 +154,7 @@ class MaxPool2d(_Pool2d):
     the smallest unsigned type that holds k*k - 1 (uint8 up to 16x16 windows).
     """
 
-    def __init__(self, kernel, stride=None, *, dtype=B.DEFAULT_DTYPE, name="maxpool"):
+    def __init__(self, kernel, stride=None, *, dtype=backend.DEFAULT_DTYPE, name="maxpool"):
         super().__init__(kernel, stride, dtype=dtype, name=name)
         self.idx_dtype = numpy.min_scalar_type(self.kernel ** 2 - 1)
 
@@ -160,7 +164,7 @@ class MaxPool2d(_Pool2d):
         ho, wo = _out_size(self.name, x.shape, k, s, 0)
         win = _windows(x, k, s, ho, wo).reshape(n, c, k * k, ho, wo)   # (N, C, k*k, Ho, Wo)
         idx = win.argmax(axis=2)                                        # (N, C, Ho, Wo)
-        y = B.xp.take_along_axis(win, idx[:, :, None], axis=2)[:, :, 0]  # (N, C, Ho, Wo)
+        y = backend.xp.take_along_axis(win, idx[:, :, None], axis=2)[:, :, 0]  # (N, C, Ho, Wo)
         return y, (idx.astype(self.idx_dtype), tuple(x.shape))
 
     def backward(self, dy, cache):
@@ -168,26 +172,27 @@ class MaxPool2d(_Pool2d):
         idx, x_shape = cache
         k, s = self.kernel, self.stride
         ho, wo = dy.shape[2], dy.shape[3]
-        dx = B.xp.zeros(x_shape, dtype=dy.dtype)                         # (N, C, H, W)
+        dx = backend.xp.zeros(x_shape, dtype=dy.dtype)                         # (N, C, H, W)
         for i in range(k):
             for j in range(k):
-                dx[:, :, i:i + s * ho:s, j:j + s * wo:s] += B.xp.where(idx == i * k + j, dy, 0)
+                picked = backend.xp.where(idx == i * k + j, dy, 0)
+                dx[:, :, i:i + s * ho:s, j:j + s * wo:s] += picked
         return dx
 
     def spec(self, x_shape):
-        return self._spec(x_shape, 1, lambda out: B.nbytes(out, self.idx_dtype))
+        return self._spec(x_shape, 1, lambda out: backend.nbytes(out, self.idx_dtype))
 
 
 class AvgPool2d(_Pool2d):
     """y = mean over each k x k window. The cache is only the input shape (no arrays)."""
 
-    def __init__(self, kernel, stride=None, *, dtype=B.DEFAULT_DTYPE, name="avgpool"):
+    def __init__(self, kernel, stride=None, *, dtype=backend.DEFAULT_DTYPE, name="avgpool"):
         super().__init__(kernel, stride, dtype=dtype, name=name)
 
     def forward(self, x):
         k, s = self.kernel, self.stride
         ho, wo = _out_size(self.name, x.shape, k, s, 0)
-        y = B.xp.zeros(x.shape[:2] + (ho, wo), dtype=x.dtype)           # (N, C, Ho, Wo)
+        y = backend.xp.zeros(x.shape[:2] + (ho, wo), dtype=x.dtype)           # (N, C, Ho, Wo)
         for i in range(k):
             for j in range(k):
                 y += x[:, :, i:i + s * ho:s, j:j + s * wo:s]
@@ -198,7 +203,7 @@ class AvgPool2d(_Pool2d):
         """From y = sum of the k*k taps / k^2: every tap of a window receives dy / k^2."""
         k, s = self.kernel, self.stride
         ho, wo = dy.shape[2], dy.shape[3]
-        dx = B.xp.zeros(cache, dtype=dy.dtype)                           # (N, C, H, W)
+        dx = backend.xp.zeros(cache, dtype=dy.dtype)                           # (N, C, H, W)
         g = dy * (1.0 / (k * k))                                         # (N, C, Ho, Wo)
         for i in range(k):
             for j in range(k):
@@ -212,9 +217,9 @@ class AvgPool2d(_Pool2d):
 class Flatten(Block):
     """(N, C, H, W) -> (N, C*H*W), a reshape; the cache is only the input shape."""
 
-    def __init__(self, *, dtype=B.DEFAULT_DTYPE, name="flatten"):
+    def __init__(self, *, dtype=backend.DEFAULT_DTYPE, name="flatten"):
         super().__init__()
-        self.name, self.dtype = name, B.dtype_of(dtype)
+        self.name, self.dtype = name, backend.dtype_of(dtype)
 
     def forward(self, x):
         return x.reshape(x.shape[0], -1), tuple(x.shape)                 # (N, C*H*W)
@@ -224,5 +229,7 @@ class Flatten(Block):
 
     def spec(self, x_shape):
         out_shape = (int(x_shape[0]), math.prod(int(d) for d in x_shape[1:]))
-        nb = B.nbytes(x_shape, self.dtype)
-        return BlockSpec(self.name, tuple(x_shape), out_shape, 0.0, 0.0, nb, nb, 0, 0)
+        nb = backend.nbytes(x_shape, self.dtype)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=out_shape,
+                         flops_fwd=0.0, flops_bwd=0.0, bytes_x=nb, bytes_y=nb, bytes_cache=0,
+                         bytes_params=0)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 
 class Parameter:
@@ -34,7 +34,7 @@ class Parameter:
     def __init__(self, data, name: str):
         self.data = data
         # a placeholder (another pipeline rank's parameter) has no storage, nor its gradient
-        self._grad = data if is_placeholder(data) else B.xp.zeros_like(data)
+        self._grad = data if is_placeholder(data) else backend.xp.zeros_like(data)
         self._zero = False
         self.name = name
 
@@ -73,10 +73,10 @@ class Parameter:
     def add_matmul(self, a, b) -> None:
         """grad += a @ b for 2-D a, b whose product has grad's size (reshaped to grad's shape)."""
         if self._zero:
-            B.xp.matmul(a, b, out=self._grad.reshape(a.shape[0], b.shape[1]))
+            backend.xp.matmul(a, b, out=self._grad.reshape(a.shape[0], b.shape[1]))
             self._zero = False
         else:
-            self._grad += B.xp.matmul(a, b).reshape(self._grad.shape)
+            self._grad += backend.xp.matmul(a, b).reshape(self._grad.shape)
 
     @property
     def shape(self):
@@ -90,7 +90,7 @@ class Parameter:
         return f"Parameter({self.name}, shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockSpec:
     """What a block costs for an input shape, from shapes alone.
 
@@ -100,7 +100,8 @@ class BlockSpec:
     bytes_params the parameters (the gradients are as large again). comm_bytes is what one
     forward+backward sends per rank (zero for serial blocks). ``cache_has_x``/``cache_has_y``: the
     cache holds the input/output array itself (counted in bytes_cache too): memory accounting
-    (:mod:`hpcnn.memory`) counts such an array once.
+    (:mod:`hpcnn.memory`) counts such an array once. The fields are keyword-only: nine numbers
+    in a row are too easy to put in the wrong order.
     """
 
     name: str
@@ -215,7 +216,7 @@ def placeholder(shape, dtype):
     """A read-only NaN array of ``shape`` with no storage (all strides 0): stands for a
     parameter this rank does not hold. Writing to it raises; computing with it gives NaN, which
     the training loop's finiteness checks report."""
-    return B.xp.broadcast_to(B.xp.asarray(float("nan"), dtype=dtype), tuple(shape))
+    return backend.xp.broadcast_to(backend.xp.asarray(float("nan"), dtype=dtype), tuple(shape))
 
 
 def is_placeholder(a) -> bool:
@@ -239,4 +240,4 @@ def param_from_host(values, dtype, name: str, shape=None) -> Parameter:
     host = values() if callable(values) else values
     if tuple(host.shape) != shape:
         raise ValueError(f"{name}: initial values of shape {tuple(host.shape)}, expected {shape}")
-    return Parameter(B.asarray(host.astype(dtype, copy=False)), name)
+    return Parameter(backend.asarray(host.astype(dtype, copy=False)), name)

@@ -9,9 +9,9 @@ import math
 import weakref
 from contextlib import contextmanager
 
-import numpy  # host-side initial values only; array code goes through B.xp
+import numpy  # host-side initial values only; array code goes through backend.xp
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, init_rng, param_from_host
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -38,8 +38,8 @@ def filled(value: float, n: int, dtype):
     way, and one tensor-parallel rank must reproduce the serial gradients bit for bit."""
     key = (float(value), numpy.dtype(dtype).str)
     v = _FILLED.get(key)
-    if v is None or not isinstance(v, B.xp.ndarray) or v.shape[0] < n:
-        v = _FILLED[key] = B.xp.full(int(n), value, dtype=dtype)
+    if v is None or not isinstance(v, backend.xp.ndarray) or v.shape[0] < n:
+        v = _FILLED[key] = backend.xp.full(int(n), value, dtype=dtype)
     return v[:n]
 
 
@@ -70,9 +70,10 @@ class Linear(Block):
     """
 
     def __init__(self, n_in, n_out, *, bias=True, seed=0, index=0, init_std=None,
-                 dtype=B.DEFAULT_DTYPE, name="linear"):
+                 dtype=backend.DEFAULT_DTYPE, name="linear"):
         super().__init__()
-        self.name, self.n_in, self.n_out, self.dtype = name, int(n_in), int(n_out), B.dtype_of(dtype)
+        self.name, self.n_in, self.n_out = name, int(n_in), int(n_out)
+        self.dtype = backend.dtype_of(dtype)
         std = init_std if init_std is not None else 1.0 / math.sqrt(n_in)
         self.weight = param_from_host(
             lambda: init_rng(seed, index, 0).standard_normal((n_in, n_out)) * std,
@@ -87,7 +88,7 @@ class Linear(Block):
         if x.shape[-1] != self.n_in:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.n_in}")
         # one 2-D product over all rows: a stacked (B, T, in) operand would be B small products
-        y = B.xp.matmul(x.reshape(-1, self.n_in), self.weight.data)   # (N, out)
+        y = backend.xp.matmul(x.reshape(-1, self.n_in), self.weight.data)   # (N, out)
         if self.bias is not None:
             y += self.bias.data
         return y.reshape(tuple(x.shape[:-1]) + (self.n_out,)), x
@@ -101,7 +102,7 @@ class Linear(Block):
 
     def backward_input(self, dy, cache):
         """dx = dy W^T  (from y = x W), as one 2-D product over all rows."""
-        dx = B.xp.matmul(dy.reshape(-1, self.n_out), self.weight.data.T)   # (N, in)
+        dx = backend.xp.matmul(dy.reshape(-1, self.n_out), self.weight.data.T)   # (N, in)
         return dx.reshape(tuple(dy.shape[:-1]) + (self.n_in,))
 
     def backward_weight(self, dy, cache):
@@ -116,11 +117,13 @@ class Linear(Block):
         n = _rows(x_shape)
         out_shape = tuple(x_shape[:-1]) + (self.n_out,)
         mm = 2.0 * n * self.n_in * self.n_out
-        nb = B.nbytes(x_shape, self.dtype)
-        return BlockSpec(self.name, tuple(x_shape), out_shape, mm + (n * self.n_out if self.bias else 0),
-                         2 * mm + (n * self.n_out if self.bias else 0),
-                         nb, B.nbytes(out_shape, self.dtype), nb,
-                         sum(B.nbytes(p.shape, self.dtype) for p in self.params), cache_has_x=True)
+        nb = backend.nbytes(x_shape, self.dtype)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=out_shape,
+                         flops_fwd=mm + (n * self.n_out if self.bias else 0),
+                         flops_bwd=2 * mm + (n * self.n_out if self.bias else 0), bytes_x=nb,
+                         bytes_y=backend.nbytes(out_shape, self.dtype), bytes_cache=nb,
+                         bytes_params=sum(backend.nbytes(p.shape, self.dtype) for p in self.params),
+                         cache_has_x=True)
 
 
 class ReLU(Block):
@@ -128,22 +131,23 @@ class ReLU(Block):
 
     name = "relu"
 
-    def __init__(self, dtype=B.DEFAULT_DTYPE):
+    def __init__(self, dtype=backend.DEFAULT_DTYPE):
         super().__init__()
-        self.dtype = B.dtype_of(dtype)
+        self.dtype = backend.dtype_of(dtype)
 
     def forward(self, x):
-        y = B.xp.maximum(x, 0)
+        y = backend.xp.maximum(x, 0)
         return y, y
 
     def backward(self, dy, cache):
-        return B.xp.multiply(dy, cache > 0)              # dy * 1[y > 0]
+        return backend.xp.multiply(dy, cache > 0)              # dy * 1[y > 0]
 
     def spec(self, x_shape):
-        nb = B.nbytes(x_shape, self.dtype)
+        nb = backend.nbytes(x_shape, self.dtype)
         n = nb // self.dtype.itemsize
-        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), n, 2 * n, nb, nb, nb, 0,
-                         cache_has_y=True)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=tuple(x_shape),
+                         flops_fwd=n, flops_bwd=2 * n, bytes_x=nb, bytes_y=nb, bytes_cache=nb,
+                         bytes_params=0, cache_has_y=True)
 
 
 class GELU(Block):
@@ -164,14 +168,14 @@ class GELU(Block):
     name = "gelu"
     CHUNK = 1 << 16      # elements per cache-resident slice on the CPU (whole array on a GPU)
 
-    def __init__(self, dtype=B.DEFAULT_DTYPE):
+    def __init__(self, dtype=backend.DEFAULT_DTYPE):
         super().__init__()
-        self.dtype = B.dtype_of(dtype)
+        self.dtype = backend.dtype_of(dtype)
         self._scratch = None
 
     def forward(self, x):
-        x = B.xp.ascontiguousarray(x)
-        y = B.xp.empty_like(x)
+        x = backend.xp.ascontiguousarray(x)
+        y = backend.xp.empty_like(x)
         return y, self._forward_into(x, y)
 
     def forward_inplace(self, x):
@@ -181,28 +185,28 @@ class GELU(Block):
         return x, self._forward_into(x, x)
 
     def backward(self, dy, cache):
-        return B.xp.multiply(dy, cache)                  # from y = gelu(x): dx = dy gelu'(x)
+        return backend.xp.multiply(dy, cache)                  # from y = gelu(x): dx = dy gelu'(x)
 
     def backward_inplace(self, dy, cache):
         """:meth:`backward` overwriting ``dy`` (owned by the caller) with dx."""
-        return B.xp.multiply(dy, cache, out=dy)
+        return backend.xp.multiply(dy, cache, out=dy)
 
     def _buffers(self, n, dtype):
         """Two reused scratch vectors of n elements (temporaries of one call only)."""
         buf = self._scratch
-        if (buf is None or not isinstance(buf, B.xp.ndarray) or buf.dtype != dtype
+        if (buf is None or not isinstance(buf, backend.xp.ndarray) or buf.dtype != dtype
                 or buf.shape[1] < n):
-            buf = self._scratch = B.xp.empty((2, n), dtype=dtype)
+            buf = self._scratch = backend.xp.empty((2, n), dtype=dtype)
         return buf[0, :n], buf[1, :n]
 
     def _forward_into(self, x, y):
         """y = gelu(x) (y may be x itself); returns a fresh array holding gelu'(x)."""
-        xp = B.xp
+        xp = backend.xp
         c, a = _SQRT_2_OVER_PI, 0.044715
         d = xp.empty_like(x)
         xf, yf, df = x.reshape(-1), y.reshape(-1), d.reshape(-1)
         n = xf.size
-        step = max(1, n if B.device != "cpu" else min(n, self.CHUNK))
+        step = max(1, n if backend.device != "cpu" else min(n, self.CHUNK))
         ub, wb = self._buffers(step, x.dtype)
         for s in range(0, n, step):
             e = min(n, s + step)
@@ -225,9 +229,11 @@ class GELU(Block):
         return d
 
     def spec(self, x_shape):
-        nb = B.nbytes(x_shape, self.dtype)
+        nb = backend.nbytes(x_shape, self.dtype)
         n = nb // self.dtype.itemsize
-        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), 14 * n, n, nb, nb, nb, 0)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=tuple(x_shape),
+                         flops_fwd=14 * n, flops_bwd=n, bytes_x=nb, bytes_y=nb, bytes_cache=nb,
+                         bytes_params=0)
 
 
 class LayerNorm(Block):
@@ -240,9 +246,10 @@ class LayerNorm(Block):
     Plain twin: :func:`hpcnn.nn.plain.layer_norm_plain`.
     """
 
-    def __init__(self, dim, *, eps=1e-5, dtype=B.DEFAULT_DTYPE, name="ln"):
+    def __init__(self, dim, *, eps=1e-5, dtype=backend.DEFAULT_DTYPE, name="ln"):
         super().__init__()
-        self.name, self.dim, self.eps, self.dtype = name, int(dim), float(eps), B.dtype_of(dtype)
+        self.name, self.dim, self.eps = name, int(dim), float(eps)
+        self.dtype = backend.dtype_of(dtype)
         self.gamma = param_from_host(numpy.ones(dim), self.dtype, f"{name}.weight")
         self.beta = param_from_host(numpy.zeros(dim), self.dtype, f"{name}.bias")
         self.params = [self.gamma, self.beta]
@@ -250,7 +257,7 @@ class LayerNorm(Block):
     def forward(self, x):
         if x.shape[-1] != self.dim:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.dim}")
-        xp = B.xp
+        xp = backend.xp
         C = self.dim
         x2 = x.reshape(-1, C)                                # (N, C)
         mean = xp.matmul(x2, filled(1.0 / C, C, x.dtype))   # (N,) row means
@@ -267,7 +274,7 @@ class LayerNorm(Block):
         return y.reshape(shape), (xhat.reshape(shape), rstd.reshape(shape[:-1] + (1,)))
 
     def backward(self, dy, cache):
-        xp = B.xp
+        xp = backend.xp
         xhat, rstd = cache
         C = self.dim
         dy2, xh2 = dy.reshape(-1, C), xhat.reshape(-1, C)   # (N, C)
@@ -289,11 +296,13 @@ class LayerNorm(Block):
         return dx.reshape(dy.shape)
 
     def spec(self, x_shape):
-        nb = B.nbytes(x_shape, self.dtype)
+        nb = backend.nbytes(x_shape, self.dtype)
         n = nb // self.dtype.itemsize
         rows = _rows(x_shape)
-        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), 8 * n, 14 * n, nb, nb,
-                         nb + rows * self.dtype.itemsize, 2 * self.dim * self.dtype.itemsize)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=tuple(x_shape),
+                         flops_fwd=8 * n, flops_bwd=14 * n, bytes_x=nb, bytes_y=nb,
+                         bytes_cache=nb + rows * self.dtype.itemsize,
+                         bytes_params=2 * self.dim * self.dtype.itemsize)
 
 
 _DROPOUTS = weakref.WeakKeyDictionary()     # block -> the dropouts inside it (found once)
@@ -354,11 +363,11 @@ class Dropout(Block):
     (serial, data-parallel shards of any sizes, micro-batches, pipeline stages).
     """
 
-    def __init__(self, p=0.0, *, seed=0, index=0, dtype=B.DEFAULT_DTYPE, name="dropout"):
+    def __init__(self, p=0.0, *, seed=0, index=0, dtype=backend.DEFAULT_DTYPE, name="dropout"):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{name}: dropout probability must be in [0, 1), got {p}")
-        self.name, self.p, self.dtype = name, float(p), B.dtype_of(dtype)
+        self.name, self.p, self.dtype = name, float(p), backend.dtype_of(dtype)
         self.seed, self.index, self.calls, self.row = int(seed), int(index), 0, 0
 
     def rng_state(self):
@@ -373,7 +382,7 @@ class Dropout(Block):
 
     def _mask(self, shape):
         """The scaled keep mask of this forward for a tensor of ``shape``; advances the draw."""
-        mask = B.keep_mask((self.seed, self.index, self.calls), self.row, shape, self.p,
+        mask = backend.keep_mask((self.seed, self.index, self.calls), self.row, shape, self.p,
                            self.dtype)
         self.calls += 1
         return mask
@@ -388,8 +397,9 @@ class Dropout(Block):
         return dy if cache is None else dy * cache                   # from y = x * mask
 
     def spec(self, x_shape):
-        nb = B.nbytes(x_shape, self.dtype)
+        nb = backend.nbytes(x_shape, self.dtype)
         n = nb // self.dtype.itemsize
         active = self.training and self.p > 0.0        # in eval mode: the identity, no mask
-        return BlockSpec(self.name, tuple(x_shape), tuple(x_shape), n if active else 0,
-                         n if active else 0, nb, nb, nb if active else 0, 0)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=tuple(x_shape),
+                         flops_fwd=n if active else 0, flops_bwd=n if active else 0, bytes_x=nb,
+                         bytes_y=nb, bytes_cache=nb if active else 0, bytes_params=0)

@@ -1,14 +1,14 @@
 """Softmax cross-entropy, the last stage of every classification chain."""
 from __future__ import annotations
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.core import BlockSpec
 
 
 def checked_targets(logits_shape, targets, vocab: int, ignore_index: int):
     """Flat targets with ignored entries set to 0, and the mask of counted rows: ``(tt, valid)``,
     both (N,). Raises ValueError on a shape mismatch or an id outside [0, vocab)."""
-    xp = B.xp
+    xp = backend.xp
     if tuple(targets.shape) != tuple(logits_shape[:-1]):
         raise ValueError(f"targets shape {targets.shape} != logits shape without the last "
                          f"dimension {tuple(logits_shape[:-1])}")
@@ -40,7 +40,7 @@ class SoftmaxCrossEntropy:
         self.ignore_index, self.reduction = int(ignore_index), reduction
 
     def forward(self, logits, targets):
-        xp = B.xp
+        xp = backend.xp
         V = logits.shape[-1]
         tt, valid = checked_targets(logits.shape, targets, V, self.ignore_index)   # (N,)
         z = logits.reshape(-1, V)                                  # (N, V)
@@ -60,14 +60,16 @@ class SoftmaxCrossEntropy:
         """dlogits = (softmax - onehot(target)) * dloss / count on counted rows, 0 elsewhere."""
         p, tt, valid, count, shape = cache
         d = p.copy()
-        d[B.xp.arange(d.shape[0]), tt] -= 1.0
+        d[backend.xp.arange(d.shape[0]), tt] -= 1.0
         scale = dloss if self.reduction == "sum" else dloss / max(count, 1)
         d *= (valid * scale).astype(d.dtype)[:, None]
         return d.reshape(shape)
 
-    def spec(self, x_shape, dtype=B.DEFAULT_DTYPE):
+    def spec(self, x_shape, dtype=backend.DEFAULT_DTYPE):
         """The cache is the probabilities, the flat targets (int64 assumed) and the row mask."""
-        nb = B.nbytes(x_shape, dtype)
-        n = nb // B.dtype_of(dtype).itemsize
+        nb = backend.nbytes(x_shape, dtype)
+        n = nb // backend.dtype_of(dtype).itemsize
         rows = n // max(int(x_shape[-1]), 1) if len(x_shape) else 0
-        return BlockSpec(self.name, tuple(x_shape), (), 5 * n, 3 * n, nb, 8, nb + 9 * rows, 0)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=(), flops_fwd=5 * n,
+                         flops_bwd=3 * n, bytes_x=nb, bytes_y=8, bytes_cache=nb + 9 * rows,
+                         bytes_params=0)

@@ -5,7 +5,7 @@ depend on how the chain is later split into pipeline stages or tensor-parallel s
 """
 from __future__ import annotations
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.chain import Chain
 from hpcnn.nn.conv import AvgPool2d, Conv2d, Flatten, MaxPool2d
 from hpcnn.nn.layers import GELU, LayerNorm, Linear, ReLU
@@ -14,7 +14,7 @@ from hpcnn.nn.transformer import Embedding, TransformerBlock
 
 
 def mlp(n_in: int, hidden=(256, 256), n_out: int = 10, *, activation: str = "relu", seed: int = 0,
-        dtype=B.DEFAULT_DTYPE) -> Chain:
+        dtype=backend.DEFAULT_DTYPE) -> Chain:
     """Linear -> act -> ... -> Linear, then softmax cross-entropy. One block per layer and act."""
     act = {"relu": ReLU, "gelu": GELU}
     if activation not in act:
@@ -30,7 +30,7 @@ def mlp(n_in: int, hidden=(256, 256), n_out: int = 10, *, activation: str = "rel
 
 
 def cnn(in_ch: int = 1, image: int = 8, channels=(16, 32), hidden: int = 64, n_out: int = 10, *,
-        pool: str = "max", seed: int = 0, dtype=B.DEFAULT_DTYPE) -> Chain:
+        pool: str = "max", seed: int = 0, dtype=backend.DEFAULT_DTYPE) -> Chain:
     """[Conv3x3(pad 1) -> ReLU -> Pool2] per entry of ``channels`` -> Flatten -> MLP head."""
     pools = {"max": MaxPool2d, "avg": AvgPool2d}
     if pool not in pools:
@@ -55,7 +55,7 @@ def cnn(in_ch: int = 1, image: int = 8, channels=(16, 32), hidden: int = 64, n_o
 
 
 def gpt(vocab: int, block_size: int = 64, n_layers: int = 2, dim: int = 64, n_heads: int = 4, *,
-        dropout: float = 0.0, seed: int = 0, dtype=B.DEFAULT_DTYPE) -> Chain:
+        dropout: float = 0.0, seed: int = 0, dtype=backend.DEFAULT_DTYPE) -> Chain:
     """Token+position embedding -> n_layers pre-LN transformer blocks -> LayerNorm -> LM head."""
     if dim % n_heads:
         raise ValueError(f"dim ({dim}) is not divisible by n_heads ({n_heads})")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 
 def _decays(p) -> bool:
@@ -37,7 +37,8 @@ class Optimizer:
         key = p.data.dtype.str
         buf = self._scratch.get(key)
         if buf is None or buf.size < p.size:
-            buf = self._scratch[key] = B.xp.empty(max(q.size for q in self.params), p.data.dtype)
+            size = max(q.size for q in self.params)
+            buf = self._scratch[key] = backend.xp.empty(size, p.data.dtype)
         return buf[:p.size].reshape(p.data.shape)
 
     def step(self, lr: float) -> None:
@@ -61,7 +62,7 @@ class SGD(Optimizer):
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
     def step(self, lr: float) -> None:
-        xp = B.xp
+        xp = backend.xp
         for p in self.params:
             g, tmp = p.grad, self._tmp(p)
             if self.weight_decay and self.decay[p.name]:
@@ -78,11 +79,11 @@ class SGD(Optimizer):
                 if self.nesterov:
                     if g is not tmp:
                         tmp[...] = g
-                    B.axpy(self.momentum, v, tmp)
+                    backend.axpy(self.momentum, v, tmp)
                     g = tmp                              # g + mu v
                 else:
                     g = v
-            B.axpy(-lr, g, p.data)                   # p -= lr * (v, or g + mu v, or g)
+            backend.axpy(-lr, g, p.data)                   # p -= lr * (v, or g + mu v, or g)
         self.state["step"] += 1
 
 
@@ -111,7 +112,7 @@ class AdamW(Optimizer):
         # lr m_hat / (sqrt(v_hat) + eps) = (lr sqrt(c2) / c1) m / (sqrt(v) + eps sqrt(c2)): the
         # bias corrections move onto two scalars, which saves two passes over v per parameter
         lr_scaled, eps_scaled = lr * math.sqrt(c2) / c1, self.eps * math.sqrt(c2)
-        xp = B.xp
+        xp = backend.xp
         for p in self.params:
             m = self.state.get(p.name + "/m")
             if m is None:
@@ -120,22 +121,22 @@ class AdamW(Optimizer):
             v = self.state[p.name + "/v"]
             g, tmp = p.grad, self._tmp(p)
             m *= self.b1
-            B.axpy(1.0 - self.b1, g, m)                  # m = b1 m + (1 - b1) g
+            backend.axpy(1.0 - self.b1, g, m)                  # m = b1 m + (1 - b1) g
             v *= self.b2
             xp.multiply(g, g, out=tmp)
-            B.axpy(1.0 - self.b2, tmp, v)                # v = b2 v + (1 - b2) g^2
+            backend.axpy(1.0 - self.b2, tmp, v)                # v = b2 v + (1 - b2) g^2
             if self.weight_decay and self.decay[p.name]:
                 p.data *= 1.0 - lr * self.weight_decay
             xp.sqrt(v, out=tmp)
             tmp += eps_scaled                            # sqrt(v) + eps sqrt(c2)
             xp.divide(m, tmp, out=tmp)
-            B.axpy(-lr_scaled, tmp, p.data)              # p -= lr m_hat / (sqrt(v_hat) + eps)
+            backend.axpy(-lr_scaled, tmp, p.data)              # p -= lr m_hat / (sqrt(v_hat) + eps)
         self.state["step"] = t
 
 
 def grad_norm_sq(params) -> float:
     """Sum of squared gradient entries (a float; parallel layers reduce it across ranks)."""
-    xp = B.xp
+    xp = backend.xp
     return float(sum(float(xp.vdot(p.grad.ravel(), p.grad.ravel())) for p in params))
 
 

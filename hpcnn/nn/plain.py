@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 GELU_A = 0.044715                      # the cubic coefficient of the tanh approximation
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -26,7 +26,7 @@ def layer_norm_plain(x, gamma, beta, eps: float = 1e-5):
     """y = gamma * (x - mean) / sqrt(var + eps) + beta, mean and var over the last axis.
 
     ``x`` (..., C); ``gamma``, ``beta`` (C,). Cache: (x_hat, rstd, gamma)."""
-    xp = B.xp
+    xp = backend.xp
     mean = xp.mean(x, axis=-1, keepdims=True)                 # (..., 1)
     centred = x - mean
     var = xp.mean(centred ** 2, axis=-1, keepdims=True)       # (..., 1) biased variance
@@ -41,7 +41,7 @@ def layer_norm_plain_backward(dy, cache):
 
     With g = dy * gamma = dL/dx_hat, the derivative of x_hat = (x - mean) rstd over the row is
     dx = rstd (g - mean(g) - x_hat mean(g x_hat))."""
-    xp = B.xp
+    xp = backend.xp
     x_hat, rstd, gamma = cache
     lead = tuple(range(dy.ndim - 1))                          # every axis but the features
     dgamma = xp.sum(dy * x_hat, axis=lead)
@@ -56,14 +56,14 @@ def layer_norm_plain_backward(dy, cache):
 # -- GELU ------------------------------------------------------------------------------------------
 def gelu_plain(x):
     """y = x/2 (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3) (the tanh form). Cache: x."""
-    t = B.xp.tanh(GELU_C * (x + GELU_A * x ** 3))
+    t = backend.xp.tanh(GELU_C * (x + GELU_A * x ** 3))
     y = 0.5 * x * (1.0 + t)
     return y, x
 
 
 def gelu_plain_backward(dy, x):
     """dx = dy gelu'(x), gelu'(x) = (1 + t)/2 + x/2 (1 - t^2) dz/dx, dz/dx = sqrt(2/pi)(1 + 3a x^2)."""
-    t = B.xp.tanh(GELU_C * (x + GELU_A * x ** 3))
+    t = backend.xp.tanh(GELU_C * (x + GELU_A * x ** 3))
     dz_dx = GELU_C * (1.0 + 3.0 * GELU_A * x ** 2)
     dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t ** 2) * dz_dx
     return dy * dgelu
@@ -90,7 +90,7 @@ def attention_plain(x, w_qkv, b_qkv, w_proj, b_proj, n_heads: int, drop_mask=Non
     j), s_ij = -inf for j > i (no attention to the future), p = softmax of each row of s,
     y = (p * drop_mask) v, heads merged, out = y W_proj + b_proj. ``drop_mask`` (B, nh, T, T),
     query-major, is an attention-dropout mask already scaled by 1/(1 - p_drop), or None."""
-    xp = B.xp
+    xp = backend.xp
     Bn, T, C = x.shape
     hs = C // n_heads
     qkv = x @ w_qkv + b_qkv                                   # (B, T, 3C)
@@ -116,7 +116,7 @@ def attention_plain_backward(dout, cache):
 
     Each step differentiates one line of :func:`attention_plain`, last line first. The softmax
     backward, row by row: ds = p * (dp - sum_j dp_j p_j)."""
-    xp = B.xp
+    xp = backend.xp
     c = cache
     x, q, k, v, p, y = c["x"], c["q"], c["k"], c["v"], c["p"], c["y"]
     Bn, T, C = x.shape

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-import numpy  # host-side initial values and dtypes only; array code goes through B.xp
+import numpy  # host-side initial values and dtypes only; array code goes through backend.xp
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, init_rng, param_from_host
 from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear
 
@@ -42,9 +42,10 @@ def _check_btc(name, x, dim):
 
 def _residual_spec(name, x_shape, dtype):
     """y = x + f(x): one add forward, one add of the skip gradient backward; nothing cached."""
-    nb = B.nbytes(x_shape, dtype)
+    nb = backend.nbytes(x_shape, dtype)
     n = nb // numpy.dtype(dtype).itemsize
-    return BlockSpec(name, tuple(x_shape), tuple(x_shape), n, n, nb, nb, 0, 0)
+    return BlockSpec(name=name, in_shape=tuple(x_shape), out_shape=tuple(x_shape), flops_fwd=n,
+                     flops_bwd=n, bytes_x=nb, bytes_y=nb, bytes_cache=0, bytes_params=0)
 
 
 def check_tokens(name: str, tokens, max_len: int, vocab: int) -> int:
@@ -72,10 +73,10 @@ class Embedding(Block):
     input is discrete) after accumulating into wte.grad and wpe.grad.
     """
 
-    def __init__(self, vocab, dim, max_len, *, seed=0, index=0, dtype=B.DEFAULT_DTYPE,
+    def __init__(self, vocab, dim, max_len, *, seed=0, index=0, dtype=backend.DEFAULT_DTYPE,
                  name="embed"):
         super().__init__()
-        self.name, self.dtype = name, B.dtype_of(dtype)
+        self.name, self.dtype = name, backend.dtype_of(dtype)
         self.vocab, self.dim, self.max_len = int(vocab), int(dim), int(max_len)
         te, pe = (self.vocab, self.dim), (self.max_len, self.dim)
         self.wte = param_from_host(lambda: init_rng(seed, index, 0).standard_normal(te) * 0.02,
@@ -91,7 +92,7 @@ class Embedding(Block):
         return y, tokens
 
     def backward(self, dy, cache):
-        xp = B.xp
+        xp = backend.xp
         tokens = cache
         T, C = tokens.shape[1], self.dim
         # from y += wpe[:T]
@@ -106,13 +107,15 @@ class Embedding(Block):
         return None
 
     def spec(self, x_shape):
-        Bn, T = x_shape
-        out_shape = (Bn, T, self.dim)
-        nb_tok = B.nbytes(x_shape, numpy.int64)
-        ny = Bn * T * self.dim
-        return BlockSpec(self.name, tuple(x_shape), out_shape, ny, 2 * ny, nb_tok,
-                         B.nbytes(out_shape, self.dtype), nb_tok,
-                         sum(B.nbytes(p.shape, self.dtype) for p in self.params), cache_has_x=True)
+        B, T = x_shape
+        out_shape = (B, T, self.dim)
+        nb_tok = backend.nbytes(x_shape, numpy.int64)
+        ny = B * T * self.dim
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=out_shape, flops_fwd=ny,
+                         flops_bwd=2 * ny, bytes_x=nb_tok,
+                         bytes_y=backend.nbytes(out_shape, self.dtype), bytes_cache=nb_tok,
+                         bytes_params=sum(backend.nbytes(p.shape, self.dtype) for p in self.params),
+                         cache_has_x=True)
 
 
 class CausalSelfAttention(Block):
@@ -134,12 +137,12 @@ class CausalSelfAttention(Block):
     CHUNK = 1 << 17      # score elements per cache-resident batch slice on the CPU
 
     def __init__(self, dim, n_heads, *, dropout=0.0, seed=0, index=0, init_std=0.02,
-                 proj_std=None, dtype=B.DEFAULT_DTYPE, name="attn"):
+                 proj_std=None, dtype=backend.DEFAULT_DTYPE, name="attn"):
         super().__init__()
         dim, n_heads = int(dim), int(n_heads)
         if n_heads <= 0 or dim % n_heads != 0:
             raise ValueError(f"{name}: dim ({dim}) must be a multiple of n_heads ({n_heads})")
-        self.name, self.dim, self.n_heads, self.dtype = name, dim, n_heads, B.dtype_of(dtype)
+        self.name, self.dim, self.n_heads, self.dtype = name, dim, n_heads, backend.dtype_of(dtype)
         self.head_size = dim // n_heads
         self.scale = 1.0 / math.sqrt(self.head_size)
         proj_std = init_std if proj_std is None else proj_std
@@ -157,9 +160,9 @@ class CausalSelfAttention(Block):
         """(T_key, T_query) additive mask: 0 where key <= query, -inf for the future."""
         key = ("causal", int(T), dtype)
         bias = self._consts.get(key)
-        if bias is None or not isinstance(bias, B.xp.ndarray):
-            future = B.xp.tril(B.xp.ones((T, T), dtype=bool), k=-1)   # key j > query i
-            bias = self._consts[key] = B.xp.where(future, -B.xp.inf, 0.0).astype(dtype)
+        if bias is None or not isinstance(bias, backend.xp.ndarray):
+            future = backend.xp.tril(backend.xp.ones((T, T), dtype=bool), k=-1)   # key j > query i
+            bias = self._consts[key] = backend.xp.where(future, -backend.xp.inf, 0.0).astype(dtype)
         return bias
 
     def _buffer(self, name, shape, dtype):
@@ -169,20 +172,20 @@ class CausalSelfAttention(Block):
             n *= int(d)
         key = (name, dtype)
         buf = self._scratch.get(key)
-        if buf is None or buf.size < n or not isinstance(buf, B.xp.ndarray):
-            buf = self._scratch[key] = B.xp.empty(n, dtype=dtype)
+        if buf is None or buf.size < n or not isinstance(buf, backend.xp.ndarray):
+            buf = self._scratch[key] = backend.xp.empty(n, dtype=dtype)
         return buf[:n].reshape(shape)
 
-    def _batch_step(self, Bn, T):
+    def _batch_step(self, B, T):
         """Batch elements per slice of the attention core (the whole batch on a GPU)."""
-        if B.device != "cpu":
-            return max(1, Bn)
-        return max(1, min(Bn, self.CHUNK // max(1, self.n_heads * T * T)))
+        if backend.device != "cpu":
+            return max(1, B)
+        return max(1, min(B, self.CHUNK // max(1, self.n_heads * T * T)))
 
     def _heads(self, qkv):
         """(B, T, 3C) -> q, k, v views, each (B, nh, T, hs)."""
-        Bn, T, _ = qkv.shape
-        return qkv.reshape(Bn, T, 3, self.n_heads, self.head_size).transpose(2, 0, 3, 1, 4)
+        B, T, _ = qkv.shape
+        return qkv.reshape(B, T, 3, self.n_heads, self.head_size).transpose(2, 0, 3, 1, 4)
 
     def rng_state(self):
         return self.attn_drop.rng_state()
@@ -196,21 +199,21 @@ class CausalSelfAttention(Block):
         return self
 
     def forward(self, x):
-        xp = B.xp
-        Bn, T, C = _check_btc(self.name, x, self.dim)
+        xp = backend.xp
+        B, T, C = _check_btc(self.name, x, self.dim)
         nh, hs = self.n_heads, self.head_size
         qkv, c_qkv = self.qkv.forward(x)                         # (B, T, 3C)
         q, k, v = self._heads(qkv)                               # (B, nh, T, hs) views
         dt = qkv.dtype
         bias = self._causal(T, dt)                               # (T, T)
         dropping = self.attn_drop.training and self.attn_drop.p > 0.0
-        att = xp.empty((Bn, nh, T, T), dtype=dt)                 # (B, nh, T_key, T_query)
-        y = xp.empty((Bn, T, nh, hs), dtype=dt)                  # (B, T, nh, hs)
+        att = xp.empty((B, nh, T, T), dtype=dt)                 # (B, nh, T_key, T_query)
+        y = xp.empty((B, T, nh, hs), dtype=dt)                  # (B, T, nh, hs)
         yh = y.transpose(0, 2, 1, 3)                             # (B, nh, T, hs) view of y
-        bs = self._batch_step(Bn, T)
+        bs = self._batch_step(B, T)
         qT_buf = self._buffer("qT", (bs, nh, hs, T), dt)
-        for b0 in range(0, Bn, bs):
-            sl = slice(b0, min(Bn, b0 + bs))
+        for b0 in range(0, B, bs):
+            sl = slice(b0, min(B, b0 + bs))
             a = att[sl]                                          # (n, nh, T, T) slice
             qT = xp.multiply(q[sl].swapaxes(-1, -2), self.scale, out=qT_buf[:a.shape[0]])
             xp.matmul(k[sl], qT, out=a)                          # s = k q^T / sqrt(hs)
@@ -225,35 +228,35 @@ class CausalSelfAttention(Block):
         if dropping:
             att_d, c_drop = self.attn_drop.forward(att)          # (B, nh, T, T)
             xp.matmul(att_d.swapaxes(-1, -2), v, out=yh)
-        y = y.reshape(Bn, T, C)                                  # (B, T, C) heads merged
+        y = y.reshape(B, T, C)                                  # (B, T, C) heads merged
         out, c_proj = self.proj.forward(y)                       # (B, T, C)
         return out, (c_qkv, qkv, att, c_drop, c_proj)
 
     def backward(self, dy, cache):
-        xp = B.xp
+        xp = backend.xp
         c_qkv, qkv, att, c_drop, y = cache
-        Bn, T, C = y.shape
+        B, T, C = y.shape
         nh, hs = self.n_heads, self.head_size
         q, k, v = self._heads(qkv)                               # (B, nh, T, hs)
         # from: out, c_proj = self.proj.forward(y)
         dyc = self.proj.backward(dy, y)                          # (B, T, C)
-        dyh = dyc.reshape(Bn, T, nh, hs).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
-        dqkv = xp.empty((Bn, T, 3, nh, hs), dtype=dyc.dtype)     # (B, T, 3, nh, hs)
+        dyh = dyc.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dyc.dtype)     # (B, T, 3, nh, hs)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)               # (B, nh, T, hs) views
         dt = dyc.dtype
         # from: att *= 1/sum after exp:  ds = att * (datt - colsum(datt * att)); the column sum
         # equals dy . y per head (FlashAttention identity; also with dropout): a (B, T, C) product.
-        D = xp.einsum("bthd,bthd->bht", dyc.reshape(Bn, T, nh, hs),
-                      y.reshape(Bn, T, nh, hs))                  # (B, nh, T_query)
+        D = xp.einsum("bthd,bthd->bht", dyc.reshape(B, T, nh, hs),
+                      y.reshape(B, T, nh, hs))                  # (B, nh, T_query)
         D *= self.scale                                          # all of ds carries 1/sqrt(hs)
         D = D[:, :, None, :]                                     # (B, nh, 1, T_query)
         att_d = att if c_drop is None else att * c_drop          # (B, nh, T, T) recomputed
-        bs = self._batch_step(Bn, T)
+        bs = self._batch_step(B, T)
         dT_buf = self._buffer("dT", (bs, nh, hs, T), dt)
         datt_buf = self._buffer("datt", (bs, nh, T, T), dt)
-        for b0 in range(0, Bn, bs):
-            sl = slice(b0, min(Bn, b0 + bs))
-            n = min(Bn, b0 + bs) - b0
+        for b0 in range(0, B, bs):
+            sl = slice(b0, min(B, b0 + bs))
+            n = min(B, b0 + bs) - b0
             # from: y = att_d^T v  ->  dv = att_d dy, datt_d = v dy^T (times 1/sqrt(hs) here)
             xp.matmul(att_d[sl], dyh[sl], out=dv[sl])
             dT = xp.multiply(dyh[sl].swapaxes(-1, -2), self.scale, out=dT_buf[:n])
@@ -266,24 +269,28 @@ class CausalSelfAttention(Block):
             xp.matmul(datt.swapaxes(-1, -2), k[sl], out=dq[sl])
             xp.matmul(datt, q[sl], out=dk[sl])
         # from: qkv, c_qkv = self.qkv.forward(x)
-        return self.qkv.backward(dqkv.reshape(Bn, T, 3 * C), c_qkv)   # (B, T, C)
+        return self.qkv.backward(dqkv.reshape(B, T, 3 * C), c_qkv)   # (B, T, C)
 
     def spec(self, x_shape):
-        Bn, T, C = x_shape
+        B, T, C = x_shape
         nh, hs, dt = self.n_heads, self.head_size, self.dtype
-        att_shape, n_att, nx = (Bn, nh, T, T), Bn * nh * T * T, Bn * T * C
+        att_shape, n_att, nx = (B, nh, T, T), B * nh * T * T, B * T * C
         mm = 2.0 * n_att * hs   # one batched (T x hs)(hs x T) or (T x T)(T x hs) product
-        qkv_shape = (Bn, T, 3 * C)
+        qkv_shape = (B, T, 3 * C)
         # scores + softmax: fwd q^T scale, k q^T, 6 per score (mask, max, sub, exp, sum, mul);
         # bwd dq, dk products, dy^T scale, D = rowsum(dy*y) (2 per element), 2 per score.
-        scores = BlockSpec(f"{self.name}.scores", qkv_shape, att_shape,
-                           mm + nx + 6 * n_att, 2 * mm + 3 * nx + 2 * n_att,
-                           B.nbytes(qkv_shape, dt), B.nbytes(att_shape, dt),
-                           B.nbytes(qkv_shape, dt) + B.nbytes(att_shape, dt), 0)
+        scores = BlockSpec(name=f"{self.name}.scores", in_shape=qkv_shape, out_shape=att_shape,
+                           flops_fwd=mm + nx + 6 * n_att, flops_bwd=2 * mm + 3 * nx + 2 * n_att,
+                           bytes_x=backend.nbytes(qkv_shape, dt),
+                           bytes_y=backend.nbytes(att_shape, dt),
+                           bytes_cache=(backend.nbytes(qkv_shape, dt)
+                                        + backend.nbytes(att_shape, dt)),
+                           bytes_params=0)
         # y = att_d^T v: fwd one product; bwd dv and datt products (+ att * mask recomputed).
         redo = n_att if self.attn_drop.p > 0 else 0
-        av = BlockSpec(f"{self.name}.av", att_shape, tuple(x_shape), mm, 2 * mm + redo,
-                       B.nbytes(att_shape, dt), B.nbytes(x_shape, dt), 0, 0)
+        av = BlockSpec(name=f"{self.name}.av", in_shape=att_shape, out_shape=tuple(x_shape),
+                       flops_fwd=mm, flops_bwd=2 * mm + redo, bytes_x=backend.nbytes(att_shape, dt),
+                       bytes_y=backend.nbytes(x_shape, dt), bytes_cache=0, bytes_params=0)
         return BlockSpec.compose(self.name, [self.qkv.spec(x_shape), scores,
                                              self.attn_drop.spec(att_shape), av,
                                              self.proj.spec(x_shape)])
@@ -297,9 +304,9 @@ class MLPBlock(Block):
     """
 
     def __init__(self, dim, hidden=None, *, dropout=0.0, seed=0, index=0, init_std=0.02,
-                 proj_std=None, dtype=B.DEFAULT_DTYPE, name="mlp"):
+                 proj_std=None, dtype=backend.DEFAULT_DTYPE, name="mlp"):
         super().__init__()
-        self.name, self.dim, self.dtype = name, int(dim), B.dtype_of(dtype)
+        self.name, self.dim, self.dtype = name, int(dim), backend.dtype_of(dtype)
         self.hidden = 4 * self.dim if hidden is None else int(hidden)
         proj_std = init_std if proj_std is None else proj_std
         self.fc = Linear(dim, self.hidden, seed=seed, index=sub_index(index, 0),
@@ -351,9 +358,9 @@ class TransformerBlock(Block):
     """
 
     def __init__(self, dim, n_heads, *, hidden=None, dropout=0.0, seed=0, index=0,
-                 init_std=0.02, proj_std=None, dtype=B.DEFAULT_DTYPE, name="block"):
+                 init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="block"):
         super().__init__()
-        self.name, self.dim, self.dtype = name, int(dim), B.dtype_of(dtype)
+        self.name, self.dim, self.dtype = name, int(dim), backend.dtype_of(dtype)
         kw = dict(seed=seed, dtype=dtype)
         self.ln1 = LayerNorm(dim, dtype=dtype, name=f"{name}.ln1")
         self.attn = CausalSelfAttention(dim, n_heads, dropout=dropout, index=sub_index(index, 1),

@@ -57,7 +57,7 @@ from math import isqrt
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.parallel import shm
 from hpcnn.parallel.comm import Request, _cuda_aware, _mpi, host_buffers
 from hpcnn.parallel.ring import (ISEGMENT_BYTES, SEGMENT_BYTES, WINDOW, RingRequest, flat_view, rd,
@@ -170,11 +170,11 @@ def shared_zeros(comm, shape, dtype=numpy.float32):
     it in (see :mod:`hpcnn.parallel.shm`): in a shared window when all ranks of ``comm`` are on
     one node, else (or on CuPy) a plain ``zeros``. Collective (same shape and dtype on every
     rank); valid until :func:`free`. ``auto`` picks shm for it from ZERO_COPY_BYTES."""
-    if B.xp is numpy and single_node(comm):
+    if backend.xp is numpy and single_node(comm):
         comm._auto, comm._auto_mpi_below = None, 0     # auto's lean paths: recomputed
         comm._iauto_mpi_below = 0
         return shm.zeros(shm.node_of(comm), shape, dtype)
-    return B.xp.zeros(shape, dtype)
+    return backend.xp.zeros(shape, dtype)
 
 
 def _in_shared(comm, flat) -> bool:
@@ -196,10 +196,10 @@ def _on_host(flat, fn) -> None:
     if isinstance(flat, numpy.ndarray):
         fn(flat)
         return
-    B.sync()  # pragma: no cover - CuPy: through host memory
-    h = B.to_host(flat)  # pragma: no cover
+    backend.sync()  # pragma: no cover - CuPy: through host memory
+    h = backend.to_host(flat)  # pragma: no cover
     fn(h)  # pragma: no cover
-    flat[...] = B.to_device(h)  # pragma: no cover
+    flat[...] = backend.to_device(h)  # pragma: no cover
 
 
 def allreduce(comm, buf, algorithm: str = "auto"):
@@ -252,8 +252,8 @@ def iallreduce(comm, buf, algorithm: str = "ring", on_done=None) -> Request:
             algorithm = "shm"
     if algorithm == "mpi":
         return comm.iallreduce(buf, on_done=on_done)
-    B.sync()
-    if B.xp is not numpy and not (_cuda_aware() and algorithm == "ring"):  # pragma: no cover
+    backend.sync()
+    if backend.xp is not numpy and not (_cuda_aware() and algorithm == "ring"):  # pragma: no cover
         t0 = time.perf_counter()                # CuPy staging: blocking
         allreduce(comm, buf, algorithm)
         r = Request([], comm.stats, "iallreduce", 0, t0, on_done)
@@ -319,7 +319,7 @@ def _max_repeats(nbytes: int) -> int:
 def _time_size(comm, nbytes, algorithms, dtype, repeats, budget) -> list:
     """This rank's median seconds of each algorithm at ``nbytes`` (see :func:`calibrate`)."""
     MPI = _mpi()
-    buf = B.xp.zeros(max(1, nbytes // numpy.dtype(dtype).itemsize), dtype)
+    buf = backend.xp.zeros(max(1, nbytes // numpy.dtype(dtype).itemsize), dtype)
     reps = repeats or (None if budget else _max_repeats(nbytes))
     ts = [[] for _ in algorithms]
     rep = 0

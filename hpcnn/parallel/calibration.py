@@ -36,7 +36,7 @@ import time
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 FORMAT = "hpcnn-allreduce-calibration/1"
 RUN_BUDGET_S = 0.05         # a run's calibration: seconds of timed rounds a size (and one warm-up)
@@ -51,7 +51,7 @@ def key(comm, dtype=numpy.float32) -> dict:
     from mpi4py import MPI
 
     import hpcnn
-    from hpcnn.parallel import allreduce as AR
+    from hpcnn.parallel import allreduce
     from hpcnn.parallel import shm
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -63,8 +63,8 @@ def key(comm, dtype=numpy.float32) -> dict:
             "cpus_of_rank": [c for _, c in ranks], "ranks": comm.size,
             "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "mpi4py": mpi4py.__version__, "dtype": numpy.dtype(dtype).name,
-            "algorithms": AR.available_algorithms(comm), "backend": B.device,
-            "segment_bytes": int(getattr(comm, "allreduce_segment_bytes", AR.SEGMENT_BYTES)),
+            "algorithms": allreduce.available_algorithms(comm), "backend": backend.device,
+            "segment_bytes": int(getattr(comm, "allreduce_segment_bytes", allreduce.SEGMENT_BYTES)),
             "piece_bytes": int(getattr(comm, "shm_piece_bytes", shm.PIECE_BYTES)),
             "hpcnn": hpcnn.__version__}
 
@@ -160,7 +160,7 @@ def for_run(comm, sizes, dtype=numpy.float32) -> dict:
 
     Returns ``{"source": none | file | measured | file+measured, "path", "sizes", "measured"
     (the sizes timed), "seconds", "choice" (size -> algorithm), "notes"}`` (notes: rank 0's)."""
-    from hpcnn.parallel import allreduce as AR
+    from hpcnn.parallel import allreduce
     sizes = sorted({int(n) for n in sizes})
     info = {"source": "none", "path": None, "sizes": sizes, "measured": [], "seconds": 0.0,
             "choice": {}, "notes": []}
@@ -175,16 +175,16 @@ def for_run(comm, sizes, dtype=numpy.float32) -> dict:
     path, timings, note = comm.comm.bcast(found, root=0)
     missing = [n for n in sizes if not (timings and covered(n, timings["sizes"]))]
     if missing:
-        measured = AR.calibrate(comm, missing, dtype=dtype, budget=RUN_BUDGET_S)
+        measured = allreduce.calibrate(comm, missing, dtype=dtype, budget=RUN_BUDGET_S)
         new = {"sizes": measured["sizes"], "times": measured["times"]}
         timings = merge(timings, new)
         if path and comm.rank == 0:
             note = "; ".join(x for x in (note, save(path, k, new)) if x)
-    comm.allreduce_table = AR.table_from_times(comm, timings["sizes"], timings["times"])
+    comm.allreduce_table = allreduce.table_from_times(comm, timings["sizes"], timings["times"])
     info.update(source="measured" if len(missing) == len(sizes) else
                 "file+measured" if missing else "file", path=path, measured=missing,
                 seconds=time.perf_counter() - t0, notes=[note] if note else [],
-                choice={n: AR.choose(comm, n) for n in sizes})
+                choice={n: allreduce.choose(comm, n) for n in sizes})
     return info
 
 

@@ -30,13 +30,13 @@ from contextlib import contextmanager
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.parallel.stats import SAMPLE_EVERY, SAMPLED_BELOW, CommStats, _c_lean
 
 _perf = time.perf_counter
 _ndarray = numpy.ndarray
 _MPI = None                 # mpi4py.MPI once imported (never at import: docs/architecture.md)
-_AR = None                  # hpcnn.parallel.allreduce once imported (it imports this module)
+_ALLREDUCE = None           # hpcnn.parallel.allreduce once imported (it imports this module)
 
 
 def _mpi():
@@ -53,11 +53,11 @@ def library_version() -> str:
 
 
 def _algorithms():
-    global _AR
-    if _AR is None:
+    global _ALLREDUCE
+    if _ALLREDUCE is None:
         from hpcnn.parallel import allreduce
-        _AR = allreduce
-    return _AR
+        _ALLREDUCE = allreduce
+    return _ALLREDUCE
 
 
 def _cuda_aware() -> bool:
@@ -68,14 +68,15 @@ def _cuda_aware() -> bool:
 def host_buffers(*arrays, writeback=()):
     """Yield buffers MPI can read: the arrays themselves on NumPy or CUDA-aware MPI, else host
     copies; arrays whose index is in ``writeback`` are copied back to the device afterwards."""
-    B.sync()
-    if B.xp is numpy or _cuda_aware():
+    backend.sync()
+    if backend.xp is numpy or _cuda_aware():
         yield arrays
         return
-    hosts = tuple(B.to_host(a) for a in arrays)  # pragma: no cover - CuPy without CUDA-aware MPI
+    # CuPy without CUDA-aware MPI
+    hosts = tuple(backend.to_host(a) for a in arrays)  # pragma: no cover
     yield hosts  # pragma: no cover
     for i in writeback:  # pragma: no cover
-        arrays[i][...] = B.to_device(hosts[i])
+        arrays[i][...] = backend.to_device(hosts[i])
 
 
 class Request:
@@ -263,8 +264,9 @@ class Communicator:
         if self.size > 1 and algorithm != "mpi":
             return _algorithms().iallreduce(self, buf, algorithm, on_done)
         r = Request([], self._stats, "iallreduce", 0, _perf(), on_done)
-        B.sync()
-        if self.size == 1 or B.xp is not numpy and not _cuda_aware():  # CuPy: staged, blocking
+        backend.sync()
+        # one rank, or CuPy without CUDA-aware MPI (staged through the host): blocking
+        if self.size == 1 or backend.xp is not numpy and not _cuda_aware():
             self.allreduce(buf)
             r._finish(0.0)
             return r
@@ -370,7 +372,7 @@ class Communicator:
 
     def isend(self, buf, dest, tag: int = 0) -> Request:
         MPI = _mpi()
-        B.sync()
+        backend.sync()
         t0 = time.perf_counter()
         nbytes = 0 if dest == MPI.PROC_NULL else buf.nbytes
         return Request([self.comm.Isend(buf, dest=dest, tag=tag)], self.stats, "isend", nbytes, t0)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 MODES = ("weighted", "uniform", "equal")
 ALGORITHMS = ("mpi", "ring", "rd", "shm", "cma", "auto")   # blocking (overlap=False)
@@ -149,7 +149,7 @@ class DataParallel:
     def _layout(self, params, owner) -> None:
         """One flat buffer for ``params`` (gradients rebound as views) and a sentinel element,
         cut into byte ranges."""
-        xp, k = B.xp, len(self.flats)
+        xp, k = backend.xp, len(self.flats)
         dtype = params[0].data.dtype
         offs = numpy.cumsum([0] + [p.size for p in params])
         n = int(offs[-1])
@@ -229,9 +229,9 @@ class DataParallel:
         if self.check_finite:
             g = b.view[:-1] if b.last else b.view
             with numpy.errstate(over="ignore", invalid="ignore"):
-                sq = float(B.xp.dot(g, g))             # one BLAS pass, no temporary
+                sq = float(backend.xp.dot(g, g))             # one BLAS pass, no temporary
             if not math.isfinite(sq) and not self._local_bad:
-                self._local_bad = not bool(B.xp.isfinite(g).all())   # or only an overflow
+                self._local_bad = not bool(backend.xp.isfinite(g).all())   # or only an overflow
             self._sq[b.flat] += sq
             if b.last:
                 b.view[-1] = self._sq[b.flat]          # summed over ranks with the gradients
@@ -267,7 +267,7 @@ class DataParallel:
         # sentinels and reduced buffers are the same on every rank: all take the same branches
         if all(math.isfinite(float(f[-1])) for f in self.flats):
             return
-        if all(bool(B.xp.isfinite(f[:-1]).all()) for f in self.flats):
+        if all(bool(backend.xp.isfinite(f[:-1]).all()) for f in self.flats):
             return                                     # only a sum of squares overflowed
         flags = self.comm.allgather_scalars([1.0 if self._local_bad else 0.0])
         ranks = ", ".join(str(int(r)) for r in numpy.flatnonzero(flags[:, 0]))
@@ -279,7 +279,7 @@ class DataParallel:
         """Move the gradients back to private memory and free the shared windows (call before
         the communicator is freed; the parameters keep their gradients)."""
         for p in self.params:
-            p.bind_grad(B.xp.zeros_like(p.data))
+            p.bind_grad(backend.xp.zeros_like(p.data))
         self.flats, self.buckets, self.order, self._reqs = [], [], [], []   # no window views stay
         if self.comm.size > 1:
             from hpcnn.parallel import allreduce
@@ -290,7 +290,7 @@ class DataParallel:
         if any, is the caller's to restore identically."""
         if not 0 <= root < self.comm.size:
             raise ValueError(f"root {root} out of range for {self.comm.size} ranks")
-        xp = B.xp
+        xp = backend.xp
         for dtype in dict.fromkeys(p.data.dtype for p in self.params):
             ps = [p for p in self.params if p.data.dtype == dtype]
             buf = xp.concatenate([p.data.reshape(-1) for p in ps])
@@ -303,7 +303,7 @@ class DataParallel:
     def check_replicas_equal(self) -> bool:
         """True on every rank iff all replicas' checksums (sum, sum of squares, strided sum of
         each parameter) are bitwise equal: two small allreduces (max and min)."""
-        xp = B.xp
+        xp = backend.xp
         vals = []
         for p in self.params:
             d = p.data.reshape(-1)

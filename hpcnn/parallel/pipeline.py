@@ -23,9 +23,9 @@ instruction becomes a timeline event ``(rank, kind, microbatch, t_start, t_end)`
 micro-batches in flight (F done, B not yet).
 
     mpiexec -n 4 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn import data as D; from hpcnn.nn import models; \\
+        from hpcnn import data; from hpcnn.nn import models; \\
         from hpcnn.parallel.comm import Communicator; from hpcnn.parallel import pipeline; \\
-        d = D.digits(); m = models.mlp(64, (32, 32, 32), 10); \\
+        d = data.digits(); m = models.mlp(64, (32, 32, 32), 10); \\
         out = pipeline.train_step('1f1b', m, Communicator(MPI.COMM_WORLD), \\
             d.x_train[:32].astype(np.float32), d.y_train[:32], 4, layout='1|3|2|1'); \\
         print(MPI.COMM_WORLD.rank, out['loss'], out['peak_inflight'])"
@@ -36,7 +36,7 @@ import time
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.layers import defer_weight_gradients, place_draws
 from hpcnn.parallel import partition, schedules
 
@@ -215,11 +215,11 @@ def run_schedule(instrs, stages, pp_comm, micro_inputs, micro_targets, *, dloss,
             PipelineStage.weight(pending.pop((s, mb)))
             live[(s, mb)] = 0
         elif op.startswith("SEND"):
-            buf = B.xp.ascontiguousarray(msgs.pop((op[5:], mb, s)))
+            buf = backend.xp.ascontiguousarray(msgs.pop((op[5:], mb, s)))
             sends.append((pp_comm.isend(buf, ins.peer, tag_of(op[5:], mb, s, n_stages)), buf))
         else:                                                  # RECV_ACT / RECV_GRAD
             shape = shapes[mb][s + 1 if op == "RECV_ACT" else s]
-            buf = B.xp.empty(shape, dtype=dtype)
+            buf = backend.xp.empty(shape, dtype=dtype)
             pp_comm.irecv(buf, ins.peer, tag_of(op[5:], mb, s, n_stages)).wait()
             msgs[(op[5:], mb, s)] = buf
         events.append((rank, op, mb, ts - t0, clock() - t0))
@@ -267,7 +267,7 @@ def forward_only(chain, ranges, pp, x, y=None, owner=None):
     for s in range(S):
         if pp.rank == owner[s]:
             if s > 0 and owner[s - 1] != owner[s]:
-                h = B.xp.empty(shapes[s], dtype=dtype)
+                h = backend.xp.empty(shapes[s], dtype=dtype)
                 pp.irecv(h, owner[s - 1], tag=s).wait()
             h = chains[s].forward_blocks(h)[0]
             if s < S - 1 and owner[s + 1] != owner[s]:
@@ -387,7 +387,7 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     # reduces gradients next (data parallelism) broadcasts it later, so that the last stages
     # start their allreduce while the first ones are still in the cool-down --
     if broadcast_loss:
-        buf = B.xp.asarray([out["loss"] if out["loss"] is not None else 0.0], dtype="float64")
+        buf = backend.xp.asarray([out["loss"] if out["loss"] is not None else 0.0], dtype="float64")
         pp.bcast(buf, root=owner[-1])
         out["loss"] = float(buf[0])
     out.update(stages=stages, ranges=ranges)

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.parallel.comm import Request, _mpi
 
 SEGMENT_BYTES = 1 << 20     # ring segment: 2 x 1 MiB of scratch stay in L2 (4 MiB); 256 KiB was slower
@@ -38,14 +38,14 @@ class State:
     def blocking_scratch(self, dtype, n):
         a = self.scratch.get(dtype)
         if a is None or a.size < n:
-            a = self.scratch[dtype] = B.xp.empty(max(n, 1), dtype)
+            a = self.scratch[dtype] = backend.xp.empty(max(n, 1), dtype)
         return a[:n]
 
     def take(self, dtype, n):
         for i, a in enumerate(self.pool):
             if a.dtype == dtype and a.size >= n:
                 return self.pool.pop(i)
-        return B.xp.empty(max(n, 1), dtype)
+        return backend.xp.empty(max(n, 1), dtype)
 
 
 def state(comm) -> State:
@@ -97,7 +97,7 @@ class RingRequest(Request):
         self._scr = (st.blocking_scratch(flat.dtype, need) if blocking
                      else st.take(flat.dtype, need))
         self._slot = len(self._scr) // self._w
-        self._xp = numpy if isinstance(flat, numpy.ndarray) else B.xp
+        self._xp = numpy if isinstance(flat, numpy.ndarray) else backend.xp
         self._p, self._r = p, r
         self._total = 2 * (p - 1) * self._nseg if flat.size else 0
         self._next = self._ndone = 0
@@ -150,7 +150,7 @@ class RingRequest(Request):
             self._inflight.popleft()
             if dst is not None:
                 self._xp.add(dst, recv, out=dst)
-                B.sync()
+                backend.sync()
             self._ndone += 1
             self._post()
         return True
@@ -181,7 +181,7 @@ class RingRequest(Request):
 def rd(comm, flat) -> None:
     """Recursive doubling in place, on pieces of at most ``SEGMENT_BYTES`` (bounded scratch)."""
     st = state(comm)
-    xp = numpy if isinstance(flat, numpy.ndarray) else B.xp
+    xp = numpy if isinstance(flat, numpy.ndarray) else backend.xp
     piece = max(1, getattr(comm, "allreduce_segment_bytes", SEGMENT_BYTES) // flat.itemsize)
     tmp = st.blocking_scratch(flat.dtype, min(piece, flat.size))
     tag = st.tag()
@@ -207,7 +207,7 @@ def _rd_piece(comm, pc, tag, xp, flat, tmp) -> None:
         while mask < p2:
             q = me ^ mask
             peer = 2 * q + 1 if q < rem else q + rem
-            B.sync()
+            backend.sync()
             pc.Sendrecv(flat, peer, tag, tmp, peer, tag)
             if me < q:
                 xp.add(flat, tmp, out=flat)
@@ -215,7 +215,7 @@ def _rd_piece(comm, pc, tag, xp, flat, tmp) -> None:
                 xp.add(tmp, flat, out=flat)
             mask <<= 1
     if r < 2 * rem:                         # unfold: odd ranks hand the result back
-        B.sync()
+        backend.sync()
         if r % 2:
             pc.Send(flat, r - 1, tag)
         else:

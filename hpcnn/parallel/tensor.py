@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, Parameter, is_placeholder, placeholder
 from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear
 from hpcnn.nn.transformer import MLPBlock, sub_index
@@ -58,7 +58,7 @@ class TPParameter(Parameter):
 def shard_array(full, axis: int, rank: int, size: int, parts: int = 1):
     """This rank's shard of ``full``: along ``axis``, part ``rank`` of ``size`` of each of
     ``parts`` equal blocks, concatenated (a contiguous copy)."""
-    xp = B.xp
+    xp = backend.xp
     if is_placeholder(full):                         # another pipeline rank's: still no storage
         shape = list(full.shape)
         shape[axis] //= size
@@ -99,7 +99,7 @@ class ShardDropout(Dropout):
     block draws for the whole tensor (same key), so tp = 1 and tp = k drop the same elements.
     Each rank draws the full mask: tp times its shard's random numbers, no communication."""
 
-    def __init__(self, p=0.0, *, axis, rank, size, seed=0, index=0, dtype=B.DEFAULT_DTYPE,
+    def __init__(self, p=0.0, *, axis, rank, size, seed=0, index=0, dtype=backend.DEFAULT_DTYPE,
                  name="dropout"):
         super().__init__(p, seed=seed, index=index, dtype=dtype, name=name)
         if int(axis) == 0:
@@ -126,7 +126,7 @@ def seq_dropout(comm, p, sequence_parallel, *, axis=1, **kw):
     return Dropout(p, **kw)
 
 
-def replicated_layernorm(dim, *, sequence_parallel=False, dtype=B.DEFAULT_DTYPE, name="ln"):
+def replicated_layernorm(dim, *, sequence_parallel=False, dtype=backend.DEFAULT_DTYPE, name="ln"):
     """A LayerNorm whose parameters are replicated :class:`TPParameter` (partial gradients under
     sequence parallelism: it then normalises this rank's T/tp rows only)."""
     ln = LayerNorm(dim, dtype=dtype, name=name)
@@ -151,7 +151,7 @@ class ColumnParallelLinear(Block):
 
     def __init__(self, comm, n_in, n_out, *, bias=True, gather_output=False,
                  sequence_parallel=False, parts=1, seed=0, index=0, init_std=None,
-                 dtype=B.DEFAULT_DTYPE, name="linear"):
+                 dtype=backend.DEFAULT_DTYPE, name="linear"):
         super().__init__()
         if n_out % parts or (gather_output and parts > 1):
             raise ValueError(f"{name}: output features ({n_out}) must be {parts} equal blocks"
@@ -162,7 +162,7 @@ class ColumnParallelLinear(Block):
                       dtype=dtype, name=name)                      # the serial initialisation
         w = _sharded(full.weight, 1, comm, parts)                  # (in, out/tp)
         b = _sharded(full.bias, 0, comm, parts) if bias else None  # (out/tp,)
-        self.name, self.dtype, self.comm = name, B.dtype_of(dtype), comm
+        self.name, self.dtype, self.comm = name, backend.dtype_of(dtype), comm
         self.n_in, self.n_out, self.parts = int(n_in), int(n_out), int(parts)
         self.sequence_parallel, self.gather_output = bool(sequence_parallel), bool(gather_output)
         self.linear = _local_linear(w, b, dtype, name)
@@ -192,14 +192,14 @@ class ColumnParallelLinear(Block):
         full_in = seq_full(x_shape, p) if self.sequence_parallel else x_shape
         s = self.linear.spec(full_in)                # local product on the gathered input
         out = s.out_shape[:-1] + (self.n_out,) if self.gather is not None else s.out_shape
-        vol = self.enter.volume(B.nbytes(full_in, dt))
+        vol = self.enter.volume(backend.nbytes(full_in, dt))
         if self.gather is not None:
-            vol = vol + self.gather.volume(B.nbytes(out, dt))
+            vol = vol + self.gather.volume(backend.nbytes(out, dt))
         # the cache holds the input itself, or under sp the all-gathered copy (a new array;
         # on one rank the gather is the identity and the input is cached itself)
         gathered = self.sequence_parallel and self.enter.active
         return replace(s, name=self.name, in_shape=x_shape, out_shape=out,
-                       bytes_x=B.nbytes(x_shape, dt), bytes_y=B.nbytes(out, dt),
+                       bytes_x=backend.nbytes(x_shape, dt), bytes_y=backend.nbytes(out, dt),
                        comm_bytes=vol.sent(p), cache_has_x=s.cache_has_x and not gathered)
 
 
@@ -216,13 +216,13 @@ class RowParallelLinear(Block):
     """
 
     def __init__(self, comm, n_in, n_out, *, bias=True, sequence_parallel=False, seed=0,
-                 index=0, init_std=None, dtype=B.DEFAULT_DTYPE, name="linear"):
+                 index=0, init_std=None, dtype=backend.DEFAULT_DTYPE, name="linear"):
         super().__init__()
         check_divides(f"{name}: input features", n_in, comm.size)
         full = Linear(n_in, n_out, bias=bias, seed=seed, index=index, init_std=init_std,
                       dtype=dtype, name=name)                      # the serial initialisation
         w = _sharded(full.weight, 0, comm)                         # (in/tp, out)
-        self.name, self.dtype, self.comm = name, B.dtype_of(dtype), comm
+        self.name, self.dtype, self.comm = name, backend.dtype_of(dtype), comm
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.sequence_parallel = bool(sequence_parallel)
         self.linear = _local_linear(w, None, dtype, name)
@@ -249,11 +249,12 @@ class RowParallelLinear(Block):
         p, dt = self.comm.size, self.dtype
         s = self.linear.spec(tuple(x_shape))         # (..., out) partial
         out = seq_local(s.out_shape, p) if self.sequence_parallel else s.out_shape
-        n_add = 0 if self.bias is None else B.nbytes(out, dt) // dt.itemsize   # bias adds
-        return replace(s, name=self.name, out_shape=out, bytes_y=B.nbytes(out, dt),
+        n_add = 0 if self.bias is None else backend.nbytes(out, dt) // dt.itemsize   # bias adds
+        return replace(s, name=self.name, out_shape=out, bytes_y=backend.nbytes(out, dt),
                        flops_fwd=s.flops_fwd + n_add, flops_bwd=s.flops_bwd + n_add,
-                       bytes_params=s.bytes_params + (B.nbytes((self.n_out,), dt) if n_add else 0),
-                       comm_bytes=self.exit.volume(B.nbytes(s.out_shape, dt)).sent(p))
+                       bytes_params=(s.bytes_params
+                                     + (backend.nbytes((self.n_out,), dt) if n_add else 0)),
+                       comm_bytes=self.exit.volume(backend.nbytes(s.out_shape, dt)).sent(p))
 
 
 class ParallelMLPBlock(MLPBlock):
@@ -266,9 +267,9 @@ class ParallelMLPBlock(MLPBlock):
     """
 
     def __init__(self, comm, dim, hidden=None, *, dropout=0.0, sequence_parallel=False, seed=0,
-                 index=0, init_std=0.02, proj_std=None, dtype=B.DEFAULT_DTYPE, name="mlp"):
+                 index=0, init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="mlp"):
         Block.__init__(self)
-        self.name, self.dim, self.dtype, self.comm = name, int(dim), B.dtype_of(dtype), comm
+        self.name, self.dim, self.dtype, self.comm = name, int(dim), backend.dtype_of(dtype), comm
         self.hidden = 4 * self.dim if hidden is None else int(hidden)
         self.sequence_parallel = bool(sequence_parallel)
         check_divides(f"{name}: hidden features", self.hidden, comm.size)
@@ -306,7 +307,7 @@ def sync_replicated_grads(params, comm) -> None:
     ps = [p for p in params if getattr(p, "tp_partial", False)]
     if comm.size == 1 or not ps:
         return
-    flat = B.xp.concatenate([p.grad.reshape(-1) for p in ps])   # (sum of sizes,)
+    flat = backend.xp.concatenate([p.grad.reshape(-1) for p in ps])   # (sum of sizes,)
     comm.allreduce(flat)
     o = 0
     for p in ps:
@@ -317,7 +318,7 @@ def sync_replicated_grads(params, comm) -> None:
 def unshard(comm, a, axis: int, parts: int = 1):
     """The full array from every rank's shard ``a`` (cut along ``axis``, ``parts`` blocks)."""
     from hpcnn.parallel.tp_comm import all_gather
-    xp = B.xp
+    xp = backend.xp
     g = xp.moveaxis(all_gather(comm, a, axis), axis, 0)          # (tp * n, ...) rank-major
     k = g.shape[0] // (comm.size * parts)
     g = g.reshape((comm.size, parts, k) + g.shape[1:]).swapaxes(0, 1)   # (parts, tp, k, ...)
@@ -335,6 +336,6 @@ def gather_params(model, comm, *, grads: bool = False) -> dict:
         axis = getattr(p, "tp_axis", None)
         if axis is not None and comm.size > 1:
             a = unshard(comm, a, axis, p.tp_parts)
-        out[p.name] = numpy.array(B.to_host(a))
+        out[p.name] = numpy.array(backend.to_host(a))
     return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec
 from hpcnn.nn.transformer import CausalSelfAttention, TransformerBlock, sub_index
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
@@ -40,13 +40,13 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
     """
 
     def __init__(self, comm, dim, n_heads, *, dropout=0.0, sequence_parallel=False, seed=0,
-                 index=0, init_std=0.02, proj_std=None, dtype=B.DEFAULT_DTYPE, name="attn"):
+                 index=0, init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="attn"):
         Block.__init__(self)
         dim, n_heads = int(dim), int(n_heads)
         if n_heads <= 0 or dim % n_heads != 0:
             raise ValueError(f"{name}: dim ({dim}) must be a multiple of n_heads ({n_heads})")
         self.n_heads = check_divides(f"{name}: attention heads", n_heads, comm.size)  # local
-        self.name, self.dim, self.dtype, self.comm = name, dim, B.dtype_of(dtype), comm
+        self.name, self.dim, self.dtype, self.comm = name, dim, backend.dtype_of(dtype), comm
         self.n_heads_total, self.head_size = n_heads, dim // n_heads
         self.scale = 1.0 / math.sqrt(self.head_size)
         self.sequence_parallel = sp = bool(sequence_parallel)
@@ -64,24 +64,24 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
         self._consts, self._scratch = {}, {}
 
     def forward(self, x):
-        xp = B.xp
+        xp = backend.xp
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"{self.name}: expected input (B, T, {self.dim}), got shape "
                              f"{tuple(x.shape)}")
         qkv, c_qkv = self.qkv.forward(x)                         # (B, T, 3C/tp) [x (B, T/tp, C)]
-        Bn, T, _ = qkv.shape
+        B, T, _ = qkv.shape
         nh, hs = self.n_heads, self.head_size
         q, k, v = self._heads(qkv)                               # (B, nh/tp, T, hs) views
         dt = qkv.dtype
         bias = self._causal(T, dt)                               # (T, T)
         dropping = self.attn_drop.training and self.attn_drop.p > 0.0
-        att = xp.empty((Bn, nh, T, T), dtype=dt)                 # (B, nh/tp, T_key, T_query)
-        y = xp.empty((Bn, T, nh, hs), dtype=dt)                  # (B, T, nh/tp, hs)
+        att = xp.empty((B, nh, T, T), dtype=dt)                 # (B, nh/tp, T_key, T_query)
+        y = xp.empty((B, T, nh, hs), dtype=dt)                  # (B, T, nh/tp, hs)
         yh = y.transpose(0, 2, 1, 3)                             # (B, nh/tp, T, hs) view of y
-        bs = self._batch_step(Bn, T)
+        bs = self._batch_step(B, T)
         qT_buf = self._buffer("qT", (bs, nh, hs, T), dt)
-        for b0 in range(0, Bn, bs):                              # the serial core, local heads
-            sl = slice(b0, min(Bn, b0 + bs))
+        for b0 in range(0, B, bs):                              # the serial core, local heads
+            sl = slice(b0, min(B, b0 + bs))
             a = att[sl]                                          # (n, nh/tp, T, T) slice
             qT = xp.multiply(q[sl].swapaxes(-1, -2), self.scale, out=qT_buf[:a.shape[0]])
             xp.matmul(k[sl], qT, out=a)                          # s = k q^T / sqrt(hs)
@@ -96,25 +96,26 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
         if dropping:
             att_d, c_drop = self.attn_drop.forward(att)          # (B, nh/tp, T, T)
             xp.matmul(att_d.swapaxes(-1, -2), v, out=yh)
-        y = y.reshape(Bn, T, nh * hs)                            # (B, T, C/tp) heads merged
+        y = y.reshape(B, T, nh * hs)                            # (B, T, C/tp) heads merged
         out, c_proj = self.proj.forward(y)                       # (B, T, C) [(B, T/tp, C)]
         return out, (c_qkv, qkv, att, c_drop, c_proj)
 
     def spec(self, x_shape):
         qkv = self.qkv.spec(x_shape)                             # (B, T, 3C/tp)
-        Bn, T, _ = qkv.out_shape
+        B, T, _ = qkv.out_shape
         nh, hs, dt = self.n_heads, self.head_size, self.dtype
-        att_shape, n_att, ny = (Bn, nh, T, T), Bn * nh * T * T, Bn * T * nh * hs
-        y_shape = (Bn, T, nh * hs)
+        att_shape, n_att, ny = (B, nh, T, T), B * nh * T * T, B * T * nh * hs
+        y_shape = (B, T, nh * hs)
         mm = 2.0 * n_att * hs
         # as CausalSelfAttention.spec, on this rank's heads
-        scores = BlockSpec(f"{self.name}.scores", qkv.out_shape, att_shape,
-                           mm + ny + 6 * n_att, 2 * mm + 3 * ny + 2 * n_att,
-                           qkv.bytes_y, B.nbytes(att_shape, dt),
-                           qkv.bytes_y + B.nbytes(att_shape, dt), 0)
+        scores = BlockSpec(name=f"{self.name}.scores", in_shape=qkv.out_shape, out_shape=att_shape,
+                           flops_fwd=mm + ny + 6 * n_att, flops_bwd=2 * mm + 3 * ny + 2 * n_att,
+                           bytes_x=qkv.bytes_y, bytes_y=backend.nbytes(att_shape, dt),
+                           bytes_cache=qkv.bytes_y + backend.nbytes(att_shape, dt), bytes_params=0)
         redo = n_att if self.attn_drop.p > 0 else 0
-        av = BlockSpec(f"{self.name}.av", att_shape, y_shape, mm, 2 * mm + redo,
-                       B.nbytes(att_shape, dt), B.nbytes(y_shape, dt), 0, 0)
+        av = BlockSpec(name=f"{self.name}.av", in_shape=att_shape, out_shape=y_shape, flops_fwd=mm,
+                       flops_bwd=2 * mm + redo, bytes_x=backend.nbytes(att_shape, dt),
+                       bytes_y=backend.nbytes(y_shape, dt), bytes_cache=0, bytes_params=0)
         return BlockSpec.compose(self.name, [qkv, scores, self.attn_drop.spec(att_shape), av,
                                              self.proj.spec(y_shape)])
 
@@ -132,10 +133,10 @@ class ParallelTransformerBlock(TransformerBlock):
     """
 
     def __init__(self, comm, dim, n_heads, *, hidden=None, dropout=0.0, sequence_parallel=False,
-                 seed=0, index=0, init_std=0.02, proj_std=None, dtype=B.DEFAULT_DTYPE,
+                 seed=0, index=0, init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE,
                  name="block"):
         Block.__init__(self)
-        self.name, self.dim, self.dtype, self.comm = name, int(dim), B.dtype_of(dtype), comm
+        self.name, self.dim, self.dtype, self.comm = name, int(dim), backend.dtype_of(dtype), comm
         self.sequence_parallel = sp = bool(sequence_parallel)
         kw = dict(seed=seed, dtype=dtype, sequence_parallel=sp)
         self.ln1 = replicated_layernorm(dim, sequence_parallel=sp, dtype=dtype, name=f"{name}.ln1")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.core import Block
 from hpcnn.nn.conv import Conv2d
 from hpcnn.parallel.tensor import TPParameter, shard_array
@@ -61,7 +61,7 @@ class ChannelParallelConv2d(Block):
     """
 
     def __init__(self, comm, in_ch, out_ch, kernel, *, stride=1, padding=0, bias=True, seed=0,
-                 index=0, dtype=B.DEFAULT_DTYPE, name="conv"):
+                 index=0, dtype=backend.DEFAULT_DTYPE, name="conv"):
         super().__init__()
         check_divides(f"{name}: output channels", int(out_ch), comm.size)
         full = Conv2d(in_ch, out_ch, kernel, stride=stride, padding=padding, bias=bias, seed=seed,
@@ -112,8 +112,9 @@ class ChannelParallelConv2d(Block):
         x_shape = tuple(x_shape)
         s = self.conv.spec(x_shape)                   # flops and parameters: 1/tp
         out = (s.out_shape[0], self.out_ch) + tuple(s.out_shape[2:])   # (N, O, Ho, Wo)
-        vol = self.enter.volume(B.nbytes(x_shape, dt)) + self.gather.volume(B.nbytes(out, dt))
-        return replace(s, name=self.name, out_shape=out, bytes_y=B.nbytes(out, dt),
+        vol = (self.enter.volume(backend.nbytes(x_shape, dt))
+               + self.gather.volume(backend.nbytes(out, dt)))
+        return replace(s, name=self.name, out_shape=out, bytes_y=backend.nbytes(out, dt),
                        comm_bytes=vol.sent(p))
 
     def __repr__(self) -> str:

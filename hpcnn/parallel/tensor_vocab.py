@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec
 from hpcnn.nn.loss import checked_targets
 from hpcnn.nn.transformer import Embedding, check_tokens
@@ -36,11 +36,11 @@ class VocabParallelEmbedding(Block):
     """
 
     def __init__(self, comm, vocab, dim, max_len, *, sequence_parallel=False, seed=0, index=0,
-                 dtype=B.DEFAULT_DTYPE, name="embed"):
+                 dtype=backend.DEFAULT_DTYPE, name="embed"):
         super().__init__()
         self.vocab_local = check_divides(f"{name}: vocabulary size", int(vocab), comm.size)
         full = Embedding(vocab, dim, max_len, seed=seed, index=index, dtype=dtype, name=name)
-        self.name, self.dtype, self.comm = name, B.dtype_of(dtype), comm
+        self.name, self.dtype, self.comm = name, backend.dtype_of(dtype), comm
         self.vocab, self.dim, self.max_len = int(vocab), int(dim), int(max_len)
         self.lo = comm.rank * self.vocab_local                     # first token id held here
         self.sequence_parallel = bool(sequence_parallel)
@@ -51,7 +51,7 @@ class VocabParallelEmbedding(Block):
         self.exit = ReduceScatterSeq(comm) if sequence_parallel else Reduce(comm)
 
     def forward(self, tokens):
-        xp = B.xp
+        xp = backend.xp
         T = check_tokens(self.name, tokens, self.max_len, self.vocab)
         if self.sequence_parallel:
             check_divides(f"{self.name}: sequence length", T, self.comm.size)
@@ -66,7 +66,7 @@ class VocabParallelEmbedding(Block):
         return y, (idx, own)
 
     def backward(self, dy, cache):
-        xp = B.xp
+        xp = backend.xp
         idx, own = cache
         C = self.dim
         dy = self.exit.backward(dy, None)                          # (B, T, C) [all-gathered]
@@ -85,15 +85,16 @@ class VocabParallelEmbedding(Block):
         return None
 
     def spec(self, x_shape):
-        Bn, T = x_shape
+        B, T = x_shape
         p, dt = self.comm.size, self.dtype
-        full = (Bn, T, self.dim)
+        full = (B, T, self.dim)
         out = seq_local(full, p) if self.sequence_parallel else full
-        ny, nb_tok = Bn * T * self.dim, B.nbytes(x_shape, numpy.int64)
-        return BlockSpec(self.name, tuple(x_shape), out, 2 * ny, 2 * ny, nb_tok,
-                         B.nbytes(out, dt), nb_tok + Bn * T,
-                         sum(B.nbytes(q.shape, dt) for q in self.params),
-                         comm_bytes=self.exit.volume(B.nbytes(full, dt)).sent(p))
+        ny, nb_tok = B * T * self.dim, backend.nbytes(x_shape, numpy.int64)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=out, flops_fwd=2 * ny,
+                         flops_bwd=2 * ny, bytes_x=nb_tok, bytes_y=backend.nbytes(out, dt),
+                         bytes_cache=nb_tok + B * T,
+                         bytes_params=sum(backend.nbytes(q.shape, dt) for q in self.params),
+                         comm_bytes=self.exit.volume(backend.nbytes(full, dt)).sent(p))
 
 
 class VocabParallelCrossEntropy:
@@ -118,7 +119,7 @@ class VocabParallelCrossEntropy:
         self.reduce = Reduce(comm)
 
     def forward(self, logits, targets):
-        xp = B.xp
+        xp = backend.xp
         Vl = logits.shape[-1]
         V, lo = Vl * self.comm.size, Vl * self.comm.rank
         tt, valid = checked_targets(logits.shape, targets, V, self.ignore_index)   # (N,)
@@ -147,18 +148,19 @@ class VocabParallelCrossEntropy:
         """dlogits = (softmax - onehot(target)) * dloss / count on counted rows, 0 elsewhere."""
         p, col, own, valid, count, shape = cache
         d = p.copy()                                               # (N, V/tp)
-        r = B.xp.nonzero(own)[0]
+        r = backend.xp.nonzero(own)[0]
         d[r, col[r]] -= 1.0                                        # from -z[t], on its owner
         scale = dloss if self.reduction == "sum" else dloss / max(count, 1)
         d *= (valid * scale).astype(d.dtype)[:, None]
         return d.reshape(shape)
 
-    def spec(self, x_shape, dtype=B.DEFAULT_DTYPE):
+    def spec(self, x_shape, dtype=backend.DEFAULT_DTYPE):
         """The cache is this shard's probabilities and, per row, the target's local column
         (int64 targets assumed), whether it is held here and whether the row counts (bools)."""
-        dt, p = B.dtype_of(dtype), self.comm.size
-        nb = B.nbytes(x_shape, dt)
+        dt, p = backend.dtype_of(dtype), self.comm.size
+        nb = backend.nbytes(x_shape, dt)
         n, rows = nb // dt.itemsize, nb // dt.itemsize // int(x_shape[-1])
         vol = Volume(allreduce=2 * rows * dt.itemsize, allreduce_max=rows * dt.itemsize)
-        return BlockSpec(self.name, tuple(x_shape), (), 5 * n, 3 * n, nb, 8, nb + 10 * rows, 0,
-                         comm_bytes=vol.sent(p) if p > 1 else 0)
+        return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=(), flops_fwd=5 * n,
+                         flops_bwd=3 * n, bytes_x=nb, bytes_y=8, bytes_cache=nb + 10 * rows,
+                         bytes_params=0, comm_bytes=vol.sent(p) if p > 1 else 0)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcnn import backend as B
+from hpcnn import backend
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def allreduce_max(comm, buf):
 # -- the three data movements, along any axis -----------------------------------------------------
 def all_gather(comm, x, axis: int):
     """Concatenate every rank's ``x`` along ``axis``, in rank order (x's axis grows p times)."""
-    xp = B.xp
+    xp = backend.xp
     xt = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))            # (n, ...) axis first
     out = xp.empty((xt.shape[0] * comm.size,) + xt.shape[1:], dtype=x.dtype)   # (p n, ...)
     comm.allgather(xt, out)
@@ -84,7 +84,7 @@ def all_gather(comm, x, axis: int):
 
 def reduce_scatter(comm, x, axis: int):
     """Sum ``x`` over the ranks and keep this rank's 1/p part along ``axis``."""
-    xp = B.xp
+    xp = backend.xp
     n = check_divides(f"reduce-scatter: size of dimension {axis % x.ndim} in {tuple(x.shape)}",
                       x.shape[axis], comm.size)
     xt = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))            # (p n, ...) axis first
@@ -99,12 +99,12 @@ def split(comm, x, axis: int):
                       x.shape[axis], comm.size)
     idx = [slice(None)] * x.ndim
     idx[axis] = slice(comm.rank * n, (comm.rank + 1) * n)
-    return B.xp.ascontiguousarray(x[tuple(idx)])
+    return backend.xp.ascontiguousarray(x[tuple(idx)])
 
 
 def _reduce_inplace(comm, x):
     if not x.flags.c_contiguous:
-        x = B.xp.ascontiguousarray(x)
+        x = backend.xp.ascontiguousarray(x)
     return comm.allreduce(x)
 
 

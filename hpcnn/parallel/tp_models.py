@@ -14,7 +14,7 @@ so tp = 1 and tp = k start from identical weights.
 """
 from __future__ import annotations
 
-from hpcnn import backend as B
+from hpcnn import backend
 from hpcnn.nn import models
 from hpcnn.nn.chain import Chain
 from hpcnn.nn.conv import Conv2d
@@ -27,7 +27,7 @@ from hpcnn.parallel.tp_comm import check_divides
 
 def parallel_gpt(comm, vocab: int, block_size: int = 64, n_layers: int = 2, dim: int = 64,
                  n_heads: int = 4, *, sequence_parallel: bool = False, dropout: float = 0.0,
-                 seed: int = 0, dtype=B.DEFAULT_DTYPE):
+                 seed: int = 0, dtype=backend.DEFAULT_DTYPE):
     """:func:`hpcnn.nn.models.gpt` sharded over ``comm`` (the tp group): same blocks, names, keys.
 
     VocabParallelEmbedding -> ParallelTransformerBlocks -> LayerNorm (replicated) -> column-
@@ -55,7 +55,7 @@ def parallel_gpt(comm, vocab: int, block_size: int = 64, n_layers: int = 2, dim:
 
 
 def parallel_cnn(comm, in_ch: int = 1, image: int = 8, channels=(16, 32), hidden: int = 64,
-                 n_out: int = 10, *, pool: str = "max", seed: int = 0, dtype=B.DEFAULT_DTYPE):
+                 n_out: int = 10, *, pool: str = "max", seed: int = 0, dtype=backend.DEFAULT_DTYPE):
     """:func:`hpcnn.nn.models.cnn` with its convolutions channel-parallel over ``comm`` (tp).
 
     The serial chain is built (same checks, blocks, names and keys), then each Conv2d is replaced

@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 from hpcnn.log import read_run
 from hpcnn.nn import models
-from hpcnn.parallel import allreduce as AR
-from hpcnn.parallel import calibration as CAL
+from hpcnn.parallel import allreduce
+from hpcnn.parallel import calibration
 from hpcnn.parallel import shm
 from hpcnn.parallel.comm import CommStats, Communicator
 from hpcnn.parallel.data import DataParallel
@@ -26,10 +26,10 @@ world = MPI.COMM_WORLD
 r, p = world.Get_rank(), world.Get_size()
 tmp = sys.argv[1]
 FILE = os.path.join(tmp, "calibration.json")
-os.environ[CAL.ENV] = FILE
+os.environ[calibration.ENV] = FILE
 
 timed = []                                  # one list of sizes per calibrate call
-_calibrate = AR.calibrate
+_calibrate = allreduce.calibrate
 
 
 def counting_calibrate(comm, sizes=None, *args, **kw):
@@ -37,7 +37,7 @@ def counting_calibrate(comm, sizes=None, *args, **kw):
     return _calibrate(comm, sizes, *args, **kw)
 
 
-AR.calibrate = counting_calibrate
+allreduce.calibrate = counting_calibrate
 
 
 def fresh():
@@ -81,38 +81,38 @@ big = DataParallel(models.mlp(256, (600,), 10, seed=0), cb, bucket_mb=1.0, algor
                    overlap=False)
 n_big = [b.view.nbytes for b in big.buckets]
 assert len(n_big) == 1 and n_big[0] >= shm.ZERO_COPY_BYTES, n_big
-assert big.auto_sizes() == ([] if AR.single_node(cb) else n_big)
+assert big.auto_sizes() == ([] if allreduce.single_node(cb) else n_big)
 big.release()
 
 # -- no file: only the engine's sizes are timed, then saved ------------------------------------
-info = CAL.for_run(c, sizes, np.float64)
+info = calibration.for_run(c, sizes, np.float64)
 assert timed == [sizes], timed
 assert info["source"] == "measured" and info["measured"] == sizes and info["path"] == FILE, info
 same_everywhere(c.allreduce_table, "measured table")
 same_everywhere(info["choice"], "choice")
 assert sorted(info["choice"]) == sizes and c.allreduce_table["sizes"] == sizes
-key = CAL.key(c, np.float64)
+key = calibration.key(c, np.float64)
 doc = saved()
 assert doc["key"] == key and doc["sizes"] == sizes, doc
-assert list(doc["times"]) == key["algorithms"] == AR.available_algorithms(c)
+assert list(doc["times"]) == key["algorithms"] == allreduce.available_algorithms(c)
 first = c.allreduce_table
 x = (r + 1) * np.arange(1000.0)             # the measured table drives auto correctly
 c.allreduce(x, algorithm="auto")
 assert np.array_equal(x, p * (p + 1) / 2 * np.arange(1000.0))
 dp.release()
-AR.free(c)
+allreduce.free(c)
 
 # -- a saved file: loaded, nothing timed, the same decision -------------------------------------
 c = fresh()
-info = CAL.for_run(c, sizes, np.float64)
+info = calibration.for_run(c, sizes, np.float64)
 assert timed == [sizes] and info["source"] == "file" and info["measured"] == [], (timed, info)
 assert c.allreduce_table == first and info["notes"] == []
 same_everywhere(c.allreduce_table, "loaded table")
 # sizes within a factor of 2 of a saved one are covered; 1 MiB is not: timed alone, merged in
-info = CAL.for_run(c, [sizes[0] + 1, 2 * sizes[1], 1 << 20], np.float64)
+info = calibration.for_run(c, [sizes[0] + 1, 2 * sizes[1], 1 << 20], np.float64)
 assert timed[1:] == [[1 << 20]] and info["source"] == "file+measured", (timed, info)
 assert saved()["sizes"] == sizes + [1 << 20]
-AR.free(c)
+allreduce.free(c)
 
 # -- files to ignore, with one note, never a crash ----------------------------------------------
 bad_key = dict(key, ranks=p + 1)
@@ -122,38 +122,40 @@ for content, note in [("{not json", "unreadable"), ('{"format": "other"}', "not 
     write(content)
     c = fresh()
     n_timed = len(timed)
-    info = CAL.for_run(c, sizes, np.float64)
+    info = calibration.for_run(c, sizes, np.float64)
     assert len(timed) == n_timed + 1 and info["source"] == "measured", (content, info)
     if r == 0:
         assert len(info["notes"]) == 1 and note in info["notes"][0], (note, info["notes"])
-        assert "\n" not in info["notes"][0] and CAL.describe(info)[-1].endswith(info["notes"][0])
+        line = info["notes"][0]
+        assert "\n" not in line and calibration.describe(info)[-1].endswith(line)
     same_everywhere(c.allreduce_table["choice"], f"table after a bad file ({note})")
     assert saved()["key"] == key                            # replaced by a good one
-    AR.free(c)
+    allreduce.free(c)
 
 # -- HPCNN_CALIBRATION=off: measured, nothing read or written --------------------------------
 if r == 0:
     os.remove(FILE)
 world.Barrier()
-os.environ[CAL.ENV] = "off"
+os.environ[calibration.ENV] = "off"
 c = fresh()
-info = CAL.for_run(c, sizes, np.float64)
+info = calibration.for_run(c, sizes, np.float64)
 assert info["source"] == "measured" and info["path"] is None and not os.path.exists(FILE)
-assert "HPCNN_CALIBRATION=off" in CAL.describe(info)[0]
-AR.free(c)
-os.environ[CAL.ENV] = FILE
+assert "HPCNN_CALIBRATION=off" in calibration.describe(info)[0]
+allreduce.free(c)
+os.environ[calibration.ENV] = FILE
 
 # -- the key: dtype and the number of ranks change it -------------------------------------------
-assert CAL.key(c, np.float32) != key and CAL.key(c, np.float32)["dtype"] == "float32"
+key32 = calibration.key(c, np.float32)
+assert key32 != key and key32["dtype"] == "float32"
 sub = world.Split(0 if r == 0 else 1, r)
 cs = Communicator(sub, CommStats())
-ks = CAL.key(cs, np.float64)
+ks = calibration.key(cs, np.float64)
 assert ks["ranks"] == (1 if r == 0 else p - 1) and ks != key
-AR.free(cs)
+allreduce.free(cs)
 sub.Free()
-os.environ.pop(CAL.ENV)
-default = CAL.path_for(key)
-os.environ[CAL.ENV] = FILE
+os.environ.pop(calibration.ENV)
+default = calibration.path_for(key)
+os.environ[calibration.ENV] = FILE
 
 # -- a training run: the second one loads what the first measured -------------------------------
 from hpcnn.config import parse_overrides  # noqa: E402
@@ -179,7 +181,7 @@ assert got_b["path"] == FILE and got_a["choice"] == got_b["choice"]
 for qa, qb in zip(a["model"].params, b["model"].params):
     assert np.array_equal(qa.data, qb.data)
 
-AR.calibrate = _calibrate
+allreduce.calibrate = _calibrate
 if r == 0:
     print(f"key file {os.path.basename(default)}")
     print(f"calibration_cache OK on {p} ranks")

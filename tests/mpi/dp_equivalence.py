@@ -9,7 +9,7 @@ from the serial run by exactly (1/P) Σ g_i), a NaN on rank 1, and the replica c
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data as D
+from hpcnn import data
 from hpcnn.nn import models
 from hpcnn.nn.core import Parameter
 from hpcnn.nn.optim import SGD, AdamW
@@ -24,8 +24,8 @@ TOL = 1e-10
 TINY = 256 / 2 ** 20          # 32 float64 per bucket: cuts every weight matrix
 HUGE = 1e3                    # one bucket
 
-digits = D.digits()
-text = D.shakespeare(fallback=True)
+digits = data.digits()
+text = data.shakespeare(fallback=True)
 
 
 def unequal(total):
@@ -46,9 +46,9 @@ def make(kind):
 
 def batch(kind, step, total):
     if kind == "mlp":
-        idx = D.batch_indices(len(digits.y_train), total, step, seed=1)
+        idx = data.batch_indices(len(digits.y_train), total, step, seed=1)
         return digits.x_train[idx].astype(np.float64), digits.y_train[idx]
-    return D.text_batch(text.train, total, 16, step, seed=1)
+    return data.text_batch(text.train, total, 16, step, seed=1)
 
 
 def optimizer(name, model):

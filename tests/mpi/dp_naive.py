@@ -10,7 +10,7 @@ serial full-batch gradient to 1e-10. The naive engine makes exactly one allreduc
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data as D
+from hpcnn import data
 from hpcnn.nn import models
 from hpcnn.parallel.comm import CommStats, Communicator
 from hpcnn.parallel.data import DataParallel, dloss_for, shard
@@ -22,8 +22,8 @@ stats = CommStats()
 comm = Communicator(world, stats, name="dp")
 TINY = 256 / 2 ** 20          # 32 float64 per bucket: cuts every weight matrix
 
-digits = D.digits()
-text = D.shakespeare(fallback=True)
+digits = data.digits()
+text = data.shakespeare(fallback=True)
 
 
 def make(kind):
@@ -34,9 +34,9 @@ def make(kind):
 
 def batch(kind, total):
     if kind == "mlp":
-        idx = D.batch_indices(len(digits.y_train), total, 0, seed=1)
+        idx = data.batch_indices(len(digits.y_train), total, 0, seed=1)
         return digits.x_train[idx].astype(np.float64), digits.y_train[idx]
-    return D.text_batch(text.train, total, 16, 0, seed=1)
+    return data.text_batch(text.train, total, 16, 0, seed=1)
 
 
 def grads(model):

@@ -2,7 +2,7 @@
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.comm import SAMPLE_EVERY, SAMPLED_BELOW, CommStats, Communicator
 from hpcnn.parallel.grid import GridError, ProcessGrid, coords_of, rank_of
 
 world = MPI.COMM_WORLD
@@ -82,18 +82,17 @@ c.sendrecv(out, (r + 1) % p, got, (r - 1) % p)
 assert got[0] == (r - 1) % p
 
 # small library allreduces: calls and bytes exact, seconds sampled (one call in SAMPLE_EVERY timed)
-from hpcnn.parallel import comm as C  # noqa: E402
 s2 = CommStats()
 c2 = Communicator(world, s2)
 small = np.ones(16)
-for _ in range(2 * C.SAMPLE_EVERY):
+for _ in range(2 * SAMPLE_EVERY):
     c2.allreduce(small)
-assert s2.calls["allreduce"] == 2 * C.SAMPLE_EVERY
-assert s2.bytes["allreduce"] == 2 * C.SAMPLE_EVERY * 2 * (p - 1) * small.nbytes // p
+assert s2.calls["allreduce"] == 2 * SAMPLE_EVERY
+assert s2.bytes["allreduce"] == 2 * SAMPLE_EVERY * 2 * (p - 1) * small.nbytes // p
 assert s2.seconds["allreduce"] > 0.0
-big = np.ones(C.SAMPLED_BELOW // 8)                      # at the threshold: every call timed
+big = np.ones(SAMPLED_BELOW // 8)                      # at the threshold: every call timed
 c2.allreduce(big)
-assert s2.calls["allreduce"] == 2 * C.SAMPLE_EVERY + 1
+assert s2.calls["allreduce"] == 2 * SAMPLE_EVERY + 1
 
 if r == 0:
     print(f"grid_collectives OK on {p} ranks")

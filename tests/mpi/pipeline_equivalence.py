@@ -18,7 +18,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data as D
+from hpcnn import data
 from hpcnn.nn import models
 from hpcnn.nn.optim import SGD
 from hpcnn.parallel import pipeline, schedules
@@ -29,8 +29,8 @@ r, P = world.Get_rank(), world.Get_size()
 pp = Communicator(world, name="pp")
 TOL, STEPS, LR = 1e-10, 3, 0.05
 
-digits = D.digits()
-text = D.shakespeare(fallback=True)
+digits = data.digits()
+text = data.shakespeare(fallback=True)
 BATCH = {"mlp": 10, "gpt": 6}                  # 4 micro-batches: sizes 3,3,2,2 and 2,2,1,1
 LAYOUTS = {                                    # (one stage per rank, two stages per rank)
     ("mlp", 2): (["2|5", None], "1|3|2|1"),
@@ -51,9 +51,9 @@ def make(kind):
 
 def batch(kind, step):
     if kind == "mlp":
-        idx = D.batch_indices(len(digits.y_train), BATCH[kind], step, seed=1)
+        idx = data.batch_indices(len(digits.y_train), BATCH[kind], step, seed=1)
         return digits.x_train[idx].astype(np.float64), digits.y_train[idx]
-    return D.text_batch(text.train, BATCH[kind], 8, step, seed=1)
+    return data.text_batch(text.train, BATCH[kind], 8, step, seed=1)
 
 
 def serial(kind):

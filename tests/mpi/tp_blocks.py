@@ -16,7 +16,7 @@ from hpcnn.nn import models
 from hpcnn.nn.layers import Linear
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.transformer import CausalSelfAttention, Embedding, MLPBlock, TransformerBlock
-from hpcnn.parallel import tp_comm as TC
+from hpcnn.parallel import tp_comm
 from hpcnn.parallel.comm import CommStats, Communicator
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
                                    gather_params, replicated_sync_volume, sync_replicated_grads)
@@ -31,7 +31,7 @@ r, P = world.Get_rank(), world.Get_size()
 stats = CommStats()
 comm = Communicator(world, stats, name="tp")
 TOL = 1e-10
-Bn, T, C, NH, V, H = 2, 8, 16, 4, 32, 24      # T, NH, V, H divisible by 2 and 4
+B, T, C, NH, V, H = 2, 8, 16, 4, 32, 24      # T, NH, V, H divisible by 2 and 4
 F64 = np.float64
 
 
@@ -79,25 +79,26 @@ Xs = rand((2, 3 * P, 4), 3)                             # replicated, full seque
 dys = [rand((2, 3, 4 * P), 4, k) for k in range(P)]
 dys_seq = [rand((2, 3 * P, 4), 5, k) for k in range(P)]
 nb_last, nb_seq = X.nbytes, Xs.nbytes
-y, dx = counted(TC.Copy(comm), xs[r], dys[r], nb_last)
+y, dx = counted(tp_comm.Copy(comm), xs[r], dys[r], nb_last)
 close(y, xs[r], "copy fwd"), close(dx, sum(dys), "copy bwd")
-y, dx = counted(TC.Reduce(comm), dys[r], X, nb_last)
+y, dx = counted(tp_comm.Reduce(comm), dys[r], X, nb_last)
 close(y, sum(dys), "reduce fwd"), close(dx, X, "reduce bwd")
-y, dx = counted(TC.GatherLast(comm), xs[r], X, nb_last)
+y, dx = counted(tp_comm.GatherLast(comm), xs[r], X, nb_last)
 close(y, np.concatenate(xs, axis=-1), "gather-last fwd"), close(dx, last(X), "gather-last bwd")
-y, dx = counted(TC.SplitLast(comm), X, xs[r], nb_last)
+y, dx = counted(tp_comm.SplitLast(comm), X, xs[r], nb_last)
 close(y, last(X), "split-last fwd"), close(dx, np.concatenate(xs, -1), "split-last bwd")
-y, dx = counted(TC.AllGatherSeq(comm), xs[r], dys_seq[r], nb_seq)
+y, dx = counted(tp_comm.AllGatherSeq(comm), xs[r], dys_seq[r], nb_seq)
 close(y, np.concatenate(xs, axis=1), "all-gather-seq fwd")
 close(dx, seq(sum(dys_seq)), "all-gather-seq bwd")
-y, dx = counted(TC.ReduceScatterSeq(comm), dys_seq[r], xs[r], nb_seq)
+y, dx = counted(tp_comm.ReduceScatterSeq(comm), dys_seq[r], xs[r], nb_seq)
 close(y, seq(sum(dys_seq)), "reduce-scatter-seq fwd")
 close(dx, np.concatenate(xs, axis=1), "reduce-scatter-seq bwd")
 m = xs[r].copy()
 stats.reset()
-TC.allreduce_max(comm, m)
+tp_comm.allreduce_max(comm, m)
 close(m, np.max(xs, axis=0), "allreduce_max")
-assert stats.bytes_sent == TC.Volume(allreduce_max=m.nbytes).sent(P) == 2 * (P - 1) * m.nbytes // P
+sent = tp_comm.Volume(allreduce_max=m.nbytes).sent(P)
+assert stats.bytes_sent == sent == 2 * (P - 1) * m.nbytes // P
 
 
 # -- every block against its serial twin -----------------------------------------------------------
@@ -140,10 +141,10 @@ def compare(par, ser, x, dy, x_in, y_out, what):
     return sent
 
 
-x = rand((Bn, T, C), 10)
-dyC = rand((Bn, T, C), 11)
-dyH = rand((Bn, T, H), 12)
-xH = rand((Bn, T, H), 13)
+x = rand((B, T, C), 10)
+dyC = rand((B, T, C), 11)
+dyH = rand((B, T, H), 12)
+xH = rand((B, T, H), 13)
 kw = dict(seed=4, dtype=F64)
 for sp in (False, True):
     x_in = seq if sp else full
@@ -163,15 +164,15 @@ for sp in (False, True):
                    x, dyC, x_in, x_in, f"transformer block sp={sp}")
     nb = x.nbytes                                     # two allreduces of (B, T, C) each way
     assert sent == (4 * 2 * (P - 1) * nb // P), (sp, sent)
-    tokens = np.random.default_rng([8, 1]).integers(0, V, (Bn, T))
+    tokens = np.random.default_rng([8, 1]).integers(0, V, (B, T))
     compare(VocabParallelEmbedding(comm, V, C, T, sequence_parallel=sp, index=6, **kw),
             Embedding(V, C, T, index=6, **kw), tokens, dyC, full, x_in, f"embedding sp={sp}")
 compare(ColumnParallelLinear(comm, C, H, gather_output=True, index=1, name="lin", **kw),
         Linear(C, H, index=1, name="lin", **kw), x, dyH, full, full, "column gather_output")
 
 # -- the loss: never gathered, equal to the serial one ---------------------------------------------
-z = rand((Bn, T, V), 20) * 30.0                       # large logits: the max matters
-tgt = np.random.default_rng([8, 2]).integers(0, V, (Bn, T))
+z = rand((B, T, V), 20) * 30.0                       # large logits: the max matters
+tgt = np.random.default_rng([8, 2]).integers(0, V, (B, T))
 tgt[0, :3] = -100
 for reduction in ("mean", "sum"):
     ser = SoftmaxCrossEntropy(reduction=reduction)
@@ -266,10 +267,10 @@ if P > 1:
         (lambda: VocabParallelEmbedding(comm, V, C, T, sequence_parallel=True).forward(
             np.zeros((1, P + 1), dtype=int)),
          f"embed: sequence length ({P + 1}) is not divisible by tp ({P})"),
-        (lambda: TC.ReduceScatterSeq(comm).forward(rand((1, P + 1, 2), 0)),
+        (lambda: tp_comm.ReduceScatterSeq(comm).forward(rand((1, P + 1, 2), 0)),
          f"reduce-scatter: size of dimension 1 in (1, {P + 1}, 2) ({P + 1}) is not divisible "
          f"by tp ({P})"),
-        (lambda: TC.SplitLast(comm).forward(rand((2, 2 * P + 1), 0)),
+        (lambda: tp_comm.SplitLast(comm).forward(rand((2, 2 * P + 1), 0)),
          f"split: size of dimension 1 in (2, {2 * P + 1}) ({2 * P + 1}) is not divisible "
          f"by tp ({P})"),
     ]

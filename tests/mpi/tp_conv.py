@@ -12,7 +12,7 @@ not divide.
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data as D
+from hpcnn import data
 from hpcnn.nn import models
 from hpcnn.nn.conv import Conv2d
 from hpcnn.parallel.comm import CommStats, Communicator
@@ -76,11 +76,11 @@ for i, (k, s, pad, bias) in enumerate([(3, 1, 1, True), (3, 2, 0, True), (2, 2, 
 
 
 # -- parallel_cnn: SGD steps on digits against the serial cnn --------------------------------------
-digits = world.bcast(D.digits(image=True) if r == 0 else None, root=0)   # sklearn once
+digits = world.bcast(data.digits(image=True) if r == 0 else None, root=0)   # sklearn once
 
 
 def batch(step, n=32):
-    idx = D.batch_indices(len(digits.y_train), n, step, seed=1)
+    idx = data.batch_indices(len(digits.y_train), n, step, seed=1)
     return digits.x_train[idx].astype(F64), digits.y_train[idx]
 
 

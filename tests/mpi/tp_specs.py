@@ -26,14 +26,14 @@ from cachecheck import block_kinds, grads_accumulate, spec_matches_cache  # noqa
 world = MPI.COMM_WORLD
 r, P = world.Get_rank(), world.Get_size()
 comm = Communicator(world, CommStats(), name="tp")
-Bn, T, C, NH, V, H = 2, 8, 16, 4, 32, 24
+B, T, C, NH, V, H = 2, 8, 16, 4, 32, 24
 kw = dict(seed=4, dtype=np.float64)
 rng = np.random.default_rng(3)
-full = rng.standard_normal((Bn, T, C))
+full = rng.standard_normal((B, T, C))
 local = full[:, :T // P].copy()                       # a sequence slice (sp)
-wide = rng.standard_normal((Bn, T, H // P))           # a column-parallel output
-logits = rng.standard_normal((Bn, T, V // P))         # this rank's vocabulary columns
-targets = rng.integers(0, V, (Bn, T))
+wide = rng.standard_normal((B, T, H // P))           # a column-parallel output
+logits = rng.standard_normal((B, T, V // P))         # this rank's vocabulary columns
+targets = rng.integers(0, V, (B, T))
 targets[0, :3] = -100                                 # ignored rows
 img = rng.standard_normal((2, 3, 8, 8))
 failures, covered = [], set()
@@ -59,7 +59,7 @@ for sp in (False, True):
         (ParallelCausalSelfAttention(comm, C, NH, dropout=0.2, sequence_parallel=sp, **kw), xs),
         (ParallelTransformerBlock(comm, C, NH, dropout=0.2, sequence_parallel=sp, **kw), xs),
         (VocabParallelEmbedding(comm, V, C, T, sequence_parallel=sp, **kw),
-         np.random.default_rng(5).integers(0, V, (Bn, T))),
+         np.random.default_rng(5).integers(0, V, (B, T))),
         (replicated_layernorm(C, sequence_parallel=sp, dtype=np.float64), xs),
     ]
     if sp:

@@ -58,8 +58,8 @@ for name, args in cases:
     world.Barrier()
 if dp == 2 and pp == 1:      # measured shares move: the budget must fit the largest one
     from hpcnn.config import ConfigError
-    from hpcnn.memory import profile as P, rotor
-    prof = P.of_chain(serial["model"], (4, 8), need_dx=False)      # the equal share, 4 of 8
+    from hpcnn.memory import profile, rotor
+    prof = profile.of_chain(serial["model"], (4, 8), need_dx=False)      # the equal share, 4 of 8
     tight = 1.02 * rotor.Solver(prof, 500).least / 2 ** 20
     train(cfg("equal-tight.h5", *layout, "--remat=optimal", f"--memory_budget={tight}"),
           comm=world)                                   # fits the equal share
