@@ -67,7 +67,7 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
 def _stage_errors(cfg: TrainConfig, data) -> list[str]:
     """pp > 1: the stages must cut the model's blocks (shapes only: no parameter is stored)."""
     from hpcnn.nn.core import materialize_only
-    from hpcnn.train import build_task
+    from hpcnn.task import build_task
     try:
         with materialize_only(()):
             model = build_task(cfg, None, data=data).model

@@ -1,0 +1,139 @@
+"""What a run trains on: the data, the model built from the config, and how to draw and score batches.
+
+:func:`build_task` loads the data set a resolved :class:`~hpcnn.config.TrainConfig` names and builds
+its model (sharded over a tensor-parallel communicator when given); :class:`Task` draws a step's
+global batch (a pure function of seed and step) and scores the held-out data. The training loop
+(:mod:`hpcnn.train`) and the start-up checks (:mod:`hpcnn.preflight`) both build through here::
+
+    task = build_task(parse_overrides(["--model=mlp"]).resolved())
+    x, y = task.global_batch(0)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy
+
+from hpcnn import backend
+from hpcnn import data as datasets
+from hpcnn.config import TrainConfig
+from hpcnn.nn import models
+
+TEXT_DEFAULT_STEPS = 1000
+VAL_SEED = 2**31 - 1          # validation windows are the same for every run
+
+
+@dataclass
+class Task:
+    """What a run trains on: the data, the model, and how to draw and score batches."""
+
+    cfg: TrainConfig
+    data: object
+    model: object
+    steps: int
+    remat: object = None              # a RematPolicy when --remat is not none
+
+    @property
+    def is_text(self) -> bool:
+        return isinstance(self.data, datasets.TextData)
+
+    def global_batch(self, step: int):
+        """Host arrays (x, y) of the whole global batch of ``step`` (rows = samples/sequences)."""
+        c = self.cfg
+        if self.is_text:
+            return datasets.text_batch(self.data.train, c.batch_size, c.block_size, step, c.seed)
+        idx = datasets.batch_indices(len(self.data.y_train), c.batch_size, step, c.seed)
+        if c.shard == "skewed":       # class-skewed shards: neighbouring ranks see different classes
+            idx = idx[numpy.argsort(self.data.y_train[idx], kind="stable")]
+        return self.data.x_train[idx], self.data.y_train[idx]
+
+    def micro_shape(self) -> tuple:
+        """Input shape of one pipeline micro-batch (for the stage partition by cost)."""
+        c = self.cfg
+        n = max(1, c.batch_size // (c.dp * c.microbatches))
+        return (n, c.block_size) if self.is_text else (n,) + tuple(self.data.x_train.shape[1:])
+
+    def _logits(self, x, par=None, batch_size=None):
+        """Eval-mode outputs of the whole chain (through the pipeline when pp > 1, where only
+        the last stage's rank gets them: None elsewhere)."""
+        if par is None or par.local is None:
+            return self.model.predict(x, batch_size=batch_size)
+        from hpcnn.parallel.pipeline import forward_only
+        self.model.eval()
+        try:
+            return forward_only(self.model, par.ranges, par.pp, x, owner=par.owner)
+        finally:
+            self.model.train()
+
+    def to_device(self, x, y):
+        dtype = None if self.is_text else self.cfg.dtype
+        return backend.asarray(x, dtype=dtype), backend.asarray(y)
+
+    def eval_sums(self, rank: int = 0, size: int = 1, par=None) -> numpy.ndarray:
+        """[loss sum, correct, count] over this data-parallel rank's 1/size share of the
+        held-out data (with pp > 1: computed on the last stage, broadcast over the pipeline)."""
+        m, c = self.model, self.cfg
+        tot = numpy.zeros(3)
+        if self.is_text:
+            for i in range(rank, c.eval_batches, size):
+                x, y = datasets.text_batch(self.data.val, c.batch_size, c.block_size, i, VAL_SEED)
+                logits = self._logits(backend.asarray(x), par)
+                if logits is not None:
+                    tot += [m.loss.forward(logits, backend.asarray(y))[0] * y.size, 0.0, y.size]
+        else:
+            part = numpy.array_split(numpy.arange(len(self.data.y_test)), size)[rank]
+            if len(part):
+                x, y = self.to_device(self.data.x_test[part], self.data.y_test[part])
+                logits = self._logits(x, par, batch_size=512)
+                if logits is not None:
+                    correct = float(backend.to_host((logits.argmax(axis=-1) == y).sum()))
+                    tot += [m.loss.forward(logits, y)[0] * len(part), correct, len(part)]
+        if par is not None and par.local is not None:
+            par.pp.bcast(tot, root=par.owner[-1])
+        return tot
+
+
+def metrics_from_sums(sums, is_text: bool) -> dict:
+    loss = float(sums[0] / max(sums[2], 1))
+    return {"val_loss": loss} if is_text else {"test_loss": loss, "test_acc": float(sums[1] / sums[2])}
+
+
+def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
+    """The GPT vocabulary rounded up to a multiple of ``pad_vocab`` (0: of tp), as Megatron-LM
+    pads it so that vocab-parallel shards are equal; the extra ids never occur in the data."""
+    m = cfg.pad_vocab or cfg.tp
+    return -(-vocab // m) * m
+
+
+def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
+    """Load the data (unless given) and build the model named by a resolved config (sharded
+    over ``tp_comm``)."""
+    dtype = backend.dtype_of(cfg.dtype)
+    tp = tp_comm is not None and tp_comm.size > 1
+    if cfg.dataset == "digits":
+        data = data or datasets.digits(image=cfg.model == "cnn")
+        if cfg.model == "mlp":
+            model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed, dtype=dtype)
+        elif tp:
+            from hpcnn.parallel.tp_models import parallel_cnn
+            model = parallel_cnn(tp_comm, 1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
+        else:
+            model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
+        spe = datasets.steps_per_epoch(len(data.y_train), cfg.batch_size)
+        return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
+    data = data or datasets.shakespeare(max_plays=cfg.max_plays or None,
+                                        fallback=cfg.dataset == "sonnet")
+    vocab = padded_vocab(data.vocab, cfg)
+    if tp:
+        from hpcnn.parallel.tp_models import parallel_gpt
+        model = parallel_gpt(tp_comm, vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
+                             sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout,
+                             seed=cfg.seed, dtype=dtype)
+    else:
+        model = models.gpt(vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
+                           dropout=cfg.dropout, seed=cfg.seed, dtype=dtype)
+        if cfg.half_layers:
+            from hpcnn.nn.residual import split_layers
+            model = split_layers(model)
+    return Task(cfg, data, model, cfg.steps or TEXT_DEFAULT_STEPS)
