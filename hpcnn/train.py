@@ -197,6 +197,88 @@ def _build_for(cfg: TrainConfig, par, data=None) -> Task:
         return build_task(cfg, par.tp, data=shapes.data)
 
 
+def _resume(cfg, comm, par, task, params, opt) -> int:
+    """Restore ``--resume`` on every rank; returns the step to start from. A rank that cannot
+    read the file (a file system not shared) must not leave the others waiting: every rank
+    learns every rank's error and all stop with the first, naming the ranks concerned."""
+    err, start = "", 0
+    try:
+        start = checkpoint.restore(cfg.resume, cfg, task.model, params, opt, par,
+                                   steps=task.steps)
+    except ValueError as e:
+        err = str(e)
+    errs = comm.allgather(err) if comm is not None else [err]
+    if any(errs):
+        if par is not None:
+            par.free()
+        if task.remat is not None:
+            task.remat.close()
+        first = next(e for e in errs if e)
+        where = [r for r, e in enumerate(errs) if e]
+        raise ConfigError(first if len(where) == len(errs) else
+                          f"{first} (on rank(s) {where} of {len(errs)})")
+    return start
+
+
+def _open_log(cfg, comm, par, task, start: int, command_line):
+    """Rank 0's run log: the run's attributes, its config and its plan (layout, schedule,
+    memory, allreduce, where it resumed from)."""
+    from hpcnn.log import RunLog
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)
+    extra = {"model_params": whole_model_params(task.model, cfg.tp), "dataset_name": task.data.name}
+    if task.is_text:
+        extra["unigram_entropy_nats"] = task.data.unigram_entropy()
+    if par is not None and any(f != 1.0 for f in par.factors):
+        extra["emulated_slowdown"] = ",".join(f"{f:g}" for f in par.factors)
+        extra["emulated_slowdown_mode"] = cfg.slowdown_mode
+    log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
+                 world_size=comm.Get_size() if comm is not None else 1, backend=backend.device,
+                 mpi_library=library_version() if comm is not None else "",
+                 extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
+    log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+                  "schedule": cfg.schedule if cfg.pp > 1 else "none",
+                  "microbatches": cfg.microbatches, "virtual": cfg.virtual,
+                  "stages": [list(r) for r in par.ranges] if par is not None and par.local is not None else [],
+                  "sequence_parallel": cfg.sequence_parallel,
+                  "remat": cfg.remat, "memory_budget_bytes": cfg.memory_budget * 2**20,
+                  "offload_gbps": cfg.offload_gbps, "grad_accum": cfg.grad_accum, "balance": cfg.balance,
+                  "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
+                  "overlap": cfg.overlap, "allreduce_calibration": par.calibration if par else None,
+                  "resumed_from": cfg.resume, "start_step": start})
+    return log
+
+
+def _flush_ranks(comm, par, log, rows, events) -> None:
+    """Every rank's per-step rows and timeline events to rank 0's log (small metadata: one
+    pickled gather per log interval)."""
+    if par is not None and par.size > 1:
+        gathered = comm.gather((rows, events), root=0)
+        if log is not None:
+            rows = [r for part, _ in gathered for r in part]
+            events = [e for _, evs in gathered for e in evs]
+    if log is not None:
+        _log_ranks_events(log, rows, events)
+
+
+def _record_memory(comm, par, task, log) -> None:
+    """At the end of a run: pipeline ranks' peak live activations and parameter bytes, and the
+    remat plans with their predicted and measured peaks and recompute time, into the log."""
+    if par is not None and par.local is not None:
+        held = sum(int(q.data.nbytes) for q in task.model.params if not is_placeholder(q.data))
+        peaks = comm.gather((int(getattr(par, "peak_stage_bytes", 0)), held), root=0)
+        if log is not None:
+            log.set_plan({"peak_activation_bytes_per_rank": [a for a, _ in peaks],
+                          "param_bytes_per_rank": [b for _, b in peaks]})
+    if task.remat is not None:
+        rec = (task.remat.records, task.remat.measured_peak, task.remat.recompute_seconds)
+        recs = comm.gather(rec, root=0) if comm is not None else [rec]
+        if log is not None:
+            log.set_plan({"remat_plans": [dict(r, rank=k) for k, (rs, _, _) in enumerate(recs)
+                                          for r in rs],
+                          "remat_measured_peak_bytes_per_rank": [m for _, m, _ in recs],
+                          "remat_recompute_s_per_rank": [t for _, _, t in recs]})
+
+
 def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=None) -> dict:
     """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path, the model).
 
@@ -206,7 +288,6 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     names, already loaded.
     """
     from hpcnn import preflight
-    from hpcnn.log import RunLog
     cfg = cfg.resolved()
     world_size = comm.Get_size() if comm is not None else 1
     data = preflight.check(cfg, world_size, data)    # options, ranks, data, model: no collective
@@ -237,47 +318,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     own = par.local if par is not None and par.local is not None else model
     opt = make_optimizer(cfg.optimizer, own.params, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay)
-    start = 0
-    if cfg.resume:                   # every rank reads the file; one that cannot (a file system
-        err = ""                     # not shared) must not leave the others waiting
-        try:
-            start = checkpoint.restore(cfg.resume, cfg, model, own.params, opt, par,
-                                       steps=task.steps)
-        except ValueError as e:
-            err = str(e)
-        errs = comm.allgather(err) if comm is not None else [err]
-        if any(errs):
-            if par is not None:
-                par.free()
-            if task.remat is not None:
-                task.remat.close()
-            first = next(e for e in errs if e)
-            where = [r for r, e in enumerate(errs) if e]
-            raise ConfigError(first if len(where) == len(errs) else
-                              f"{first} (on rank(s) {where} of {len(errs)})")
-    log = None
-    if rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)
-        extra = {"model_params": whole_model_params(model, cfg.tp), "dataset_name": task.data.name}
-        if task.is_text:
-            extra["unigram_entropy_nats"] = task.data.unigram_entropy()
-        if par is not None and any(f != 1.0 for f in par.factors):
-            extra["emulated_slowdown"] = ",".join(f"{f:g}" for f in par.factors)
-            extra["emulated_slowdown_mode"] = cfg.slowdown_mode
-        log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
-                     world_size=world_size, backend=backend.device,
-                     mpi_library=library_version() if comm is not None else "",
-                     extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
-        log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
-                      "schedule": cfg.schedule if cfg.pp > 1 else "none",
-                      "microbatches": cfg.microbatches, "virtual": cfg.virtual,
-                      "stages": [list(r) for r in par.ranges] if par is not None and par.local is not None else [],
-                      "sequence_parallel": cfg.sequence_parallel,
-                      "remat": cfg.remat, "memory_budget_bytes": cfg.memory_budget * 2**20,
-                      "offload_gbps": cfg.offload_gbps, "grad_accum": cfg.grad_accum, "balance": cfg.balance,
-                      "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
-                      "overlap": cfg.overlap, "allreduce_calibration": par.calibration if par else None,
-                      "resumed_from": cfg.resume, "start_step": start})
+    start = _resume(cfg, comm, par, task, own.params, opt) if cfg.resume else 0
+    log = _open_log(cfg, comm, par, task, start, command_line) if rank == 0 else None
     say = (lambda s: print(s, flush=True)) if (rank == 0 and cfg.progress) else (lambda s: None)
     say(run_header(cfg, model, task, world_size, start))
     t_start = time.perf_counter()
@@ -295,21 +337,11 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
                 checkpoint.save(cfg.checkpoint.replace("{step}", str(done)), done, cfg,
                                 own.params, opt, par, comm)
             if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
-                sums = task.eval_sums(par.rank, par.size, par) if par else task.eval_sums()
-                if par is not None:
-                    sums = par.comm.allreduce_scalars(sums)
-                row.update(metrics_from_sums(sums, task.is_text))
-                model.train()
+                row.update(_evaluate(task, par))
             last = dict(row, step=step)
             flush = done % cfg.log_interval == 0 or done == task.steps
             if flush:          # per-rank rows and events reach rank 0 once per log interval
-                if par is not None and par.size > 1:      # small metadata: a pickled gather
-                    gathered = comm.gather((pending_rows, pending_events), root=0)
-                    if rank == 0:
-                        pending_rows = [r for rows, _ in gathered for r in rows]
-                        pending_events = [e for _, evs in gathered for e in evs]
-                if log is not None:
-                    _log_ranks_events(log, pending_rows, pending_events)
+                _flush_ranks(comm, par, log, pending_rows, pending_events)
                 pending_rows, pending_events = [], []
             if log is not None:
                 log.log_metrics(step, **row)
@@ -318,20 +350,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
                                 if k in ("test_acc", "test_loss", "val_loss"))
                 say(_progress(done, task.steps, row["loss"], row["samples_per_s"],
                               time.perf_counter() - t_start) + extra)
-        if par is not None and par.local is not None:   # pipeline: peak live activations
-            held = sum(int(q.data.nbytes) for q in model.params if not is_placeholder(q.data))
-            peaks = comm.gather((int(getattr(par, "peak_stage_bytes", 0)), held), root=0)
-            if log is not None:
-                log.set_plan({"peak_activation_bytes_per_rank": [a for a, _ in peaks],
-                              "param_bytes_per_rank": [b for _, b in peaks]})
-        if task.remat is not None:                      # sequences, predicted and measured peaks
-            rec = (task.remat.records, task.remat.measured_peak, task.remat.recompute_seconds)
-            recs = comm.gather(rec, root=0) if comm is not None else [rec]
-            if log is not None:
-                log.set_plan({"remat_plans": [dict(r, rank=k) for k, (rs, _, _) in enumerate(recs)
-                                              for r in rs],
-                              "remat_measured_peak_bytes_per_rank": [m for _, m, _ in recs],
-                              "remat_recompute_s_per_rank": [t for _, _, t in recs]})
+        _record_memory(comm, par, task, log)
         status = "finished"
     finally:
         if log is not None:
@@ -343,9 +362,25 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
             par.free()
         if task.remat is not None:
             task.remat.close()
+    return _summary(cfg, par, task, opt, last, time.perf_counter() - t_start)
+
+
+def _evaluate(task, par) -> dict:
+    """Held-out metrics, each data-parallel rank scoring its share; the model back in training
+    mode after."""
+    sums = task.eval_sums(par.rank, par.size, par) if par else task.eval_sums()
+    if par is not None:
+        sums = par.comm.allreduce_scalars(sums)
+    task.model.train()
+    return metrics_from_sums(sums, task.is_text)
+
+
+def _summary(cfg, par, task, opt, last: dict, wall_s: float) -> dict:
+    """What :func:`train` returns: the last step's metrics, the run's size and wall time, the
+    model and this rank's parameter names, the final shares and the remat records."""
     out = dict(last)
-    out.update(steps=task.steps, log=cfg.log, wall_s=time.perf_counter() - t_start,
-               params=model.num_params(), model=model,
+    out.update(steps=task.steps, log=cfg.log, wall_s=wall_s,
+               params=task.model.num_params(), model=task.model,
                local_params=[q.name for q in opt.params],   # this rank's (pipeline stages')
                shares=par.balancer.shares.tolist() if par is not None else [cfg.batch_size])
     if task.is_text:
