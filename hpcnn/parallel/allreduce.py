@@ -59,7 +59,7 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.parallel import shm
-from hpcnn.parallel.comm import Request, _cuda_aware, _mpi, host_buffers
+from hpcnn.parallel.mpi_base import Request, _cuda_aware, _mpi, host_buffers
 from hpcnn.parallel.ring import (ISEGMENT_BYTES, SEGMENT_BYTES, WINDOW, RingRequest, flat_view, rd,
                                  split, state)
 

@@ -29,7 +29,7 @@ import os
 
 import numpy
 
-from hpcnn.parallel.comm import _mpi
+from hpcnn.parallel.mpi_base import _mpi
 from hpcnn.parallel.ring import split, state
 
 CHUNK_BYTES = 256 << 10      # summed and pushed chunk by chunk (measured: 64 KiB-1 MiB)

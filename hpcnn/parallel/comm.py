@@ -24,88 +24,20 @@ and the sampling of small calls' seconds: :mod:`hpcnn.parallel.stats`.
 """
 from __future__ import annotations
 
-import os
 import time
-from contextlib import contextmanager
 
 import numpy
 
 from hpcnn import backend
+from hpcnn.parallel import allreduce as algorithms     # the algorithms behind allreduce(...)
+from hpcnn.parallel.mpi_base import Request, _cuda_aware, _mpi, host_buffers  # noqa: F401
 from hpcnn.parallel.stats import SAMPLE_EVERY, SAMPLED_BELOW, CommStats, _c_lean
 
 _perf = time.perf_counter
 _ndarray = numpy.ndarray
-_MPI = None                 # mpi4py.MPI once imported (never at import: docs/architecture.md)
-_ALLREDUCE = None           # hpcnn.parallel.allreduce once imported (it imports this module)
-
-
-def _mpi():
-    global _MPI
-    if _MPI is None:
-        from mpi4py import MPI
-        _MPI = MPI
-    return _MPI
-
-
 def library_version() -> str:
     """The first line of the MPI library's version string (what the run log records)."""
     return _mpi().Get_library_version().splitlines()[0].strip()
-
-
-def _algorithms():
-    global _ALLREDUCE
-    if _ALLREDUCE is None:
-        from hpcnn.parallel import allreduce
-        _ALLREDUCE = allreduce
-    return _ALLREDUCE
-
-
-def _cuda_aware() -> bool:
-    return os.environ.get("HPCNN_CUDA_AWARE", "0") not in ("", "0", "false")
-
-
-@contextmanager
-def host_buffers(*arrays, writeback=()):
-    """Yield buffers MPI can read: the arrays themselves on NumPy or CUDA-aware MPI, else host
-    copies; arrays whose index is in ``writeback`` are copied back to the device afterwards."""
-    backend.sync()
-    if backend.xp is numpy or _cuda_aware():
-        yield arrays
-        return
-    # CuPy without CUDA-aware MPI
-    hosts = tuple(backend.to_host(a) for a in arrays)  # pragma: no cover
-    yield hosts  # pragma: no cover
-    for i in writeback:  # pragma: no cover
-        arrays[i][...] = backend.to_device(hosts[i])
-
-
-class Request:
-    """A pending non-blocking operation; ``wait()`` completes it and records its time."""
-
-    def __init__(self, reqs, stats, op, nbytes, t0, on_done=None):
-        self._reqs, self._counter, self._nbytes = reqs, stats.counter(op), nbytes
-        self._on_done, self.done, self.wait_seconds = on_done, False, 0.0
-
-    def test(self) -> bool:
-        if not self.done and (_MPI or _mpi()).Request.Testall(self._reqs):
-            self._finish(0.0)
-        return self.done
-
-    def wait(self) -> None:
-        if not self.done:
-            t = _perf()
-            _mpi().Request.Waitall(self._reqs)
-            self._finish(_perf() - t)
-
-    def _finish(self, waited):
-        self.done, self.wait_seconds = True, waited
-        # seconds counted: time blocked in wait (the non-hidden part), bytes: the whole message
-        c = self._counter
-        c.calls += 1
-        c.raw += self._nbytes
-        c.seconds += waited
-        if self._on_done is not None:
-            self._on_done()
 
 
 class _LeanRequest(Request):
@@ -243,7 +175,7 @@ class Communicator:
         if self.size == 1:
             return buf
         t = _perf()
-        _algorithms().allreduce(self, buf, algorithm)  # resolves auto, rejects unknown names
+        algorithms.allreduce(self, buf, algorithm)  # resolves auto, rejects unknown names
         c = self._ar
         c.seconds += _perf() - t
         c.calls += 1
@@ -262,7 +194,7 @@ class Communicator:
                 return _LeanRequest(self._Iallreduce(self._IN_PLACE, buf, self._SUM), self._iar,
                                     n, on_done)
         if self.size > 1 and algorithm != "mpi":
-            return _algorithms().iallreduce(self, buf, algorithm, on_done)
+            return algorithms.iallreduce(self, buf, algorithm, on_done)
         r = Request([], self._stats, "iallreduce", 0, _perf(), on_done)
         backend.sync()
         # one rank, or CuPy without CUDA-aware MPI (staged through the host): blocking
@@ -270,7 +202,8 @@ class Communicator:
             self.allreduce(buf)
             r._finish(0.0)
             return r
-        r._reqs = [self.comm.Iallreduce(_MPI.IN_PLACE, buf, op=_MPI.SUM)]
+        MPI = _mpi()
+        r._reqs = [self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)]
         r._nbytes = 2 * (self.size - 1) * buf.nbytes // self.size
         return r
 
@@ -278,7 +211,7 @@ class Communicator:
         """A zero-filled array that ``allreduce``/``iallreduce`` with ``shm`` (or ``auto``)
         reduce in place without copying it in: in shared memory when all ranks are on one node,
         else a plain array (see :func:`hpcnn.parallel.allreduce.shared_zeros`). Collective."""
-        return _algorithms().shared_zeros(self, shape, dtype)
+        return algorithms.shared_zeros(self, shape, dtype)
 
     def allreduce_scalars(self, values, op: str = "sum") -> numpy.ndarray:
         """Reduce a few float64 numbers (loss, norms, counts) over all ranks: sum, max or min."""

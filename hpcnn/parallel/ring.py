@@ -14,7 +14,7 @@ from collections import deque
 import numpy
 
 from hpcnn import backend
-from hpcnn.parallel.comm import Request, _mpi
+from hpcnn.parallel.mpi_base import Request, _mpi
 
 SEGMENT_BYTES = 1 << 20     # ring segment: 2 x 1 MiB of scratch stay in L2 (4 MiB); 256 KiB was slower
 ISEGMENT_BYTES = 8 << 20    # non-blocking ring: a test() call completes about one segment

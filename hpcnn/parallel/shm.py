@@ -53,7 +53,7 @@ from collections import deque
 
 import numpy
 
-from hpcnn.parallel.comm import Request, _mpi
+from hpcnn.parallel.mpi_base import Request, _mpi
 from hpcnn.parallel.ring import split, state
 
 PIECE_BYTES = 1 << 20       # per piece of a private buffer; the node's window is 2 pieces per rank

@@ -1,0 +1,76 @@
+"""What every collective module needs from MPI, below the Communicator and the algorithms.
+
+The lazily imported ``mpi4py.MPI`` (never at import: docs/architecture.md), host staging of device
+buffers for an MPI that cannot read GPU memory, and :class:`Request`, a pending non-blocking
+operation that counts its bytes and the time spent waiting for it. :mod:`.comm` (the Communicator)
+and the algorithms it dispatches to (:mod:`.allreduce`, :mod:`.ring`, :mod:`.shm`, :mod:`.cma`)
+all build on this module, so the algorithms need not import the Communicator's module back.
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+import numpy
+
+from hpcnn import backend
+
+_perf = time.perf_counter
+_MPI = None                 # mpi4py.MPI once imported (never at import: docs/architecture.md)
+
+
+def _mpi():
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+        _MPI = MPI
+    return _MPI
+
+
+def _cuda_aware() -> bool:
+    return os.environ.get("HPCNN_CUDA_AWARE", "0") not in ("", "0", "false")
+
+
+@contextmanager
+def host_buffers(*arrays, writeback=()):
+    """Yield buffers MPI can read: the arrays themselves on NumPy or CUDA-aware MPI, else host
+    copies; arrays whose index is in ``writeback`` are copied back to the device afterwards."""
+    backend.sync()
+    if backend.xp is numpy or _cuda_aware():
+        yield arrays
+        return
+    # CuPy without CUDA-aware MPI
+    hosts = tuple(backend.to_host(a) for a in arrays)  # pragma: no cover
+    yield hosts  # pragma: no cover
+    for i in writeback:  # pragma: no cover
+        arrays[i][...] = backend.to_device(hosts[i])
+
+
+class Request:
+    """A pending non-blocking operation; ``wait()`` completes it and records its time."""
+
+    def __init__(self, reqs, stats, op, nbytes, t0, on_done=None):
+        self._reqs, self._counter, self._nbytes = reqs, stats.counter(op), nbytes
+        self._on_done, self.done, self.wait_seconds = on_done, False, 0.0
+
+    def test(self) -> bool:
+        if not self.done and (_MPI or _mpi()).Request.Testall(self._reqs):
+            self._finish(0.0)
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            t = _perf()
+            _mpi().Request.Waitall(self._reqs)
+            self._finish(_perf() - t)
+
+    def _finish(self, waited):
+        self.done, self.wait_seconds = True, waited
+        # seconds counted: time blocked in wait (the non-hidden part), bytes: the whole message
+        c = self._counter
+        c.calls += 1
+        c.raw += self._nbytes
+        c.seconds += waited
+        if self._on_done is not None:
+            self._on_done()
