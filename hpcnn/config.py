@@ -241,37 +241,9 @@ def combination_errors(c: TrainConfig) -> list[str]:
     need(not c.min_lr > c.lr, f"min_lr={c.min_lr} > lr={c.lr}: the decay ends below the peak")
     if c.model == "gpt" and c.n_heads >= 1:
         need(c.dim % c.n_heads == 0, f"dim={c.dim} is not divisible by n_heads={c.n_heads}")
-    # -- tensor parallelism: what the shards need --
-    need(not (c.tp > 1 and c.model == "mlp"),
-         f"tp={c.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
-    if c.tp > 1 and c.model == "gpt":
-        need(c.n_heads % c.tp == 0, f"n_heads={c.n_heads} with tp={c.tp}: attention heads "
-                                    f"({c.n_heads}) is not divisible by tp ({c.tp})")
-        need(c.pad_vocab % c.tp == 0, f"pad_vocab={c.pad_vocab} is not a multiple of tp={c.tp} "
-                                      f"(the vocabulary is split over tp)")
-        need(not c.sequence_parallel or c.block_size % c.tp == 0,
-             f"sequence_parallel with block_size={c.block_size} not divisible by tp={c.tp}")
-    if c.tp > 1 and c.model == "cnn":
-        need(all(ch % c.tp == 0 for ch in c.channels),
-             f"channels={','.join(map(str, c.channels))}: every entry must be a multiple of "
-             f"tp={c.tp} (convolutions are split on output channels)")
-    need(not (c.sequence_parallel and c.model != "gpt"),
-         f"sequence_parallel with model={c.model!r}: the sequence is split in gpt only")
-    need(not (c.half_layers and (c.model != "gpt" or c.tp > 1)),
-         f"half_layers needs model='gpt' and tp=1 (got model={c.model!r}, tp={c.tp})")
-    # -- pipeline --
-    if c.pp > 1:
-        need(c.grad_accum == 1, f"grad_accum={c.grad_accum} with pp={c.pp}: use --microbatches")
-        need(c.batch_size >= c.dp * c.microbatches,
-             f"batch_size={c.batch_size} < dp*microbatches={c.dp * c.microbatches}: every "
-             f"replica needs at least one sample per micro-batch")
-        err = _schedule_error(c)
-        need(not err, err)
-        n = len(c.layout.split("|")) if c.layout else c.pp * c.virtual
-        need(n == c.pp * c.virtual, f"layout={c.layout!r} has {n} stages, pp*virtual = "
-                                    f"{c.pp}*{c.virtual} = {c.pp * c.virtual}")
-    # (with pp = 1 the pipeline options are ignored, so that a serial reference run can take
-    # the same command line)
+    _tensor_parallel_errors(c, need)
+    _pipeline_errors(c, need)        # (pp = 1 ignores the pipeline options, so that a serial
+    #                                  reference run can take the same command line)
     need(not (c.remat != "none" and c.pp > 1 and c.schedule in ("zb_h1", "zb_v")),
          f"remat={c.remat!r} with schedule={c.schedule!r}: a rematerialized stage runs its "
          f"backward whole; use 1f1b, gpipe or interleaved")
@@ -293,6 +265,41 @@ def combination_errors(c: TrainConfig) -> list[str]:
     need(c.device != "gpu" or importlib.util.find_spec("cupy") is not None,
          "device='gpu' needs CuPy, which is not installed here (pip install 'hpcnn[gpu]')")
     return errs
+
+
+def _tensor_parallel_errors(c: TrainConfig, need) -> None:
+    """What the shards need: ``need(ok, message)`` for each tensor-parallel combination."""
+    need(not (c.tp > 1 and c.model == "mlp"),
+         f"tp={c.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
+    if c.tp > 1 and c.model == "gpt":
+        need(c.n_heads % c.tp == 0, f"n_heads={c.n_heads} with tp={c.tp}: attention heads "
+                                    f"({c.n_heads}) is not divisible by tp ({c.tp})")
+        need(c.pad_vocab % c.tp == 0, f"pad_vocab={c.pad_vocab} is not a multiple of tp={c.tp} "
+                                      f"(the vocabulary is split over tp)")
+        need(not c.sequence_parallel or c.block_size % c.tp == 0,
+             f"sequence_parallel with block_size={c.block_size} not divisible by tp={c.tp}")
+    if c.tp > 1 and c.model == "cnn":
+        need(all(ch % c.tp == 0 for ch in c.channels),
+             f"channels={','.join(map(str, c.channels))}: every entry must be a multiple of "
+             f"tp={c.tp} (convolutions are split on output channels)")
+    need(not (c.sequence_parallel and c.model != "gpt"),
+         f"sequence_parallel with model={c.model!r}: the sequence is split in gpt only")
+    need(not (c.half_layers and (c.model != "gpt" or c.tp > 1)),
+         f"half_layers needs model='gpt' and tp=1 (got model={c.model!r}, tp={c.tp})")
+
+
+def _pipeline_errors(c: TrainConfig, need) -> None:
+    """What a pipeline needs (with pp = 1 its options are ignored): ``need(ok, message)``."""
+    if c.pp > 1:
+        need(c.grad_accum == 1, f"grad_accum={c.grad_accum} with pp={c.pp}: use --microbatches")
+        need(c.batch_size >= c.dp * c.microbatches,
+             f"batch_size={c.batch_size} < dp*microbatches={c.dp * c.microbatches}: every "
+             f"replica needs at least one sample per micro-batch")
+        err = _schedule_error(c)
+        need(not err, err)
+        n = len(c.layout.split("|")) if c.layout else c.pp * c.virtual
+        need(n == c.pp * c.virtual, f"layout={c.layout!r} has {n} stages, pp*virtual = "
+                                    f"{c.pp}*{c.virtual} = {c.pp * c.virtual}")
 
 
 def _schedule_error(c: TrainConfig) -> str:
