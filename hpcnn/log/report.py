@@ -152,6 +152,30 @@ def headline(h5_path) -> str:
     return f"{os.path.basename(str(h5_path))}: " + "; ".join(parts)
 
 
+def _draw_panel(ax, run: RunData, title: str, names: list[str]) -> None:
+    """One panel of :func:`make_report`: the metrics ``names`` against the step (step time in ms
+    with its median; the loss on a log scale, with the unigram entropy of a text run)."""
+    for name in names:
+        s, y = _finite(run, name)
+        scale = 1e3 if name == "step_time" else 1.0
+        ax.plot(s, y * scale, marker="o" if len(s) < 30 else None, ms=3, label=name)
+        if name == "step_time":
+            med = float(np.median(y)) * scale
+            ax.axhline(med, color="k", ls="--", lw=1)
+            ax.annotate(f"median {med:.3g} ms", xy=(0.98, 0.95), xycoords="axes fraction",
+                        ha="right", va="top")
+    if title == "loss" and "unigram_entropy_nats" in run.attrs:
+        ax.axhline(float(run.attrs["unigram_entropy_nats"]), color="gray", ls=":", lw=1.2,
+                   label="unigram entropy")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel({"step time": "ms", "throughput": "per second"}.get(title, title))
+    if title == "loss" and all(np.nanmin(run.metrics[k]) > 0 for k in names):
+        ax.set_yscale("log")
+    ax.legend(loc="best", fontsize="small")
+    ax.grid(True, alpha=0.3)
+
+
 def make_report(h5_path, png_path=None) -> str:
     """Draw the training curves of one run into a PNG (matplotlib, Agg backend).
 
@@ -189,25 +213,7 @@ def make_report(h5_path, png_path=None) -> str:
     nrows = (n + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.6 * nrows), squeeze=False)
     for ax, (title, names) in zip(axes.flat, panels):
-        for name in names:
-            s, y = _finite(run, name)
-            scale = 1e3 if name == "step_time" else 1.0
-            ax.plot(s, y * scale, marker="o" if len(s) < 30 else None, ms=3, label=name)
-            if name == "step_time":
-                med = float(np.median(y)) * scale
-                ax.axhline(med, color="k", ls="--", lw=1)
-                ax.annotate(f"median {med:.3g} ms", xy=(0.98, 0.95), xycoords="axes fraction",
-                            ha="right", va="top")
-        if title == "loss" and "unigram_entropy_nats" in run.attrs:
-            ax.axhline(float(run.attrs["unigram_entropy_nats"]), color="gray", ls=":", lw=1.2,
-                       label="unigram entropy")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel({"step time": "ms", "throughput": "per second"}.get(title, title))
-        if title == "loss" and all(np.nanmin(run.metrics[k]) > 0 for k in names):
-            ax.set_yscale("log")
-        ax.legend(loc="best", fontsize="small")
-        ax.grid(True, alpha=0.3)
+        _draw_panel(ax, run, title, names)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if not panels:
