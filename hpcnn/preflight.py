@@ -48,15 +48,15 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     ``world_size`` the number of ranks (None: not checked).
     """
     from hpcnn import data as datasets
-    errs = []
-    if world_size is not None and cfg.dp * cfg.tp * cfg.pp != world_size:
-        errs.append(f"world size ({world_size}) != dp*tp*pp ({cfg.dp}*{cfg.tp}*{cfg.pp} = "
-                    f"{cfg.dp * cfg.tp * cfg.pp}) (pass --dp/--tp/--pp that multiply to the "
-                    f"number of ranks)")
-    if errs:                       # refused without loading the data
-        raise ConfigError("invalid configuration: " + "; ".join(errs))
+    from hpcnn.parallel.grid import GridError, check_layout
+    if world_size is not None:     # refused without loading the data
+        try:
+            check_layout(world_size, cfg.dp, cfg.tp, cfg.pp)     # ProcessGrid's own check
+        except GridError as e:
+            raise ConfigError(f"invalid configuration: {e} (pass --dp/--tp/--pp that multiply "
+                              f"to the number of ranks)") from None
     data = data if data is not None else datasets.for_config(cfg)
-    errs += datasets.misfits(cfg, data)
+    errs = datasets.misfits(cfg, data)
     if not errs and cfg.pp > 1:
         errs += _stage_errors(cfg, data)
     if errs:

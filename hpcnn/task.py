@@ -111,8 +111,8 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
     over ``tp_comm``)."""
     dtype = backend.dtype_of(cfg.dtype)
     tp = tp_comm is not None and tp_comm.size > 1
+    data = data if data is not None else datasets.for_config(cfg)
     if cfg.dataset == "digits":
-        data = data or datasets.digits(image=cfg.model == "cnn")
         if cfg.model == "mlp":
             model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed, dtype=dtype)
         elif tp:
@@ -122,8 +122,6 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
             model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
         spe = datasets.steps_per_epoch(len(data.y_train), cfg.batch_size)
         return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
-    data = data or datasets.shakespeare(max_plays=cfg.max_plays or None,
-                                        fallback=cfg.dataset == "sonnet")
     vocab = padded_vocab(data.vocab, cfg)
     if tp:
         from hpcnn.parallel.tp_models import parallel_gpt
