@@ -243,7 +243,9 @@ def _open_log(cfg, comm, par, task, start: int, command_line):
                   "remat": cfg.remat, "memory_budget_bytes": cfg.memory_budget * 2**20,
                   "offload_gbps": cfg.offload_gbps, "grad_accum": cfg.grad_accum, "balance": cfg.balance,
                   "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
-                  "overlap": cfg.overlap, "allreduce_calibration": par.calibration if par else None,
+                  # overlap as run: off with rd, cma and pipelines, whatever --overlap says
+                  "overlap": par.engine.overlap if par else cfg.overlap,
+                  "allreduce_calibration": par.calibration if par else None,
                   "resumed_from": cfg.resume, "start_step": start})
     return log
 

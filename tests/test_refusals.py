@@ -20,6 +20,7 @@ from hpcnn import preflight
 from hpcnn.cli import main, merge_messages
 from hpcnn.config import (CHOICES, FREE, RANGES, ConfigError, TrainConfig, describe,
                           parse_overrides)
+from hpcnn.log import read_run
 from mpi_util import ROOT, mpiexec
 
 FAST = ["--progress=false", "--max_plays=1"]   # Shakespeare: the first play (a test may override)
@@ -247,6 +248,8 @@ def test_single_copy_and_blocking_allreduces_train_like_mpi(tmp_path):
             continue
         assert p.returncode == 0 and p.stderr == "", p.stderr
         results[algo] = p.stdout.split("result: ")[1].split(", wall")[0]
+        # the log records the overlap as run: the blocking ones reduce after the backward
+        assert read_run(tmp_path / f"{algo}.h5").plan["overlap"] == (algo in ("mpi", "shm"))
     assert len(set(results.values())) == 1, results
 
 
