@@ -143,13 +143,11 @@ class Executor:
                              f"(the chain has {self.n} stages)")
         self.split = firsts[0]
         self.recompute_seconds = 0.0   # wall time of forwards run again (what store-all saves)
-        self.passes = 0                # forward+backward passes run
 
     # -- the two halves ---------------------------------------------------------------------------
     def forward(self, x, targets=None):
         """Ops before the first backward. Returns (output or loss, state)."""
         st = _State(x, targets, self)
-        self.passes += 1
         self._account(st, "start")
         while st.pos < self.split:
             self._step(st, self.seq[st.pos])
