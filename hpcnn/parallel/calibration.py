@@ -48,11 +48,11 @@ def key(comm, dtype=numpy.float32) -> dict:
     """What the timings on ``comm`` (a Communicator) depend on; the same dict on every rank
     (collective: one allgather, and the probes of :func:`allreduce.available_algorithms`)."""
     import mpi4py
-    from mpi4py import MPI
 
     import hpcnn
     from hpcnn.parallel import allreduce
     from hpcnn.parallel import shm
+    from hpcnn.parallel.comm import library_version
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:                  # pragma: no cover - no affinity call (macOS)
@@ -61,7 +61,7 @@ def key(comm, dtype=numpy.float32) -> dict:
     hosts = list(dict.fromkeys(h for h, _ in ranks))
     return {"hosts": hosts, "node_of_rank": [hosts.index(h) for h, _ in ranks],
             "cpus_of_rank": [c for _, c in ranks], "ranks": comm.size,
-            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi": library_version(),
             "mpi4py": mpi4py.__version__, "dtype": numpy.dtype(dtype).name,
             "algorithms": allreduce.available_algorithms(comm), "backend": backend.device,
             "segment_bytes": int(getattr(comm, "allreduce_segment_bytes", allreduce.SEGMENT_BYTES)),
