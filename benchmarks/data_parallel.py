@@ -82,7 +82,7 @@ def steps(rep, x, y, dloss, n, barrier):
         t = time.perf_counter()
         dp.zero_grad()
         _, caches = model.forward(x, y)
-        dp.backward(caches, dloss)
+        dp.backward(dloss, caches)
         info = dp.finish(s)
         opt.step(1e-5)
         rows.append((time.perf_counter() - t, info["wait_s"], info["reduce_s"]))

@@ -61,7 +61,7 @@ def hpcnn_step(model, x, y, opt):
     def step():
         model.zero_grad()
         loss, caches = model.forward(x, y)
-        model.backward(caches, need_dx=False)
+        model.backward(1.0, caches, need_dx=False)
         opt.step(1e-3)
     return step
 

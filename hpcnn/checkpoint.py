@@ -66,33 +66,30 @@ def _local_state(params, opt, tp) -> dict:
     return out
 
 
-def save(path: str, step: int, cfg, params, opt, par=None, world=None) -> None:
-    """Write the state after ``step`` steps to ``path`` (collective over ``world`` when ``par``,
-    the training loop's parallel side, is given). ``params``: this rank's parameters."""
-    arrays, rank = None, 0
-    if par is None:
+def save(path: str, step: int, cfg, params, opt, ctx=None) -> None:
+    """Write the state after ``step`` steps to ``path``: collective over the ranks of ``ctx``,
+    the run's :class:`hpcnn.engine.context.ParallelContext` (None: one process on its own).
+    ``params``: this rank's parameters."""
+    arrays = None
+    if ctx is None:
         arrays = _local_state(params, opt, None).items()
-    else:
-        rank = world.Get_rank()
-        dp_rank, tp_rank = par.grid.dp_rank, par.grid.tp_rank
-        if dp_rank == 0:                                  # replicas are identical: one writes
-            mine = _local_state(params, opt, par.tp)
-            if tp_rank == 0:
-                pp = par.pp.comm                          # the stages' owners -> world rank 0,
-                if pp.Get_rank() > 0:                     # one pipeline rank at a time
-                    pp.send(mine, dest=0, tag=7)
-                else:
-                    arrays = _streamed(mine, pp)
+    elif ctx.dp.rank == 0:                                # replicas are identical: one writes
+        mine = _local_state(params, opt, ctx.tp)
+        if ctx.tp.rank == 0:                              # the stages' owners -> world rank 0,
+            if ctx.pp.rank > 0:                           # one pipeline rank at a time
+                ctx.pp.send_object(mine, dest=0, tag=7)
+            else:
+                arrays = _streamed(mine, ctx.pp)
     err = ""
-    if rank == 0:
+    if ctx is None or ctx.rank == 0:
         try:
-            _write(path, step, cfg, arrays, opt, par)
+            _write(path, step, cfg, arrays, opt, ctx)
         except (OSError, ValueError) as e:                # disk full, no permission, ...
             for _ in arrays:                              # still receive what others send
                 pass
             err = f"checkpoint {path}: {e}"
-    if world is not None:                                 # the file exists when save returns,
-        err = world.bcast(err, root=0)                    # or every rank raises
+    if ctx is not None:                                   # the file exists when save returns,
+        err = ctx.world.bcast_object(err, root=0)         # or every rank raises
     if err:
         raise CheckpointError(err)
 
@@ -102,22 +99,22 @@ def _streamed(mine, pp):
     written: rank 0 holds one other rank's stages at a time)."""
     yield from mine.items()
     del mine
-    for q in range(1, pp.Get_size()):
-        yield from pp.recv(source=q, tag=7).items()
+    for q in range(1, pp.size):
+        yield from pp.recv_object(source=q, tag=7).items()
 
 
-def _write(path, step, cfg, arrays, opt, par) -> None:
+def _write(path, step, cfg, arrays, opt, ctx) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        _write_file(tmp, step, cfg, arrays, opt, par)
+        _write_file(tmp, step, cfg, arrays, opt, ctx)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def _write_file(tmp, step, cfg, arrays, opt, par) -> None:
+def _write_file(tmp, step, cfg, arrays, opt, ctx) -> None:
     import hpcnn
     with h5py.File(tmp, "w") as f:
         f.attrs.update({"format": FORMAT, "step": int(step), "hpcnn_version": hpcnn.__version__,
@@ -129,19 +126,19 @@ def _write_file(tmp, step, cfg, arrays, opt, par) -> None:
         for k, v in opt.state.items():
             if numpy.isscalar(v):
                 optim.attrs[k] = v
-        if par is not None and par.balancer.speeds is not None:
+        if ctx is not None and ctx.balancer.speeds is not None:
             g = f.create_group("balancer")
-            g.create_dataset("shares", data=par.balancer.shares)
-            g.create_dataset("speeds", data=par.balancer.speeds)
+            g.create_dataset("shares", data=ctx.balancer.shares)
+            g.create_dataset("speeds", data=ctx.balancer.speeds)
 
 
-def restore(path: str, cfg, model, params, opt, par=None, steps: int = 0) -> int:
+def restore(path: str, cfg, model, params, opt, ctx=None, steps: int = 0) -> int:
     """Load ``path`` into this rank's ``params`` (its stages, its tensor-parallel shards) and
     ``opt``; returns the number of steps done. Every rank checks the whole model against the file
     (names, shapes, optimizer, ``steps`` the run's total), so a mismatch raises the same
     ``ValueError`` everywhere, before anything is communicated."""
     from hpcnn.parallel.tensor import shard_array
-    tp_rank, tp_size = (par.tp.rank, par.tp.size) if par is not None else (0, 1)
+    tp_rank, tp_size = (ctx.tp.rank, ctx.tp.size) if ctx is not None else (0, 1)
     if not os.path.isfile(path):
         raise ValueError(f"--resume={path}: no such checkpoint file")
     with h5py.File(path, "r") as f:
@@ -184,9 +181,9 @@ def restore(path: str, cfg, model, params, opt, par=None, steps: int = 0) -> int
                     opt.state[f"{p.name}/{slot}"] = local(p, ds[...])
         for k, v in optim.attrs.items():
             opt.state[k] = v.item() if hasattr(v, "item") else v
-        if par is not None and "balancer" in f and len(f["balancer/shares"]) == par.size:
-            par.balancer.shares = numpy.array(f["balancer/shares"][...])
-            par.balancer.speeds = numpy.array(f["balancer/speeds"][...])
+        if ctx is not None and "balancer" in f and len(f["balancer/shares"]) == ctx.dp.size:
+            ctx.balancer.shares = numpy.array(f["balancer/shares"][...])
+            ctx.balancer.speeds = numpy.array(f["balancer/speeds"][...])
     return step
 
 

@@ -32,7 +32,6 @@ class Task:
     data: object
     model: object
     steps: int
-    remat: object = None              # a RematPolicy when --remat is not none
 
     @property
     def is_text(self) -> bool:
@@ -54,15 +53,15 @@ class Task:
         n = max(1, c.batch_size // (c.dp * c.microbatches))
         return (n, c.block_size) if self.is_text else (n,) + tuple(self.data.x_train.shape[1:])
 
-    def _logits(self, x, par=None, batch_size=None):
+    def _logits(self, x, ctx=None, batch_size=None):
         """Eval-mode outputs of the whole chain (through the pipeline when pp > 1, where only
         the last stage's rank gets them: None elsewhere)."""
-        if par is None or par.local is None:
+        if ctx is None or not ctx.pipelined:
             return self.model.predict(x, batch_size=batch_size)
         from hpcnn.parallel.pipeline import forward_only
         self.model.eval()
         try:
-            return forward_only(self.model, par.ranges, par.pp, x, owner=par.owner)
+            return forward_only(self.model, ctx.ranges, ctx.pp, x, owner=ctx.owner)
         finally:
             self.model.train()
 
@@ -70,27 +69,29 @@ class Task:
         dtype = None if self.is_text else self.cfg.dtype
         return backend.asarray(x, dtype=dtype), backend.asarray(y)
 
-    def eval_sums(self, rank: int = 0, size: int = 1, par=None) -> numpy.ndarray:
-        """[loss sum, correct, count] over this data-parallel rank's 1/size share of the
-        held-out data (with pp > 1: computed on the last stage, broadcast over the pipeline)."""
+    def eval_sums(self, ctx=None) -> numpy.ndarray:
+        """[loss sum, correct, count] over this data-parallel rank's share of the held-out data
+        (``ctx`` the run's context, None: all of it; with pp > 1 computed on the last stage,
+        broadcast over the pipeline)."""
         m, c = self.model, self.cfg
+        rank, size = (ctx.dp.rank, ctx.dp.size) if ctx is not None else (0, 1)
         tot = numpy.zeros(3)
         if self.is_text:
             for i in range(rank, c.eval_batches, size):
                 x, y = datasets.text_batch(self.data.val, c.batch_size, c.block_size, i, VAL_SEED)
-                logits = self._logits(backend.asarray(x), par)
+                logits = self._logits(backend.asarray(x), ctx)
                 if logits is not None:
                     tot += [m.loss.forward(logits, backend.asarray(y))[0] * y.size, 0.0, y.size]
         else:
             part = numpy.array_split(numpy.arange(len(self.data.y_test)), size)[rank]
             if len(part):
                 x, y = self.to_device(self.data.x_test[part], self.data.y_test[part])
-                logits = self._logits(x, par, batch_size=512)
+                logits = self._logits(x, ctx, batch_size=512)
                 if logits is not None:
                     correct = float(backend.to_host((logits.argmax(axis=-1) == y).sum()))
                     tot += [m.loss.forward(logits, y)[0] * len(part), correct, len(part)]
-        if par is not None and par.local is not None:
-            par.pp.bcast(tot, root=par.owner[-1])
+        if ctx is not None and ctx.pipelined:
+            ctx.pp.bcast(tot, root=ctx.owner[-1])
         return tot
 
 

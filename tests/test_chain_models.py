@@ -11,7 +11,7 @@ def _fd_chain(model, x, y, entries=6, eps=1e-6, seed=0):
     """Central differences of the chain's loss w.r.t. a few entries of every parameter."""
     model.zero_grad()
     _, caches = model.forward(x, y)
-    model.backward(caches)
+    model.backward(1.0, caches)
     rng = np.random.default_rng(seed)
     for p in model.params:
         flat, g = p.data.reshape(-1), p.grad.reshape(-1)
@@ -70,7 +70,7 @@ def test_slices_share_blocks_and_compose():
     m = models.mlp(10, (12, 8), 5, seed=1, dtype=F64)
     x, y = rng.standard_normal((4, 10)), rng.integers(0, 5, 4)
     loss, caches = m.forward(x, y)
-    m.backward(caches)
+    m.backward(1.0, caches)
     full = [p.grad.copy() for p in m.params]
     m.zero_grad()
     head, tail = m[:2], m[2:]
@@ -78,7 +78,7 @@ def test_slices_share_blocks_and_compose():
     h, hc = head.forward_blocks(x)
     l2, tc = tail.forward(h, y)
     assert l2 == loss
-    dh = tail.backward(tc)
+    dh = tail.backward(1.0, tc)
     assert head.backward_blocks(dh, hc, need_dx=False) is None
     for g, p in zip(full, m.params):
         np.testing.assert_array_equal(g, p.grad)

@@ -99,11 +99,11 @@ def test_single_rank_equals_plain(overlap):
     o1, o2 = SGD(plain.params), SGD(par.params)
     for step in range(3):
         plain.zero_grad()
-        plain.backward(plain.forward(x, y)[1], need_dx=False)
+        plain.backward(1.0, plain.forward(x, y)[1], need_dx=False)
         o1.step(0.1)
         dp.zero_grad()
-        dp.backward(par.forward(x[:4], y[:4])[1], 0.4, sync=False)   # accumulate 4 + 6 of 10
-        dp.backward(par.forward(x[4:], y[4:])[1], 0.6)
+        dp.backward(0.4, par.forward(x[:4], y[:4])[1], sync=False)   # accumulate 4 + 6 of 10
+        dp.backward(0.6, par.forward(x[4:], y[4:])[1])
         info = dp.finish(step)
         assert info["bytes"] == 8 * (par.num_params() + 1)
         o2.step(0.1)
@@ -129,7 +129,7 @@ def test_nan_reported_with_step_and_rank():
     x = np.ones((3, 12))
     x[1, 2] = np.nan
     dp.zero_grad()
-    dp.backward(model.forward(x, np.zeros(3, dtype=int))[1])
+    dp.backward(1.0, model.forward(x, np.zeros(3, dtype=int))[1])
     with pytest.raises(FloatingPointError, match=r"^non-finite gradient at step 3 on rank\(s\) 0$"):
         dp.finish(3)
 

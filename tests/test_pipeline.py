@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from hpcnn.engine import execute, stage, step
 from hpcnn.nn import models
 from hpcnn.parallel import partition, pipeline, schedules
 from mpi_util import run_mpi, single
@@ -22,29 +23,29 @@ def serial_grads(x, y):
     model = mlp()
     model.zero_grad()
     loss, caches = model.forward(x, y)
-    model.backward(caches)
+    model.backward(1.0, caches)
     return loss, [p.grad.copy() for p in model.params]
 
 
 # -- helpers --------------------------------------------------------------------------------------
 def test_split_batch_sizes_and_errors():
     x, y = batch(10)
-    xs, ys = pipeline.split_batch(x, y, 4)
+    xs, ys = step.split_batch(x, y, 4)
     assert [len(a) for a in xs] == [3, 3, 2, 2] == [len(b) for b in ys]
     assert np.array_equal(np.concatenate(xs), x) and np.array_equal(np.concatenate(ys), y)
     for bad in (0, 11, 2.0):
         with pytest.raises(ValueError, match="n_micro"):
-            pipeline.split_batch(x, y, bad)
+            step.split_batch(x, y, bad)
 
 
 def test_boundary_shapes_and_tags():
     ranges = partition.parse_layout("1|3|2|1", 7)
-    shapes = pipeline.boundary_shapes(mlp(), ranges, [(3, 12), (2, 12)])
+    shapes = stage.boundary_shapes(mlp(), ranges, [(3, 12), (2, 12)])
     # blocks fc0 relu | fc1 relu fc2 | relu fc3 (widths 12 8 8 6 4); the stage inputs:
     # block 0 (12), block 1 (8), block 4 (8), block 6 (6), then the output (4)
     assert shapes == [[(3, 12), (3, 8), (3, 8), (3, 6), (3, 4)],
                       [(2, 12), (2, 8), (2, 8), (2, 6), (2, 4)]]
-    tags = {pipeline.tag_of(k, mb, s, 8) for k in pipeline.KINDS for mb in range(5)
+    tags = {execute.tag_of(k, mb, s, 8) for k in execute.KINDS for mb in range(5)
             for s in range(8)}
     assert len(tags) == 2 * 5 * 8 and min(tags) == 0
 
@@ -52,14 +53,14 @@ def test_boundary_shapes_and_tags():
 def test_build_stages_placement():
     model = mlp()
     ranges = partition.uniform(7, 4)
-    stages = pipeline.build_stages(model, ranges, 1, 2)
+    stages = stage.build_stages(model, ranges, 1, 2)
     assert [s.index for s in stages] == [1, 3]
     assert stages[1].last and stages[1].chain.loss is model.loss and not stages[0].last
     assert stages[0].chain.blocks == model.blocks[ranges[1][0]:ranges[1][1]]
     with pytest.raises(ValueError, match="do not split evenly"):
-        pipeline.build_stages(model, partition.uniform(7, 3), 0, 2)
+        stage.build_stages(model, partition.uniform(7, 3), 0, 2)
     v = schedules.placement("zb_v", 4, 2)                   # the V: rank 0 has stages 0 and 3
-    stages = [pipeline.build_stages(model, ranges, r, 2, v) for r in (0, 1)]
+    stages = [stage.build_stages(model, ranges, r, 2, v) for r in (0, 1)]
     assert [[s.index for s in st] for st in stages] == [[0, 3], [1, 2]]
     assert stages[0][0].first and stages[0][1].last and not stages[1][1].last
 
@@ -69,7 +70,7 @@ def test_split_backward_matches_whole_backward():
     grads = {}
     for split in (False, True):
         model = mlp()
-        st = pipeline.PipelineStage(0, model[0:7], 1)
+        st = stage.Stage(0, model[0:7], 1)
         model.zero_grad()
         _, caches = st.forward(x, y)
         dx, pending = st.backward(0.5, caches, split)
@@ -79,7 +80,7 @@ def test_split_backward_matches_whole_backward():
         grads[split] = [p.grad.copy() for p in model.params]
     for a, b in zip(grads[False], grads[True]):
         assert np.allclose(a, b, rtol=0, atol=1e-15)
-    st = pipeline.PipelineStage(1, mlp()[2:7], 2)           # not first: returns dx
+    st = stage.Stage(1, mlp()[2:7], 2)           # not first: returns dx
     _, caches = st.forward(np.ones((2, 8)), np.array([0, 1]))
     assert st.backward(1.0, caches, True)[0].shape == (2, 8)
 
@@ -116,12 +117,12 @@ def test_errors():
     with pytest.raises(ValueError, match="expected pp"):
         pipeline.train_step("gpipe", mlp(), single(), x, y, 2, layout="3|4")
     model = mlp()
-    stages = pipeline.build_stages(model, [(0, 7)], 0, 1)
+    stages = stage.build_stages(model, [(0, 7)], 0, 1)
     lst = [i for i in schedules.gpipe(1, 2, 1)[0] if i.op != "B"]    # no backward: left over
-    xs, ys = pipeline.split_batch(x, y, 2)
-    shapes = pipeline.boundary_shapes(model, [(0, 7)], [a.shape for a in xs])
+    xs, ys = step.split_batch(x, y, 2)
+    shapes = stage.boundary_shapes(model, [(0, 7)], [a.shape for a in xs])
     with pytest.raises(RuntimeError, match="2 caches"):
-        pipeline.run_schedule(lst, stages, single(), xs, ys, dloss=0.5, shapes=shapes,
+        execute.run(lst, stages, single(), xs, ys, dloss=0.5, shapes=shapes,
                               dtype=np.float64)
 
 

@@ -35,8 +35,8 @@ def test_split_gpt_equals_gpt():
             m.zero_grad()
         la, ca = a.forward(tok, tgt)
         lb, cb = b.forward(tok, tgt)
-        a.backward(ca)
-        b.backward(cb)
+        a.backward(1.0, ca)
+        b.backward(1.0, cb)
         assert la == lb, step
         for p, q in zip(a.params, b.params):
             np.testing.assert_array_equal(p.grad, q.grad, err_msg=p.name)

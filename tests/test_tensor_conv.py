@@ -59,7 +59,7 @@ def test_tp1_cnn_equals_serial():
     for m in (ser, par):
         m.zero_grad()
         loss, caches = m.forward(x, t)
-        m.backward(caches, need_dx=False)
+        m.backward(1.0, caches, need_dx=False)
         losses.append(loss)
     assert losses[0] == losses[1]
     g = gather_params(par, c, grads=True)

@@ -38,7 +38,7 @@ def test_tp1_gpt_equals_serial(sp):
     for m in (ser, par):
         m.zero_grad()
         loss, caches = m.forward(tok, tgt)
-        m.backward(caches, need_dx=False)
+        m.backward(1.0, caches, need_dx=False)
         losses.append(loss)
     assert losses[0] == losses[1]
     grads = gather_params(par, c, grads=True)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from hpcnn import backend
 from hpcnn.memory.sequence import CHANNEL
+from hpcnn.nn.chain import backward_block
 
 
 def _root(a):
@@ -155,8 +156,9 @@ class Executor:
         y = st.bars[self.n][0]
         return (st.loss if self.chain.loss is not None else y), st
 
-    def backward(self, st, dy=1.0, on_block_done=None):
-        """The remaining ops from the output gradient ``dy`` (the dloss factor with a loss).
+    def backward(self, dy, st, on_block_done=None):
+        """The remaining ops from the output gradient ``dy`` (the dloss factor with a loss) and
+        the state :meth:`forward` returned.
 
         ``on_block_done(i)`` is called after block i's backward, as in
         :meth:`hpcnn.nn.chain.Chain.backward_blocks` (data parallelism launches buckets from it).
@@ -174,7 +176,7 @@ class Executor:
     def run(self, x, targets=None, dy=1.0) -> RunResult:
         """Forward and backward in one go; parameter gradients accumulate into the blocks."""
         out, st = self.forward(x, targets)
-        dx = self.backward(st, dy)
+        dx = self.backward(dy, st)
         return RunResult(st.loss, dx, st.peak, st.trace)
 
     # -- ops ----------------------------------------------------------------------------------------
@@ -219,11 +221,8 @@ class Executor:
             stage = self.stages[i]
             if i == self.n - 1 and self.chain.loss is not None:
                 new = stage.backward(st.delta, cache)
-            elif i == 0 and not self.need_dx and hasattr(stage, "backward_weight"):
-                stage.backward_weight(st.delta, cache)
-                new = None
-            else:
-                new = stage.backward(st.delta, cache)
+            else:                            # the chain's own per-block step
+                new = backward_block(stage, st.delta, cache, need_dx=self.need_dx or i > 0)
             self._account(st, op, new)
             del st.bars[i + 1]
             st.xs.pop(i, None)
@@ -323,7 +322,7 @@ class Executor:
 def store_all_reference(chain, x, targets=None):
     """The plain forward and backward (every cache kept): loss and dx, for comparisons."""
     loss, caches = chain.forward(x, targets)
-    dx = chain.backward(caches)
+    dx = chain.backward(1.0, caches)
     return loss, dx
 
 

@@ -119,40 +119,45 @@ class RematPolicy:
             self._channel = None
 
 
-def for_training(cfg, task, par, comm) -> RematPolicy:
-    """The training loop's policy (``cfg`` a resolved TrainConfig, ``par`` its parallel side or
-    None) with the first step's sequences solved on every rank. An infeasible budget on any rank
-    is raised on all of them, with every rank's message, before training communicates."""
+def for_training(cfg, task, ctx) -> RematPolicy:
+    """The training loop's policy (``cfg`` a resolved TrainConfig, ``ctx`` the run's
+    :class:`hpcnn.engine.context.ParallelContext`, its stages built), attached to the stages,
+    with the first step's sequences solved on every rank. An infeasible budget on any rank is
+    raised on all of them, with every rank's message, before training communicates."""
     policy = RematPolicy(cfg.remat, cfg.memory_budget * 2**20, offload_gbps=cfg.offload_gbps)
-    if cfg.remat == "optimal" and comm is not None and comm.Get_size() > 1:
+    if cfg.remat == "optimal" and ctx.world.size > 1:
         # one set of rates for every rank: tensor-parallel peers must run the same sequence
         # (a recomputed forward repeats its collectives), so they must solve the same problem
-        rates = profile.calibrate(backend.dtype_of(cfg.dtype)) if comm.Get_rank() == 0 else None
-        policy.rates = comm.bcast(rates, root=0)
-    err = ""
+        rates = profile.calibrate(backend.dtype_of(cfg.dtype)) if ctx.rank == 0 else None
+        policy.rates = ctx.world.bcast_object(rates, root=0)
+    err, rows = "", 0
+    balancer = ctx.balancer
+    moving = balancer.measured and ctx.dp.size > 1
     try:
         from hpcnn.parallel.data import shard
-        rows = len(shard(numpy.arange(cfg.batch_size), par.balancer.shares, par.rank)) \
-            if par is not None else cfg.batch_size
-        moving = par is not None and par.balancer.measured and par.size > 1
-        if moving:                   # measured shares move: plan for the most a replica can get
-            rows = cfg.batch_size - (par.size - 1) * par.balancer.min_share
-        x, _ = task.global_batch(0)
-        feat = tuple(x.shape[1:])
-        if par is not None and par.local is not None:
-            from hpcnn.parallel.pipeline import plan_remat      # (pipeline imports memory)
-            plan_remat(policy, cfg.schedule, task.model, par.ranges, par.pp, rows, feat,
-                       cfg.microbatches, cfg.virtual)
-        else:
-            for part in numpy.array_split(numpy.arange(rows), cfg.grad_accum):
-                if len(part):
-                    policy.executor(task.model, (len(part),) + feat, need_dx=False)
+        ctx.attach_remat(policy)
+        # measured shares move: plan for the most a replica can get
+        rows = (cfg.batch_size - (ctx.dp.size - 1) * balancer.min_share if moving else
+                len(shard(numpy.arange(cfg.batch_size), balancer.shares, ctx.dp.rank)))
+        _solve_first(policy, task, ctx, rows)
     except ValueError as e:
         err = str(e) + (f" (with --balance=proportional and measured speeds a replica may get "
                         f"up to {rows} of the {cfg.batch_size} rows)" if moving else "")
-    errs = comm.allgather(err) if comm is not None else [err]
-    bad = [f"rank {r}: {m}" for r, m in enumerate(errs) if m]
+    bad = [f"rank {r}: {m}" for r, m in enumerate(ctx.world.allgather_objects(err)) if m]
     if bad:
         policy.close()
         raise ConfigError("--remat/--memory_budget: " + "; ".join(bad))
     return policy
+
+
+def _solve_first(policy, task, ctx, rows: int) -> None:
+    """Solve the sequences of this rank's stages for a step of ``rows`` local rows (what the
+    first step's F's would solve), so that an infeasible budget shows before training."""
+    from hpcnn.engine.stage import boundary_shapes
+    x, _ = task.global_batch(0)
+    sizes = [len(a) for a in numpy.array_split(numpy.arange(rows), ctx.n_micro(rows))]
+    shapes = boundary_shapes(task.model, ctx.ranges, [(m,) + tuple(x.shape[1:]) for m in sizes])
+    for st in ctx.stages:
+        for mb in range(len(sizes)):
+            policy.executor(st.chain, shapes[mb][st.index], need_dx=not st.first,
+                            inflight=st.inflight)

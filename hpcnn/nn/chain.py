@@ -2,12 +2,39 @@
 from __future__ import annotations
 
 from hpcnn.nn.core import Block, BlockSpec
+from hpcnn.nn.layers import defer_weight_gradients
+
+
+def splittable(block) -> bool:
+    """True for a block whose backward comes in two halves, ``backward_input`` (dx) and
+    ``backward_weight`` (the parameter gradients): a Linear."""
+    return hasattr(block, "backward_input") and hasattr(block, "backward_weight")
+
+
+def backward_block(block, dy, cache, *, need_dx: bool = True, defer=None):
+    """One block's backward from its output gradient ``dy``; returns dx (None when not
+    ``need_dx`` and the block can skip it). The one place that decides how a block's backward
+    runs: whole; weight half only (``need_dx=False``, a splittable block first in the chain);
+    or, with ``defer`` a list, the input half now and the weight halves appended to ``defer``
+    as (block, dy, cache) for later (a composite block's inner Linears defer theirs too)."""
+    if splittable(block) and (defer is not None or not need_dx):
+        if defer is not None:
+            defer.append((block, dy, cache))
+        else:
+            block.backward_weight(dy, cache)
+        return block.backward_input(dy, cache) if need_dx else None
+    if defer is not None:
+        with defer_weight_gradients() as deferred:
+            dx = block.backward(dy, cache)
+        defer.extend(deferred)
+        return dx
+    return block.backward(dy, cache)
 
 
 class Chain:
     """Blocks run in order, then the loss.
 
-    ``forward(x, targets) -> (loss, caches)`` and ``backward(caches) -> dx`` (dx is None when the
+    ``forward(x, targets) -> (loss, caches)`` and ``backward(dloss, caches) -> dx`` (dx is None when the
     first block takes integer tokens). ``chain[i:j]`` is a sub-chain sharing the same blocks (and
     parameters): pipeline stages are slices; the loss belongs to the slice that reaches the end.
     """
@@ -65,21 +92,22 @@ class Chain:
             caches.append(c)
         return x, caches
 
-    def backward_blocks(self, dy, caches, need_dx: bool = True, on_block_done=None):
-        """Backward through the blocks in reverse; returns the input gradient.
+    def backward_blocks(self, dy, caches, need_dx: bool = True, on_block_done=None, defer=None):
+        """Backward through the blocks in reverse; returns the input gradient. The project's one
+        reverse-over-blocks loop: serial, data-parallel and pipeline steps all run it (the
+        rematerializing executor runs the same per-block step, :func:`backward_block`, one op
+        at a time).
 
         With ``need_dx=False`` the first block computes only its parameter gradients when it can
         (a block with ``backward_weight``), saving one matmul; the return value is then None.
         ``on_block_done(i)`` is called after block ``i``'s gradients are complete (data
         parallelism starts communicating a bucket as soon as its gradients are ready).
+        ``defer``: a list receiving the weight halves (block, dy, cache) instead of running them
+        (zero-bubble pipelines run them later as W).
         """
         for i in range(len(self.blocks) - 1, -1, -1):
-            b, c = self.blocks[i], caches[i]
-            if i == 0 and not need_dx and hasattr(b, "backward_weight"):
-                b.backward_weight(dy, c)
-                dy = None
-            else:
-                dy = b.backward(dy, c)
+            dy = backward_block(self.blocks[i], dy, caches[i], need_dx=need_dx or i > 0,
+                                defer=defer)
             if on_block_done is not None:
                 on_block_done(i)
         return dy
@@ -93,8 +121,9 @@ class Chain:
         caches.append(lc)
         return loss, caches
 
-    def backward(self, caches, dloss: float = 1.0, need_dx: bool = True, on_block_done=None):
-        """Backward of loss then blocks; accumulates parameter gradients, returns dx."""
+    def backward(self, dloss, caches, need_dx: bool = True, on_block_done=None):
+        """Backward of loss then blocks from the loss-gradient factor ``dloss`` (1.0: the
+        gradient of the loss itself); accumulates parameter gradients, returns dx."""
         dy = self.loss.backward(dloss, caches[-1])
         return self.backward_blocks(dy, caches[:-1], need_dx, on_block_done)
 

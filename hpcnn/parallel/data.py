@@ -30,7 +30,7 @@ gets c = m/B (weighted) or m/(P b_i) (uniform); :func:`dloss_for` returns these 
         from hpcnn.nn import models; from hpcnn.parallel.comm import Communicator; \\
         from hpcnn.parallel.data import DataParallel; m = models.mlp(8, (16,), 4); \\
         dp = DataParallel(m, Communicator(MPI.COMM_WORLD)); x = np.ones((4, 8), np.float32); \\
-        loss, c = m.forward(x, np.zeros(4, int)); dp.backward(c, 0.5); print(dp.finish(0))"
+        loss, c = m.forward(x, np.zeros(4, int)); dp.backward(0.5, c); print(dp.finish(0))"
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ class DataParallel:
     is not finite.
 
     One step: ``model.zero_grad()``; per micro-batch ``loss, caches = model.forward(x, y)`` and
-    ``dp.backward(caches, dloss, sync=last)``; then ``dp.finish(step)`` and the optimizer step.
+    ``dp.backward(dloss, caches, sync=last)``; then ``dp.finish(step)`` and the optimizer step.
     Plain twin: :class:`hpcnn.parallel.naive_data.NaiveDataParallel`.
     """
 
@@ -194,21 +194,27 @@ class DataParallel:
         self.model.zero_grad()
 
     # -- the step ---------------------------------------------------------------------------------
-    def backward(self, caches, dloss: float = 1.0, sync: bool = True, run=None) -> None:
-        """Backward of one (micro-)batch, accumulating into the gradients.
+    def backward(self, dloss, caches, sync: bool = True) -> None:
+        """Backward of one (micro-)batch from the loss-gradient factor ``dloss``, accumulating
+        into the gradients (the standalone use; the training loop's step engine runs the
+        backward itself with :attr:`hook`).
 
         ``sync=True`` marks the last micro-batch of a step: its buckets are reduced (started
         during the backward with ``overlap``, else reduced after it, blocking). ``sync=False``
-        only accumulates; nothing is communicated. ``run(on_block_done)``, if given, performs
-        the backward instead of ``model.backward(caches, ...)`` (a rematerializing executor).
+        only accumulates; nothing is communicated.
         """
-        hook = self._on_block_done if (sync and self.overlap) else None
-        if run is not None:
-            run(hook)
-        else:
-            self.model.backward(caches, dloss, need_dx=False, on_block_done=hook)
+        self.model.backward(dloss, caches, need_dx=False,
+                            on_block_done=self.hook if sync else None)
         if sync and not self.overlap:
             self._launch_ready(-1)
+
+    @property
+    def hook(self):
+        """The ``on_block_done(i)`` callback for the backward of a step's last micro-batch: it
+        starts every bucket final after block i (None without overlap: :meth:`finish` reduces)."""
+        return self._on_block_done if self.overlap else None
+
+    reduces = True             # a step waits for it (the loop times that wait)
 
     def _on_block_done(self, i: int) -> None:
         self._launch_ready(i)
@@ -317,3 +323,27 @@ class DataParallel:
         return (f"DataParallel({self.model.name}, {self.comm.size} ranks, {self.n_buckets} buckets"
                 f" of <= {self.bucket_mb:g} MiB, {self.nbytes / 2**20:.1f} MiB, "
                 f"algorithm={self.algorithm}, overlap={self.overlap})")
+
+
+class LocalGradients:
+    """The data-parallel engine of a run with one replica and no MPI (a serial run's context):
+    the same interface as :class:`DataParallel`, with nothing to reduce."""
+
+    hook = None
+    reduces = False
+    overlap = False
+
+    def __init__(self, model):
+        self.model = model
+
+    def finish(self, step: int) -> dict:
+        return {}
+
+    def auto_sizes(self) -> list[int]:
+        return []
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        return None
+
+    def release(self) -> None:
+        return None

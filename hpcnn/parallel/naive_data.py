@@ -9,7 +9,7 @@ One step on every rank::
 
     model.zero_grad()
     loss, caches = model.forward(x_i, y_i)        # this rank's share of the global batch
-    dp.backward(caches, dloss_for("weighted", b_i, shares))
+    dp.backward(dloss_for("weighted", b_i, shares), caches)
     opt.step(lr)                                  # every replica applies the same G
 
 What :class:`~hpcnn.parallel.data.DataParallel` adds on top, and why:
@@ -33,7 +33,7 @@ class NaiveDataParallel:
     """Replicated ``model`` on every rank of ``comm`` (a :class:`~hpcnn.parallel.comm.Communicator`);
     gradients summed one parameter at a time after the backward.
 
-    ``backward(caches, dloss, sync)`` runs the model's whole backward scaled by ``dloss``; with
+    ``backward(dloss, caches, sync)`` runs the model's whole backward scaled by ``dloss``; with
     ``sync=True`` (the last micro-batch of a step) it then sums every parameter's gradient over
     the ranks. ``sync=False`` only accumulates locally.
     """
@@ -46,9 +46,9 @@ class NaiveDataParallel:
     def zero_grad(self) -> None:
         self.model.zero_grad()
 
-    def backward(self, caches, dloss: float = 1.0, sync: bool = True) -> None:
+    def backward(self, dloss, caches, sync: bool = True) -> None:
         """Local backward (gradients accumulate), then, if ``sync``, the allreduces."""
-        self.model.backward(caches, dloss, need_dx=False)
+        self.model.backward(dloss, caches, need_dx=False)
         if sync:
             self.allreduce_gradients()
 

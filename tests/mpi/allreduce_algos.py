@@ -316,7 +316,7 @@ def dp_grads(algorithm, overlap, shm_everywhere):
     x = np.random.default_rng(10 + r).standard_normal((6, 24))
     _, caches = model.forward(x, np.arange(6) % 5)
     dp.zero_grad()
-    dp.backward(caches, 1.0 / p)
+    dp.backward(1.0 / p, caches)
     dp.finish(0)
     picked = {(allreduce.choose_nonblocking if overlap else allreduce.choose)(cd, b.view.nbytes)
               for b in dp.buckets}

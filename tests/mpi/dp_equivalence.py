@@ -69,7 +69,7 @@ def serial(kind, opt_name, steps, total, lr=0.05):
         x, y = batch(kind, s, total)
         model.zero_grad()
         _, caches = model.forward(x, y)
-        model.backward(caches, need_dx=False)
+        model.backward(1.0, caches, need_dx=False)
         opt.step(lr)
     return model
 
@@ -89,7 +89,7 @@ def parallel(kind, opt_name, steps, shares, *, bucket_mb, overlap, micro=1, mode
         parts = np.array_split(np.arange(b_i), min(micro, b_i))
         for k, part in enumerate(parts):
             _, caches = model.forward(xs[part], ys[part])
-            dp.backward(caches, dloss_for(mode, len(part), shares, local=b_i),
+            dp.backward(dloss_for(mode, len(part), shares, local=b_i), caches,
                         sync=k == len(parts) - 1)
         info = dp.finish(s)
         assert info["buckets"] == dp.n_buckets and info["bytes"] == dp.nbytes
@@ -146,7 +146,7 @@ dp._on_block_done = lambda i: (hook(i), started.append(dp._next))
 x, y = batch("mlp", 0, 16)
 dp.zero_grad()
 _, caches = model.forward(x[r::P], y[r::P])
-dp.backward(caches, 1.0 / P)
+dp.backward(1.0 / P, caches)
 assert 0 < started[0] < dp.n_buckets and started[-1] == dp.n_buckets, (started, dp.n_buckets)
 dp.finish(0)
 
@@ -158,7 +158,7 @@ dp = DataParallel(model, comm, bucket_mb=TINY)
 unused.grad = np.full(5, r + 1.0)          # last step's values, different on every rank
 dp.zero_grad()
 _, caches = model.forward(x[r::P], y[r::P])
-dp.backward(caches, 1.0 / P, sync=False)   # accumulate only; finish() reduces every bucket
+dp.backward(1.0 / P, caches, sync=False)   # accumulate only; finish() reduces every bucket
 if r == 0:
     unused.add_grad(np.full(5, 0.5))
 dp.finish(0)
@@ -173,7 +173,7 @@ x, y = batch("mlp", 0, 16)
 pred.zero_grad()
 for j in range(P):                          # g_U = (1/P) Σ_j g_j, g_j the mean over shard j
     _, caches = pred.forward(shard(x, shares, j), shard(y, shares, j))
-    pred.backward(caches, 1.0 / P, need_dx=False)
+    pred.backward(1.0 / P, caches, need_dx=False)
 opt.step(0.05)
 assert maxdiff(uni, pred) < TOL, maxdiff(uni, pred)
 assert maxdiff(uni, serial("mlp", "sgd", 1, 16)) > 1e-6           # the weighting is not a no-op
@@ -187,7 +187,7 @@ if r == 1:
     xs[0, 3] = np.nan
 dp.zero_grad()
 _, caches = model.forward(xs, ys)
-dp.backward(caches, dloss_for("weighted", shares[r], shares))
+dp.backward(dloss_for("weighted", shares[r], shares), caches)
 try:
     dp.finish(7)
     raise AssertionError("a NaN gradient was not reported")
@@ -195,7 +195,7 @@ except FloatingPointError as e:
     assert str(e) == "non-finite gradient at step 7 on rank(s) 1", e
 dp.zero_grad()
 _, caches = model.forward(shard(x, shares, r), ys)
-dp.backward(caches, dloss_for("weighted", shares[r], shares))
+dp.backward(dloss_for("weighted", shares[r], shares), caches)
 dp.finish(8)
 assert all(np.isfinite(p.grad).all() for p in model.params)
 

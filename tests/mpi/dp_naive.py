@@ -53,7 +53,7 @@ def serial(kind, total):
     x, y = batch(kind, total)
     model.zero_grad()
     _, caches = model.forward(x, y)
-    model.backward(caches, need_dx=False)
+    model.backward(1.0, caches, need_dx=False)
     return grads(model)
 
 
@@ -65,7 +65,7 @@ def run(engine, kind, shares, micro):
     parts = np.array_split(np.arange(shares[r]), min(micro, shares[r]))
     for k, part in enumerate(parts):
         _, caches = engine.model.forward(xs[part], ys[part])
-        engine.backward(caches, dloss_for("weighted", len(part), shares, local=shares[r]),
+        engine.backward(dloss_for("weighted", len(part), shares, local=shares[r]), caches,
                         sync=k == len(parts) - 1)
     if isinstance(engine, DataParallel):
         engine.finish(0)

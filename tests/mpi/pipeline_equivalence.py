@@ -65,7 +65,7 @@ def serial(kind):
         x, y = batch(kind, s)
         model.zero_grad()
         loss, caches = model.forward(x, y)
-        model.backward(caches, need_dx=False)
+        model.backward(1.0, caches, need_dx=False)
         opt.step(LR)
         losses.append(loss)
     return model, losses

@@ -19,9 +19,9 @@ def sgd(model, steps, batch, *, lr, tp=None, dp=None):
         model.zero_grad()
         loss, caches = model.forward(x, y)
         if dp is None:
-            model.backward(caches, need_dx=False)
+            model.backward(1.0, caches, need_dx=False)
         else:
-            dp.backward(caches, 1.0 / dp.comm.size)
+            dp.backward(1.0 / dp.comm.size, caches)
             dp.finish(s)
         if tp is not None:
             sync_replicated_grads(model.params, tp)

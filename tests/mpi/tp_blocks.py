@@ -220,7 +220,7 @@ for sp in (False, True):
     tok, tgt = batch(0)
     stats.reset()
     model.zero_grad()
-    model.backward(model.forward(tok, tgt)[1], need_dx=False)
+    model.backward(1.0, model.forward(tok, tgt)[1], need_dx=False)
     sync_replicated_grads(model.params, comm)
     want = sum(s.comm_bytes for s in model.spec(tok.shape)) + \
         replicated_sync_volume(model.params).sent(P)

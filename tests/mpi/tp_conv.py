@@ -109,7 +109,7 @@ for pool in ("max", "avg"):
     x, y = batch(0)                                     # one step's bytes: the chain's spec
     stats.reset()
     model.zero_grad()
-    model.backward(model.forward(x, y)[1], need_dx=False)
+    model.backward(1.0, model.forward(x, y)[1], need_dx=False)
     want = sum(s.comm_bytes for s in model.spec(x.shape))
     assert stats.bytes_sent == want and (want > 0) == (P > 1), (pool, stats.bytes_sent, want)
 

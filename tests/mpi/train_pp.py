@@ -76,7 +76,7 @@ for name, args in cases:
         if tp == 1:
             assert sum(held) == dp * whole, (held, whole)
         kinds = set(run.timeline["kind"].tolist())
-        assert {"F", "B"} <= kinds or {"forward", "backward"} <= kinds, kinds
+        assert {"F", "B"} <= kinds, kinds
         assert ("W" in kinds) == ("zb_" in name), (name, kinds)
     world.Barrier()
 if rank == 0:

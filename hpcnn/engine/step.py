@@ -1,0 +1,111 @@
+"""One optimizer step on one rank: shard, run the rank's schedule, reduce, clip, update.
+
+The same code for every layout (:class:`~.context.ParallelContext`): the rank takes its share of
+the global batch (:func:`hpcnn.parallel.data.shard`), cuts it into micro-batches, runs its
+schedule list over its stages (:func:`.execute.run`, data parallelism launching buckets from the
+backwards' hook), waits for the gradient reduction, puts the loss on every rank, reports its
+compute time to the balancer, clips and steps the optimizer. Returns the step's metrics row, this
+rank's timing row and its timeline events.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+
+import numpy
+
+from hpcnn import backend
+from hpcnn.engine.execute import run
+from hpcnn.engine.stage import boundary_shapes
+from hpcnn.nn.optim import clip_grad_norm, lr_at
+from hpcnn.parallel.data import dloss_for, shard
+
+
+def split_batch(x, y, n_micro: int):
+    """Cut a batch along axis 0 into ``n_micro`` contiguous micro-batches (sizes differ by at
+    most one, the larger first); returns the lists (xs, ys)."""
+    n = int(x.shape[0])
+    if not isinstance(n_micro, int) or not 1 <= n_micro <= n:
+        raise ValueError(f"n_micro ({n_micro!r}) must be an integer in [1, batch size ({n})]")
+    q, r = divmod(n, n_micro)
+    cuts = [0]
+    for i in range(n_micro):
+        cuts.append(cuts[-1] + q + (i < r))
+    return ([x[a:b] for a, b in zip(cuts, cuts[1:])], [y[a:b] for a, b in zip(cuts, cuts[1:])])
+
+
+def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: float):
+    """This rank's forward and backward of its rows ``x, y`` (rows ``row0 ..`` of the step's
+    global batch) as its schedule says; returns (loss sum over its rows, events). The loss sum
+    is known on the last stage's rank only (0 elsewhere)."""
+    cfg = ctx.cfg
+    x, y = task.to_device(x, y)
+    xs, ys = split_batch(x, y, ctx.n_micro(len(x)))
+    sizes = [int(a.shape[0]) for a in xs]
+    # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
+    dloss = [dloss_for(cfg.combine, m, shares, local=len(x)) for m in sizes]
+    starts = numpy.cumsum([row0] + sizes)
+    draws = [(step, int(a)) for a in starts[:-1]]       # the serial step's dropout masks
+    hook = ctx.engine.hook                               # buckets launched as blocks finish
+    last = len(xs) - 1
+    out = run(ctx.schedule(len(xs)), ctx.stages, ctx.pp, xs, ys, dloss=dloss,
+              shapes=boundary_shapes(task.model, ctx.ranges, [a.shape for a in xs]),
+              dtype=task.model.params[0].data.dtype, t0=t_start, rank=ctx.rank, draws=draws,
+              hook=(lambda mb: hook if mb == last else None) if hook is not None else None)
+    ctx.peak_stage_bytes = max(ctx.peak_stage_bytes, int(out["peak_bytes"]))
+    loss = sum(out["losses"][mb] * sizes[mb] for mb in sorted(out["losses"]))
+    return float(loss), list(out["events"])
+
+
+def _peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def train_step(ctx, task, opt, step: int, t_start: float):
+    """One optimizer step on this rank's shard: returns (metrics row, rank row, events)."""
+    cfg = ctx.cfg
+    lr = lr_at(step, cfg.lr, task.steps, cfg.warmup, cfg.min_lr, cfg.lr_schedule)
+    shares = ctx.balancer.shares
+    xg, yg = task.global_batch(step)
+    mine = shard(numpy.arange(cfg.batch_size), shares, ctx.dp.rank)
+    comm_before, bytes_before = ctx.stats.comm_seconds, ctx.stats.bytes_sent
+    t0 = time.perf_counter()
+    ctx.local.zero_grad()
+    loss_sum, events = forward_backward(ctx, task, xg[mine], yg[mine], shares, step,
+                                        int(mine[0]) if len(mine) else 0, t_start)
+    compute = time.perf_counter() - t0
+    pad = ctx.slowdown.pad(compute)
+    if pad:
+        events.append((ctx.rank, "emulated_slowdown", -1, t0 + compute - t_start,
+                       t0 + compute + pad - t_start))
+    compute += pad
+    tw = time.perf_counter()
+    ctx.engine.finish(step)          # each pipeline rank starts as soon as its stages are done
+    ctx.sync_replicated()
+    loss_sum = ctx.loss_everywhere(loss_sum)    # after the reduction: last stages start first
+    if ctx.engine.reduces:
+        events.append((ctx.rank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
+    loss_sum = float(ctx.dp.allreduce_scalars([loss_sum])[0])
+    ctx.balancer.step(step, len(mine), ctx.replica_seconds(compute))
+    if not math.isfinite(loss_sum):
+        raise FloatingPointError(f"loss is {loss_sum} at step {step} (rank {ctx.dp.rank})")
+    gnorm = float("nan")
+    if cfg.clip > 0:
+        gnorm = clip_grad_norm(opt.params, cfg.clip, norm_sq=ctx.grad_norm_sq(opt.params))
+    td = time.perf_counter()
+    opt.step(lr)
+    backend.sync()
+    t3 = time.perf_counter()
+    events.append((ctx.rank, "optimizer", -1, td - t_start, t3 - t_start))
+    dt = t3 - t0
+    row = {"loss": loss_sum / cfg.batch_size, "lr": lr, "step_time": dt,
+           "samples": cfg.batch_size, "samples_per_s": cfg.batch_size / dt}
+    if cfg.clip > 0:
+        row["grad_norm"] = gnorm
+    comm_s = ctx.stats.comm_seconds - comm_before
+    rank_row = {"step": step, "rank": ctx.rank, "compute_s": compute, "comm_s": comm_s,
+                "idle_s": max(0.0, dt - compute - comm_s - (t3 - td)),
+                "bytes_sent": ctx.stats.bytes_sent - bytes_before,
+                "peak_mem_bytes": _peak_rss_bytes()}
+    return row, rank_row, events
