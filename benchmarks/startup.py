@@ -6,7 +6,7 @@
     ``_Parallel`` (grid, communicators) through the model build to the end of ``attach``
     (``start-up``), of which in ``attach`` (the data-parallel engine and the calibration) and in
     the calibration itself (this code: ``calibration.for_run``; the older code:
-    ``allreduce.calibrate``; timed from a barrier), the slowest rank's, for:
+    ``algorithms.calibrate``; timed from a barrier), the slowest rank's, for:
       ``before``  the code of git revision ``--before=REV`` (extracted to a temporary folder);
       ``fresh``   this code with no saved calibration (``HPCNN_CALIBRATION=off``);
       ``saved``   this code with the calibration file a ``fresh`` run of the same layout wrote;
@@ -50,7 +50,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     from hpcnn.config import parse_overrides
-    from hpcnn.parallel import allreduce
+    from hpcnn.parallel.collectives import algorithms
     from hpcnn.train import _build_for, _Parallel
     world = MPI.COMM_WORLD
     dp = [] if any(a.startswith("--dp=") for a in args) else [f"--dp={world.Get_size()}"]
@@ -71,7 +71,7 @@ def worker(args) -> None:
                 spent[0] += time.perf_counter() - t
         setattr(module, name, wrapper)
     try:
-        from hpcnn.parallel import calibration      # this code: the whole of for_run
+        from hpcnn.parallel.collectives import calibration      # this code: the whole of for_run
         timed(calibration, "for_run")
     except ImportError:                             # the older code: its calibrate call
         timed(allreduce, "calibrate")

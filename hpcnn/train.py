@@ -24,7 +24,7 @@ from hpcnn import checkpoint
 from hpcnn.nn.core import is_placeholder, materialize_only
 from hpcnn.nn.layers import place_draws
 from hpcnn.nn.optim import clip_grad_norm, grad_norm_sq, lr_at, make_optimizer
-from hpcnn.parallel.comm import library_version
+from hpcnn.parallel.collectives import library_version
 from hpcnn.parallel.data import NONBLOCKING, dloss_for, shard
 from hpcnn.task import Task, build_task, metrics_from_sums
 
@@ -69,7 +69,7 @@ class _Parallel:
     slowdown. ``comm`` is the data-parallel communicator, ``tp`` the tensor-parallel one."""
 
     def __init__(self, cfg: TrainConfig, world):
-        from hpcnn.parallel.comm import CommStats, Communicator
+        from hpcnn.parallel.collectives import CommStats, Communicator
         from hpcnn.parallel.grid import ProcessGrid
         self.cfg = cfg
         self.grid = ProcessGrid(world, cfg.dp, cfg.tp, cfg.pp)
@@ -120,7 +120,7 @@ class _Parallel:
                                    and cfg.allreduce in NONBLOCKING)
         self.calibration = None       # auto: time (or load) only the sizes the engine sends
         if cfg.allreduce == "auto" and self.size > 1:
-            from hpcnn.parallel import calibration
+            from hpcnn.parallel.collectives import calibration
             self.calibration = calibration.for_run(self.comm, self.engine.auto_sizes(), cfg.dtype)
             if self.grid.rank == 0 and cfg.progress:
                 print("".join(f"hpcnn: {x}\n" for x in calibration.describe(self.calibration)),
@@ -135,7 +135,7 @@ class _Parallel:
         algo = self.cfg.allreduce
         if algo not in ("shm", "cma") or self.size == 1:
             return
-        from hpcnn.parallel import cma, shm
+        from hpcnn.parallel.collectives import cma, shm
         if shm.node_of(self.comm) is None:
             raise ConfigError(f"allreduce={algo!r} needs every data-parallel rank on one node "
                               f"(and HPCNN_SHM not 0); use --allreduce=auto")

@@ -24,7 +24,7 @@ micro-batches in flight (F done, B not yet).
 
     mpiexec -n 4 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn import data; from hpcnn.nn import models; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel import pipeline; \\
+        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel import pipeline; \\
         d = data.digits(); m = models.mlp(64, (32, 32, 32), 10); \\
         out = pipeline.train_step('1f1b', m, Communicator(MPI.COMM_WORLD), \\
             d.x_train[:32].astype(np.float32), d.y_train[:32], 4, layout='1|3|2|1'); \\
@@ -278,7 +278,7 @@ def forward_only(chain, ranges, pp, x, y=None, owner=None):
 def _pp_communicator(comm):
     """A :class:`.comm.Communicator` on the pipeline axis of a ProcessGrid, a Communicator or a
     raw mpi4py communicator."""
-    from hpcnn.parallel.comm import Communicator
+    from hpcnn.parallel.collectives import Communicator
     if isinstance(comm, Communicator):
         return comm
     if hasattr(comm, "pp_comm"):

@@ -2,7 +2,8 @@
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn.parallel.comm import SAMPLE_EVERY, SAMPLED_BELOW, CommStats, Communicator
+from hpcnn.parallel.collectives import CommStats, Communicator
+from hpcnn.parallel.collectives.stats import SAMPLE_EVERY, SAMPLED_BELOW
 from hpcnn.parallel.grid import GridError, ProcessGrid, coords_of, rank_of
 
 world = MPI.COMM_WORLD

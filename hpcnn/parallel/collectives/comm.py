@@ -13,28 +13,43 @@ root, point-to-point the message size. Counters live in a :class:`CommStats` sha
 communicators of a process, read into the run log's ``/ranks`` table.
 
 ``allreduce`` of a NumPy buffer by the library (``mpi``, or ``auto`` where it picks ``mpi``)
-takes a lean path: the optional C module (:mod:`hpcnn.parallel.lean_build`) when built, a
-counted in-place ``MPI_Allreduce`` that is 1.1-1.2x a bare mpi4py ``Allreduce`` at 8 B-4 KiB on
-2 ranks (it skips mpi4py's argument parsing); else a Python closure, 0.85-0.90x there. Counters
-and the sampling of small calls' seconds: :mod:`hpcnn.parallel.stats`.
+takes a lean path: the optional C module (:mod:`.lean_build`) when built, a counted in-place
+``MPI_Allreduce`` that is 1.1-1.2x a bare mpi4py ``Allreduce`` at 8 B-4 KiB on 2 ranks (it skips
+mpi4py's argument parsing); else a Python closure, 0.85-0.90x there. That path, the algorithms'
+thresholds and resources live in ``comm.collectives`` (:class:`~.state.Collectives`). Counters
+and the sampling of small calls' seconds: :mod:`.stats`.
+
+Small picklable objects (metadata, error messages) travel by :meth:`Communicator.allgather_objects`,
+:meth:`Communicator.gather_objects` and :meth:`Communicator.bcast_object`. A serial run uses
+:meth:`Communicator.single` (a :class:`SelfCommunicator`): the same methods on one rank, without
+MPI.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; c = Communicator(MPI.COMM_WORLD); \\
+        from hpcnn.parallel.collectives import Communicator; c = Communicator(MPI.COMM_WORLD); \\
         a = np.ones(4); c.allreduce(a); print(a, c.stats.bytes_sent)"
 """
 from __future__ import annotations
 
+import pickle
 import time
+from collections import deque
 
 import numpy
 
 from hpcnn import backend
-from hpcnn.parallel import allreduce as algorithms     # the algorithms behind allreduce(...)
-from hpcnn.parallel.mpi_base import Request, _cuda_aware, _mpi, host_buffers  # noqa: F401
-from hpcnn.parallel.stats import SAMPLE_EVERY, SAMPLED_BELOW, CommStats, _c_lean
+from hpcnn.parallel.collectives import algorithms      # the algorithms behind allreduce(...)
+from hpcnn.parallel.collectives.mpi_base import Request, _cuda_aware, _mpi, host_buffers
+from hpcnn.parallel.collectives.state import Collectives
+from hpcnn.parallel.collectives.stats import CommStats
 
 _perf = time.perf_counter
 _ndarray = numpy.ndarray
+
+
+def _pickled_size(obj) -> int:
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def library_version() -> str:
     """The first line of the MPI library's version string (what the run log records)."""
     return _mpi().Get_library_version().splitlines()[0].strip()
@@ -59,45 +74,13 @@ class _LeanRequest(Request):
             self._finish(_perf() - t)
 
 
-def _lean_allreduce(com):
-    """``com.allreduce``'s hot path: the C module's ``Lean`` when it is built (and the counter is
-    its ``Counter``), else a closure over the bound ``Allreduce``, constants and counter (cell
-    loads instead of attribute loads: about half the per-call cost of the method). The
-    difference matters only next to a bare ``Allreduce`` of a few KiB (~3-5 us here)."""
-    lean = _c_lean()
-    general = Communicator.allreduce.__get__(com)
-    if lean is not None and type(com._ar) is lean.Counter:
-        fast = lean.Lean(com.comm, com._ar, general, _ndarray, SAMPLED_BELOW, SAMPLE_EVERY)
-        fast.auto_below = com._lim[0]
-        return fast
-    Allreduce, IN_PLACE, SUM = com._Allreduce, com._IN_PLACE, com._SUM
-    c, lim, ndarray = com._ar, com._lim, _ndarray
-    sampled, every = SAMPLED_BELOW, SAMPLE_EVERY - 1
-
-    def allreduce(buf, algorithm: str = "mpi"):
-        if type(buf) is ndarray:
-            n = buf.nbytes
-            if algorithm == "mpi" or algorithm == "auto" and n < lim[0]:
-                c.calls += 1
-                c.raw += n
-                if n < sampled and c.calls & every:
-                    Allreduce(IN_PLACE, buf, SUM)                  # untimed (sampled)
-                    return buf
-                t = _perf()
-                Allreduce(IN_PLACE, buf, SUM)
-                c.seconds += (_perf() - t) * (every + 1 if n < sampled else 1)
-                return buf
-        return general(buf, algorithm)
-    allreduce.__doc__ = Communicator.allreduce.__doc__
-    return allreduce
-
-
 class Communicator:
     """Named, counted collectives on ``comm`` (an ``mpi4py.MPI.Comm``).
 
-    Attributes read by :mod:`hpcnn.parallel.allreduce`: ``allreduce_table`` (what ``auto``
-    chooses, see :func:`~hpcnn.parallel.allreduce.calibrate`; None: the defaults),
-    ``allreduce_segment_bytes``, ``iallreduce_segment_bytes``, ``shm_piece_bytes``.
+    Attributes read by :mod:`.algorithms`: ``allreduce_table`` (what ``auto`` chooses, see
+    :func:`~.algorithms.calibrate`; None: the defaults), ``allreduce_segment_bytes``,
+    ``iallreduce_segment_bytes``, ``shm_piece_bytes`` (optional). The algorithms' own state is
+    ``collectives`` (:class:`~.state.Collectives`).
     """
 
     def __init__(self, comm, stats: CommStats | None = None, name: str = "comm"):
@@ -107,12 +90,15 @@ class Communicator:
         self._lean = self.size > 1          # the hot path: NumPy buffers, library's Allreduce
         if self._lean:
             MPI = _mpi()
-            self._Allreduce, self._Iallreduce = comm.Allreduce, comm.Iallreduce
+            self._Iallreduce = comm.Iallreduce
             self._IN_PLACE, self._SUM = MPI.IN_PLACE, MPI.SUM
-        self._iauto_mpi_below = 0           # iallreduce "auto" is "mpi" below this (once known)
-        self._lim = [0]                     # allreduce "auto" is "mpi" below _lim[0] (once known)
+        self.collectives = Collectives(self)    # the algorithms' shared state
         self.stats = stats if stats is not None else CommStats()
-        self.allreduce_table = None
+
+    @classmethod
+    def single(cls, name: str = "self", stats: CommStats | None = None) -> "SelfCommunicator":
+        """A one-rank communicator that never imports mpi4py (:class:`SelfCommunicator`)."""
+        return SelfCommunicator(name, stats)
 
     @property
     def stats(self) -> CommStats:
@@ -124,37 +110,18 @@ class Communicator:
         self._ar = stats.counter("allreduce", 2 * (self.size - 1), self.size)
         self._iar = stats.counter("iallreduce", 2 * (self.size - 1), self.size)
         if self._lean:                      # the hot path, bound to this counter
-            self.allreduce = _lean_allreduce(self)
-
-    @property
-    def _auto_mpi_below(self) -> int:
-        return self._lim[0]
-
-    @_auto_mpi_below.setter
-    def _auto_mpi_below(self, nbytes: int) -> None:
-        self._lim[0] = nbytes
-        if hasattr(self.__dict__.get("allreduce"), "auto_below"):
-            self.allreduce.auto_below = nbytes              # the C path keeps its own copy
-            self.allreduce.private_below = 0                # until _set_private_auto
-
-    def _set_private_auto(self, nbytes: int, shared_ranges: list) -> None:
-        """C path only: ``auto`` also runs the library below ``nbytes`` for a buffer outside
-        ``shared_ranges`` ((start, stop) addresses of the shared windows)."""
-        fast = self.__dict__.get("allreduce")
-        if hasattr(fast, "private_below"):
-            fast.shared = list(shared_ranges)
-            fast.private_below = nbytes
+            self.allreduce = self.collectives.bind_allreduce(
+                Communicator.allreduce.__get__(self), self._ar)
 
     @property
     def allreduce_table(self):
-        """The table ``auto`` reads (``{"sizes": [...], "choice": [...]}``) or None."""
-        return self._table
+        """The table ``auto`` reads (``{"sizes": [...], "choice": [...]}``) or None: the
+        defaults (kept in :attr:`collectives`, see :class:`Collectives`)."""
+        return self.collectives.table
 
     @allreduce_table.setter
     def allreduce_table(self, table) -> None:
-        self._table = table
-        self._auto = None                   # compiled on the next "auto" call
-        self._auto_mpi_below = 0            # allreduce "auto" is "mpi" below this (once known)
+        self.collectives.table = table
 
     def _timed(self, op, nbytes, fn):
         t = _perf()
@@ -165,12 +132,13 @@ class Communicator:
     # -- reductions -----------------------------------------------------------------------------
     def allreduce(self, buf, algorithm: str = "mpi"):
         """Sum ``buf`` over all ranks, in place. ``algorithm``: mpi | ring | rd | shm | auto
-        (see :mod:`hpcnn.parallel.allreduce`). Returns ``buf``.
+        (see :mod:`.algorithms`). Returns ``buf``.
 
-        On more than one rank this method is shadowed by a closure (:func:`_lean_allreduce`):
-        a NumPy buffer reduced by the library (``mpi``, or ``auto`` below its first other
-        choice) then costs a type and a size check, two counter increments and the bound
-        ``Allreduce`` (timed one call in ``SAMPLE_EVERY`` below ``SAMPLED_BELOW`` bytes).
+        On more than one rank this method is shadowed by the hot path bound by
+        :meth:`Collectives.bind_allreduce`: a NumPy buffer reduced by the library (``mpi``, or
+        ``auto`` below its first other choice) then costs a type and a size check, two counter
+        increments and the bound ``Allreduce`` (timed one call in ``SAMPLE_EVERY`` below
+        ``SAMPLED_BELOW`` bytes).
         """
         if self.size == 1:
             return buf
@@ -187,10 +155,10 @@ class Communicator:
         ``algorithm``: mpi (the library's Iallreduce) | ring (hpcnn's segmented ring, advanced
         by ``test()`` calls between blocks of compute; faster than the MPICH and Open MPI wheels'
         Iallreduce from ~2 MiB) | shm (one node: shared memory, phases run by ``test()``) |
-        auto (see :func:`hpcnn.parallel.allreduce.choose_nonblocking`)."""
+        auto (see :func:`.algorithms.choose_nonblocking`)."""
         if type(buf) is _ndarray and self._lean:
             n = buf.nbytes
-            if algorithm == "mpi" or algorithm == "auto" and n < self._iauto_mpi_below:
+            if algorithm == "mpi" or algorithm == "auto" and n < self.collectives.iauto_mpi_below:
                 return _LeanRequest(self._Iallreduce(self._IN_PLACE, buf, self._SUM), self._iar,
                                     n, on_done)
         if self.size > 1 and algorithm != "mpi":
@@ -210,7 +178,7 @@ class Communicator:
     def shared_zeros(self, shape, dtype=numpy.float32):
         """A zero-filled array that ``allreduce``/``iallreduce`` with ``shm`` (or ``auto``)
         reduce in place without copying it in: in shared memory when all ranks are on one node,
-        else a plain array (see :func:`hpcnn.parallel.allreduce.shared_zeros`). Collective."""
+        else a plain array (see :func:`.algorithms.shared_zeros`). Collective."""
         return algorithms.shared_zeros(self, shape, dtype)
 
     def allreduce_scalars(self, values, op: str = "sum") -> numpy.ndarray:
@@ -289,6 +257,37 @@ class Communicator:
                         lambda: self.comm.Bcast(h, root=root))
         return buf
 
+    # -- small picklable objects (metadata, error messages) ----------------------------------
+    def _check_root(self, op: str, root: int) -> None:
+        if not 0 <= root < self.size:
+            raise ValueError(f"{op}: root {root} is not a rank of {self.name} (size {self.size})")
+
+    def allgather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (picklable, small), in rank order. Counted under
+        ``allgather_objects``: this rank's pickled size times p-1 (the all-gather convention)."""
+        if self.size == 1:
+            return [obj]
+        return self._timed("allgather_objects", _pickled_size(obj) * (self.size - 1),
+                           lambda: self.comm.allgather(obj))
+
+    def gather_objects(self, obj, root: int = 0) -> list | None:
+        """Every rank's ``obj`` in rank order on ``root``, None elsewhere. Counted under
+        ``gather_objects``: the pickled size on every rank but the root."""
+        self._check_root("gather_objects", root)
+        if self.size == 1:
+            return [obj]
+        nbytes = 0 if self.rank == root else _pickled_size(obj)
+        return self._timed("gather_objects", nbytes, lambda: self.comm.gather(obj, root=root))
+
+    def bcast_object(self, obj, root: int = 0):
+        """``root``'s ``obj`` on every rank (what the others pass is ignored). Counted under
+        ``bcast_object``: the pickled size on the root."""
+        self._check_root("bcast_object", root)
+        if self.size == 1:
+            return obj
+        nbytes = _pickled_size(obj) if self.rank == root else 0
+        return self._timed("bcast_object", nbytes, lambda: self.comm.bcast(obj, root=root))
+
     def barrier(self) -> None:
         if self.size > 1:
             self._timed("barrier", 0, self.comm.Barrier)
@@ -316,3 +315,97 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank}/{self.size})"
+
+
+class _SelfComm:
+    """Stands in for ``MPI.COMM_SELF`` under a :class:`SelfCommunicator`: a rank and a size, no
+    communication (every collective is the Communicator's, which need none on one rank)."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+
+class _SelfRequest(Request):
+    """A request on one rank: complete as soon as it is ``ready`` (at once, but for an ``irecv``
+    posted before its ``isend``); counted, like an MPI request, when ``test``/``wait`` sees it
+    complete."""
+
+    def __init__(self, stats, op: str, ready: bool = True, buf=None, tag: int = 0):
+        super().__init__([], stats, op, 0, _perf())
+        self.ready, self.buf, self.tag = ready, buf, tag
+
+    def test(self) -> bool:
+        if self.ready and not self.done:
+            self._finish(0.0)
+        return self.done
+
+    def wait(self) -> None:
+        if not self.test():
+            raise RuntimeError(f"irecv (tag {self.tag}) on a one-rank communicator: no isend to "
+                               "rank 0 with this tag was posted, so it would wait forever")
+
+
+class SelfCommunicator(Communicator):
+    """The :class:`Communicator` of one rank, without MPI (mpi4py is never imported).
+
+    Every method gives the one-rank answer of a Communicator over ``MPI.COMM_SELF``: reductions,
+    broadcasts and gathers are identities or copies, requests complete at once, ``shared_zeros``
+    is a plain zeros array, and the counters count calls but no bytes. Point-to-point goes to
+    rank 0 itself (``dest``/``source`` 0) or nowhere (a negative rank, e.g. ``MPI.PROC_NULL``):
+    a message to itself is copied and counted as 0 bytes (nothing leaves the rank). A serial run
+    uses it so that it runs the code of an MPI run. Make it with :meth:`Communicator.single`.
+    """
+
+    def __init__(self, name: str = "self", stats: CommStats | None = None):
+        super().__init__(_SelfComm(), stats, name)
+        self._sent, self._waiting = {}, {}     # tag -> queued copies sent; tag -> receives
+
+    @staticmethod
+    def _peer(op: str, rank: int) -> bool:
+        """True for rank 0 (this rank), False for no peer (negative); else a ValueError."""
+        if rank > 0:
+            raise ValueError(f"{op}: rank {rank} on a one-rank communicator (only 0, or a "
+                             "negative rank for no peer)")
+        return rank == 0
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag: int = 0):
+        """``recvbuf[...] = sendbuf`` when both peers are rank 0; nothing when neither is."""
+        to_self, from_self = self._peer("sendrecv", dest), self._peer("sendrecv", source)
+        if to_self != from_self:
+            raise ValueError(f"sendrecv on a one-rank communicator: dest {dest} and source "
+                             f"{source} must both be 0 (to itself) or both no peer")
+        t = _perf()
+        if to_self:
+            recvbuf[...] = sendbuf
+        self.stats.add("sendrecv", 0, _perf() - t)
+        return recvbuf
+
+    def isend(self, buf, dest, tag: int = 0) -> Request:
+        """A copy of ``buf`` for the matching ``irecv`` (tag), or dropped for no peer."""
+        if self._peer("isend", dest):
+            waiting = self._waiting.get(tag)
+            if waiting:
+                r = waiting.popleft()
+                r.buf[...] = buf
+                r.ready = True
+            else:
+                self._sent.setdefault(tag, deque()).append(buf.copy())
+        return _SelfRequest(self.stats, "isend")
+
+    def irecv(self, buf, source, tag: int = 0) -> Request:
+        """Filled from an earlier ``isend`` with this tag, else when one is posted."""
+        if not self._peer("irecv", source):
+            return _SelfRequest(self.stats, "irecv")
+        sent = self._sent.get(tag)
+        if sent:
+            buf[...] = sent.popleft()
+            return _SelfRequest(self.stats, "irecv")
+        r = _SelfRequest(self.stats, "irecv", ready=False, buf=buf, tag=tag)
+        self._waiting.setdefault(tag, deque()).append(r)
+        return r
+
+    def __repr__(self) -> str:
+        return f"SelfCommunicator({self.name})"
