@@ -19,9 +19,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
 
 # The optional C fast path of the allreduce wrapper, built with the MPI's own mpicc; without it
 # hpcnn runs the same code path in Python (a failed build is reported, not fatal).
-LEAN := hpcnn/parallel/.lean-built
-$(LEAN): hpcnn/parallel/_lean.c hpcnn/parallel/lean_build.py $(VENV)/.installed
-	$(BIN)/python -m hpcnn.parallel.lean_build --quiet && touch $@ \
+LEAN := hpcnn/parallel/collectives/.lean-built
+$(LEAN): hpcnn/parallel/collectives/_lean.c hpcnn/parallel/collectives/lean_build.py $(VENV)/.installed
+	$(BIN)/python -m hpcnn.parallel.collectives.lean_build --quiet && touch $@ \
 		|| echo "hpcnn: continuing without the optional C fast path (see the message above)"
 
 test: $(VENV)/.installed $(LEAN)
@@ -49,4 +49,4 @@ bench: $(VENV)/.installed $(LEAN)
 	$(BIN)/python benchmarks/serial_step.py
 
 clean:
-	rm -rf runs .pytest_cache build *.egg-info hpcnn/parallel/_lean*.so $(LEAN)
+	rm -rf runs .pytest_cache build *.egg-info hpcnn/parallel/collectives/_lean*.so $(LEAN)

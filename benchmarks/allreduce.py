@@ -4,7 +4,8 @@ For float32 messages of 1 KiB .. 256 MiB (powers of 4), the median over repeats 
 rank's time of: a raw ``MPI.Comm.Allreduce`` (``raw``), ``Communicator.allreduce`` with
 ``mpi``, ``ring``, ``rd``, ``shm`` (when all ranks share a node), ``cma`` (single-copy reads
 of the peers' memory, where the kernel allows it) and ``auto`` (after
-:func:`hpcnn.parallel.allreduce.calibrate`, which is timed too), all on a private NumPy buffer;
+:func:`hpcnn.parallel.collectives.algorithms.calibrate`, which is timed too), all on a private
+NumPy buffer;
 ``shm0`` and ``auto0``: shm and auto on a buffer from ``Communicator.shared_zeros`` (zero copy).
 Algorithmic bandwidth = 2(p-1)/p n / t; ``x_raw`` columns are t_raw / t (above 1 is faster than
 the library). Repeats are interleaved across algorithms, in a random order each (one algorithm's
@@ -38,11 +39,11 @@ from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.parallel import allreduce  # noqa: E402
-from hpcnn.parallel import shm  # noqa: E402
-from hpcnn.parallel.comm import Communicator  # noqa: E402
+from hpcnn.parallel.collectives import algorithms  # noqa: E402
+from hpcnn.parallel.collectives import shm  # noqa: E402
+from hpcnn.parallel.collectives import Communicator  # noqa: E402
 
-OPTS = {"max-mib": 256, "segment": allreduce.SEGMENT_BYTES, "isegment": allreduce.ISEGMENT_BYTES,
+OPTS = {"max-mib": 256, "segment": algorithms.SEGMENT_BYTES, "isegment": algorithms.ISEGMENT_BYTES,
         "piece": shm.PIECE_BYTES, "overlap": 1, "calibrate": 1}
 for a in sys.argv[1:]:
     if a in ("--no-overlap", "--no-calibrate"):
@@ -98,7 +99,7 @@ def bench_sizes(c, world):
                 if rep:
                     ts[a].append(time.perf_counter() - t0)
         t = {a: slowest_median(world, ts[a]) for a in ALGOS}
-        row = {"bytes": nbytes, "auto_choice": allreduce.choose(c, nbytes)}
+        row = {"bytes": nbytes, "auto_choice": algorithms.choose(c, nbytes)}
         for a in ALGOS:
             row[f"{a}_us"] = t[a] * 1e6
             row[f"{a}_GBps"] = 2 * (p - 1) / p * nbytes / t[a] / 1e9
@@ -216,18 +217,18 @@ def main():
     c.allreduce_segment_bytes = OPTS["segment"]
     c.iallreduce_segment_bytes = OPTS["isegment"]
     c.shm_piece_bytes = OPTS["piece"]
-    if not allreduce.single_node(c):
+    if not algorithms.single_node(c):
         for a in ("shm", "shm0", "auto0"):
             ALGOS.remove(a)
-    from hpcnn.parallel import cma
+    from hpcnn.parallel.collectives import cma
     if not cma.available(c):
         ALGOS.remove("cma")
     world.Barrier()
     t0 = time.perf_counter()
     if OPTS["calibrate"]:
-        allreduce.calibrate(c)
+        algorithms.calibrate(c)
     t_cal = time.perf_counter() - t0
-    table = c.allreduce_table or allreduce.default_table(c)
+    table = c.allreduce_table or algorithms.default_table(c)
     if world.Get_rank() == 0:
         print(f"{library_version()}; {p} ranks; segment {OPTS['segment']} B, "
               f"non-blocking {OPTS['isegment']} B, shm piece {OPTS['piece']} B, "
@@ -259,7 +260,7 @@ def main():
             f"{r['bytes']} B {r['auto_x_raw']:.3f}x (+{r['auto_us'] - r['raw_us']:.2f} us)"
             for r in hrows))
         print(f"wrote {out}")
-    allreduce.free(c)
+    algorithms.free(c)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.nn import models  # noqa: E402
 from hpcnn.nn.optim import SGD  # noqa: E402
-from hpcnn.parallel.comm import Communicator  # noqa: E402
+from hpcnn.parallel.collectives import Communicator  # noqa: E402
 from hpcnn.parallel.data import DataParallel  # noqa: E402
 
 ARGS = {"repeats": 8, "batch": 64}

@@ -6,7 +6,7 @@
     ``_Parallel`` (grid, communicators) through the model build to the end of ``attach``
     (``start-up``), of which in ``attach`` (the data-parallel engine and the calibration) and in
     the calibration itself (this code: ``calibration.for_run``; the older code:
-    ``allreduce.calibrate``; timed from a barrier), the slowest rank's, for:
+    ``algorithms.calibrate``; timed from a barrier), the slowest rank's, for:
       ``before``  the code of git revision ``--before=REV`` (extracted to a temporary folder);
       ``fresh``   this code with no saved calibration (``HPCNN_CALIBRATION=off``);
       ``saved``   this code with the calibration file a ``fresh`` run of the same layout wrote;
@@ -50,7 +50,6 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     from hpcnn.config import parse_overrides
-    from hpcnn.parallel import allreduce
     from hpcnn.train import _build_for, _Parallel
     world = MPI.COMM_WORLD
     dp = [] if any(a.startswith("--dp=") for a in args) else [f"--dp={world.Get_size()}"]
@@ -71,10 +70,15 @@ def worker(args) -> None:
                 spent[0] += time.perf_counter() - t
         setattr(module, name, wrapper)
     try:
-        from hpcnn.parallel import calibration      # this code: the whole of for_run
+        from hpcnn.parallel.collectives import calibration      # this code: the whole of for_run
         timed(calibration, "for_run")
-    except ImportError:                             # the older code: its calibrate call
-        timed(allreduce, "calibrate")
+    except ImportError:                             # older code, before parallel/collectives/
+        try:
+            from hpcnn.parallel import calibration
+            timed(calibration, "for_run")
+        except ImportError:                         # older still: its calibrate call
+            from hpcnn.parallel import allreduce
+            timed(allreduce, "calibrate")
     world.Barrier()
     t0 = time.perf_counter()
     par = _Parallel(cfg, world)
@@ -111,11 +115,14 @@ def extract(rev, into) -> str:
     os.makedirs(into)
     archive = subprocess.run(["git", "-C", ROOT, "archive", rev], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
-    lean = os.path.join(ROOT, "hpcnn", "parallel")   # the same C fast path as this code, if built
+    lean = os.path.join(ROOT, "hpcnn", "parallel", "collectives")  # this code's C fast path
+    # into the folder that holds _lean.c at ``rev`` (hpcnn/parallel before the collectives package)
+    dest = next(d for d in (os.path.join(into, "hpcnn", "parallel", "collectives"),
+                            os.path.join(into, "hpcnn", "parallel"))
+                if os.path.exists(os.path.join(d, "_lean.c")))
     for f in os.listdir(lean):
         if f.startswith("_lean") and f.endswith(".so"):
-            subprocess.run(["cp", os.path.join(lean, f), os.path.join(into, "hpcnn", "parallel")],
-                           check=True)
+            subprocess.run(["cp", os.path.join(lean, f), dest], check=True)
     return into
 
 

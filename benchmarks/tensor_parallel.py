@@ -43,7 +43,7 @@ from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.parallel.comm import CommStats, Communicator  # noqa: E402
+from hpcnn.parallel.collectives import CommStats, Communicator  # noqa: E402
 from hpcnn.parallel.tensor_attn import ParallelTransformerBlock  # noqa: E402
 
 ARGS = {"repeats": 10}

@@ -77,7 +77,7 @@ def save(path: str, step: int, cfg, params, opt, ctx=None) -> None:
         mine = _local_state(params, opt, ctx.tp)
         if ctx.tp.rank == 0:                              # the stages' owners -> world rank 0,
             if ctx.pp.rank > 0:                           # one pipeline rank at a time
-                ctx.pp.send_object(mine, dest=0, tag=7)
+                ctx.pp.send_object(mine, dest=0, tag=7).wait()
             else:
                 arrays = _streamed(mine, ctx.pp)
     err = ""

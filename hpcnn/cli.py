@@ -173,11 +173,11 @@ def _allreduce_lines() -> list[str]:
     """What the allreduce fast paths will find: the C module, and the kernel's ptrace policy
     that decides whether 'cma' (process_vm_readv/writev between ranks) can work."""
     import importlib.util
-    from hpcnn.parallel import lean_build
+    from hpcnn.parallel.collectives import lean_build
     built = os.path.exists(lean_build.target()) and importlib.util.find_spec(
-        "hpcnn.parallel._lean") is not None
-    out = ["allreduce C fast path: " + ("built" if built else
-                                        "not built (python -m hpcnn.parallel.lean_build)")]
+        "hpcnn.parallel.collectives._lean") is not None
+    out = ["allreduce C fast path: " + (
+        "built" if built else "not built (python -m hpcnn.parallel.collectives.lean_build)")]
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
             scope = f.read().strip()

@@ -103,7 +103,7 @@ CALIBRATE = {"dtype": ("float32", str, "float32 | float64: the dtype of the runs
 def cmd_calibrate(args) -> int:
     """Time every allreduce algorithm from 1 KiB to 64 MiB on these ranks, print the table and
     save it where ``--allreduce=auto`` runs of the same key load it
-    (:mod:`hpcnn.parallel.calibration`)."""
+    (:mod:`hpcnn.parallel.collectives.calibration`)."""
     if any(a in ("-h", "--help") for a in args):
         print("usage: mpiexec -n N python -m mpi4py -m hpcnn calibrate [--dtype=float32]\n\n"
               "Times every allreduce algorithm at 1 KiB .. 64 MiB on these ranks, prints what "
@@ -117,20 +117,20 @@ def cmd_calibrate(args) -> int:
         return 2
     from mpi4py import MPI
 
-    from hpcnn.parallel import allreduce
-    from hpcnn.parallel import calibration
-    from hpcnn.parallel.comm import Communicator
+    from hpcnn.parallel.collectives import algorithms
+    from hpcnn.parallel.collectives import calibration
+    from hpcnn.parallel.collectives import Communicator
     comm = Communicator(MPI.COMM_WORLD)
     if comm.size == 1:
         print("hpcnn calibrate: one rank: nothing to reduce (run it under mpiexec -n N)",
               file=sys.stderr)
         return 2
     key = calibration.key(comm, opts["dtype"])
-    table = allreduce.calibrate(comm, dtype=opts["dtype"])
+    table = algorithms.calibrate(comm, dtype=opts["dtype"])
     status = 0
     if comm.rank == 0:
         algos = list(table["times"])
-        nodes = "one node" if allreduce.single_node(comm) else "several nodes"
+        nodes = "one node" if algorithms.single_node(comm) else "several nodes"
         print(f"{comm.size} ranks, {nodes}, "
               f"{opts['dtype']}; median of the slowest rank, microseconds")
         print(f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in algos) + "  auto")
@@ -142,5 +142,5 @@ def cmd_calibrate(args) -> int:
         print(f"hpcnn calibrate: {failed}" if failed else f"saved to {path}" if path else
               f"not saved ({calibration.ENV}=off)", file=sys.stderr if failed else sys.stdout)
         status = 1 if failed else 0
-    allreduce.free(comm)
+    algorithms.free(comm)
     return status

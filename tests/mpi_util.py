@@ -46,17 +46,7 @@ def run_mpi(scenario: str, n: int, *args, timeout: float = 120, env=None) -> str
     return p.stdout
 
 
-class _Single:
-    """A stand-in for an MPI communicator of one rank (Communicator needs only these two)."""
-
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 1
-
-
 def single(name: str = "self"):
-    """A Communicator of one rank without MPI: every collective is the local no-op."""
-    from hpcnn.parallel.comm import Communicator
-    return Communicator(_Single(), name=name)
+    """A Communicator of one rank without MPI (:meth:`Communicator.single`)."""
+    from hpcnn.parallel.collectives import Communicator
+    return Communicator.single(name)

@@ -10,9 +10,9 @@ import re
 import numpy as np
 import pytest
 
-from hpcnn.parallel import calibration
-from hpcnn.parallel.allreduce import MARGIN, _split, compile_table, table_from_times
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.collectives import calibration
+from hpcnn.parallel.collectives.algorithms import MARGIN, _split, compile_table, table_from_times
+from hpcnn.parallel.collectives import CommStats, Communicator
 
 from mpi_util import run_mpi, single
 

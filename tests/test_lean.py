@@ -12,7 +12,7 @@ MPICC = os.path.join(os.path.dirname(sys.executable), "mpicc")
 
 def built() -> bool:
     try:
-        importlib.import_module("hpcnn.parallel._lean")
+        importlib.import_module("hpcnn.parallel.collectives._lean")
     except ImportError:
         return False
     return True
@@ -20,7 +20,8 @@ def built() -> bool:
 
 @pytest.mark.skipif(not os.path.exists(MPICC), reason="no mpicc next to this Python")
 def test_make_builds_the_c_path_when_mpicc_is_there():
-    assert built(), "make test builds hpcnn/parallel/_lean (python -m hpcnn.parallel.lean_build)"
+    assert built(), ("make test builds hpcnn/parallel/collectives/_lean "
+                     "(python -m hpcnn.parallel.collectives.lean_build)")
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -48,16 +49,17 @@ def test_an_installed_wheel_carries_the_c_source_and_builds_it(tmp_path):
                         "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)], **run)
     assert p.returncode == 0, p.stderr
     wheel, = (tmp_path / "dist").glob("hpcnn-*.whl")
-    assert "hpcnn/parallel/_lean.c" in zipfile.ZipFile(wheel).namelist()
+    assert "hpcnn/parallel/collectives/_lean.c" in zipfile.ZipFile(wheel).namelist()
     site = tmp_path / "site"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                         "--target", str(site), str(wheel)], **run)
     assert p.returncode == 0, p.stderr
     env = dict(os.environ, PYTHONPATH=str(site))
-    p = subprocess.run([sys.executable, "-m", "hpcnn.parallel.lean_build"], cwd=tmp_path,
-                       env=env, **run)
-    assert p.returncode == 0 and "built" in p.stdout, p.stdout + p.stderr
-    assert list((site / "hpcnn" / "parallel").glob("_lean*.so")), "module not next to the package"
-    p = subprocess.run([sys.executable, "-m", "hpcnn.parallel.lean_build", "--mpicc=/bin/false"],
+    p = subprocess.run([sys.executable, "-m", "hpcnn.parallel.collectives.lean_build"],
                        cwd=tmp_path, env=env, **run)
+    assert p.returncode == 0 and "built" in p.stdout, p.stdout + p.stderr
+    built_in = site / "hpcnn" / "parallel" / "collectives"
+    assert list(built_in.glob("_lean*.so")), "module not next to the package"
+    p = subprocess.run([sys.executable, "-m", "hpcnn.parallel.collectives.lean_build",
+                        "--mpicc=/bin/false"], cwd=tmp_path, env=env, **run)
     assert p.returncode == 1 and "not built" in p.stderr, p.stdout + p.stderr

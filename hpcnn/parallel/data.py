@@ -27,7 +27,7 @@ Gradient accumulation: a micro-batch of m of the rank's b_i samples, its loss th
 gets c = m/B (weighted) or m/(P b_i) (uniform); :func:`dloss_for` returns these factors.
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
-        from hpcnn.nn import models; from hpcnn.parallel.comm import Communicator; \\
+        from hpcnn.nn import models; from hpcnn.parallel.collectives import Communicator; \\
         from hpcnn.parallel.data import DataParallel; m = models.mlp(8, (16,), 4); \\
         dp = DataParallel(m, Communicator(MPI.COMM_WORLD)); x = np.ones((4, 8), np.float32); \\
         loss, c = m.forward(x, np.zeros(4, int)); dp.backward(0.5, c); print(dp.finish(0))"
@@ -108,8 +108,8 @@ class DataParallel:
     """Bucketed gradient allreduce for ``model`` replicated on every rank of ``comm``.
 
     Parameters: ``bucket_mb`` bucket size in MiB (a bucket may cut a parameter); ``algorithm``
-    mpi | ring | auto, or also rd without overlap (:mod:`hpcnn.parallel.allreduce`; ring requests
-    advance when tested, which the backward does after every block); ``overlap`` start buckets
+    mpi | ring | auto, or also rd without overlap (:mod:`hpcnn.parallel.collectives.algorithms`;
+    ring requests advance when tested, which the backward does after every block); ``overlap`` start buckets
     during the backward; ``check_finite`` raise FloatingPointError in :meth:`finish` if the sum
     is not finite.
 
@@ -182,12 +182,12 @@ class DataParallel:
     def auto_sizes(self) -> list[int]:
         """The bucket sizes (bytes) whose algorithm ``auto`` takes from the communicator's
         calibrated table, i.e. what a start-up calibration must time
-        (:func:`hpcnn.parallel.calibration.for_run`): the buckets of a blocking ``auto``
-        (:func:`hpcnn.parallel.allreduce.table_sizes`); none with ``overlap``, whose
+        (:func:`hpcnn.parallel.collectives.calibration.for_run`): the buckets of a blocking ``auto``
+        (:func:`hpcnn.parallel.collectives.algorithms.table_sizes`); none with ``overlap``, whose
         non-blocking ``auto`` goes by fixed thresholds, or with another algorithm."""
         if self.algorithm != "auto" or self.overlap:
             return []
-        from hpcnn.parallel.allreduce import table_sizes
+        from hpcnn.parallel.collectives.algorithms import table_sizes
         return table_sizes(self.comm, [b.view for b in self.buckets])
 
     def zero_grad(self) -> None:
@@ -288,8 +288,8 @@ class DataParallel:
             p.bind_grad(backend.xp.zeros_like(p.data))
         self.flats, self.buckets, self.order, self._reqs = [], [], [], []   # no window views stay
         if self.comm.size > 1:
-            from hpcnn.parallel import allreduce
-            allreduce.free(self.comm)
+            from hpcnn.parallel.collectives import algorithms
+            algorithms.free(self.comm)
 
     def broadcast_parameters(self, root: int = 0) -> None:
         """Copy ``root``'s parameters to every rank (one broadcast per dtype); optimizer state,

@@ -273,8 +273,8 @@ class StepMeter:
 class Balancer:
     """Per-rank batch shares for data parallelism over replicas of unequal speed.
 
-    Parameters: ``comm`` a :class:`~hpcnn.parallel.comm.Communicator` over the data-parallel
-    replicas; ``batch`` the global batch B; ``policy`` ``"equal"`` (always equal shares) or
+    Parameters: ``comm`` a :class:`~hpcnn.parallel.collectives.Communicator` over the
+    data-parallel replicas; ``batch`` the global batch B; ``policy`` ``"equal"`` (always equal shares) or
     ``"proportional"`` (shares by speed); ``speeds`` one number per rank for static
     proportional balancing (:func:`proportional_shares`), else ``None`` to measure online;
     ``rebalance_every`` K; ``min_share`` the least share of any rank; ``memory`` and

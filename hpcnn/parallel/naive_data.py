@@ -30,8 +30,9 @@ from __future__ import annotations
 
 
 class NaiveDataParallel:
-    """Replicated ``model`` on every rank of ``comm`` (a :class:`~hpcnn.parallel.comm.Communicator`);
-    gradients summed one parameter at a time after the backward.
+    """Replicated ``model`` on every rank of ``comm`` (a
+    :class:`~hpcnn.parallel.collectives.Communicator`); gradients summed one parameter at a time
+    after the backward.
 
     ``backward(dloss, caches, sync)`` runs the model's whole backward scaled by ``dloss``; with
     ``sync=True`` (the last micro-batch of a step) it then sums every parameter's gradient over

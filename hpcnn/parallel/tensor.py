@@ -16,10 +16,10 @@ Every block is cut from the serial block's own initialisation (the serial block 
 same keys, then this rank keeps its shard), so tp = 1 and tp = k start from identical weights.
 Shards are :class:`TPParameter` with the serial names; :func:`gather_params` rebuilds the full
 arrays. ``spec(x_shape)`` takes this rank's input shape and reports in ``comm_bytes`` what one
-forward+backward sends under :mod:`hpcnn.parallel.comm`'s counting convention.
+forward+backward sends under :mod:`~hpcnn.parallel.collectives.comm`'s counting convention.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tp_models import \\
+        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tp_models import \\
         parallel_gpt; c = Communicator(MPI.COMM_WORLD); m = parallel_gpt(c, 32, 8, 1, 16, 4, \\
         seed=0, dtype=np.float64); t = np.arange(16).reshape(2, 8) % 32; \\
         print(m.forward(t, t)[0], c.stats.bytes_sent)"

@@ -8,7 +8,8 @@ sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) the block's input and
 :mod:`hpcnn.parallel.tensor`.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tensor_attn import \\
+        from hpcnn.parallel.collectives import Communicator; \\
+        from hpcnn.parallel.tensor_attn import \\
         ParallelTransformerBlock; c = Communicator(MPI.COMM_WORLD); \\
         b = ParallelTransformerBlock(c, 16, 4, dtype=np.float64); \\
         print(b.forward(np.ones((2, 8, 16)))[0].shape, b.spec((2, 8, 16)).comm_bytes)"

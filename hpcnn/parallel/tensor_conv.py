@@ -10,12 +10,14 @@ the channel axis, so every rank holds the full (N, O, Ho, Wo) and the layers aft
 pooling, the MLP head) run replicated. Backward: this rank's channel slice of dy gives dW_r and
 db_r; dx_r = col2im(W_r^T dy_r) is a partial sum over the ranks, allreduced (:class:`Copy`).
 
-Per forward+backward on p ranks, under :mod:`hpcnn.parallel.comm`'s counting convention:
+Per forward+backward on p ranks, under the counting convention of
+:mod:`~hpcnn.parallel.collectives.comm`:
 all-gather (p-1)/p |y| + allreduce 2(p-1)/p |x| bytes. FLOPs and parameters are 1/p of the serial
 block's; the im2col matrix (the cache) is not: every rank builds it from the whole input.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tensor_conv import \\
+        from hpcnn.parallel.collectives import Communicator; \\
+        from hpcnn.parallel.tensor_conv import \\
         ChannelParallelConv2d; c = Communicator(MPI.COMM_WORLD); \\
         conv = ChannelParallelConv2d(c, 3, 8, 3, padding=1, dtype=np.float64); \\
         print(conv.forward(np.ones((2, 3, 8, 8)))[0].shape, conv.spec((2, 3, 8, 8)).comm_bytes)"
@@ -56,7 +58,7 @@ class ChannelParallelConv2d(Block):
     Parameters ``weight`` (O/tp, C, k, k) and ``bias`` (O/tp,), both tp_axis 0, with the serial
     names. Cache: the local Conv2d's (the column matrix of the whole input).
 
-    ``comm``: the tp :class:`~hpcnn.parallel.comm.Communicator`; the other arguments are
+    ``comm``: the tp :class:`~hpcnn.parallel.collectives.Communicator`; the other arguments are
     Conv2d's. ``out_ch`` not divisible by tp is a ValueError naming both numbers.
     """
 

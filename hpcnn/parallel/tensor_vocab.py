@@ -6,7 +6,8 @@ reduces three numbers per row instead of V: the row maximum (allreduce MAX), the
 exp(z - max) and the target logit (one allreduce SUM of both). See :mod:`hpcnn.parallel.tensor`.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tensor_vocab import \\
+        from hpcnn.parallel.collectives import Communicator; \\
+        from hpcnn.parallel.tensor_vocab import \\
         VocabParallelCrossEntropy; c = Communicator(MPI.COMM_WORLD); \\
         z = np.arange(8.0).reshape(2, 4) + 4 * c.rank; \\
         print(VocabParallelCrossEntropy(c).forward(z, np.array([0, 7]))[0])"

@@ -15,18 +15,18 @@ sequence parallelism)::
 
 Each op has the block interface, ``y, cache = op.forward(x)`` and ``dx = op.backward(dy, cache)``,
 and is the identity on a communicator of size 1 (no call, nothing counted). They call the named
-methods of :class:`~hpcnn.parallel.comm.Communicator` (allreduce, allgather and reduce_scatter
-along axis 0: the communicated axis is moved first and made contiguous, then moved back);
+methods of :class:`~hpcnn.parallel.collectives.Communicator` (allreduce, allgather and
+reduce_scatter along axis 0: the communicated axis is moved first and made contiguous, then moved back);
 :func:`allreduce_max` adds the element-wise maximum the vocabulary-parallel softmax needs, counted
-in the Communicator's :class:`~hpcnn.parallel.comm.CommStats` like its own collectives.
+in the Communicator's :class:`~hpcnn.parallel.collectives.CommStats` like its own collectives.
 
 ``op.volume(nbytes)`` is what one forward+backward hands to the collectives, as a :class:`Volume`
-whose :meth:`Volume.sent` applies the counting convention of :mod:`hpcnn.parallel.comm` (on p
-ranks: allreduce 2(p-1)/p n, floored on the total; all-gather and reduce-scatter (p-1)/p n of the
-full size n, floored per call), so a block's ``spec().comm_bytes`` equals what the stats count.
+whose :meth:`Volume.sent` applies the counting convention of
+:mod:`~hpcnn.parallel.collectives.comm` (on p ranks: allreduce 2(p-1)/p n, floored on the
+total; all-gather and reduce-scatter (p-1)/p n of the full size n, floored per call), so a block's ``spec().comm_bytes`` equals what the stats count.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tp_comm import \\
+        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tp_comm import \\
         AllGatherSeq; c = Communicator(MPI.COMM_WORLD); y, _ = AllGatherSeq(c).forward( \\
         np.full((1, 2, 3), c.rank, float)); print(y[0, :, 0], c.stats.bytes_sent)"
 """
@@ -54,7 +54,8 @@ class Volume:
                       self.gather + other.gather)
 
     def sent(self, p: int) -> int:
-        """Bytes one rank of ``p`` sends, under :mod:`hpcnn.parallel.comm`'s convention."""
+        """Bytes one rank of ``p`` sends, under the convention of
+        :mod:`~hpcnn.parallel.collectives.comm`."""
         return (2 * (p - 1) * self.allreduce // p + 2 * (p - 1) * self.allreduce_max // p
                 + sum((p - 1) * int(n) // p for n in self.gather))
 
@@ -68,7 +69,7 @@ def check_divides(what: str, n: int, p: int) -> int:
 
 def allreduce_max(comm, buf):
     """Element-wise maximum of ``buf`` over the ranks of ``comm``, in place; returns ``buf``
-    (:meth:`~hpcnn.parallel.comm.Communicator.allreduce_max`, counted as an allreduce)."""
+    (:meth:`~hpcnn.parallel.collectives.Communicator.allreduce_max`, counted as an allreduce)."""
     return comm.allreduce_max(buf)
 
 

@@ -8,7 +8,7 @@ imports another one back. Each factory makes the serial model's blocks, names an
 so tp = 1 and tp = k start from identical weights.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel.tp_models import \\
+        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tp_models import \\
         parallel_cnn; c = Communicator(MPI.COMM_WORLD); m = parallel_cnn(c, 1, 8, (4, 8), \\
         dtype=np.float64); print(m.forward(np.ones((2, 1, 8, 8)), np.array([0, 1]))[0])"
 """

@@ -17,9 +17,9 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn.parallel import allreduce
-from hpcnn.parallel import shm
-from hpcnn.parallel.comm import CommStats, Communicator, Request
+from hpcnn.parallel.collectives import algorithms
+from hpcnn.parallel.collectives import shm
+from hpcnn.parallel.collectives import CommStats, Communicator, Request
 
 world = MPI.COMM_WORLD
 r, p = world.Get_rank(), world.Get_size()
@@ -49,9 +49,9 @@ def check(a, n, dtype, what):
 # (segment bytes, dtypes, sizes): small segments split chunks unevenly, 1000 B is no multiple of
 # 8; fewer cases with them, as 1000s of tiny messages are slow on 4 oversubscribed ranks. shm's
 # pieces: 4 x the segment (100003 floats go through the window in 25 pieces; 1000 B: uneven)
-from hpcnn.parallel import cma  # noqa: E402
-BLOCKING = [a for a in allreduce.ALGORITHMS if a != "cma" or cma.available(c)]
-for seg, dtypes, sizes in ((allreduce.SEGMENT_BYTES, DTYPES, SIZES), (4096, DTYPES[1:2], SIZES),
+from hpcnn.parallel.collectives import cma  # noqa: E402
+BLOCKING = [a for a in algorithms.ALGORITHMS if a != "cma" or cma.available(c)]
+for seg, dtypes, sizes in ((algorithms.SEGMENT_BYTES, DTYPES, SIZES), (4096, DTYPES[1:2], SIZES),
                            (1000, DTYPES[:1], SIZES[:-1])):
     c.allreduce_segment_bytes = c.iallreduce_segment_bytes = seg
     c.shm_piece_bytes = cma.CHUNK_BYTES = 4 * seg              # many pieces, many chunks
@@ -61,7 +61,7 @@ for seg, dtypes, sizes in ((allreduce.SEGMENT_BYTES, DTYPES, SIZES), (4096, DTYP
                 a = (r + 1) * pattern(n, dtype)
                 assert c.allreduce(a, algorithm=alg) is a
                 check(a, n, dtype, f"allreduce {alg} n={n} {dtype.__name__} seg={seg}")
-            for alg in allreduce.NONBLOCKING:
+            for alg in algorithms.NONBLOCKING:
                 a = (r + 1) * pattern(n, dtype)
                 req = c.iallreduce(a, algorithm=alg)
                 assert isinstance(req, Request)
@@ -86,7 +86,7 @@ c.allreduce_segment_bytes = c.iallreduce_segment_bytes = 2048
 bufs = [(r + 1) * pattern(n, np.float64) for n in (100003, 5, 40000, 1)]
 calls_before = c.stats.calls["iallreduce"]
 flags = []
-reqs = [allreduce.iallreduce_ring(c, b, on_done=lambda i=i: flags.append(i))
+reqs = [algorithms.iallreduce_ring(c, b, on_done=lambda i=i: flags.append(i))
         for i, b in enumerate(bufs)]
 drive(reqs, 2000)
 for q in reqs:
@@ -96,8 +96,8 @@ assert c.stats.calls["iallreduce"] == calls_before + 4
 for b, n in zip(bufs, (100003, 5, 40000, 1)):
     check(b, n, np.float64, f"concurrent rings n={n}")
 # the scratch of finished rings is reused: a new ring allocates nothing
-pool = list(allreduce._state(c).pool)
-req = allreduce.iallreduce_ring(c, (r + 1) * pattern(1000, np.float64))
+pool = list(c.collectives.get_workspace().pool)
+req = algorithms.iallreduce_ring(c, (r + 1) * pattern(1000, np.float64))
 assert any(req._scr is s for s in pool)
 req.wait()
 
@@ -126,9 +126,9 @@ for dtype, rtol in ((np.float64, 1e-12), (np.float32, 1e-4)):
             assert np.array_equal(a, in_order), f"{alg} not summed in rank order"
 
 # -- the shared window: grows to the largest piece (a power of two), reused, freed ------------
-allreduce.free(c)                                                  # start from no window
+algorithms.free(c)                                                  # start from no window
 node = shm.node_of(c)
-assert node is not None and allreduce.single_node(c) and node.half == 0
+assert node is not None and algorithms.single_node(c) and node.half == 0
 c.shm_piece_bytes = 1 << 20
 for n, half in ((10, 0), (30000, 1 << 17), (10, 1 << 17), (200000, 1 << 20), (50, 1 << 20)):
     for _ in range(3):                                      # repeated calls, both halves
@@ -136,8 +136,8 @@ for n, half in ((10, 0), (30000, 1 << 17), (10, 1 << 17), (200000, 1 << 20), (50
         c.allreduce(a, algorithm="shm")
         check(a, n, np.float32, f"shm growth n={n}")
     assert node.half == max(shm.MIN_HALF, half), (n, node.half)
-allreduce.free(c)
-assert getattr(c, "_allreduce_state", None) is None
+algorithms.free(c)
+assert c.collectives.workspace is None
 a = (r + 1) * pattern(1000, np.float64)
 c.allreduce(a, algorithm="shm")                             # made again on reuse
 check(a, 1000, np.float64, "shm after free")
@@ -203,7 +203,7 @@ c.allreduce_table = None
 z64[...] = (r + 1) * pattern(z64.size, np.float64).reshape(z64.shape)   # in flight with others
 b = (r + 1) * pattern(5000, np.float64)
 reqs = [c.iallreduce(z64[0], algorithm="shm"), c.iallreduce(b, algorithm="shm"),
-        c.iallreduce(z64[1:], algorithm="shm"), allreduce.iallreduce_ring(c, z32)]
+        c.iallreduce(z64[1:], algorithm="shm"), algorithms.iallreduce_ring(c, z32)]
 while not all([q.test() for q in (reqs if r % 2 else reqs[::-1])]):
     pass
 check(z64, z64.size, np.float64, "zero copy requests")
@@ -223,7 +223,8 @@ for it, start in enumerate((c.allreduce, c.iallreduce)):
         q.wait()
     check(big, big.size, np.float32, "auto on a shared array")
     assert sh.seq == it + 1, "auto did not reduce the shared array in place"
-assert c._auto_mpi_below <= zero_copy_bytes and c._iauto_mpi_below <= zero_copy_bytes
+assert c.collectives.auto_mpi_below <= zero_copy_bytes
+assert c.collectives.iauto_mpi_below <= zero_copy_bytes
 z64[...] = (r + 1) * pattern(z64.size, np.float64).reshape(z64.shape)
 c.allreduce(z64[1], algorithm="shm")
 c.allreduce(z64[2], algorithm="auto")
@@ -239,7 +240,7 @@ ones = np.ones(250)                                         # 2000 B
 for alg, k in (("mpi", 3), ("auto", 4), ("ring", 2), ("shm", 1)):
     for _ in range(k):
         c2.allreduce(ones, algorithm=alg)
-assert c2._auto_mpi_below == 8193                           # 8192**2 == 1024 * 65536
+assert c2.collectives.auto_mpi_below == 8193                           # 8192**2 == 1024 * 65536
 assert stats.calls["allreduce"] == 10 and stats.calls["iallreduce"] == 0
 assert stats.bytes["allreduce"] == 2 * (p - 1) * 2000 * 10 // p == stats.bytes_sent
 assert stats.seconds["allreduce"] > 0 and stats.comm_seconds == stats.seconds["allreduce"]
@@ -251,7 +252,7 @@ stats.reset()
 assert stats.calls["allreduce"] == 0 and stats.bytes_sent == 0 and dict(stats.calls) == {}
 c2.allreduce(ones)
 assert stats.calls["allreduce"] == 1 and stats.bytes["allreduce"] == 2 * (p - 1) * 2000 // p
-allreduce.free(c2)
+algorithms.free(c2)
 
 # -- errors ------------------------------------------------------------------------------------
 for bad, msg in ((lambda: c.allreduce(np.ones(4), algorithm="tree"), "unknown allreduce"),
@@ -267,9 +268,9 @@ for bad, msg in ((lambda: c.allreduce(np.ones(4), algorithm="tree"), "unknown al
 # -- HPCNN_SHM=0: as on several nodes (no shm, the multi-node defaults) -------------------------
 os.environ["HPCNN_SHM"] = "0"
 c3 = Communicator(world)
-assert not allreduce.single_node(c3) and allreduce.default_table(c3) is allreduce.DEFAULT_TABLE
-assert allreduce.choose_nonblocking(c3, 1 << 20) == "mpi"
-assert allreduce.choose_nonblocking(c3, 4 << 20) == "ring"
+assert not algorithms.single_node(c3) and algorithms.default_table(c3) is algorithms.DEFAULT_TABLE
+assert algorithms.choose_nonblocking(c3, 1 << 20) == "mpi"
+assert algorithms.choose_nonblocking(c3, 4 << 20) == "ring"
 z = c3.shared_zeros((2, 3), np.float32)
 assert type(z) is np.ndarray and z.shape == (2, 3) and not z.any()
 c3.allreduce(z, algorithm="auto")
@@ -278,18 +279,18 @@ try:
     raise AssertionError("shm accepted with HPCNN_SHM=0")
 except ValueError as e:
     assert "one node" in str(e), e
-allreduce.free(c3)
+algorithms.free(c3)
 del os.environ["HPCNN_SHM"]
 
 # -- auto: the defaults, a forced table, then a calibration -----------------------------------
-assert allreduce.default_table(c) is allreduce.DEFAULT_SHM_TABLE
-assert allreduce.choose(c, 100) == "mpi" and allreduce.choose(c, 64 << 20) == "shm"
-assert allreduce.choose_nonblocking(c, 4 << 20) == "shm"
-assert allreduce.choose_nonblocking(c, 1000) == "mpi"
+assert algorithms.default_table(c) is algorithms.DEFAULT_SHM_TABLE
+assert algorithms.choose(c, 100) == "mpi" and algorithms.choose(c, 64 << 20) == "shm"
+assert algorithms.choose_nonblocking(c, 4 << 20) == "shm"
+assert algorithms.choose_nonblocking(c, 1000) == "mpi"
 c.allreduce_table = {"sizes": [64, 1 << 20], "choice": ["rd", "ring"]}
-assert [allreduce.choose(c, n) for n in (8, 1 << 12, 1 << 14)] == ["rd", "rd", "ring"]
-assert c._auto_mpi_below == 0
-table = allreduce.calibrate(c, sizes=[1 << 10, 1 << 18], repeats=2)
+assert [algorithms.choose(c, n) for n in (8, 1 << 12, 1 << 14)] == ["rd", "rd", "ring"]
+assert c.collectives.auto_mpi_below == 0
+table = algorithms.calibrate(c, sizes=[1 << 10, 1 << 18], repeats=2)
 assert c.allreduce_table is table and table["p"] == p and len(table["choice"]) == 2
 assert sorted(table["times"]) == sorted(["mpi", "rd", "ring", "shm"] + (["cma"] if cma.available(c) else []))
 assert all(ch in ("mpi", "ring", "rd", "shm") for ch in table["choice"])
@@ -311,14 +312,14 @@ def dp_grads(algorithm, overlap, shm_everywhere):
     cd = Communicator(world, CommStats())
     if shm_everywhere:                      # every bucket size picks shm
         cd.allreduce_table = {"sizes": [1], "choice": ["shm"]}
-        cd._iauto_mpi_below = 0
+        cd.collectives.iauto_mpi_below = 0
     dp = DataParallel(model, cd, bucket_mb=600 / 2 ** 20, overlap=overlap, algorithm=algorithm)
     x = np.random.default_rng(10 + r).standard_normal((6, 24))
     _, caches = model.forward(x, np.arange(6) % 5)
     dp.zero_grad()
     dp.backward(1.0 / p, caches)
     dp.finish(0)
-    picked = {(allreduce.choose_nonblocking if overlap else allreduce.choose)(cd, b.view.nbytes)
+    picked = {(algorithms.choose_nonblocking if overlap else algorithms.choose)(cd, b.view.nbytes)
               for b in dp.buckets}
     used = bool(shm.node_of(cd).half)       # the window was made: shm ran
     nb = dp.n_buckets
@@ -330,14 +331,14 @@ def dp_grads(algorithm, overlap, shm_everywhere):
 
 
 ref = dp_grads("mpi", False, False)[0]
-shm_ibytes, allreduce.IALLREDUCE_SHM_BYTES = allreduce.IALLREDUCE_SHM_BYTES, 0
+shm_ibytes, algorithms.IALLREDUCE_SHM_BYTES = algorithms.IALLREDUCE_SHM_BYTES, 0
 for overlap in (False, True):
     got, nb, picked, used = dp_grads("auto", overlap, True)
     assert nb > 3 and picked == {"shm"} and used, (nb, picked, used)
     for g, h in zip(got, ref):
         np.testing.assert_allclose(g, h, rtol=1e-12, atol=1e-15)
         same_everywhere(g, f"dp auto shm overlap={overlap}")
-allreduce.IALLREDUCE_SHM_BYTES = shm_ibytes
+algorithms.IALLREDUCE_SHM_BYTES = shm_ibytes
 
 # -- cma: sizes that differ across ranks, and a kernel that refuses the reads --------------------
 if cma.available(c):
@@ -353,8 +354,8 @@ try:
     raise AssertionError("cma ran without process_vm_readv/writev")
 except ValueError as e:
     assert "permission to read and write" in str(e), e
-assert "cma" not in allreduce.calibrate(refused, sizes=[1024], repeats=1)["times"]
-allreduce.free(refused)
+assert "cma" not in algorithms.calibrate(refused, sizes=[1024], repeats=1)["times"]
+algorithms.free(refused)
 refused.comm.Free()
 cma._calls = saved_calls
 
@@ -362,7 +363,7 @@ cma._calls = saved_calls
 import gc  # noqa: E402
 del z64, z32, flat, reqs, big, empty
 gc.collect()
-allreduce.free(c)                                          # nothing in use: all windows freed
+algorithms.free(c)                                          # nothing in use: all windows freed
 kept = c.shared_zeros(1000, np.float64)
 gone = c.shared_zeros(1000, np.float64)
 view = kept[10:20] if r == 0 else None                      # alive on rank 0 only
@@ -370,7 +371,7 @@ del kept, gone
 gc.collect()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    allreduce.free(c)
+    algorithms.free(c)
 msgs = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
 assert len(msgs) == 1 and "1 shared array(s) (8000 bytes per rank)" in msgs[0], msgs
 if view is not None:
@@ -380,9 +381,9 @@ del view
 gc.collect()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    allreduce.free(c)
+    algorithms.free(c)
 assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
-allreduce.free(c)
+algorithms.free(c)
 if r == 0:
     print(f"allreduce_algos OK on {p} ranks")

@@ -1,7 +1,7 @@
 """The run-time allreduce calibration: only the engine's sizes are timed, a saved file is reused
 without timing anything, bad files are ignored with a note, every rank decides alike.
 
-``allreduce.calibrate`` is wrapped to count its calls and the sizes it times: "no timing" is
+``algorithms.calibrate`` is wrapped to count its calls and the sizes it times: "no timing" is
 asserted on that count, never on a clock. Prints the key's file name (the pytest side checks it
 differs between rank counts).
 
@@ -16,10 +16,10 @@ from mpi4py import MPI
 
 from hpcnn.log import read_run
 from hpcnn.nn import models
-from hpcnn.parallel import allreduce
-from hpcnn.parallel import calibration
-from hpcnn.parallel import shm
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.collectives import algorithms
+from hpcnn.parallel.collectives import calibration
+from hpcnn.parallel.collectives import shm
+from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.data import DataParallel
 
 world = MPI.COMM_WORLD
@@ -29,7 +29,7 @@ FILE = os.path.join(tmp, "calibration.json")
 os.environ[calibration.ENV] = FILE
 
 timed = []                                  # one list of sizes per calibrate call
-_calibrate = allreduce.calibrate
+_calibrate = algorithms.calibrate
 
 
 def counting_calibrate(comm, sizes=None, *args, **kw):
@@ -37,7 +37,7 @@ def counting_calibrate(comm, sizes=None, *args, **kw):
     return _calibrate(comm, sizes, *args, **kw)
 
 
-allreduce.calibrate = counting_calibrate
+algorithms.calibrate = counting_calibrate
 
 
 def fresh():
@@ -81,7 +81,7 @@ big = DataParallel(models.mlp(256, (600,), 10, seed=0), cb, bucket_mb=1.0, algor
                    overlap=False)
 n_big = [b.view.nbytes for b in big.buckets]
 assert len(n_big) == 1 and n_big[0] >= shm.ZERO_COPY_BYTES, n_big
-assert big.auto_sizes() == ([] if allreduce.single_node(cb) else n_big)
+assert big.auto_sizes() == ([] if algorithms.single_node(cb) else n_big)
 big.release()
 
 # -- no file: only the engine's sizes are timed, then saved ------------------------------------
@@ -94,13 +94,13 @@ assert sorted(info["choice"]) == sizes and c.allreduce_table["sizes"] == sizes
 key = calibration.key(c, np.float64)
 doc = saved()
 assert doc["key"] == key and doc["sizes"] == sizes, doc
-assert list(doc["times"]) == key["algorithms"] == allreduce.available_algorithms(c)
+assert list(doc["times"]) == key["algorithms"] == algorithms.available_algorithms(c)
 first = c.allreduce_table
 x = (r + 1) * np.arange(1000.0)             # the measured table drives auto correctly
 c.allreduce(x, algorithm="auto")
 assert np.array_equal(x, p * (p + 1) / 2 * np.arange(1000.0))
 dp.release()
-allreduce.free(c)
+algorithms.free(c)
 
 # -- a saved file: loaded, nothing timed, the same decision -------------------------------------
 c = fresh()
@@ -112,7 +112,7 @@ same_everywhere(c.allreduce_table, "loaded table")
 info = calibration.for_run(c, [sizes[0] + 1, 2 * sizes[1], 1 << 20], np.float64)
 assert timed[1:] == [[1 << 20]] and info["source"] == "file+measured", (timed, info)
 assert saved()["sizes"] == sizes + [1 << 20]
-allreduce.free(c)
+algorithms.free(c)
 
 # -- files to ignore, with one note, never a crash ----------------------------------------------
 bad_key = dict(key, ranks=p + 1)
@@ -130,7 +130,7 @@ for content, note in [("{not json", "unreadable"), ('{"format": "other"}', "not 
         assert "\n" not in line and calibration.describe(info)[-1].endswith(line)
     same_everywhere(c.allreduce_table["choice"], f"table after a bad file ({note})")
     assert saved()["key"] == key                            # replaced by a good one
-    allreduce.free(c)
+    algorithms.free(c)
 
 # -- HPCNN_CALIBRATION=off: measured, nothing read or written --------------------------------
 if r == 0:
@@ -141,7 +141,7 @@ c = fresh()
 info = calibration.for_run(c, sizes, np.float64)
 assert info["source"] == "measured" and info["path"] is None and not os.path.exists(FILE)
 assert "HPCNN_CALIBRATION=off" in calibration.describe(info)[0]
-allreduce.free(c)
+algorithms.free(c)
 os.environ[calibration.ENV] = FILE
 
 # -- the key: dtype and the number of ranks change it -------------------------------------------
@@ -151,7 +151,7 @@ sub = world.Split(0 if r == 0 else 1, r)
 cs = Communicator(sub, CommStats())
 ks = calibration.key(cs, np.float64)
 assert ks["ranks"] == (1 if r == 0 else p - 1) and ks != key
-allreduce.free(cs)
+algorithms.free(cs)
 sub.Free()
 os.environ.pop(calibration.ENV)
 default = calibration.path_for(key)
@@ -181,7 +181,7 @@ assert got_b["path"] == FILE and got_a["choice"] == got_b["choice"]
 for qa, qb in zip(a["model"].params, b["model"].params):
     assert np.array_equal(qa.data, qb.data)
 
-allreduce.calibrate = _calibrate
+algorithms.calibrate = _calibrate
 if r == 0:
     print(f"key file {os.path.basename(default)}")
     print(f"calibration_cache OK on {p} ranks")

@@ -13,7 +13,7 @@ from hpcnn import data
 from hpcnn.nn import models
 from hpcnn.nn.core import Parameter
 from hpcnn.nn.optim import SGD, AdamW
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.data import DataParallel, dloss_for, shard
 
 world = MPI.COMM_WORLD

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from hpcnn import data
 from hpcnn.nn import models
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.data import DataParallel, dloss_for, shard
 from hpcnn.parallel.naive_data import NaiveDataParallel
 

@@ -1,8 +1,11 @@
 """Grid rank order and the named collectives against closed-form results (any world size)."""
+import pickle
+
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn.parallel.comm import SAMPLE_EVERY, SAMPLED_BELOW, CommStats, Communicator
+from hpcnn.parallel.collectives import CommStats, Communicator
+from hpcnn.parallel.collectives.stats import SAMPLE_EVERY, SAMPLED_BELOW
 from hpcnn.parallel.grid import GridError, ProcessGrid, coords_of, rank_of
 
 world = MPI.COMM_WORLD
@@ -93,6 +96,29 @@ assert s2.seconds["allreduce"] > 0.0
 big = np.ones(SAMPLED_BELOW // 8)                      # at the threshold: every call timed
 c2.allreduce(big)
 assert s2.calls["allreduce"] == 2 * SAMPLE_EVERY + 1
+
+# small picklable objects: every rank's in rank order, root's only, root's everywhere; counted
+# bytes are the pickled sizes under the buffer collectives' conventions
+so = CommStats()
+co = Communicator(world, so, "objects")
+mine = {"rank": r, "tag": "x" * r}
+assert co.allgather_objects(mine) == [{"rank": q, "tag": "x" * q} for q in range(p)]
+root = p - 1
+got = co.gather_objects((r, r * r), root=root)
+assert got == ([(q, q * q) for q in range(p)] if r == root else None), got
+assert co.bcast_object(f"from {r}", root=root) == f"from {root}"
+size = len(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL))
+assert so.bytes["allgather_objects"] == size * (p - 1)
+assert so.bytes["gather_objects"] == (0 if r == root else
+                                      len(pickle.dumps((r, r * r), pickle.HIGHEST_PROTOCOL)))
+assert so.bytes["bcast_object"] == (len(pickle.dumps(f"from {r}", pickle.HIGHEST_PROTOCOL))
+                                    if r == root else 0)
+assert all(so.calls[op] == 1 for op in ("allgather_objects", "gather_objects", "bcast_object"))
+try:
+    co.bcast_object(1, root=p)
+    raise AssertionError("bad root not refused")
+except ValueError as e:
+    assert f"root {p} is not a rank of objects (size {p})" in str(e)
 
 if r == 0:
     print(f"grid_collectives OK on {p} ranks")

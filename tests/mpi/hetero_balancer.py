@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn.parallel.comm import Communicator
+from hpcnn.parallel.collectives import Communicator
 from hpcnn.parallel.hetero import Balancer, Slowdown, balanced_shares, equal_shares
 
 world = MPI.COMM_WORLD

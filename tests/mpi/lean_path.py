@@ -9,8 +9,8 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn.parallel import stats
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.collectives import stats
+from hpcnn.parallel.collectives import CommStats, Communicator
 
 world = MPI.COMM_WORLD
 rank, p = world.Get_rank(), world.Get_size()
@@ -22,7 +22,8 @@ saved, stats._LEAN = stats._LEAN, False                   # force the Python clo
 slow = Communicator(world.Dup(), CommStats(), "slow")
 stats._LEAN = saved
 assert type(slow.allreduce).__name__ == "function"
-fast._auto_mpi_below = slow._auto_mpi_below = 1 << 16
+for cm in (fast, slow):
+    cm.collectives.set_auto_mpi_below(1 << 16)
 
 rng = np.random.default_rng(rank)
 cases = [rng.standard_normal(1000).astype(np.float32), rng.standard_normal((7, 5)),
@@ -45,7 +46,7 @@ fa, sa = fast.stats.counter("allreduce", 2 * (p - 1), p), slow.stats.counter("al
 assert (fa.calls, fa.raw) == (sa.calls, sa.raw) == (3 * len(cases), 3 * sum(a.nbytes for a in cases))
 assert fa.seconds > 0 and fast.stats.bytes_sent == slow.stats.bytes_sent
 # with shared arrays about, auto: zero copy for them, the library for private buffers
-from hpcnn.parallel import allreduce  # noqa: E402
+from hpcnn.parallel.collectives import algorithms  # noqa: E402
 shared = fast.shared_zeros(1 << 18, np.float32)                      # 1 MiB: zero copy
 private = np.empty(1 << 18, np.float32)
 vals = rng.standard_normal(1 << 18).astype(np.float32)
@@ -59,7 +60,7 @@ if expect_c:
     lo, hi = fast.allreduce.shared[0]
     assert lo <= shared.__array_interface__["data"][0] < hi
 del shared, buf                                  # freed windows must not be in use
-allreduce.free(fast)
+algorithms.free(fast)
 try:
     fast.allreduce(cases[0], nope="mpi")
     raise AssertionError("unknown keyword accepted")

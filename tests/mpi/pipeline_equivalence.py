@@ -22,7 +22,7 @@ from hpcnn import data
 from hpcnn.nn import models
 from hpcnn.nn.optim import SGD
 from hpcnn.parallel import pipeline, schedules
-from hpcnn.parallel.comm import Communicator
+from hpcnn.parallel.collectives import Communicator
 
 world = MPI.COMM_WORLD
 r, P = world.Get_rank(), world.Get_size()

@@ -17,7 +17,7 @@ from hpcnn.nn.layers import Linear
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.transformer import CausalSelfAttention, Embedding, MLPBlock, TransformerBlock
 from hpcnn.parallel import tp_comm
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
                                    gather_params, replicated_sync_volume, sync_replicated_grads)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from hpcnn import data
 from hpcnn.nn import models
 from hpcnn.nn.conv import Conv2d
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.tensor import gather_params
 from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
 from hpcnn.parallel.tp_models import parallel_cnn

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hpcnn.parallel
-from hpcnn.parallel.comm import CommStats, Communicator
+from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
                                    ShardDropout, replicated_layernorm)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock

@@ -3,7 +3,7 @@
 The lazily imported ``mpi4py.MPI`` (never at import: docs/architecture.md), host staging of device
 buffers for an MPI that cannot read GPU memory, and :class:`Request`, a pending non-blocking
 operation that counts its bytes and the time spent waiting for it. :mod:`.comm` (the Communicator)
-and the algorithms it dispatches to (:mod:`.allreduce`, :mod:`.ring`, :mod:`.shm`, :mod:`.cma`)
+and the algorithms it dispatches to (:mod:`.algorithms`, :mod:`.ring`, :mod:`.shm`, :mod:`.cma`)
 all build on this module, so the algorithms need not import the Communicator's module back.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The allreduce calibration of a run: only the sizes it needs, saved and reused.
 
 ``--allreduce=auto`` picks an algorithm per message size from ``comm.allreduce_table``
-(:mod:`hpcnn.parallel.allreduce`). A run needs that table only at the sizes its blocking ``auto``
+(:mod:`.algorithms`). A run needs that table only at the sizes its blocking ``auto``
 reductions send (:meth:`hpcnn.parallel.data.DataParallel.auto_sizes`: the gradient buckets
 without ``--overlap``; the overlapped buckets go by fixed thresholds and need none), so
 :func:`for_run` times just those, briefly (:data:`RUN_BUDGET_S` a size), and only when no saved
@@ -22,7 +22,7 @@ again.
 
     mpiexec -n 2 python -m mpi4py -m hpcnn calibrate       # prints the table and the file
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; from hpcnn.parallel import calibration; \\
+        from hpcnn.parallel.collectives import Communicator, calibration; \\
         c = Communicator(MPI.COMM_WORLD); print(calibration.for_run(c, [340000]))"
 """
 from __future__ import annotations
@@ -46,13 +46,13 @@ OFF = ("off", "0", "none", "false", "no")
 
 def key(comm, dtype=numpy.float32) -> dict:
     """What the timings on ``comm`` (a Communicator) depend on; the same dict on every rank
-    (collective: one allgather, and the probes of :func:`allreduce.available_algorithms`)."""
+    (collective: one allgather, and the probes of :func:`algorithms.available_algorithms`)."""
     import mpi4py
 
     import hpcnn
-    from hpcnn.parallel import allreduce
-    from hpcnn.parallel import shm
-    from hpcnn.parallel.comm import library_version
+    from hpcnn.parallel.collectives import algorithms
+    from hpcnn.parallel.collectives import shm
+    from hpcnn.parallel.collectives.comm import library_version
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:                  # pragma: no cover - no affinity call (macOS)
@@ -63,8 +63,9 @@ def key(comm, dtype=numpy.float32) -> dict:
             "cpus_of_rank": [c for _, c in ranks], "ranks": comm.size,
             "mpi": library_version(),
             "mpi4py": mpi4py.__version__, "dtype": numpy.dtype(dtype).name,
-            "algorithms": allreduce.available_algorithms(comm), "backend": backend.device,
-            "segment_bytes": int(getattr(comm, "allreduce_segment_bytes", allreduce.SEGMENT_BYTES)),
+            "algorithms": algorithms.available_algorithms(comm), "backend": backend.device,
+            "segment_bytes": int(getattr(comm, "allreduce_segment_bytes",
+                                         algorithms.SEGMENT_BYTES)),
             "piece_bytes": int(getattr(comm, "shm_piece_bytes", shm.PIECE_BYTES)),
             "hpcnn": hpcnn.__version__}
 
@@ -160,7 +161,7 @@ def for_run(comm, sizes, dtype=numpy.float32) -> dict:
 
     Returns ``{"source": none | file | measured | file+measured, "path", "sizes", "measured"
     (the sizes timed), "seconds", "choice" (size -> algorithm), "notes"}`` (notes: rank 0's)."""
-    from hpcnn.parallel import allreduce
+    from hpcnn.parallel.collectives import algorithms
     sizes = sorted({int(n) for n in sizes})
     info = {"source": "none", "path": None, "sizes": sizes, "measured": [], "seconds": 0.0,
             "choice": {}, "notes": []}
@@ -175,16 +176,16 @@ def for_run(comm, sizes, dtype=numpy.float32) -> dict:
     path, timings, note = comm.comm.bcast(found, root=0)
     missing = [n for n in sizes if not (timings and covered(n, timings["sizes"]))]
     if missing:
-        measured = allreduce.calibrate(comm, missing, dtype=dtype, budget=RUN_BUDGET_S)
+        measured = algorithms.calibrate(comm, missing, dtype=dtype, budget=RUN_BUDGET_S)
         new = {"sizes": measured["sizes"], "times": measured["times"]}
         timings = merge(timings, new)
         if path and comm.rank == 0:
             note = "; ".join(x for x in (note, save(path, k, new)) if x)
-    comm.allreduce_table = allreduce.table_from_times(comm, timings["sizes"], timings["times"])
+    comm.allreduce_table = algorithms.table_from_times(comm, timings["sizes"], timings["times"])
     info.update(source="measured" if len(missing) == len(sizes) else
                 "file+measured" if missing else "file", path=path, measured=missing,
                 seconds=time.perf_counter() - t0, notes=[note] if note else [],
-                choice={n: allreduce.choose(comm, n) for n in sizes})
+                choice={n: algorithms.choose(comm, n) for n in sizes})
     return info
 
 

@@ -1,9 +1,9 @@
 """Allreduce algorithms on point-to-point MPI: the segmented ring and recursive doubling.
 
-Run by :mod:`hpcnn.parallel.allreduce` (the front end: algorithm choice, calibration), which see
-for the algorithms' costs. Also the helpers the other algorithms share: the per-Communicator
-:class:`State` (private communicator, tags, scratch buffers, the shared-memory node),
-:func:`flat_view` and :func:`split`.
+Run by :mod:`.algorithms` (the front end: algorithm choice, calibration), which see for the
+algorithms' costs. Also the helpers the other algorithms share: :func:`flat_view` and
+:func:`split`. The private communicator, tags and scratch buffers are the communicator's
+:class:`~.state.Workspace` (``comm.collectives.get_workspace()``).
 """
 from __future__ import annotations
 
@@ -14,46 +14,11 @@ from collections import deque
 import numpy
 
 from hpcnn import backend
-from hpcnn.parallel.mpi_base import Request, _mpi
+from hpcnn.parallel.collectives.mpi_base import Request, _mpi
 
 SEGMENT_BYTES = 1 << 20     # ring segment: 2 x 1 MiB of scratch stay in L2 (4 MiB); 256 KiB was slower
 ISEGMENT_BYTES = 8 << 20    # non-blocking ring: a test() call completes about one segment
 WINDOW = 2                  # segments in flight: the next transfer runs while one is being summed
-_TAGS = 30000               # MPI guarantees tags up to 32767
-
-
-class State:
-    """Per-Communicator state: the private communicator, the tag counter, scratch buffers and
-    (made on first use by :mod:`hpcnn.parallel.shm`) the shared-memory node."""
-
-    def __init__(self, comm):
-        self.pcomm, self.seq = comm.comm.Dup(), 0
-        self.scratch, self.pool = {}, []    # dtype -> array for blocking calls; free arrays
-        self.node = None                    # shm.Node, or False when the ranks span several nodes
-
-    def tag(self) -> int:
-        self.seq += 1
-        return 1 + self.seq % _TAGS
-
-    def blocking_scratch(self, dtype, n):
-        a = self.scratch.get(dtype)
-        if a is None or a.size < n:
-            a = self.scratch[dtype] = backend.xp.empty(max(n, 1), dtype)
-        return a[:n]
-
-    def take(self, dtype, n):
-        for i, a in enumerate(self.pool):
-            if a.dtype == dtype and a.size >= n:
-                return self.pool.pop(i)
-        return backend.xp.empty(max(n, 1), dtype)
-
-
-def state(comm) -> State:
-    """The :class:`State` of ``comm`` (a Communicator), made on first use (collective: Dup)."""
-    st = getattr(comm, "_allreduce_state", None)
-    if st is None:
-        st = comm._allreduce_state = State(comm)
-    return st
 
 
 def flat_view(buf):
@@ -83,7 +48,7 @@ class RingRequest(Request):
         nb = 2 * (p - 1) * buf.nbytes // p
         super().__init__([], comm.stats, "iallreduce", nb, time.perf_counter(), on_done)
         self._blocking, self._busy = blocking, 0.0
-        st = state(comm)
+        st = comm.collectives.get_workspace()
         self._st, self._pc, self._tag = st, st.pcomm, st.tag()
         flat = self._buf = flat_view(buf)
         self._left, self._right = (r - 1) % p, (r + 1) % p
@@ -180,7 +145,7 @@ class RingRequest(Request):
 
 def rd(comm, flat) -> None:
     """Recursive doubling in place, on pieces of at most ``SEGMENT_BYTES`` (bounded scratch)."""
-    st = state(comm)
+    st = comm.collectives.get_workspace()
     xp = numpy if isinstance(flat, numpy.ndarray) else backend.xp
     piece = max(1, getattr(comm, "allreduce_segment_bytes", SEGMENT_BYTES) // flat.itemsize)
     tmp = st.blocking_scratch(flat.dtype, min(piece, flat.size))

@@ -1,16 +1,16 @@
 """Allreduce algorithms: segmented ring, recursive doubling, intra-node shared memory and
 single-copy reads, auto.
 
-Called by :meth:`hpcnn.parallel.comm.Communicator.allreduce` (which times and counts them)::
+Called by :meth:`.comm.Communicator.allreduce` (which times and counts them)::
 
     comm.allreduce(buf, algorithm="shm")       # mpi | ring | rd | shm | cma | auto; in place
     calibrate(comm, sizes)                     # sets comm.allreduce_table (a run: through
-                                               # hpcnn.parallel.calibration, which saves it)
+                                               # .calibration, which saves it)
     req = comm.iallreduce(buf, algorithm="ring")   # mpi | ring | shm | auto
     ...; req.test(); ...                       # between blocks of compute: advances the ring
     req.wait()
 
-``ring`` (:mod:`hpcnn.parallel.ring`): reduce-scatter then all-gather, p-1 steps each, on p
+``ring`` (:mod:`.ring`): reduce-scatter then all-gather, p-1 steps each, on p
 chunks of the flat buffer (sizes differ by at most one element), each chunk split into the same
 number of segments of at most ``comm.allreduce_segment_bytes`` (default :data:`SEGMENT_BYTES`)
 so that a window of :data:`WINDOW` segments is in flight while the previous one is summed from a
@@ -21,10 +21,10 @@ IJHPCA 19, 2005, sec. 4). Cost 2(p-1) nseg alpha + 2(p-1)/p n beta. The non-bloc
 ``rd``: recursive doubling, log2 p exchanges (Thakur et al., sec. 4) on pieces of at most the
 segment size; for p not a power of two the first 2r ranks fold in pairs first
 (r = p - 2^floor(log2 p)) and get the result back at the end. Cost log2 p (alpha + n beta).
-``shm`` (:mod:`hpcnn.parallel.shm`): all ranks on one node only; pieces copied into a shared
+``shm`` (:mod:`.shm`): all ranks on one node only; pieces copied into a shared
 window and summed by direct loads, no message (on 2 ranks one barrier per piece); no copy at all
 for arrays from :func:`shared_zeros` (``Communicator.shared_zeros``).
-``cma`` (:mod:`hpcnn.parallel.cma`): all ranks on one node and allowed to read each other's
+``cma`` (:mod:`.cma`): all ranks on one node and allowed to read each other's
 memory; each rank sums its slice reading the peers' buffers directly (``process_vm_readv``) and
 writes each summed chunk into theirs (``process_vm_writev``): 2n moved per rank, one barrier, no
 shared window; the fastest for private buffers from about 4 MiB here, calibrated like the rest.
@@ -46,7 +46,7 @@ once; like any collective, calls must be made, and requests waited for, in the s
 every rank.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.comm import Communicator; c = Communicator(MPI.COMM_WORLD); \\
+        from hpcnn.parallel.collectives import Communicator; c = Communicator(MPI.COMM_WORLD); \\
         a = np.arange(5.0); c.allreduce(a, algorithm='ring'); print(a)"
 """
 from __future__ import annotations
@@ -58,10 +58,10 @@ from math import isqrt
 import numpy
 
 from hpcnn import backend
-from hpcnn.parallel import shm
-from hpcnn.parallel.mpi_base import Request, _cuda_aware, _mpi, host_buffers
-from hpcnn.parallel.ring import (ISEGMENT_BYTES, SEGMENT_BYTES, WINDOW, RingRequest, flat_view, rd,
-                                 split, state)
+from hpcnn.parallel.collectives import shm
+from hpcnn.parallel.collectives.mpi_base import Request, _cuda_aware, _mpi, host_buffers
+from hpcnn.parallel.collectives.ring import (ISEGMENT_BYTES, SEGMENT_BYTES, WINDOW, RingRequest,
+                                             flat_view, rd, split)
 
 __all__ = ["ALGORITHMS", "NONBLOCKING", "allreduce", "iallreduce", "iallreduce_ring", "choose",
            "choose_nonblocking", "default_table", "compile_table", "calibrate", "free",
@@ -89,18 +89,13 @@ IALLREDUCE_SHM_BYTES = 2 << 20    # ... or, all ranks on one node, shm from 2 Mi
 SWEEP = [1 << k for k in range(10, 27, 2)]  # calibrate's default sizes: 1 KiB .. 64 MiB
 MIN_REPEATS = 5             # calibrate with a time budget: at least this many timed rounds
 
-_state, _flat, _split, _rd = state, flat_view, split, rd     # older names
+_flat, _split, _rd = flat_view, split, rd     # older names
 
 
 def free(comm) -> None:
     """Free the private communicator, the shared window and scratch buffers made for ``comm``
     (collective); they are made again on next use."""
-    st = getattr(comm, "_allreduce_state", None)
-    if st is not None:
-        if st.node:
-            st.node.free()
-        st.pcomm.Free()
-        comm._allreduce_state = None
+    comm.collectives.free()
 
 
 def single_node(comm) -> bool:
@@ -129,21 +124,21 @@ def compile_table(table) -> tuple:
 
 
 def _has_shared(comm) -> bool:
-    st = getattr(comm, "_allreduce_state", None)
-    return bool(st and st.node and st.node.shared)
+    ws = comm.collectives.workspace
+    return bool(ws and ws.node and ws.node.shared)
 
 
 def _lookup(comm):
-    lk = comm._auto
+    co = comm.collectives
+    lk = co.lookup
     if lk is None:
-        lk = comm._auto = compile_table(comm.allreduce_table or default_table(comm))
+        lk = co.lookup = compile_table(co.table or default_table(comm))
         # with shared arrays about, the lean path stops where zero copy may start (the C path
         # goes on for buffers outside the shared windows)
         shared = _has_shared(comm)
-        comm._auto_mpi_below = min(lk[2], shm.ZERO_COPY_BYTES) if shared else lk[2]
-        ranges = [(sh.base, sh.base + sh.nbytes) for sh in comm._allreduce_state.node.shared] \
+        ranges = [(sh.base, sh.base + sh.nbytes) for sh in co.workspace.node.shared] \
             if shared else []
-        comm._set_private_auto(lk[2], ranges)
+        co.set_auto_mpi_below(min(lk[2], shm.ZERO_COPY_BYTES) if shared else lk[2], lk[2], ranges)
     return lk
 
 
@@ -159,7 +154,8 @@ def choose_nonblocking(comm, nbytes: int) -> str:
     node, else the ring from :data:`IALLREDUCE_RING_BYTES`, mpi below."""
     one = single_node(comm)
     below = IALLREDUCE_SHM_BYTES if one else IALLREDUCE_RING_BYTES
-    comm._iauto_mpi_below = min(below, shm.ZERO_COPY_BYTES) if _has_shared(comm) else below
+    comm.collectives.iauto_mpi_below = min(below, shm.ZERO_COPY_BYTES) if _has_shared(comm) \
+        else below
     if one and nbytes >= IALLREDUCE_SHM_BYTES:
         return "shm"
     return "ring" if nbytes >= IALLREDUCE_RING_BYTES else "mpi"
@@ -167,19 +163,18 @@ def choose_nonblocking(comm, nbytes: int) -> str:
 
 def shared_zeros(comm, shape, dtype=numpy.float32):
     """A zero-filled array of ``shape`` and ``dtype`` that shm reduces in place, without copying
-    it in (see :mod:`hpcnn.parallel.shm`): in a shared window when all ranks of ``comm`` are on
+    it in (see :mod:`.shm`): in a shared window when all ranks of ``comm`` are on
     one node, else (or on CuPy) a plain ``zeros``. Collective (same shape and dtype on every
     rank); valid until :func:`free`. ``auto`` picks shm for it from ZERO_COPY_BYTES."""
     if backend.xp is numpy and single_node(comm):
-        comm._auto, comm._auto_mpi_below = None, 0     # auto's lean paths: recomputed
-        comm._iauto_mpi_below = 0
+        comm.collectives.forget_auto()               # auto's lean paths: recomputed
         return shm.zeros(shm.node_of(comm), shape, dtype)
     return backend.xp.zeros(shape, dtype)
 
 
 def _in_shared(comm, flat) -> bool:
-    st = getattr(comm, "_allreduce_state", None)
-    return bool(st and st.node and isinstance(flat, numpy.ndarray) and st.node.find(flat))
+    ws = comm.collectives.workspace
+    return bool(ws and ws.node and isinstance(flat, numpy.ndarray) and ws.node.find(flat))
 
 
 def _shm_node(comm):
@@ -219,7 +214,7 @@ def allreduce(comm, buf, algorithm: str = "auto"):
         comm.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return buf
     if algorithm == "cma":
-        from hpcnn.parallel import cma
+        from hpcnn.parallel.collectives import cma
         _on_host(flat, lambda h: cma.allreduce(comm, h))
         return buf
     if algorithm == "shm":
@@ -238,7 +233,7 @@ def allreduce(comm, buf, algorithm: str = "auto"):
 
 def iallreduce(comm, buf, algorithm: str = "ring", on_done=None) -> Request:
     """Start a non-blocking in-place sum: ``"ring"`` (:class:`RingRequest`), ``"shm"``
-    (:class:`hpcnn.parallel.shm.ShmRequest`, one node), ``"mpi"`` (the library's Iallreduce) or
+    (:class:`.shm.ShmRequest`, one node), ``"mpi"`` (the library's Iallreduce) or
     ``"auto"`` (:func:`choose_nonblocking`)."""
     if algorithm not in NONBLOCKING:
         raise ValueError(f"unknown iallreduce algorithm {algorithm!r}; expected one of "
@@ -273,7 +268,7 @@ def iallreduce_ring(comm, buf, on_done=None) -> RingRequest:
 def available_algorithms(comm) -> list:
     """What :func:`calibrate` times on ``comm``: mpi, ring, rd, and shm (and cma where the kernel
     lets ranks read each other) when all ranks share a node (collective on the first call)."""
-    from hpcnn.parallel import cma
+    from hpcnn.parallel.collectives import cma
     one = single_node(comm)
     return ["mpi", "ring", "rd"] + (["shm"] if one else []) \
         + (["cma"] if one and cma.available(comm) else [])

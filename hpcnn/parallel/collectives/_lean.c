@@ -1,8 +1,9 @@
 /* The hot path of Communicator.allreduce in C: a counted in-place MPI_Allreduce(SUM).
  *
- * Optional: built by `python -m hpcnn.parallel.lean_build` (the Makefile does it) with the MPI
- * compiler wrapper of the MPI that mpi4py uses; without it hpcnn.parallel.comm uses the same
- * path written in Python, about 0.2-0.3 us slower per call (what matters for 1-4 KiB messages).
+ * Optional: built by `python -m hpcnn.parallel.collectives.lean_build` (the Makefile does it)
+ * with the MPI compiler wrapper of the MPI that mpi4py uses; without it hpcnn.parallel.collectives
+ * uses the same path written in Python, about 0.2-0.3 us slower per call (what matters for
+ * 1-4 KiB messages).
  *
  *   Counter(num, den)           calls, raw, seconds, num, den: the counters CommStats sums
  *   Lean(comm, counter, general, ndarray, sampled_below, sample_every)
@@ -46,7 +47,7 @@ static int Counter_init(Counter *self, PyObject *args, PyObject *kw) {
 
 static PyTypeObject CounterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hpcnn.parallel._lean.Counter",
+    .tp_name = "hpcnn.parallel.collectives._lean.Counter",
     .tp_basicsize = sizeof(Counter),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -233,7 +234,7 @@ static PyMemberDef Lean_members[] = {
 
 static PyTypeObject LeanType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hpcnn.parallel._lean.Lean",
+    .tp_name = "hpcnn.parallel.collectives._lean.Lean",
     .tp_basicsize = sizeof(Lean),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,

@@ -15,7 +15,7 @@ bytes on p ranks of one node, slice q being the q-th of p near-equal parts:
 Nobody but rank r touches slice r of any buffer, so one barrier suffices. Each slice is summed
 once, in rank order, and copied to the others: every rank ends with bitwise the same array.
 Per rank n/p * (p reads + p writes) go through memory, against about 5n for the shm path's
-private pieces (:mod:`hpcnn.parallel.shm`), which must first copy the buffer into the shared
+private pieces (:mod:`.shm`), which must first copy the buffer into the shared
 window. Measured on 2 ranks at 16 MiB: 2.4-2.9 ms, against 3.6-4.0 ms for reading the peers'
 summed slices after a second barrier. It needs permission to read and write the peers' memory
 (same user, and ptrace allowed by the kernel's Yama setting or CAP_SYS_PTRACE):
@@ -29,8 +29,8 @@ import os
 
 import numpy
 
-from hpcnn.parallel.mpi_base import _mpi
-from hpcnn.parallel.ring import split, state
+from hpcnn.parallel.collectives.mpi_base import _mpi
+from hpcnn.parallel.collectives.ring import split
 
 CHUNK_BYTES = 256 << 10      # summed and pushed chunk by chunk (measured: 64 KiB-1 MiB)
 
@@ -89,9 +89,9 @@ def _write(pid: int, remote: int, src) -> None:
 def available(comm) -> bool:
     """True if every rank of ``comm`` (a Communicator, all on one node) can read and write its
     peers' memory; collective on the first call per communicator, cached."""
-    st = state(comm)
-    if getattr(st, "cma_pids", None) is None:
-        from hpcnn.parallel import shm
+    st = comm.collectives.get_workspace()
+    if st.cma_pids is None:
+        from hpcnn.parallel.collectives import shm
         ok, pids = 0, []
         if comm.size > 1 and _syscall() is not None and shm.node_of(comm) is not None:
             probe = numpy.array([comm.rank + 1, 0], numpy.int64)
@@ -120,7 +120,7 @@ def allreduce(comm, flat) -> None:
         raise ValueError(f"allreduce 'cma' needs every rank on one node and permission to read "
                          f"and write the peers' memory (process_vm_readv/writev); not so on "
                          f"these {comm.size} ranks")
-    st, p, r = state(comm), comm.size, comm.rank
+    st, p, r = comm.collectives.get_workspace(), comm.size, comm.rank
     me = numpy.array([flat.__array_interface__["data"][0], flat.nbytes], numpy.int64)
     everyone = numpy.empty((p, 2), numpy.int64)
     st.pcomm.Allgather(me, everyone)

@@ -34,7 +34,7 @@ passive-target epoch (``Lock_all``) and a sync is ``Win.Sync`` (my stores are vi
 on the node communicator, ``Win.Sync`` (peers' stores are visible to my loads). The node's
 window is made on first use and grown (collectively, the same size on every rank) for a larger
 piece; it and the :func:`zeros` arrays' windows are freed by
-:func:`hpcnn.parallel.allreduce.free`, except those whose arrays are still alive on some rank
+:func:`.algorithms.free`, except those whose arrays are still alive on some rank
 (kept, with a ``ResourceWarning``, so that no array ever points at unmapped memory).
 
 An algorithm is a generator yielding the window to sync at each sync point: the blocking call
@@ -53,8 +53,8 @@ from collections import deque
 
 import numpy
 
-from hpcnn.parallel.mpi_base import Request, _mpi
-from hpcnn.parallel.ring import split, state
+from hpcnn.parallel.collectives.mpi_base import Request, _mpi
+from hpcnn.parallel.collectives.ring import split
 
 PIECE_BYTES = 1 << 20       # per piece of a private buffer; the node's window is 2 pieces per rank
 MIN_HALF = 64 << 10         # smallest half-segment allocated
@@ -194,7 +194,7 @@ class Node:
 def node_of(comm):
     """The :class:`Node` of ``comm`` (a Communicator), or None if its ranks span several nodes
     or ``HPCNN_SHM=0`` (collective on first call: splits the private communicator)."""
-    st = state(comm)
+    st = comm.collectives.get_workspace()
     if st.node is None:
         MPI = _mpi()
         st.node = False

@@ -2,12 +2,13 @@
 
 One :class:`CommStats` is shared by the communicators of a process and read into the run log's
 ``/ranks`` table. Communicators keep the :meth:`CommStats.counter` objects of their hot paths and
-bump them in place; when the optional C module is built (:mod:`hpcnn.parallel.lean_build`) the
+bump them in place; when the optional C module is built (:mod:`.lean_build`) the
 counters are its ``Counter`` type, with the same fields, so that its allreduce bumps them
 without Python.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Mapping
@@ -24,15 +25,14 @@ SAMPLE_EVERY = 8                            # a power of two
 
 
 def _c_lean():
-    """The optional C module (:mod:`hpcnn.parallel.lean_build`), once mpi4py.MPI is imported, or
+    """The optional C module (:mod:`.lean_build`), once mpi4py.MPI is imported, or
     None (not built, or ``HPCNN_LEAN=0``)."""
     global _LEAN
     if _LEAN is None:
         _LEAN = False
         if "mpi4py.MPI" in sys.modules and os.environ.get("HPCNN_LEAN", "1") not in ("0", "false"):
             try:
-                from hpcnn.parallel import _lean
-                _LEAN = _lean
+                _LEAN = importlib.import_module("hpcnn.parallel.collectives._lean")
             except ImportError:
                 pass
     return _LEAN or None

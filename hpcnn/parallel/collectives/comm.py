@@ -1,0 +1,442 @@
+"""Named collectives over one MPI communicator, counting bytes and seconds per call.
+
+Every parallel layer calls these, never MPI directly. Each wrapper uses the uppercase buffer
+methods on arrays (no pickling), is a no-op (or a local copy) on a communicator of size 1, and on
+CuPy synchronises the stream first; when the MPI library is not CUDA-aware
+(``HPCNN_CUDA_AWARE`` unset) device arrays are staged through host memory.
+
+Byte counts are what this rank sends under a bandwidth-optimal algorithm, so that they can be
+compared with a cost model whatever algorithm the library picks: for ``n`` bytes on ``p`` ranks,
+allreduce 2(p-1)/p n (floored on the total of a communicator's calls, not per call),
+reduce-scatter and all-gather (p-1)/p n (n = the full, unscattered size), broadcast n on the
+root, point-to-point the message size. Counters live in a :class:`CommStats` shared by all the
+communicators of a process, read into the run log's ``/ranks`` table.
+
+``allreduce`` of a NumPy buffer by the library (``mpi``, or ``auto`` where it picks ``mpi``)
+takes a lean path: the optional C module (:mod:`.lean_build`) when built, a counted in-place
+``MPI_Allreduce`` that is 1.1-1.2x a bare mpi4py ``Allreduce`` at 8 B-4 KiB on 2 ranks (it skips
+mpi4py's argument parsing); else a Python closure, 0.85-0.90x there. That path, the algorithms'
+thresholds and resources live in ``comm.collectives`` (:class:`~.state.Collectives`). Counters
+and the sampling of small calls' seconds: :mod:`.stats`.
+
+Small picklable objects (metadata, error messages) travel by :meth:`Communicator.allgather_objects`,
+:meth:`Communicator.gather_objects` and :meth:`Communicator.bcast_object`. A serial run uses
+:meth:`Communicator.single` (a :class:`SelfCommunicator`): the same methods on one rank, without
+MPI.
+
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
+        from hpcnn.parallel.collectives import Communicator; c = Communicator(MPI.COMM_WORLD); \\
+        a = np.ones(4); c.allreduce(a); print(a, c.stats.bytes_sent)"
+"""
+from __future__ import annotations
+
+import pickle
+import time
+from collections import deque
+
+import numpy
+
+from hpcnn import backend
+from hpcnn.parallel.collectives import algorithms      # the algorithms behind allreduce(...)
+from hpcnn.parallel.collectives.mpi_base import Request, _cuda_aware, _mpi, host_buffers
+from hpcnn.parallel.collectives.state import Collectives
+from hpcnn.parallel.collectives.stats import CommStats
+
+_perf = time.perf_counter
+_ndarray = numpy.ndarray
+
+
+def _pickled_size(obj) -> int:
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def library_version() -> str:
+    """The first line of the MPI library's version string (what the run log records)."""
+    return _mpi().Get_library_version().splitlines()[0].strip()
+
+
+class _LeanRequest(Request):
+    """One library request, its counter given (the iallreduce hot path)."""
+
+    def __init__(self, req, counter, nbytes, on_done=None):
+        self._req, self._counter, self._nbytes = req, counter, nbytes
+        self._on_done, self.done, self.wait_seconds = on_done, False, 0.0
+
+    def test(self) -> bool:
+        if not self.done and self._req.Test():
+            self._finish(0.0)
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            t = _perf()
+            self._req.Wait()
+            self._finish(_perf() - t)
+
+
+class Communicator:
+    """Named, counted collectives on ``comm`` (an ``mpi4py.MPI.Comm``).
+
+    Attributes read by :mod:`.algorithms`: ``allreduce_table`` (what ``auto`` chooses, see
+    :func:`~.algorithms.calibrate`; None: the defaults), ``allreduce_segment_bytes``,
+    ``iallreduce_segment_bytes``, ``shm_piece_bytes`` (optional). The algorithms' own state is
+    ``collectives`` (:class:`~.state.Collectives`).
+    """
+
+    def __init__(self, comm, stats: CommStats | None = None, name: str = "comm"):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.name = name
+        self._lean = self.size > 1          # the hot path: NumPy buffers, library's Allreduce
+        if self._lean:
+            MPI = _mpi()
+            self._Iallreduce = comm.Iallreduce
+            self._IN_PLACE, self._SUM = MPI.IN_PLACE, MPI.SUM
+        self.collectives = Collectives(self)    # the algorithms' shared state
+        self.stats = stats if stats is not None else CommStats()
+
+    @classmethod
+    def single(cls, name: str = "self", stats: CommStats | None = None) -> "SelfCommunicator":
+        """A one-rank communicator that never imports mpi4py (:class:`SelfCommunicator`)."""
+        return SelfCommunicator(name, stats)
+
+    @property
+    def stats(self) -> CommStats:
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: CommStats) -> None:
+        self._stats = stats
+        self._ar = stats.counter("allreduce", 2 * (self.size - 1), self.size)
+        self._iar = stats.counter("iallreduce", 2 * (self.size - 1), self.size)
+        if self._lean:                      # the hot path, bound to this counter
+            self.allreduce = self.collectives.bind_allreduce(
+                Communicator.allreduce.__get__(self), self._ar)
+
+    @property
+    def allreduce_table(self):
+        """The table ``auto`` reads (``{"sizes": [...], "choice": [...]}``) or None: the
+        defaults (kept in :attr:`collectives`, see :class:`Collectives`)."""
+        return self.collectives.table
+
+    @allreduce_table.setter
+    def allreduce_table(self, table) -> None:
+        self.collectives.table = table
+
+    def _timed(self, op, nbytes, fn):
+        t = _perf()
+        out = fn()
+        self.stats.add(op, nbytes, _perf() - t)
+        return out
+
+    # -- reductions -----------------------------------------------------------------------------
+    def allreduce(self, buf, algorithm: str = "mpi"):
+        """Sum ``buf`` over all ranks, in place. ``algorithm``: mpi | ring | rd | shm | auto
+        (see :mod:`.algorithms`). Returns ``buf``.
+
+        On more than one rank this method is shadowed by the hot path bound by
+        :meth:`Collectives.bind_allreduce`: a NumPy buffer reduced by the library (``mpi``, or
+        ``auto`` below its first other choice) then costs a type and a size check, two counter
+        increments and the bound ``Allreduce`` (timed one call in ``SAMPLE_EVERY`` below
+        ``SAMPLED_BELOW`` bytes).
+        """
+        if self.size == 1:
+            return buf
+        t = _perf()
+        algorithms.allreduce(self, buf, algorithm)  # resolves auto, rejects unknown names
+        c = self._ar
+        c.seconds += _perf() - t
+        c.calls += 1
+        c.raw += buf.nbytes
+        return buf
+
+    def iallreduce(self, buf, on_done=None, algorithm: str = "mpi") -> Request:
+        """Start a non-blocking in-place sum of ``buf``; ``wait()`` the returned request.
+        ``algorithm``: mpi (the library's Iallreduce) | ring (hpcnn's segmented ring, advanced
+        by ``test()`` calls between blocks of compute; faster than the MPICH and Open MPI wheels'
+        Iallreduce from ~2 MiB) | shm (one node: shared memory, phases run by ``test()``) |
+        auto (see :func:`.algorithms.choose_nonblocking`)."""
+        if type(buf) is _ndarray and self._lean:
+            n = buf.nbytes
+            if algorithm == "mpi" or algorithm == "auto" and n < self.collectives.iauto_mpi_below:
+                return _LeanRequest(self._Iallreduce(self._IN_PLACE, buf, self._SUM), self._iar,
+                                    n, on_done)
+        if self.size > 1 and algorithm != "mpi":
+            return algorithms.iallreduce(self, buf, algorithm, on_done)
+        r = Request([], self._stats, "iallreduce", 0, _perf(), on_done)
+        backend.sync()
+        # one rank, or CuPy without CUDA-aware MPI (staged through the host): blocking
+        if self.size == 1 or backend.xp is not numpy and not _cuda_aware():
+            self.allreduce(buf)
+            r._finish(0.0)
+            return r
+        MPI = _mpi()
+        r._reqs = [self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)]
+        r._nbytes = 2 * (self.size - 1) * buf.nbytes // self.size
+        return r
+
+    def shared_zeros(self, shape, dtype=numpy.float32):
+        """A zero-filled array that ``allreduce``/``iallreduce`` with ``shm`` (or ``auto``)
+        reduce in place without copying it in: in shared memory when all ranks are on one node,
+        else a plain array (see :func:`.algorithms.shared_zeros`). Collective."""
+        return algorithms.shared_zeros(self, shape, dtype)
+
+    def allreduce_scalars(self, values, op: str = "sum") -> numpy.ndarray:
+        """Reduce a few float64 numbers (loss, norms, counts) over all ranks: sum, max or min."""
+        a = numpy.ascontiguousarray(values, dtype=numpy.float64).reshape(-1)
+        if self.size == 1:
+            return a
+        MPI = _mpi()
+        mop = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        out = numpy.empty_like(a)
+        self._timed("allreduce_scalars", 2 * (self.size - 1) * a.nbytes // self.size,
+                    lambda: self.comm.Allreduce(a, out, op=mop))
+        return out
+
+    def allreduce_max(self, buf):
+        """Element-wise maximum of ``buf`` over all ranks, in place; returns ``buf``.
+
+        Counted under op ``allreduce_max`` as an allreduce (2(p-1)/p of the bytes, floored on
+        the total). ``buf`` must be contiguous. Identity on one rank.
+        """
+        if self.size == 1:
+            return buf
+        MPI = _mpi()
+        counter = self.stats.counter("allreduce_max", 2 * (self.size - 1), self.size)
+        t = _perf()
+        with host_buffers(buf, writeback=(0,)) as (h,):
+            self.comm.Allreduce(MPI.IN_PLACE, h, op=MPI.MAX)
+        counter.calls += 1
+        counter.raw += buf.nbytes
+        counter.seconds += _perf() - t
+        return buf
+
+    def reduce_scatter(self, sendbuf, recvbuf):
+        """recvbuf = this rank's 1/p block (along axis 0) of the sum of every rank's sendbuf."""
+        if self.size == 1:
+            recvbuf[...] = sendbuf
+            return recvbuf
+        if sendbuf.shape[0] != recvbuf.shape[0] * self.size:
+            raise ValueError(f"reduce_scatter: send axis 0 ({sendbuf.shape[0]}) != "
+                             f"size ({self.size}) x recv axis 0 ({recvbuf.shape[0]})")
+        MPI = _mpi()
+        with host_buffers(sendbuf, recvbuf, writeback=(1,)) as (s, r):
+            self._timed("reduce_scatter", (self.size - 1) * sendbuf.nbytes // self.size,
+                        lambda: self.comm.Reduce_scatter_block(s, r, op=MPI.SUM))
+        return recvbuf
+
+    def allgather(self, sendbuf, recvbuf):
+        """recvbuf (axis 0 = p blocks) = every rank's sendbuf, in rank order."""
+        if self.size == 1:
+            recvbuf[...] = sendbuf.reshape(recvbuf.shape)
+            return recvbuf
+        if recvbuf.shape[0] != sendbuf.shape[0] * self.size:
+            raise ValueError(f"allgather: recv axis 0 ({recvbuf.shape[0]}) != size ({self.size}) "
+                             f"x send axis 0 ({sendbuf.shape[0]})")
+        with host_buffers(sendbuf, recvbuf, writeback=(1,)) as (s, r):
+            self._timed("allgather", (self.size - 1) * recvbuf.nbytes // self.size,
+                        lambda: self.comm.Allgather(s, r))
+        return recvbuf
+
+    def allgather_scalars(self, values) -> numpy.ndarray:
+        """(p, k) float64 array of every rank's k numbers (speeds, timings)."""
+        a = numpy.ascontiguousarray(values, dtype=numpy.float64).reshape(-1)
+        out = numpy.empty((self.size, a.size))
+        if self.size == 1:
+            out[0] = a
+            return out
+        self._timed("allgather_scalars", a.nbytes * (self.size - 1), lambda: self.comm.Allgather(a, out))
+        return out
+
+    def bcast(self, buf, root: int = 0):
+        """Broadcast ``buf`` from ``root`` in place."""
+        if self.size == 1:
+            return buf
+        with host_buffers(buf, writeback=(0,)) as (h,):
+            self._timed("bcast", buf.nbytes if self.rank == root else 0,
+                        lambda: self.comm.Bcast(h, root=root))
+        return buf
+
+    # -- small picklable objects (metadata, error messages) ----------------------------------
+    def _check_root(self, op: str, root: int) -> None:
+        if not 0 <= root < self.size:
+            raise ValueError(f"{op}: root {root} is not a rank of {self.name} (size {self.size})")
+
+    def allgather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (picklable, small), in rank order. Counted under
+        ``allgather_objects``: this rank's pickled size times p-1 (the all-gather convention)."""
+        if self.size == 1:
+            return [obj]
+        return self._timed("allgather_objects", _pickled_size(obj) * (self.size - 1),
+                           lambda: self.comm.allgather(obj))
+
+    def gather_objects(self, obj, root: int = 0) -> list | None:
+        """Every rank's ``obj`` in rank order on ``root``, None elsewhere. Counted under
+        ``gather_objects``: the pickled size on every rank but the root."""
+        self._check_root("gather_objects", root)
+        if self.size == 1:
+            return [obj]
+        nbytes = 0 if self.rank == root else _pickled_size(obj)
+        return self._timed("gather_objects", nbytes, lambda: self.comm.gather(obj, root=root))
+
+    def bcast_object(self, obj, root: int = 0):
+        """``root``'s ``obj`` on every rank (what the others pass is ignored). Counted under
+        ``bcast_object``: the pickled size on the root."""
+        self._check_root("bcast_object", root)
+        if self.size == 1:
+            return obj
+        nbytes = _pickled_size(obj) if self.rank == root else 0
+        return self._timed("bcast_object", nbytes, lambda: self.comm.bcast(obj, root=root))
+
+    def send_object(self, obj, dest: int, tag: int = 0) -> Request:
+        """Start sending ``obj`` (picklable) to rank ``dest``; ``wait()`` the returned request
+        before reusing what ``obj`` holds. Counted under ``send_object``: the pickled size."""
+        t0 = _perf()
+        req = self.comm.isend(obj, dest=dest, tag=tag)
+        return Request([req], self.stats, "send_object", _pickled_size(obj), t0)
+
+    def recv_object(self, source: int, tag: int = 0):
+        """The object rank ``source`` sends with ``tag`` (blocking). Counted under
+        ``recv_object`` with 0 bytes (the sender counts them)."""
+        return self._timed("recv_object", 0, lambda: self.comm.recv(source=source, tag=tag))
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._timed("barrier", 0, self.comm.Barrier)
+
+    # -- point to point -------------------------------------------------------------------------
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag: int = 0):
+        """Send to ``dest`` while receiving from ``source`` (MPI.PROC_NULL allowed)."""
+        MPI = _mpi()
+        nbytes = 0 if dest == MPI.PROC_NULL else sendbuf.nbytes
+        with host_buffers(sendbuf, recvbuf, writeback=(1,)) as (s, r):
+            self._timed("sendrecv", nbytes, lambda: self.comm.Sendrecv(
+                s, dest=dest, sendtag=tag, recvbuf=r, source=source, recvtag=tag))
+        return recvbuf
+
+    def isend(self, buf, dest, tag: int = 0) -> Request:
+        MPI = _mpi()
+        backend.sync()
+        t0 = time.perf_counter()
+        nbytes = 0 if dest == MPI.PROC_NULL else buf.nbytes
+        return Request([self.comm.Isend(buf, dest=dest, tag=tag)], self.stats, "isend", nbytes, t0)
+
+    def irecv(self, buf, source, tag: int = 0) -> Request:
+        t0 = time.perf_counter()
+        return Request([self.comm.Irecv(buf, source=source, tag=tag)], self.stats, "irecv", 0, t0)
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name}, rank {self.rank}/{self.size})"
+
+
+class _SelfComm:
+    """Stands in for ``MPI.COMM_SELF`` under a :class:`SelfCommunicator`: a rank and a size, no
+    communication (every collective is the Communicator's, which need none on one rank)."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+
+class _SelfRequest(Request):
+    """A request on one rank: complete as soon as it is ``ready`` (at once, but for an ``irecv``
+    posted before its ``isend``); counted, like an MPI request, when ``test``/``wait`` sees it
+    complete."""
+
+    def __init__(self, stats, op: str, ready: bool = True, buf=None, tag: int = 0):
+        super().__init__([], stats, op, 0, _perf())
+        self.ready, self.buf, self.tag = ready, buf, tag
+
+    def test(self) -> bool:
+        if self.ready and not self.done:
+            self._finish(0.0)
+        return self.done
+
+    def wait(self) -> None:
+        if not self.test():
+            raise RuntimeError(f"irecv (tag {self.tag}) on a one-rank communicator: no isend to "
+                               "rank 0 with this tag was posted, so it would wait forever")
+
+
+class SelfCommunicator(Communicator):
+    """The :class:`Communicator` of one rank, without MPI (mpi4py is never imported).
+
+    Every method gives the one-rank answer of a Communicator over ``MPI.COMM_SELF``: reductions,
+    broadcasts and gathers are identities or copies, requests complete at once, ``shared_zeros``
+    is a plain zeros array, and the counters count calls but no bytes. Point-to-point goes to
+    rank 0 itself (``dest``/``source`` 0) or nowhere (a negative rank, e.g. ``MPI.PROC_NULL``):
+    a message to itself is copied and counted as 0 bytes (nothing leaves the rank). A serial run
+    uses it so that it runs the code of an MPI run. Make it with :meth:`Communicator.single`.
+    """
+
+    def __init__(self, name: str = "self", stats: CommStats | None = None):
+        super().__init__(_SelfComm(), stats, name)
+        self._sent, self._waiting = {}, {}     # tag -> queued copies sent; tag -> receives
+        self._objects = {}                     # tag -> pickled objects sent to itself
+
+    @staticmethod
+    def _peer(op: str, rank: int) -> bool:
+        """True for rank 0 (this rank), False for no peer (negative); else a ValueError."""
+        if rank > 0:
+            raise ValueError(f"{op}: rank {rank} on a one-rank communicator (only 0, or a "
+                             "negative rank for no peer)")
+        return rank == 0
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag: int = 0):
+        """``recvbuf[...] = sendbuf`` when both peers are rank 0; nothing when neither is."""
+        to_self, from_self = self._peer("sendrecv", dest), self._peer("sendrecv", source)
+        if to_self != from_self:
+            raise ValueError(f"sendrecv on a one-rank communicator: dest {dest} and source "
+                             f"{source} must both be 0 (to itself) or both no peer")
+        t = _perf()
+        if to_self:
+            recvbuf[...] = sendbuf
+        self.stats.add("sendrecv", 0, _perf() - t)
+        return recvbuf
+
+    def isend(self, buf, dest, tag: int = 0) -> Request:
+        """A copy of ``buf`` for the matching ``irecv`` (tag), or dropped for no peer."""
+        if self._peer("isend", dest):
+            waiting = self._waiting.get(tag)
+            if waiting:
+                r = waiting.popleft()
+                r.buf[...] = buf
+                r.ready = True
+            else:
+                self._sent.setdefault(tag, deque()).append(buf.copy())
+        return _SelfRequest(self.stats, "isend")
+
+    def irecv(self, buf, source, tag: int = 0) -> Request:
+        """Filled from an earlier ``isend`` with this tag, else when one is posted."""
+        if not self._peer("irecv", source):
+            return _SelfRequest(self.stats, "irecv")
+        sent = self._sent.get(tag)
+        if sent:
+            buf[...] = sent.popleft()
+            return _SelfRequest(self.stats, "irecv")
+        r = _SelfRequest(self.stats, "irecv", ready=False, buf=buf, tag=tag)
+        self._waiting.setdefault(tag, deque()).append(r)
+        return r
+
+    def send_object(self, obj, dest: int, tag: int = 0) -> Request:
+        """A pickled copy of ``obj`` kept for :meth:`recv_object` with this tag (to itself), or
+        dropped (no peer); the request is complete at once."""
+        if self._peer("send_object", dest):
+            self._objects.setdefault(tag, deque()).append(pickle.dumps(obj))
+        return _SelfRequest(self.stats, "send_object")
+
+    def recv_object(self, source: int, tag: int = 0):
+        """The object an earlier :meth:`send_object` to itself with ``tag`` sent; a ValueError
+        if there is none (on one rank nothing else could ever send it: never a hang)."""
+        if not self._peer("recv_object", source) or not self._objects.get(tag):
+            raise ValueError(f"recv_object on a one-rank communicator: no object sent with tag "
+                             f"{tag} from rank {source}")
+        t = _perf()
+        obj = pickle.loads(self._objects[tag].popleft())
+        self.stats.add("recv_object", 0, _perf() - t)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"SelfCommunicator({self.name})"
