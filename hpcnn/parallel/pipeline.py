@@ -164,7 +164,7 @@ def run_schedule(instrs, stages, pp_comm, micro_inputs, micro_targets, *, dloss,
                  clock=None, t0=None, rank=None, draws=None) -> dict:
     """Execute one rank's instruction list.
 
-    Parameters: ``instrs``: this rank's list (:class:`.schedules.Instr`); ``stages``: its
+    Parameters: ``instrs``: this rank's list (:class:`~hpcnn.engine.ops.Op`); ``stages``: its
     :class:`PipelineStage` s; ``pp_comm``: the pipeline :class:`.comm.Communicator` (peers are its
     ranks); ``micro_inputs`` / ``micro_targets``: per micro-batch (read on the first / last stage
     only); ``dloss``: the loss-gradient factor, a number or one per micro-batch (mean over the
@@ -183,14 +183,14 @@ def run_schedule(instrs, stages, pp_comm, micro_inputs, micro_targets, *, dloss,
     rank = pp_comm.rank if rank is None else rank
     mine = {st.index: st for st in stages}
     n_stages = stages[0].n_stages
-    split = any(i.op == "W" for i in instrs)
+    split = any(i.kind == "W" for i in instrs)
     factor = (lambda mb: dloss) if isinstance(dloss, (int, float)) else (lambda mb: dloss[mb])
     caches, pending, msgs, losses = {}, {}, {}, {}
     sends, live, events = [], {}, []
     peak_bytes, inflight = 0, {s: 0 for s in mine}
     peak_stage, peak_rank = dict(inflight), 0
     for ins in instrs:
-        ts, op, mb, s = clock(), ins.op, ins.mb, ins.stage
+        ts, op, mb, s = clock(), ins.kind, ins.mb, ins.stage
         if op == "F":
             st = mine[s]
             x = micro_inputs[mb] if st.first else msgs.pop(("ACT", mb, s - 1))
@@ -290,8 +290,8 @@ def max_inflight(instrs) -> dict:
     """Per stage: the most micro-batches between their F and their B in one rank's list."""
     now, peak = {}, {}
     for ins in instrs:
-        if ins.op in ("F", "B"):
-            now[ins.stage] = now.get(ins.stage, 0) + (1 if ins.op == "F" else -1)
+        if ins.kind in ("F", "B"):
+            now[ins.stage] = now.get(ins.stage, 0) + (1 if ins.kind == "F" else -1)
             peak[ins.stage] = max(peak.get(ins.stage, 0), now[ins.stage])
     return peak
 
@@ -299,7 +299,7 @@ def max_inflight(instrs) -> dict:
 def attach_remat(stages, instrs, policy, schedule_name: str) -> None:
     """Give each stage the policy and the number of micro-batches it holds at once in this
     rank's list ``instrs`` (its budget is split over them); refuses lists with W's."""
-    if any(i.op == "W" for i in instrs):
+    if any(i.kind == "W" for i in instrs):
         raise ValueError(f"schedule {schedule_name!r} splits backwards (W); rematerialized "
                          f"stages run whole backwards")
     inflight = max_inflight(instrs)
