@@ -43,14 +43,13 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn.engine.ops import PIPELINE as COMPUTE  # noqa: E402  (F, B, W)
 from hpcnn.log import RunLog  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.nn.chain import Chain  # noqa: E402
 from hpcnn.nn.layers import Linear, ReLU  # noqa: E402
 from hpcnn.nn.loss import SoftmaxCrossEntropy  # noqa: E402
 from hpcnn.parallel import partition, pipeline, schedules  # noqa: E402
-
-COMPUTE = schedules.COMPUTE                     # ("F", "B", "W")
 
 
 def equal_mlp(width, pairs, seed=0):
@@ -102,8 +101,8 @@ def run_config(args, world, name, M, v):
         out = pipeline.train_step(name, model, world, x, y, M, ranges=ranges, virtual=v,
                                   t0=origin)
         for ins, ev in zip(lists[rank], out["events"]):                 # one event per instr
-            if ins.op in COMPUTE:
-                durations.setdefault((ins.op, ins.stage), []).append(ev[4] - ev[3])
+            if ins.kind in COMPUTE:
+                durations.setdefault((ins.kind, ins.stage), []).append(ev[4] - ev[3])
         steps.append((out["events"], out["loss"]))
     mem = {"peak_bytes": out["peak_bytes"], "peak_inflight": out["peak_inflight"],
            "peak_inflight_stage": dict(out["peak_inflight_stage"])}

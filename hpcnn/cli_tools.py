@@ -49,7 +49,7 @@ def chart(sim, n_ranks: int, width: int) -> list[str]:
         for ins, t0, t1 in sim.timelines[r]:
             a, b = int(round(t0 * scale)), max(int(round(t0 * scale)) + 1, int(round(t1 * scale)))
             for c in range(a, min(b, width)):
-                ops[c], mbs[c] = ins.op, digits[ins.mb % len(digits)]
+                ops[c], mbs[c] = ins.kind, digits[ins.mb % len(digits)]
         lines += [f"rank {r:>2} |{''.join(ops)}|", f"     mb |{''.join(mbs)}|"]
     return lines
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hpcnn import data
+from hpcnn.engine.ops import Op
 from hpcnn.memory import profile, rotor, sequence
 from hpcnn.memory.executor import Executor, live_bytes, store_all_reference
 from hpcnn.memory.simulate import simulate
@@ -166,7 +167,7 @@ def test_account_equals_the_plan_at_the_least_budget_under_tp_and_pp(tmp_path):
 def test_executor_rejects_bad_sequences():
     chain = mlp()
     with pytest.raises(ValueError, match="first backward must be B"):
-        Executor(chain, [sequence.Op("F_all", 0), sequence.Op("B", 0)])
+        Executor(chain, [Op("F_all", block=0), Op("B", block=0)])
     with pytest.raises(ValueError, match="OffloadChannel"):
-        Executor(chain, sequence.store_all(len(chain) + 1) + [sequence.Op("OFF", 1, "x")])
+        Executor(chain, sequence.store_all(len(chain) + 1) + [Op("OFF", block=1, item="x")])
 

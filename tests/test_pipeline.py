@@ -98,7 +98,7 @@ def test_single_rank_equals_serial(name, virtual, M):
     for p, g in zip(model.params, grads):
         assert np.abs(p.grad - g).max() < 1e-12, p.name
     lst = schedules.SCHEDULES[name](virtual, M, 1)[0]
-    assert [(k, mb) for _, k, mb, _, _ in out["events"]] == [(i.op, i.mb) for i in lst]
+    assert [(k, mb) for _, k, mb, _, _ in out["events"]] == [(i.kind, i.mb) for i in lst]
     assert len(out["stages"]) == virtual and out["ranges"] == partition.uniform(7, virtual)
 
 
@@ -118,7 +118,7 @@ def test_errors():
         pipeline.train_step("gpipe", mlp(), single(), x, y, 2, layout="3|4")
     model = mlp()
     stages = stage.build_stages(model, [(0, 7)], 0, 1)
-    lst = [i for i in schedules.gpipe(1, 2, 1)[0] if i.op != "B"]    # no backward: left over
+    lst = [i for i in schedules.gpipe(1, 2, 1)[0] if i.kind != "B"]    # no backward: left over
     xs, ys = step.split_batch(x, y, 2)
     shapes = stage.boundary_shapes(model, [(0, 7)], [a.shape for a in xs])
     with pytest.raises(RuntimeError, match="2 caches"):

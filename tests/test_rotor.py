@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from hpcnn.engine.ops import Op, fmt
 from hpcnn.memory import rotor, sequence
 from hpcnn.memory.profile import ChainProfile
 from hpcnn.memory.simulate import SequenceError, check_peak, simulate
@@ -166,12 +167,12 @@ def test_baselines_are_valid_and_no_better_than_optimal(n):
         r = simulate(seq, p)
         assert r.compute == pytest.approx(r.time)
         m = int(r.peak) - int(p.wx[0])
-        assert opt[0, n - 1][m] <= r.time + 1e-12, (sequence.fmt(seq), r.peak)
-        assert sorted(op.index for op in seq if op.kind == "B") == list(range(n))
+        assert opt[0, n - 1][m] <= r.time + 1e-12, (fmt(seq), r.peak)
+        assert sorted(op.block for op in seq if op.kind == "B") == list(range(n))
 
 
 def test_segments_and_revolve_shapes():
-    assert sequence.fmt(sequence.segments(5, 2)) == ("F_ck0 F_n1 F_all2 F_all3 F_all4 B4 B3 B2 "
+    assert fmt(sequence.segments(5, 2)) == ("F_ck0 F_n1 F_all2 F_all3 F_all4 B4 B3 B2 "
                                        "F_all0 F_all1 B1 B0")
     # recomputed forwards follow Griewank's binomial recursion; closed forms at both ends:
     # one checkpoint recomputes l(l-1)/2 stages, l-1 checkpoints each stage once
@@ -186,13 +187,13 @@ def test_segments_and_revolve_shapes():
 def test_invalid_sequences_are_named():
     p = random_chain(np.random.default_rng(0), 3)
     with pytest.raises(SequenceError, match=r"op 0 \(B2\)"):
-        simulate([sequence.Op("B", 2)], p)
+        simulate([Op("B", block=2)], p)
     with pytest.raises(SequenceError, match="x1 is not stored"):
-        simulate([sequence.Op("F_all", 1)], p)
+        simulate([Op("F_all", block=1)], p)
     with pytest.raises(SequenceError, match="still stored"):
-        simulate([sequence.Op("F_ck", 0)], p)
+        simulate([Op("F_ck", block=0)], p)
     with pytest.raises(SequenceError, match="offloaded"):
-        simulate([sequence.Op("F_all", 0), sequence.Op("OFF", 1, "bar"), sequence.Op("F_all", 1)],
+        simulate([Op("F_all", block=0), Op("OFF", block=1, item="bar"), Op("F_all", block=1)],
                  p, bandwidth=1.0)
 
 

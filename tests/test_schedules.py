@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
+from hpcnn.engine.ops import PIPELINE, Op
 from hpcnn.parallel import schedules as sch
-from hpcnn.parallel.schedules import Instr
 
 RANKS, MICRO = (1, 2, 3, 4), (1, 2, 3, 4, 8)
 
@@ -26,7 +26,7 @@ def test_every_schedule_validates(name, S, M, P):
         return
     lists = sch.SCHEDULES[name](S, M, P)
     sch.validate(lists, S, M, P, sch.placement(name, S, P))
-    ops = [i.op for lst in lists for i in lst]
+    ops = [i.kind for lst in lists for i in lst]
     assert ops.count("F") == ops.count("B") == S * M
     assert ops.count("W") == (S * M if name in ("zb_h1", "zb_v") else 0)
     if P == 1:                                  # consecutive stages on one rank: no messages
@@ -48,7 +48,7 @@ def test_one_stage_per_rank_required():
 
 
 def _compute(lst):
-    return [(i.op, i.mb) for i in lst if i.op in sch.COMPUTE]
+    return [(i.kind, i.mb) for i in lst if i.kind in PIPELINE]
 
 
 @pytest.mark.parametrize("S", [1, 2, 3, 4])
@@ -69,12 +69,12 @@ def test_1f1b_textbook_order(S, M):
 
 def test_send_recv_placement():
     lists = sch.one_f_one_b(3, 2, 3)
-    assert lists[1][:3] == [Instr("RECV_ACT", 0, 0, 0), Instr("F", 0, 1),
-                            Instr("SEND_ACT", 0, 1, 2)]
-    assert lists[2][:4] == [Instr("RECV_ACT", 0, 1, 1), Instr("F", 0, 2), Instr("B", 0, 2),
-                            Instr("SEND_GRAD", 0, 2, 1)]
-    assert lists[0][-2:] == [Instr("RECV_GRAD", 1, 1, 1), Instr("B", 1, 0)]
-    assert str(Instr("SEND_ACT", 3, 1, 2)) == "SEND_ACT(mb=3, stage=1, peer=2)"
+    assert lists[1][:3] == [Op("RECV_ACT", 0, 0, peer=0), Op("F", 0, 1),
+                            Op("SEND_ACT", 0, 1, peer=2)]
+    assert lists[2][:4] == [Op("RECV_ACT", 0, 1, peer=1), Op("F", 0, 2), Op("B", 0, 2),
+                            Op("SEND_GRAD", 0, 2, peer=1)]
+    assert lists[0][-2:] == [Op("RECV_GRAD", 1, 1, peer=1), Op("B", 1, 0)]
+    assert str(Op("SEND_ACT", 3, 1, peer=2)) == "SEND_ACT(mb=3, stage=1, peer=2)"
 
 
 @pytest.mark.parametrize("S", [1, 2, 3, 4])
@@ -121,7 +121,7 @@ def test_zb_h1_memory_is_1f1bs(S, M):
     S - s); a stage holds at most S micro-batches between F and W, 1F1B's peak (stage 0's)."""
     zb, one = sch.zb_h1(S, M, S), sch.one_f_one_b(S, M, S)
     for a, b in zip(zb, one):
-        assert [i for i in a if i.op != "W"] == b
+        assert [i for i in a if i.kind != "W"] == b
     sim_zb, sim_one = sch.simulate(zb, 1, 1, 1), sch.simulate(one, 1, 1, 1)
     assert sim_zb.peak_inflight_stage == sim_one.peak_inflight_stage == [min(S - s, M)
                                                                          for s in range(S)]
@@ -136,9 +136,9 @@ def test_v_placement():
     lists = sch.zb_v(6, 5, 3)
     # the V's middle (stages 2 and 3, both on rank 2) exchanges no message; rank 0 starts the V
     # (stage 0) and ends it (stage 5, the loss, fed by rank 1's stage 4)
-    assert not [i for i in lists[2] if i.op.endswith("ACT") and i.stage == 2]
-    assert lists[0][:2] == [Instr("F", 0, 0), Instr("SEND_ACT", 0, 0, 1)]
-    assert Instr("RECV_ACT", 0, 4, 1) in lists[0] and Instr("SEND_GRAD", 0, 5, 1) in lists[0]
+    assert not [i for i in lists[2] if i.kind.endswith("ACT") and i.stage == 2]
+    assert lists[0][:2] == [Op("F", 0, 0), Op("SEND_ACT", 0, 0, peer=1)]
+    assert Op("RECV_ACT", 0, 4, peer=1) in lists[0] and Op("SEND_GRAD", 0, 5, peer=1) in lists[0]
     with pytest.raises(ValueError, match=r"rank 0, position \d+, RECV_ACT\(mb=0, stage=4, peer=1\): "
                                          r"belongs on rank 2, not 0"):
         sch.validate(lists, 6, 5, 3)                     # round robin expected: refused
@@ -223,7 +223,7 @@ def test_per_stage_costs_and_comm():
     sim = sch.simulate(sch.gpipe(2, 3, 2), t_f=[1, 2], t_b=[2, 4], t_comm=0.5)
     # stage 1 is the bottleneck: F's start after F(0) + comm, B's of stage 0 trail by comm
     assert sim.makespan == 1 + 0.5 + 3 * 2 + 3 * 4 + 0.5 + 2
-    assert [(i.op, i.mb, a, b) for i, a, b in sim.timelines[1]][:2] == [("F", 0, 1.5, 3.5),
+    assert [(i.kind, i.mb, a, b) for i, a, b in sim.timelines[1]][:2] == [("F", 0, 1.5, 3.5),
                                                                         ("F", 1, 3.5, 5.5)]
     assert sch.simulate(sch.gpipe(3, 4, 3), 1, 1, t_comm=0.25).makespan == 6 * 2 + 4 * 0.25
     with pytest.raises(ValueError, match="t_f has 3 entries for 2 stages"):
@@ -242,51 +242,51 @@ def _bad(msg, lists, S=3, M=4, P=3):
 
 def test_rejects_missing_and_duplicate():
     lists = _good()
-    k = lists[1].index(Instr("F", 2, 1))
+    k = lists[1].index(Op("F", 2, 1))
     del lists[1][k]
     _bad(r"rank 1, position \d+, F\(mb=2, stage=1\): missing", lists)
     lists = _good()
-    lists[0].append(Instr("B", 3, 0))
+    lists[0].append(Op("B", 3, 0))
     _bad(r"rank 0, position \d+, B\(mb=3, stage=0\): duplicate", lists)
     lists = _good()
-    lists[1].insert(0, Instr("W", 0, 1))        # one W means every (stage, mb) needs one
+    lists[1].insert(0, Op("W", 0, 1))        # one W means every (stage, mb) needs one
     _bad(r"W\(mb=0, stage=0\): missing", lists)
 
 
 def test_rejects_swapped_dependency():
     lists = _good()                              # last stage: F(0) B(0) -> B(0) F(0)
-    k = lists[2].index(Instr("F", 0, 2))
+    k = lists[2].index(Op("F", 0, 2))
     lists[2][k], lists[2][k + 1] = lists[2][k + 1], lists[2][k]
     _bad(rf"rank 2, position {k}, B\(mb=0, stage=2\): runs before F\(mb=0, stage=2\)", lists)
     zb = sch.zb_h1(2, 2, 2)
-    k = zb[1].index(Instr("W", 0, 1))
+    k = zb[1].index(Op("W", 0, 1))
     zb[1].insert(0, zb[1].pop(k))
     _bad(r"rank 1, position 0, W\(mb=0, stage=1\): runs before B\(mb=0, stage=1\)", zb, 2, 2, 2)
 
 
 def test_rejects_wrong_peer_and_placement():
     lists = _good()
-    k = lists[1].index(Instr("SEND_ACT", 0, 1, 2))
-    lists[1][k] = Instr("SEND_ACT", 0, 1, 0)
+    k = lists[1].index(Op("SEND_ACT", 0, 1, peer=2))
+    lists[1][k] = Op("SEND_ACT", 0, 1, peer=0)
     _bad(rf"rank 1, position {k}, SEND_ACT\(mb=0, stage=1, peer=0\): peer is 0, expected rank 2",
          lists)
     lists = _good()
-    lists[0].append(Instr("F", 0, 1))
+    lists[0].append(Op("F", 0, 1))
     _bad(r"rank 0, position \d+, F\(mb=0, stage=1\): stage 1 lives on rank 1, not 0", lists)
     _bad("2 instruction lists for 3 ranks", _good()[:2])
 
 
 def test_rejects_deadlock_and_unmatched():
     lists = _good()                              # a RECV whose SEND was dropped
-    del lists[0][lists[0].index(Instr("SEND_ACT", 1, 0, 1))]
+    del lists[0][lists[0].index(Op("SEND_ACT", 1, 0, peer=1))]
     _bad(r"rank 1, position \d+, RECV_ACT\(mb=1, stage=0, peer=0\): deadlock, no matching SEND "
          r"in the schedule", lists)
     lists = [list(lst) for lst in sch.one_f_one_b(2, 1, 2)]   # rank 0 waits for the grad first
-    assert lists[0][1:3] == [Instr("SEND_ACT", 0, 0, 1), Instr("RECV_GRAD", 0, 1, 1)]
+    assert lists[0][1:3] == [Op("SEND_ACT", 0, 0, peer=1), Op("RECV_GRAD", 0, 1, peer=1)]
     lists[0][1], lists[0][2] = lists[0][2], lists[0][1]
     _bad(r"rank 0, position 1, RECV_GRAD.*deadlock, its SEND is at rank 1, position 3, which is "
          r"never reached \(also blocked: rank 1 at position 0, RECV_ACT", lists, 2, 1, 2)
     lists = _good()
-    lists[0].append(Instr("SEND_ACT", 3, 0, 1))
+    lists[0].append(Op("SEND_ACT", 3, 0, peer=1))
     _bad(r"rank 0, position \d+, SEND_ACT\(mb=3, stage=0, peer=1\): SEND with no matching RECV",
          lists)

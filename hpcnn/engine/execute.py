@@ -80,13 +80,13 @@ class _Run:
         self.live[(s, mb)] = 0
 
     def send(self, ins):
-        kind = ins.op[5:]
+        kind = ins.kind[5:]
         buf = backend.xp.ascontiguousarray(self.msgs.pop((kind, ins.mb, ins.stage)))
         req = self.comm.isend(buf, ins.peer, tag_of(kind, ins.mb, ins.stage, self.n_stages))
         self.sends.append((req, buf))
 
     def receive(self, ins):
-        kind, mb, s = ins.op[5:], ins.mb, ins.stage
+        kind, mb, s = ins.kind[5:], ins.mb, ins.stage
         buf = backend.xp.empty(self.shapes[mb][s + 1 if kind == "ACT" else s], dtype=self.dtype)
         self.comm.irecv(buf, ins.peer, tag_of(kind, mb, s, self.n_stages)).wait()
         self.msgs[(kind, mb, s)] = buf
@@ -103,7 +103,7 @@ def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dty
         t0=None, rank=None, draws=None, hook=None) -> dict:
     """Execute one rank's instruction list.
 
-    Parameters: ``instrs``: this rank's list (:class:`hpcnn.parallel.schedules.Instr`);
+    Parameters: ``instrs``: this rank's list (:class:`hpcnn.engine.ops.Op`);
     ``stages``: its :class:`~.stage.Stage` s; ``comm``: the pipeline Communicator (peers are its
     ranks; unused by a one-stage list); ``micro_inputs`` / ``micro_targets``: per micro-batch
     (read on the first / last stage only); ``dloss``: the loss-gradient factor, a number or one
@@ -122,18 +122,18 @@ def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dty
     t0 = clock() if t0 is None else t0
     rank = comm.rank if rank is None else rank
     r = _Run(stages, comm, micro_inputs, micro_targets, dloss, shapes, dtype, draws, hook)
-    r.split = any(i.op == "W" for i in instrs)
+    r.split = any(i.kind == "W" for i in instrs)
     compute = {"F": r.forward, "B": r.backward, "W": r.weight}
     events = []
     for ins in instrs:
         ts = clock()
-        if ins.op in compute:
-            compute[ins.op](ins.mb, ins.stage)
-        elif ins.op.startswith("SEND"):
+        if ins.kind in compute:
+            compute[ins.kind](ins.mb, ins.stage)
+        elif ins.kind.startswith("SEND"):
             r.send(ins)
         else:                                                  # RECV_ACT / RECV_GRAD
             r.receive(ins)
-        events.append((rank, ins.op, ins.mb, ts - t0, clock() - t0))
+        events.append((rank, ins.kind, ins.mb, ts - t0, clock() - t0))
         r.account()
     for q, _ in r.sends:
         q.wait()

@@ -124,8 +124,8 @@ def max_inflight(instrs) -> dict:
     """Per stage: the most micro-batches between their F and their B in one rank's list."""
     now, peak = {}, {}
     for ins in instrs:
-        if ins.op in ("F", "B"):
-            now[ins.stage] = now.get(ins.stage, 0) + (1 if ins.op == "F" else -1)
+        if ins.kind in ("F", "B"):
+            now[ins.stage] = now.get(ins.stage, 0) + (1 if ins.kind == "F" else -1)
             peak[ins.stage] = max(peak.get(ins.stage, 0), now[ins.stage])
     return peak
 
@@ -133,7 +133,7 @@ def max_inflight(instrs) -> dict:
 def attach_remat(stages, instrs, policy, schedule_name: str) -> None:
     """Give each stage the policy and the number of micro-batches it holds at once in this
     rank's list ``instrs`` (its budget is split over them); refuses lists with W's."""
-    if any(i.op == "W" for i in instrs):
+    if any(i.kind == "W" for i in instrs):
         raise ValueError(f"schedule {schedule_name!r} splits backwards (W); rematerialized "
                          f"stages run whole backwards")
     inflight = max_inflight(instrs)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy
 
+from hpcnn.engine.ops import Op
 from hpcnn.memory.rotor import InfeasibleBudget, Solution, Solver
-from hpcnn.memory.sequence import Op
 from hpcnn.memory.simulate import simulate
 
 
@@ -28,7 +28,7 @@ def _uses(seq):
     """Per stored value (item, j): [creation position, use positions...] in ``seq``."""
     events, alive = {}, {}
     for pos, op in enumerate(seq):
-        k, i = op.kind, op.index
+        k, i = op.kind, op.block
         if k in ("F_ck", "F_n", "F_all"):
             for key in (("x", i), ("bar", i)):
                 if key in alive:
@@ -49,7 +49,7 @@ def _uses(seq):
 
 def _op_times(seq, prof) -> list:
     """Seconds of each (compute) op of ``seq``."""
-    return [prof.ub[op.index] if op.kind == "B" else prof.uf[op.index] for op in seq]
+    return [prof.ub[op.block] if op.kind == "B" else prof.uf[op.block] for op in seq]
 
 
 def _gaps(seq, prof, times):
@@ -79,8 +79,8 @@ def insert(seq, times, gaps, bandwidth):
         while p > a + 1 and lead > 0:
             p -= 1
             lead -= times[p]
-        after.setdefault(a, []).append(Op("OFF", j, item))
-        before.setdefault(p, []).append(Op("PRE", j, item))
+        after.setdefault(a, []).append(Op("OFF", block=j, item=item))
+        before.setdefault(p, []).append(Op("PRE", block=j, item=item))
     out = []
     for pos, op in enumerate(seq):
         out += before.get(pos, [])

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from hpcnn import backend
-from hpcnn.memory.sequence import CHANNEL
+from hpcnn.engine.ops import CHANNEL
 from hpcnn.nn.chain import backward_block
 
 
@@ -139,7 +139,7 @@ class Executor:
         if any(op.kind in CHANNEL for op in self.seq) and channel is None:
             raise ValueError("the sequence has OFF/PRE ops: pass an OffloadChannel")
         firsts = [k for k, op in enumerate(self.seq) if op.kind == "B"]
-        if not firsts or self.seq[firsts[0]] != ("B", self.n - 1, ""):
+        if not firsts or self.seq[firsts[0]].block != self.n - 1:
             raise ValueError(f"the sequence's first backward must be B{self.n - 1} "
                              f"(the chain has {self.n} stages)")
         self.split = firsts[0]
@@ -208,7 +208,7 @@ class Executor:
         return stage.forward(x)
 
     def _step(self, st, op):
-        kind, i = op.kind, op.index
+        kind, i = op.kind, op.block
         if kind in CHANNEL:
             return self._channel(st, op)
         self._fetch_needed(st, op)
@@ -250,10 +250,10 @@ class Executor:
 
     # -- channel -----------------------------------------------------------------------------------
     def _channel(self, st, op):
-        key = (id(st), op.item, op.index)
+        key = (id(st), op.item, op.block)
         store = st.xs if op.item == "x" else st.bars
         if op.kind == "OFF":
-            obj = store.pop(op.index)
+            obj = store.pop(op.block)
             st.outgoing[key] = live_bytes(obj)
             self.channel.offload(key, obj)
             del obj
@@ -267,10 +267,10 @@ class Executor:
     def _sizes(self, op):
         if self.prof is None:
             return 0
-        return int(self.prof.wx[op.index] if op.item == "x" else self.prof.wbar[op.index])
+        return int(self.prof.wx[op.block] if op.item == "x" else self.prof.wbar[op.block])
 
     def _fetch_needed(self, st, op):
-        i = op.index
+        i = op.block
         keys = [(id(st), "x", i), (id(st), "bar", i)]
         if op.kind == "B":
             keys.append((id(st), "bar", i + 1))
@@ -285,7 +285,7 @@ class Executor:
             del st.outgoing[key]
 
     def _need(self, op):
-        p, i = self.prof, op.index
+        p, i = self.prof, op.block
         if op.kind == "B":
             return int(p.wd[i] + p.ob[i])
         return int((p.wbar[i + 1] if op.kind == "F_all" else p.wx[i + 1]) + p.of[i])

@@ -22,6 +22,7 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.config import ConfigError
+from hpcnn.engine.ops import fmt
 from hpcnn.memory import combine, profile, rotor, sequence
 from hpcnn.memory.executor import Executor
 from hpcnn.memory.simulate import simulate
@@ -95,7 +96,7 @@ class RematPolicy:
             "predicted_time_s": float(sim.time), "store_all_time_s": prof.store_all_time,
             "recomputed_forwards": sequence.recomputations(seq),
             "solve_s": time.perf_counter() - t0,
-            "sequence": sequence.fmt(seq)})
+            "sequence": fmt(seq)})
         return Executor(chain, seq, channel=channel, need_dx=need_dx, prof=prof, budget=budget)
 
     def _open_channel(self):

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy
 
+from hpcnn.engine.ops import Op
 from hpcnn.memory.profile import ChainProfile
-from hpcnn.memory.sequence import Op, forward_run, revolve, segments, store_all
+from hpcnn.memory.sequence import forward_run, revolve, segments, store_all
 from hpcnn.memory.simulate import simulate
 
 INF = numpy.inf
@@ -101,10 +102,10 @@ def rebuild(p: ChainProfile, choice, m: int, s: int = 0, t: int | None = None) -
         if c == NONE:
             raise RuntimeError(f"no sequence for stages {s}..{t} with {m} slots")
         if s == t:
-            out += [Op("F_all", s), Op("B", s)]
+            out += [Op("F_all", block=s), Op("B", block=s)]
         elif c == ALL:
-            out.append(Op("F_all", s))
-            stack += [("op", Op("B", s)), ("run", s + 1, t, m - int(p.wbar[s + 1]))]
+            out.append(Op("F_all", block=s))
+            stack += [("op", Op("B", block=s)), ("run", s + 1, t, m - int(p.wbar[s + 1]))]
         else:
             out += forward_run(s, c)
             stack += [("run", s, c - 1, m), ("run", c, t, m - int(p.wx[c]))]

@@ -7,6 +7,9 @@
                δ[i+1] and x[i] (unless x[i] is part of an x̄[i])
     OFF(x|x̄, i) / PRE(x|x̄, i)   move a stored value to the offload channel and back
 
+Each is an :class:`~hpcnn.engine.ops.Op` with ``block = i`` (``Op("F_ck", block=i)``; OFF/PRE
+with ``item`` "x" or "bar"); :func:`hpcnn.engine.ops.fmt` prints a sequence on one line.
+
 Builders here: :func:`store_all`, :func:`segments` (uniform checkpointing, PyTorch's
 ``checkpoint_sequential``), :func:`revolve` (the binomial schedule of Griewank & Walther for
 homogeneous chains, with a given number of checkpoints). The optimal one is :mod:`.rotor`'s.
@@ -15,36 +18,18 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import NamedTuple
 
-COMPUTE = ("F_ck", "F_n", "F_all", "B")
-CHANNEL = ("OFF", "PRE")
-
-
-class Op(NamedTuple):
-    kind: str          # one of COMPUTE + CHANNEL
-    index: int         # stage (compute) or the stored value's index (channel)
-    item: str = ""     # channel ops: "x" (a checkpoint x[i]) or "bar" (an x̄[i])
-
-    def __str__(self) -> str:
-        if self.kind in CHANNEL:
-            return f"{self.kind}({'x̄' if self.item == 'bar' else 'x'}{self.index})"
-        return f"{self.kind}{self.index}"
-
-
-def fmt(seq) -> str:
-    """A sequence as one line: ``F_ck0 F_n1 F_all2 B2 ...``."""
-    return " ".join(str(op) for op in seq)
-
+from hpcnn.engine.ops import Op
 
 def forward_run(s: int, j: int) -> list[Op]:
     """Forwards of stages s .. j-1 keeping only x[s] (a checkpoint) and the result x[j]."""
-    return [Op("F_ck", s)] + [Op("F_n", k) for k in range(s + 1, j)]
+    return [Op("F_ck", block=s)] + [Op("F_n", block=k) for k in range(s + 1, j)]
 
 
 def store_all(n: int) -> list[Op]:
     """Forward keeping everything, then the backward: the fastest sequence and the largest."""
-    return [Op("F_all", i) for i in range(n)] + [Op("B", i) for i in range(n - 1, -1, -1)]
+    return [Op("F_all", block=i) for i in range(n)] + \
+        [Op("B", block=i) for i in range(n - 1, -1, -1)]
 
 
 def segment_bounds(n_blocks: int, n_segments: int) -> list[int]:
@@ -71,11 +56,11 @@ def segments(n: int, n_segments: int | None = None, *, has_loss: bool = True) ->
     seq = []
     for a, b in zip(starts[:-1], ends[:-1]):
         seq += forward_run(a, b)
-    seq += [Op("F_all", i) for i in range(starts[-1], n)]
-    seq += [Op("B", i) for i in range(n - 1, starts[-1] - 1, -1)]
+    seq += [Op("F_all", block=i) for i in range(starts[-1], n)]
+    seq += [Op("B", block=i) for i in range(n - 1, starts[-1] - 1, -1)]
     for a, b in reversed(list(zip(starts[:-1], ends[:-1]))):
-        seq += [Op("F_all", i) for i in range(a, b)]
-        seq += [Op("B", i) for i in range(b - 1, a - 1, -1)]
+        seq += [Op("F_all", block=i) for i in range(a, b)]
+        seq += [Op("B", block=i) for i in range(b - 1, a - 1, -1)]
     return seq
 
 
@@ -104,7 +89,7 @@ def revolve(n: int, checkpoints: int) -> list[Op]:
 
     def rev(s, t, c):
         if s == t:
-            return [Op("F_all", s), Op("B", s)]
+            return [Op("F_all", block=s), Op("B", block=s)]
         i = _binomial(t - s + 1, c)[1]
         j = s + i
         return forward_run(s, j) + rev(j, t, c - 1) + rev(s, j - 1, c)
@@ -114,4 +99,4 @@ def revolve(n: int, checkpoints: int) -> list[Op]:
 def recomputations(seq) -> int:
     """Forwards beyond the first of each stage."""
     return sum(op.kind in ("F_ck", "F_n", "F_all") for op in seq) - \
-        len({op.index for op in seq if op.kind in ("F_ck", "F_n", "F_all")})
+        len({op.block for op in seq if op.kind in ("F_ck", "F_n", "F_all")})

@@ -13,12 +13,15 @@ The model (the same one :mod:`.rotor` optimises and :mod:`.executor` runs):
   for the in-flight offloads to complete, oldest first, as the executor does.
 
 Sizes may be bytes or slots (any consistent unit); ``bandwidth`` is in that unit per second.
+The streams and the memory account are :func:`hpcnn.engine.price.price`'s; this module owns the
+remat cost model (:class:`RematCost`: durations, sizes and the validity of a sequence).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcnn.memory.sequence import CHANNEL, Op
+from hpcnn.engine.ops import CHANNEL
+from hpcnn.engine.price import CostModel, OpCost, price
 
 
 class SequenceError(ValueError):
@@ -35,139 +38,117 @@ class SimResult:
     peaks: list = field(default_factory=list)   # memory in use at each op (for plots)
 
 
+class RematCost(CostModel):
+    """Rotor's cost model for :func:`~hpcnn.engine.price.price`, with the validity checks of a
+    sequence on the chain profile ``prof``: which x[i] (set A) and x̄[i] (set F) are stored, where
+    each stored value is (``"mem"``, offloaded ``"off"``, prefetched ``"in"``) and the backward
+    front d (the one gradient δ[d] held). One instance prices one sequence."""
+
+    def __init__(self, prof, bandwidth=None):
+        self.prof, self.bandwidth, self.n = prof, bandwidth, len(prof)
+        self.A, self.F, self.d = {0}, set(), self.n
+        self.where = {("x", 0): "mem"}
+
+    def start(self, rank):
+        return float(self.prof.wx[0] + self.prof.wd[self.n])
+
+    def finish(self, rank):
+        if self.d != 0 or self.A or self.F:
+            raise SequenceError(f"sequence ends with the backward front at {self.d} (not 0), "
+                                f"checkpoints {sorted(self.A)} and x̄ {sorted(self.F)} still "
+                                f"stored")
+
+    def cost(self, op, rank):
+        if op.kind in CHANNEL:
+            return self._channel(op)
+        if not 0 <= op.block < self.n:
+            raise SequenceError(f"stage index must be in [0, {self.n}), got {op.block}")
+        if op.kind in ("F_ck", "F_n", "F_all"):
+            return self._forward(op)
+        if op.kind == "B":
+            return self._backward(op)
+        raise SequenceError(f"unknown op kind {op.kind!r}")
+
+    def _holder(self, i):
+        return ("x", i) if i in self.A else ("bar", i) if i in self.F else None
+
+    def _size(self, key):
+        return self.prof.wx[key[1]] if key[0] == "x" else self.prof.wbar[key[1]]
+
+    def _read(self, key, op):
+        """Check that the stored value ``key`` can be read; its price key (a prefetch to wait)."""
+        if self.where.get(key) == "off":
+            raise SequenceError(f"{key[0]}{key[1]} is offloaded (PRE it first)")
+        self.where[key] = "mem"
+        return key + (op.mb, op.stage)
+
+    def _drop(self, key, held):
+        held.discard(key[1])
+        self.where.pop(key, None)
+
+    def _channel(self, op):
+        key, i = (op.item, op.block), op.block
+        if op.item not in ("x", "bar"):
+            raise SequenceError(f"channel op item must be 'x' or 'bar', got {op.item!r}")
+        if self.bandwidth is None or not self.bandwidth > 0:
+            raise SequenceError(f"channel ops need a bandwidth > 0, got {self.bandwidth}")
+        if op.kind == "OFF":
+            if self.where.get(key) != "mem" or self._holder(i) != key:
+                raise SequenceError(f"{op.item}{i} is not stored in memory")
+            self.where[key] = "off"
+        else:
+            if self.where.get(key) != "off":
+                raise SequenceError(f"{op.item}{i} was not offloaded")
+            self.where[key] = "in"
+        size = self._size(key)
+        return OpCost(size / self.bandwidth, size=size)
+
+    def _forward(self, op):
+        p, i = self.prof, op.block
+        src = self._holder(i)
+        if src is None:
+            raise SequenceError(f"x{i} is not stored")
+        reads = (self._read(src, op),)
+        if (i + 1) in self.A or (i + 1) in self.F:
+            raise SequenceError(f"x{i + 1} is already stored")
+        out = p.wbar[i + 1] if op.kind == "F_all" else p.wx[i + 1]
+        delta = out
+        if op.kind == "F_all":
+            self.F.add(i + 1)
+            self.where[("bar", i + 1)] = "mem"
+        else:
+            self.A.add(i + 1)
+            self.where[("x", i + 1)] = "mem"
+        if op.kind == "F_n" and i in self.A:
+            self._drop(("x", i), self.A)
+            delta -= p.wx[i]
+        return OpCost(p.uf[i], transient=out + p.of[i], delta=delta, reads=reads)
+
+    def _backward(self, op):
+        p, i = self.prof, op.block
+        if self.d != i + 1:
+            raise SequenceError(f"the backward front is at stage {self.d - 1}, not {i}")
+        if (i + 1) not in self.F:
+            raise SequenceError(f"x̄{i + 1} is not stored (B needs F_all{i} first)")
+        src = self._holder(i)
+        if src is None:
+            raise SequenceError(f"x{i} is not stored")
+        reads = (self._read(("bar", i + 1), op), self._read(src, op))
+        delta = p.wd[i] - p.wd[i + 1] - p.wbar[i + 1]
+        self._drop(("bar", i + 1), self.F)
+        if i in self.A:
+            self._drop(("x", i), self.A)
+            delta -= p.wx[i]
+        self.d = i
+        return OpCost(p.ub[i], transient=p.wd[i] + p.ob[i], delta=delta, reads=reads)
+
+
 def simulate(seq, prof, *, bandwidth: float | None = None, budget: float | None = None) -> SimResult:
-    """Run ``seq`` (list of :class:`~.sequence.Op`) on ``prof``; raise SequenceError if invalid."""
-    n = len(prof)
-    wx, wbar, wd, uf, ub, of, ob = (prof.wx, prof.wbar, prof.wd, prof.uf, prof.ub, prof.of, prof.ob)
-    A, F, d = {0}, set(), n
-    where = {}                       # (item, i) -> "mem" | "out" | "away" | ("in", ready time)
-    where[("x", 0)] = "mem"
-    mem = float(wx[0] + wd[n])
-    pending = []                     # in-flight offloads: [end time, size, key], FIFO
-    tc = tch = compute = stall = moved = 0.0
-    peak = mem
-    peaks = []
-
-    def fail(pos, op, msg):
-        raise SequenceError(f"op {pos} ({op}): {msg}")
-
-    def retire(t):
-        nonlocal mem
-        while pending and pending[0][0] <= t:
-            _, size, key = pending.pop(0)
-            mem -= size
-            if where.get(key) == "out":
-                where[key] = "away"
-
-    def wait_for_room(t, need):
-        while budget is not None and mem + need > budget + 1e-9 and pending:
-            t = max(t, pending[0][0])
-            retire(t)
-        return t
-
-    def holder(i):
-        return ("x", i) if i in A else ("bar", i) if i in F else None
-
-    def size_of(key):
-        return wx[key[1]] if key[0] == "x" else wbar[key[1]]
-
-    def ready(pos, op, key, t):
-        state = where.get(key)
-        if state in ("out", "away"):
-            fail(pos, op, f"{key[0]}{key[1]} is offloaded (PRE it first)")
-        if isinstance(state, tuple):
-            where[key] = "mem"
-            return max(t, state[1])
-        return t
-
-    for pos, op in enumerate(seq):
-        kind, i = op.kind, op.index
-        if kind in CHANNEL:
-            key = (op.item, i)
-            if op.item not in ("x", "bar"):
-                fail(pos, op, f"channel op item must be 'x' or 'bar', got {op.item!r}")
-            if bandwidth is None or not bandwidth > 0:
-                fail(pos, op, f"channel ops need a bandwidth > 0, got {bandwidth}")
-            if kind == "OFF":
-                if where.get(key) != "mem" or holder(i) != key:
-                    fail(pos, op, f"{op.item}{i} is not stored in memory")
-                start = max(tch, tc)
-                tch = start + size_of(key) / bandwidth
-                pending.append([tch, size_of(key), key])
-                where[key] = "out"
-                moved += size_of(key)
-            else:
-                if where.get(key) not in ("out", "away"):
-                    fail(pos, op, f"{op.item}{i} was not offloaded")
-                size = size_of(key)
-                t0 = wait_for_room(tc, size)
-                stall += t0 - tc
-                tc = t0
-                mem += size
-                peak = max(peak, mem)
-                start = max(tch, tc)
-                tch = start + size / bandwidth
-                where[key] = ("in", tch)
-            peaks.append(mem)
-            continue
-        if not 0 <= i < n:
-            fail(pos, op, f"stage index must be in [0, {n}), got {i}")
-        t0 = tc
-        retire(t0)
-        if kind in ("F_ck", "F_n", "F_all"):
-            src = holder(i)
-            if src is None:
-                fail(pos, op, f"x{i} is not stored")
-            t0 = ready(pos, op, src, t0)
-            if (i + 1) in A or (i + 1) in F:
-                fail(pos, op, f"x{i + 1} is already stored")
-            out = wbar[i + 1] if kind == "F_all" else wx[i + 1]
-            need, dur = out + of[i], uf[i]
-        elif kind == "B":
-            if d != i + 1:
-                fail(pos, op, f"the backward front is at stage {d - 1}, not {i}")
-            if (i + 1) not in F:
-                fail(pos, op, f"x̄{i + 1} is not stored (B needs F_all{i} first)")
-            src = holder(i)
-            if src is None:
-                fail(pos, op, f"x{i} is not stored")
-            t0 = ready(pos, op, ("bar", i + 1), t0)
-            t0 = ready(pos, op, src, t0)
-            need, dur = wd[i] + ob[i], ub[i]
-        else:
-            fail(pos, op, f"unknown op kind {kind!r}")
-        t1 = wait_for_room(t0, need)
-        stall += t1 - tc
-        peak = max(peak, mem + need)
-        peaks.append(mem + need)
-        tc = t1 + dur
-        compute += dur
-        if kind == "B":
-            mem += wd[i] - wd[i + 1] - wbar[i + 1]
-            F.discard(i + 1)
-            where.pop(("bar", i + 1), None)
-            if i in A:
-                A.discard(i)
-                where.pop(("x", i), None)
-                mem -= wx[i]
-            d = i
-        else:
-            if kind == "F_all":
-                F.add(i + 1)
-                where[("bar", i + 1)] = "mem"
-            else:
-                A.add(i + 1)
-                where[("x", i + 1)] = "mem"
-            mem += out
-            if kind == "F_n" and i in A:
-                A.discard(i)
-                where.pop(("x", i), None)
-                mem -= wx[i]
-    if d != 0 or A or F:
-        raise SequenceError(f"sequence ends with the backward front at {d} (not 0), checkpoints "
-                            f"{sorted(A)} and x̄ {sorted(F)} still stored")
-    return SimResult(time=tc, peak=peak, compute=compute, stall=stall, offloaded=moved,
-                     peaks=peaks)
+    """Run ``seq`` (list of :class:`~hpcnn.engine.ops.Op`) on ``prof``; raise SequenceError if
+    invalid: :func:`~hpcnn.engine.price.price` with a :class:`RematCost`."""
+    run = price(list(seq), RematCost(prof, bandwidth), budget=budget)
+    return SimResult(time=run.end[0], peak=run.peak[0], compute=run.busy[0], stall=run.stall[0],
+                     offloaded=run.moved[0], peaks=run.peaks[0])
 
 
 def check_peak(seq, prof, budget, **kw) -> SimResult:
@@ -178,4 +159,4 @@ def check_peak(seq, prof, budget, **kw) -> SimResult:
     return r
 
 
-__all__ = ["Op", "SequenceError", "SimResult", "simulate", "check_peak"]
+__all__ = ["RematCost", "SequenceError", "SimResult", "simulate", "check_peak"]

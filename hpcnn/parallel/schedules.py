@@ -1,13 +1,13 @@
 """Pipeline schedules as data: per-rank instruction lists, a validator and a cost simulator.
 
-A schedule is a function ``(n_stages, n_micro, n_ranks) -> list[list[Instr]]``: one instruction list
+A schedule is a function ``(n_stages, n_micro, n_ranks) -> list[list[Op]]``: one instruction list
 per pipeline rank. Stage ``s`` lives on rank ``s % n_ranks``; with ``v = n_stages / n_ranks > 1`` a
 rank holds v *virtual* stages (interleaved placement, Narayanan et al. 2021). ZB-V places its 2p
 stages in a V instead (:func:`v_shape`); :func:`placement` gives any schedule's stage -> rank map.
 No MPI here: the executor runs the lists, :func:`simulate` costs them, the analysis scripts draw
 them.
 
-Instructions (:class:`Instr`)::
+Instructions (:class:`~hpcnn.engine.ops.Op` records, ``block = -1``: the whole stage)::
 
     F(mb, s)                 forward of micro-batch mb through stage s
     B(mb, s)                 backward; the whole backward, or only the input-gradient half when the
@@ -37,29 +37,12 @@ Schedules: :func:`gpipe` (Huang et al. 2019), :func:`one_f_one_b` (PipeDream-Flu
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from dataclasses import dataclass
 
-COMPUTE = ("F", "B", "W")
-COMM = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
-OPS = COMPUTE + COMM
+from hpcnn.engine.ops import COMM, PIPELINE, Op
+from hpcnn.engine.price import CostModel, OpCost, price, walk
 
-
-@dataclass(frozen=True)
-class Instr:
-    """One step of a rank's program: ``op`` on micro-batch ``mb`` of stage ``stage``.
-
-    ``peer`` is the pipeline rank on the other side of a SEND/RECV (None for compute).
-    """
-
-    op: str
-    mb: int
-    stage: int
-    peer: int | None = None
-
-    def __str__(self) -> str:
-        peer = "" if self.peer is None else f", peer={self.peer}"
-        return f"{self.op}(mb={self.mb}, stage={self.stage}{peer})"
+OPS = PIPELINE + COMM                     # the kinds a pipeline list may hold
 
 
 def _check_sizes(n_stages, n_micro, n_ranks, same=False):
@@ -104,14 +87,14 @@ def with_comm(compute, n_stages, n_ranks, owner=None):
             up = owner[s - 1] if s > 0 else r                   # ranks of stages s-1 and s+1
             down = owner[s + 1] if s < n_stages - 1 else r
             if op == "F" and up != r:
-                out[r].append(Instr("RECV_ACT", mb, s - 1, up))
+                out[r].append(Op("RECV_ACT", mb, s - 1, peer=up))
             if op == "B" and down != r:
-                out[r].append(Instr("RECV_GRAD", mb, s + 1, down))
-            out[r].append(Instr(op, mb, s))
+                out[r].append(Op("RECV_GRAD", mb, s + 1, peer=down))
+            out[r].append(Op(op, mb, s))
             if op == "F" and down != r:
-                out[r].append(Instr("SEND_ACT", mb, s, down))
+                out[r].append(Op("SEND_ACT", mb, s, peer=down))
             if op == "B" and up != r:
-                out[r].append(Instr("SEND_GRAD", mb, s, up))
+                out[r].append(Op("SEND_GRAD", mb, s, peer=up))
     return out
 
 
@@ -298,7 +281,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1
 # -- validation -----------------------------------------------------------------------------------
 def _needs(ins, n_stages, owner):
     """What must have run on the same rank before ``ins``: a list of (op, mb, stage)."""
-    op, mb, s = ins.op, ins.mb, ins.stage
+    op, mb, s = ins.kind, ins.mb, ins.stage
     need = {"B": [("F", mb, s)], "W": [("B", mb, s)], "SEND_ACT": [("F", mb, s)],
             "SEND_GRAD": [("B", mb, s)]}.get(op, [])
     if op == "F" and s > 0:                  # the previous stage's F, or its message
@@ -311,17 +294,17 @@ def _needs(ins, n_stages, owner):
 def _check_instr(ins, r, n_stages, n_micro, owner):
     """Static checks of one instruction on rank r (``owner[s]``: rank of stage s): returns an
     error string or None."""
-    if ins.op not in OPS:
-        return f"unknown op {ins.op!r} (one of {', '.join(OPS)})"
+    if ins.kind not in OPS:
+        return f"unknown op {ins.kind!r} (one of {', '.join(OPS)})"
     if not (0 <= ins.stage < n_stages and 0 <= ins.mb < n_micro):
         return f"stage must be in [0, {n_stages}) and mb in [0, {n_micro})"
     s = ins.stage
-    if ins.op in COMPUTE:
+    if ins.kind in PIPELINE:
         return None if owner[s] == r else f"stage {s} lives on rank {owner[s]}, not {r}"
-    to = s + 1 if ins.op.endswith("ACT") else s - 1          # stage the message goes to
+    to = s + 1 if ins.kind.endswith("ACT") else s - 1          # stage the message goes to
     if not 0 <= to < n_stages:
         return f"stage {s} has no stage {to} to exchange with"
-    me, other = (owner[s], owner[to]) if ins.op.startswith("SEND") else (owner[to], owner[s])
+    me, other = (owner[s], owner[to]) if ins.kind.startswith("SEND") else (owner[to], owner[s])
     if me != r:
         return f"belongs on rank {me}, not {r}"
     if me == other:
@@ -350,8 +333,8 @@ def validate(schedule_lists, n_stages, n_micro, n_ranks, owner=None):
     for r, lst in enumerate(schedule_lists):
         for k, ins in enumerate(lst):
             err = _check_instr(ins, r, n_stages, n_micro, owner)
-            key = (ins.op, ins.mb, ins.stage)
-            if err is None and ins.op in COMPUTE and key in seen:
+            key = (ins.kind, ins.mb, ins.stage)
+            if err is None and ins.kind in PIPELINE and key in seen:
                 err = f"duplicate (first at position {seen[key]})"
             if err:
                 raise ValueError(f"rank {r}, position {k}, {ins}: {err}")
@@ -360,67 +343,13 @@ def validate(schedule_lists, n_stages, n_micro, n_ranks, owner=None):
     for s, mb, op in itertools.product(range(n_stages), range(n_micro), ops):
         if (op, mb, s) not in seen:
             r = owner[s]
-            raise ValueError(f"rank {r}, position {len(schedule_lists[r])}, {Instr(op, mb, s)}: "
+            raise ValueError(f"rank {r}, position {len(schedule_lists[r])}, {Op(op, mb, s)}: "
                              f"missing (incomplete schedule)")
-    for r, k, ins, done in _execute(schedule_lists):       # dependencies, deadlock, unmatched
+    for r, k, ins, done in walk(schedule_lists):       # dependencies, deadlock, unmatched
         for need in _needs(ins, n_stages, owner):
             if need not in done:
                 raise ValueError(f"rank {r}, position {k}, {ins}: runs before "
-                                 f"{Instr(*need)} (dependency order)")
-
-
-def _deadlock(schedule_lists, pc):
-    """Message for a stuck state: blame a RECV whose SEND exists nowhere, else the first blocked
-    rank, naming the rank where its SEND waits (a cycle of receives)."""
-    later = {}                                 # (kind, mb, stage) -> (rank, position) not yet run
-    for q, lst in enumerate(schedule_lists):
-        for j in range(pc[q], len(lst)):
-            if lst[j].op.startswith("SEND"):
-                later.setdefault((lst[j].op[5:], lst[j].mb, lst[j].stage), (q, j))
-    blocked = [(r, pc[r], schedule_lists[r][pc[r]]) for r in range(len(pc))
-               if pc[r] < len(schedule_lists[r])]
-    for r, k, ins in blocked:
-        if (ins.op[5:], ins.mb, ins.stage) not in later:
-            return f"rank {r}, position {k}, {ins}: deadlock, no matching SEND in the schedule"
-    r, k, ins = blocked[0]
-    q, j = later[(ins.op[5:], ins.mb, ins.stage)]
-    others = "; ".join(f"rank {q2} at position {j2}, {i2}" for q2, j2, i2 in blocked[1:])
-    return (f"rank {r}, position {k}, {ins}: deadlock, its SEND is at rank {q}, position {j}, "
-            f"which is never reached (also blocked: {others})")
-
-
-def _execute(schedule_lists):
-    """Run the lists with eager sends and blocking receives; yield (rank, position, instr, done)
-    before each instruction executes (``done``: set of (op, mb, stage) already run on the rank).
-    Raises ValueError on deadlock and on a SEND nobody receives."""
-    n = len(schedule_lists)
-    pc, done = [0] * n, [set() for _ in range(n)]
-    posted = {}                                             # (kind, mb, stage) -> deque of (r, k)
-    while True:
-        progress = False
-        for r, lst in enumerate(schedule_lists):
-            while pc[r] < len(lst):
-                ins, k = lst[pc[r]], pc[r]
-                key = (ins.op[5:], ins.mb, ins.stage)
-                if ins.op.startswith("RECV"):
-                    if not posted.get(key):
-                        break
-                    posted[key].popleft()
-                yield r, k, ins, done[r]
-                if ins.op.startswith("SEND"):
-                    posted.setdefault(key, deque()).append((r, k))
-                done[r].add((ins.op, ins.mb, ins.stage))
-                pc[r] += 1
-                progress = True
-        if all(pc[r] == len(l) for r, l in enumerate(schedule_lists)):
-            break
-        if not progress:
-            raise ValueError(_deadlock(schedule_lists, pc))
-    for key, q in posted.items():
-        if q:
-            r, k = q[0]
-            raise ValueError(f"rank {r}, position {k}, {schedule_lists[r][k]}: SEND with no "
-                             f"matching RECV")
+                                 f"{Op(*need)} (dependency order)")
 
 
 # -- cost simulation ------------------------------------------------------------------------------
@@ -431,7 +360,8 @@ class Simulation:
     ``peak_inflight[r]`` / ``peak_inflight_stage[s]``: most micro-batches whose activations are
     alive (F done, B not yet) at once on rank r / stage s; ``peak_held[r]`` /
     ``peak_held_stage[s]``: most micro-batches holding any memory (F done, W not yet: a split B
-    keeps what W needs; without W's, the same as in flight)."""
+    keeps what W needs; without W's, the same as in flight); ``peak_bytes[r]``: rank r's largest
+    activation memory when :func:`simulate` is given the bytes a micro-batch holds, else None."""
 
     timelines: list
     makespan: float
@@ -441,6 +371,7 @@ class Simulation:
     peak_inflight_stage: list
     peak_held: list
     peak_held_stage: list
+    peak_bytes: list | None = None
 
 
 def _per_stage(t, n_stages, name):
@@ -458,52 +389,73 @@ def _peaks(schedule_lists, n_stages, release):
     for r, lst in enumerate(schedule_lists):
         live = 0
         for ins in lst:
-            d = 1 if ins.op == "F" else -1 if ins.op == release else 0
+            d = 1 if ins.kind == "F" else -1 if ins.kind == release else 0
             live, live_s[ins.stage] = live + d, live_s[ins.stage] + d
             peak_r[r], peak_s[ins.stage] = max(peak_r[r], live), max(peak_s[ins.stage],
                                                                      live_s[ins.stage])
     return peak_r, peak_s
 
 
-def simulate(schedule_lists, t_f, t_b, t_w=0.0, t_comm=0.0, n_stages=None, n_micro=None):
+class PipelineCost(CostModel):
+    """The pipeline's cost model for :func:`~hpcnn.engine.price.price`: per stage s, F costs
+    ``t_f[s]``, B ``t_b[s]`` (``t_b[s] + t_w[s]`` when the schedule does not split the backward),
+    W ``t_w[s]``; a message takes ``t_comm``. Memory: a micro-batch holds ``act[s]`` bytes on stage
+    s from its F to its B and, when split, ``w_held[s]`` from its B to its W."""
+
+    def __init__(self, t_f, t_b, t_w, t_comm, split, act, w_held):
+        self.t_comm, self.split = t_comm, split
+        self.seconds = {"F": t_f, "B": t_b if split else [b + w for b, w in zip(t_b, t_w)],
+                        "W": t_w}
+        w_held = w_held if split else [0.0] * len(act)
+        self.delta = {"F": act, "B": [h - a for a, h in zip(act, w_held)],
+                      "W": [-h for h in w_held]}
+
+    def cost(self, op, rank):
+        if op.kind in PIPELINE:
+            return OpCost(self.seconds[op.kind][op.stage], delta=self.delta[op.kind][op.stage])
+        if op.kind in COMM:
+            return OpCost(self.t_comm if op.kind.startswith("SEND") else 0.0)
+        raise ValueError(f"unknown op {op.kind!r} (one of {', '.join(OPS)})")
+
+
+def _owner_of(schedule_lists, n_stages):
+    """Each stage on the lowest rank that runs a compute instruction of it."""
+    owner = round_robin(n_stages, len(schedule_lists))
+    for r in reversed(range(len(schedule_lists))):
+        for ins in schedule_lists[r]:
+            if ins.kind in PIPELINE and 0 <= ins.stage < n_stages:
+                owner[ins.stage] = r
+    return owner
+
+
+def simulate(schedule_lists, t_f, t_b, t_w=0.0, t_comm=0.0, n_stages=None, n_micro=None, *,
+             act_bytes=None, w_bytes=0.0):
     """Cost a schedule: each rank runs its list in order, a compute instruction takes its cost,
-    a SEND is instantaneous (eager) and its message arrives ``t_comm`` later, a RECV waits for it.
+    a SEND is instantaneous (eager) and its message arrives ``t_comm`` later, a RECV waits for it
+    (:func:`~hpcnn.engine.price.price` with a :class:`PipelineCost`).
 
     Parameters: t_f, t_b, t_w: forward, input-gradient and weight-gradient cost, scalars or one per
     stage; a schedule without W runs the whole backward as B, costing ``t_b + t_w`` (so the same
     costs compare 1F1B with ZB-H1 fairly). n_stages, n_micro default to what the lists hold.
-    Returns a :class:`Simulation`; the schedule is validated first, each stage placed on the
-    lowest rank that runs a compute instruction of it (any placement: round robin, V, ...).
+    ``act_bytes`` (scalar or per stage): bytes a micro-batch holds on a stage between its F and
+    its B; ``w_bytes``: between its B and its W (split schedules). With ``act_bytes`` the result's
+    ``peak_bytes[r]`` predicts rank r's peak. Returns a :class:`Simulation`; the schedule is
+    validated first, each stage placed on the lowest rank that runs a compute instruction of it
+    (any placement: round robin, V, ...).
     """
     n_ranks = len(schedule_lists)
     flat = [i for lst in schedule_lists for i in lst]
     n_stages = n_stages or 1 + max(i.stage for i in flat)
     n_micro = n_micro or 1 + max(i.mb for i in flat)
-    owner = round_robin(n_stages, n_ranks)
-    for r in reversed(range(n_ranks)):
-        for ins in schedule_lists[r]:
-            if ins.op in COMPUTE and 0 <= ins.stage < n_stages:
-                owner[ins.stage] = r
-    validate(schedule_lists, n_stages, n_micro, n_ranks, owner)
-    split = any(i.op == "W" for i in flat)
-    t_f, t_b, t_w = (_per_stage(t, n_stages, nm) for t, nm in ((t_f, "t_f"), (t_b, "t_b"),
-                                                              (t_w, "t_w")))
-    cost = {"F": t_f, "B": t_b if split else [b + w for b, w in zip(t_b, t_w)], "W": t_w}
-    clock, arrival = [0.0] * n_ranks, {}
-    timelines, busy = [[] for _ in range(n_ranks)], [0.0] * n_ranks
-    for r, _, ins, _ in _execute(schedule_lists):
-        key = (ins.op[5:], ins.mb, ins.stage)
-        if ins.op.startswith("SEND"):
-            arrival[key] = clock[r] + t_comm
-        elif ins.op.startswith("RECV"):
-            clock[r] = max(clock[r], arrival.pop(key))
-        else:
-            c = cost[ins.op][ins.stage]
-            timelines[r].append((ins, clock[r], clock[r] + c))
-            clock[r] += c
-            busy[r] += c
-    makespan = max(clock)
-    bubble = 1.0 - sum(busy) / (n_ranks * makespan) if makespan > 0 else 0.0
+    validate(schedule_lists, n_stages, n_micro, n_ranks, _owner_of(schedule_lists, n_stages))
+    split = any(i.kind == "W" for i in flat)
+    per_stage = [_per_stage(t, n_stages, name) for t, name in (
+        (t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w"), (act_bytes or 0.0, "act_bytes"),
+        (w_bytes, "w_bytes"))]
+    run = price(schedule_lists, PipelineCost(*per_stage[:3], t_comm, split, *per_stage[3:]))
+    makespan = run.makespan
+    bubble = 1.0 - sum(run.busy) / (n_ranks * makespan) if makespan > 0 else 0.0
     in_flight = _peaks(schedule_lists, n_stages, "B")
     held = _peaks(schedule_lists, n_stages, "W" if split else "B")
-    return Simulation(timelines, makespan, busy, bubble, *in_flight, *held)
+    return Simulation(run.timelines, makespan, run.busy, bubble, *in_flight, *held,
+                      peak_bytes=run.peak if act_bytes is not None else None)

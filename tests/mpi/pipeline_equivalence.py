@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcnn import data
+from hpcnn.engine.ops import PIPELINE
 from hpcnn.nn import models
 from hpcnn.nn.optim import SGD
 from hpcnn.parallel import pipeline, schedules
@@ -74,10 +75,10 @@ def serial(kind):
 def check_events(out, lst, name):
     """One event per instruction, in order, with t_start <= t_end; every compute one recorded."""
     ev = out["events"]
-    assert [(k, mb) for _, k, mb, _, _ in ev] == [(i.op, i.mb) for i in lst], name
+    assert [(k, mb) for _, k, mb, _, _ in ev] == [(i.kind, i.mb) for i in lst], name
     assert all(rk == r and 0 <= a <= b for rk, _, _, a, b in ev), name
-    n_compute = sum(i.op in schedules.COMPUTE for i in lst)
-    assert sum(k in schedules.COMPUTE for _, k, _, _, _ in ev) == n_compute > 0, name
+    n_compute = sum(i.kind in PIPELINE for i in lst)
+    assert sum(k in PIPELINE for _, k, _, _, _ in ev) == n_compute > 0, name
 
 
 def pipelined(kind, name, layout, virtual, M):
