@@ -293,7 +293,7 @@ assert c.collectives.auto_mpi_below == 0
 table = algorithms.calibrate(c, sizes=[1 << 10, 1 << 18], repeats=2)
 assert c.allreduce_table is table and table["p"] == p and len(table["choice"]) == 2
 assert sorted(table["times"]) == sorted(["mpi", "rd", "ring", "shm"] + (["cma"] if cma.available(c) else []))
-assert all(ch in ("mpi", "ring", "rd", "shm") for ch in table["choice"])
+assert all(ch in ("mpi", "ring", "rd", "shm") for ch in table["choice"]), table
 assert world.allgather(table) == [table] * p, "ranks calibrated differently"
 for i, ch in enumerate(table["choice"]):     # never slower than mpi at a calibrated size
     assert table["times"][ch][i] <= table["times"]["mpi"][i]
