@@ -21,7 +21,7 @@ import numpy
 from hpcnn import backend
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn import checkpoint
-from hpcnn.nn.core import is_placeholder, materialize_only
+from hpcnn.nn.core import is_placeholder
 from hpcnn.nn.layers import place_draws
 from hpcnn.nn.optim import clip_grad_norm, grad_norm_sq, lr_at, make_optimizer
 from hpcnn.parallel.comm import library_version
@@ -190,11 +190,9 @@ def _build_for(cfg: TrainConfig, par, data=None) -> Task:
     without any (shapes, for the stage cut), then one keeping the local stages' parameters."""
     if par is None or cfg.pp == 1:
         return build_task(cfg, par.tp if par is not None else None, data=data)
-    with materialize_only(()):
-        shapes = build_task(cfg, par.tp, data=data)
+    shapes = build_task(cfg, par.tp, data=data, keep=())
     local = par.plan_stages(shapes.model, shapes.micro_shape())
-    with materialize_only(local):
-        return build_task(cfg, par.tp, data=shapes.data)
+    return build_task(cfg, par.tp, data=shapes.data, keep=local)
 
 
 def _resume(cfg, comm, par, task, params, opt) -> int:

@@ -37,7 +37,7 @@ import time
 import numpy
 
 from hpcnn import backend
-from hpcnn.nn.layers import defer_weight_gradients, place_draws
+from hpcnn.nn.layers import place_draws
 from hpcnn.parallel import partition, schedules
 
 KINDS = ("ACT", "GRAD")
@@ -92,10 +92,8 @@ class PipelineStage:
                 else:
                     b.backward_weight(dy, c)
                 dy = None if no_dx else b.backward_input(dy, c)
-            elif split:                    # a block built from Linears: defer their W halves
-                with defer_weight_gradients() as deferred:
-                    dy = b.backward(dy, c)
-                pending.extend(deferred)
+            elif split and b.defers_weights:   # a block built from Linears: defer their W halves
+                dy = b.backward(dy, c, defer=pending)
             else:
                 dy = b.backward(dy, c)
         return (None if self.first else dy), pending
