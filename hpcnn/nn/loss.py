@@ -43,12 +43,12 @@ class SoftmaxCrossEntropy:
     """
 
     name = "xent"
-    params: list = []
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         self.ignore_index, self.reduction = int(ignore_index), reduction
+        self.params = []                     # no parameters (an own list: never shared)
 
     def forward(self, logits, targets):
         xp = backend.xp

@@ -86,14 +86,14 @@ def gelu_plain_backward(dy, cache):
 # -- causal self-attention -------------------------------------------------------------------------
 def _split_heads(a, n_heads):
     """(B, T, C) -> (B, nh, T, hs)."""
-    Bn, T, C = a.shape
-    return a.reshape(Bn, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)
+    B, T, C = a.shape
+    return a.reshape(B, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)
 
 
 def _merge_heads(a):
     """(B, nh, T, hs) -> (B, T, C)."""
-    Bn, nh, T, hs = a.shape
-    return a.transpose(0, 2, 1, 3).reshape(Bn, T, nh * hs)
+    B, nh, T, hs = a.shape
+    return a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
 
 
 class AttentionPlainCache(NamedTuple):
@@ -120,7 +120,7 @@ def attention_plain(x, w_qkv, b_qkv, w_proj, b_proj, n_heads: int, drop_mask=Non
     query-major, is an attention-dropout mask already scaled by 1/(1 - p_drop), or None.
     Cache: :class:`AttentionPlainCache`."""
     xp = backend.xp
-    Bn, T, C = x.shape
+    B, T, C = x.shape
     hs = C // n_heads
     qkv = x @ w_qkv + b_qkv                                   # (B, T, 3C)
     q = _split_heads(qkv[..., 0 * C:1 * C], n_heads)          # (B, nh, T, hs)
@@ -148,7 +148,7 @@ def attention_plain_backward(dout, cache):
     xp = backend.xp
     c = cache
     x, q, k, v, p, y = c.x, c.q, c.k, c.v, c.p, c.y
-    Bn, T, C = x.shape
+    B, T, C = x.shape
     hs = C // c.n_heads
     # out = y W_proj + b_proj
     dw_proj = xp.einsum("btc,bto->co", y, dout)

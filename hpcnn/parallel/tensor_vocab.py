@@ -130,12 +130,12 @@ class VocabParallelCrossEntropy:
     """
 
     name = "xent"
-    params: list = []
 
     def __init__(self, comm, ignore_index: int = -100, reduction: str = "mean"):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         self.comm, self.ignore_index, self.reduction = comm, int(ignore_index), reduction
+        self.params = []                     # no parameters (an own list: never shared)
         self.reduce = Reduce(comm)
 
     def forward(self, logits, targets):
