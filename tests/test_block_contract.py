@@ -7,7 +7,7 @@ import pytest
 import hpcnn.nn
 import hpcnn.parallel
 from hpcnn.nn.conv import AvgPool2d, Conv2d, Flatten, MaxPool2d
-from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU
+from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU, reachable
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.residual import halves
 from hpcnn.nn.transformer import CausalSelfAttention, Embedding, MLPBlock, TransformerBlock
@@ -185,21 +185,6 @@ def test_cache_is_a_named_tuple_that_offload_round_trips(name, block, x, targets
         p.zero_grad()
 
 
-def _has_linear(block) -> bool:
-    """A Linear is reachable from ``block`` through its attributes."""
-    seen, stack = set(), [block]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, Linear):
-            return True
-        if isinstance(obj, hpcnn.nn.core.Block):
-            stack.extend(v for v in vars(obj).values() if isinstance(v, hpcnn.nn.core.Block))
-    return False
-
-
 BLOCKS = [c for c in CASES if c[3] is None]
 
 
@@ -209,7 +194,7 @@ def test_defer_splits_the_backward_into_input_and_weight_halves(name, block, x):
     ``backward(dy, cache, defer=pending)`` gives the whole backward's dx, leaves the deferred
     Linears' weight gradients untouched, and running the pending ``backward_weight`` calls then
     gives the whole backward's gradients (what a zero-bubble pipeline's B and W do)."""
-    assert block.defers_weights == _has_linear(block), name
+    assert block.defers_weights == bool(reachable(block, Linear)), name
     if not block.defers_weights:
         return
     y, cache = block.forward(x)

@@ -315,16 +315,16 @@ class LayerNorm(Block):
                          bytes_params=2 * self.dim * self.dtype.itemsize)
 
 
-def _walk(block) -> list:
-    """Every :class:`Dropout` reachable from ``block`` through attributes, lists and tuples (the
-    block's own memo, ``_dropouts``, is not followed)."""
+def reachable(block, kind) -> list:
+    """Every instance of ``kind`` reachable from ``block`` (itself included) through attributes,
+    lists and tuples, each once, in a fixed order (the memo ``_dropouts`` is not followed)."""
     found, seen, stack = [], set(), [block]
     while stack:
         obj = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, Dropout):
+        if isinstance(obj, kind):
             found.append(obj)
         if isinstance(obj, (list, tuple)):
             stack.extend(reversed(obj))
@@ -343,7 +343,7 @@ def dropouts(root) -> list:
     if isinstance(root, Block):
         found = getattr(root, "_dropouts", None)
         if found is None:
-            found = root._dropouts = _walk(root)
+            found = root._dropouts = reachable(root, Dropout)
         return found
     out, seen = [], set()
     for part in (root.blocks if hasattr(root, "blocks") else root):
