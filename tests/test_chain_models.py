@@ -134,3 +134,26 @@ def test_keep_gives_storage_to_the_named_parameters_only():
     assert peak < max(p.data.nbytes for p in alive.params) // 4, peak
     shard = shard_array(part.params[0].data, 0, 1, 2)            # a placeholder's shard is one
     assert is_placeholder(shard) and shard.shape == (20, 32)
+
+
+def test_keep_reaches_every_parameter_of_the_tensor_parallel_factories():
+    """``keep`` passed to parallel_gpt / parallel_cnn (one tp rank) gives storage to the named
+    parameters only, with the values of a full build; the others are placeholders."""
+    from hpcnn.nn.core import is_placeholder
+    from hpcnn.parallel.tp_models import parallel_cnn, parallel_gpt
+    from mpi_util import single
+    comm = single("tp")
+    for build in (lambda keep: parallel_gpt(comm, 40, 16, 2, 32, 2, sequence_parallel=True,
+                                            seed=2, dtype=np.float64, keep=keep),
+                  lambda keep: parallel_cnn(comm, 1, 8, (4, 4), seed=2, dtype=np.float64,
+                                            keep=keep)):
+        full = build(None)
+        keep = {p.name for p in full.blocks[1].params} | {full.params[-1].name}
+        part = build(keep)
+        assert [p.name for p in part.params] == [p.name for p in full.params]
+        for a, b in zip(full.params, part.params):
+            if a.name in keep:
+                np.testing.assert_array_equal(b.data, a.data)
+                assert type(b) is type(a) and not is_placeholder(b.data)
+            else:
+                assert is_placeholder(b.data) and b.shape == a.shape, a.name

@@ -37,7 +37,9 @@ Which parameters get storage. Every block constructor that creates parameters ta
 those only, the others are :func:`placeholder` arrays of no memory (a pipeline rank builds its
 model with ``keep`` = its own stages' parameter names). The argument is passed down explicitly
 to :func:`param_from_host`; initial values are drawn per tensor from their own key, so the kept
-ones are bit-identical to a full build.
+ones are bit-identical to a full build. (An argument, not parameters materialized later by a
+separate call: a tensor-parallel block cuts its shard from the serial initial values while it is
+built, which lazy parameters would have to postpone as well.)
 """
 from __future__ import annotations
 

@@ -37,9 +37,9 @@ class SoftmaxCrossEntropy:
 
     ``forward(logits, targets) -> (loss, cache)`` with logits ``(..., V)`` and integer targets
     ``(...)``; ``backward(dloss, cache) -> dlogits``. Numerically stable: the row maximum is
-    subtracted before exponentiating. Cache: :class:`CrossEntropyCache`, the softmax probabilities,
-    the targets, the mask of counted rows and their number. ``reduction="sum"`` returns the sum instead of the mean (data
-    parallelism with unequal shares combines sums).
+    subtracted before exponentiating. Cache: :class:`CrossEntropyCache`, the softmax
+    probabilities, the targets, the mask of counted rows and their number. ``reduction="sum"``
+    returns the sum instead of the mean (data parallelism with unequal shares combines sums).
     """
 
     name = "xent"

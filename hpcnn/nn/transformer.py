@@ -24,7 +24,7 @@ import numpy  # host-side initial values and dtypes only; array code goes throug
 from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, init_rng, param_from_host
 from hpcnn.nn.layers import (GELU, Dropout, DropoutCache, GELUCache, LayerNorm, LayerNormCache,
-                             Linear, LinearCache)
+                             Linear)
 
 _SUB = 1 << 62   # sub-block keys live above any top-level chain index
 
@@ -143,8 +143,9 @@ class CausalSelfAttention(Block):
 
     forward(x (B, T, C)) -> (B, T, C). Cache: :class:`AttentionCache`: the qkv input (x), the
     qkv output, the attention probabilities, the attention-dropout mask (or None) and the merged
-    head output y (the input of ``proj``). ``init_std`` is the std of the qkv weights, ``proj_std`` that of the output
-    projection (GPT-2: 0.02 / sqrt(2 n_layers); default init_std).
+    head output y (the input of ``proj``). ``init_std`` is the std of the qkv weights,
+    ``proj_std`` that of the output projection (GPT-2: 0.02 / sqrt(2 n_layers); default
+    init_std).
 
     The probabilities are stored key-major, ``att[b, h, j, i]`` for query i and key j, so the
     softmax reductions run down axis -2, vectorised along the queries. The 1/sqrt(hs) scale is
