@@ -107,20 +107,24 @@ def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
     return -(-vocab // m) * m
 
 
-def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
+def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None) -> Task:
     """Load the data (unless given) and build the model named by a resolved config (sharded
-    over ``tp_comm``)."""
+    over ``tp_comm``). ``keep``: the names of the parameters given storage (None: all; the
+    others are placeholders: a pipeline rank keeps its own stages', ``()`` builds shapes only)."""
     dtype = backend.dtype_of(cfg.dtype)
     tp = tp_comm is not None and tp_comm.size > 1
     data = data if data is not None else datasets.for_config(cfg)
     if cfg.dataset == "digits":
         if cfg.model == "mlp":
-            model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed, dtype=dtype)
+            model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed,
+                               dtype=dtype, keep=keep)
         elif tp:
             from hpcnn.parallel.tp_models import parallel_cnn
-            model = parallel_cnn(tp_comm, 1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
+            model = parallel_cnn(tp_comm, 1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed,
+                                 dtype=dtype, keep=keep)
         else:
-            model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed, dtype=dtype)
+            model = models.cnn(1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed,
+                               dtype=dtype, keep=keep)
         spe = datasets.steps_per_epoch(len(data.y_train), cfg.batch_size)
         return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
     vocab = padded_vocab(data.vocab, cfg)
@@ -128,10 +132,10 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None) -> Task:
         from hpcnn.parallel.tp_models import parallel_gpt
         model = parallel_gpt(tp_comm, vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
                              sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout,
-                             seed=cfg.seed, dtype=dtype)
+                             seed=cfg.seed, dtype=dtype, keep=keep)
     else:
         model = models.gpt(vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
-                           dropout=cfg.dropout, seed=cfg.seed, dtype=dtype)
+                           dropout=cfg.dropout, seed=cfg.seed, dtype=dtype, keep=keep)
         if cfg.half_layers:
             from hpcnn.nn.residual import split_layers
             model = split_layers(model)

@@ -7,7 +7,7 @@ import pytest
 import hpcnn.nn
 import hpcnn.parallel
 from hpcnn.nn.conv import AvgPool2d, Conv2d, Flatten, MaxPool2d
-from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU
+from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU, reachable
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.residual import halves
 from hpcnn.nn.transformer import CausalSelfAttention, Embedding, MLPBlock, TransformerBlock
@@ -135,3 +135,106 @@ def test_block_spec_is_built_by_keyword_only():
     assert (spec.flops_bwd, spec.bytes_cache, spec.comm_bytes) == (2.0, 0, 0)
     with pytest.raises(TypeError):
         hpcnn.nn.BlockSpec("b", (1,), (1,), *counts.values())
+
+
+def _named_tuples(cache) -> list:
+    """Every NamedTuple in ``cache`` (nested ones too), outermost first."""
+    found = [cache] if hasattr(cache, "_fields") else []
+    if isinstance(cache, tuple):
+        for v in cache:
+            found += _named_tuples(v)
+    return found
+
+
+def _same_structure(a, b) -> None:
+    """Same container types all the way down, arrays equal bit for bit."""
+    assert type(b) is type(a), (type(a), type(b))
+    if isinstance(a, tuple):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            _same_structure(u, v)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    else:
+        assert a == b or a is b
+
+
+@pytest.mark.parametrize("name,block,x,targets", CASES, ids=[c[0] for c in CASES])
+def test_cache_is_a_named_tuple_that_offload_round_trips(name, block, x, targets):
+    """The cache is a NamedTuple defined next to its block (its sub-blocks' caches are named
+    fields of it), and the offload channel returns it as the same NamedTuple types with the same
+    arrays, from which backward gives the same dx."""
+    from hpcnn.memory.offload import OffloadChannel
+    y, cache = block.forward(x) if targets is None else block.forward(x, targets)
+    assert hasattr(cache, "_fields") and isinstance(cache, tuple), (name, type(cache))
+    for nt in _named_tuples(cache):          # hpcnn's own, named for what they cache
+        assert type(nt).__name__.endswith("Cache"), (name, type(nt))
+        assert type(nt).__module__.startswith(("hpcnn.nn.", "hpcnn.parallel.")), (name, type(nt))
+    with OffloadChannel("file") as ch:
+        ch.offload("c", cache)
+        back = ch.fetch("c")
+    _same_structure(cache, back)
+    dy = 1.0 if targets is not None else np.random.default_rng(1).standard_normal(y.shape)
+    dx1 = block.backward(dy, cache)
+    dx2 = block.backward(dy, back)
+    if dx1 is None:
+        assert dx2 is None
+    else:
+        np.testing.assert_array_equal(dx2, dx1)
+    for p in block.params:
+        p.zero_grad()
+
+
+BLOCKS = [c for c in CASES if c[3] is None]
+
+
+@pytest.mark.parametrize("name,block,x", [c[:3] for c in BLOCKS], ids=[c[0] for c in BLOCKS])
+def test_defer_splits_the_backward_into_input_and_weight_halves(name, block, x):
+    """``defers_weights`` is set exactly on the blocks with a Linear inside. For those,
+    ``backward(dy, cache, defer=pending)`` gives the whole backward's dx, leaves the deferred
+    Linears' weight gradients untouched, and running the pending ``backward_weight`` calls then
+    gives the whole backward's gradients (what a zero-bubble pipeline's B and W do)."""
+    assert block.defers_weights == bool(reachable(block, Linear)), name
+    if not block.defers_weights:
+        return
+    y, cache = block.forward(x)
+    dy = np.random.default_rng(2).standard_normal(y.shape)
+    block.zero_grad()
+    dx_full = block.backward(dy.copy(), cache)
+    full = [p.grad.copy() for p in block.params]
+    block.zero_grad()
+    pending = []
+    dx = block.backward(dy.copy(), cache, defer=pending)
+    np.testing.assert_array_equal(dx, dx_full)
+    assert pending and all(isinstance(lin, Linear) for lin, _, _ in pending), name
+    for lin, _, _ in pending:
+        assert not lin.weight.grad.any(), (name, lin.name, "weight gradient not deferred")
+    for lin, d, c in pending:
+        lin.backward_weight(d, c)
+    for p, g in zip(block.params, full):
+        np.testing.assert_allclose(p.grad, g, rtol=0, atol=1e-12, err_msg=f"{name}: {p.name}")
+    block.zero_grad()
+
+
+def test_no_module_level_switch_in_the_blocks():
+    """What a block does depends on its arguments only: the block modules rebind no global
+    (no ``global`` statement) and hold no module-level mutable container, but for ``_FILLED``
+    (a pure cache of constant vectors: what it returns depends on its key only)."""
+    import importlib
+    import inspect
+    import pkgutil
+    import re
+    import weakref
+    names = [f"hpcnn.nn.{m.name}" for m in pkgutil.iter_modules(hpcnn.nn.__path__)]
+    names += [f"hpcnn.parallel.{m}" for m in ("tensor", "tensor_attn", "tensor_conv",
+                                              "tensor_vocab", "tp_comm", "tp_models")]
+    allowed = {("hpcnn.nn.layers", "_FILLED")}
+    mutable = (dict, list, set, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
+    for name in names:
+        mod = importlib.import_module(name)
+        assert not re.search(r"^\s*global\s+\w", inspect.getsource(mod), re.M), name
+        for var, value in vars(mod).items():
+            if var.startswith("__") or (name, var) in allowed:
+                continue
+            assert not isinstance(value, mutable), (name, var)
+            assert value is not None, (name, var, "a module-level None is a switch waiting")

@@ -100,14 +100,13 @@ def test_model_argument_errors():
         models.cnn(1, 6, (4, 4))
 
 
-def test_materialize_only_keeps_the_named_parameters_and_no_storage_for_the_rest():
+def test_keep_gives_storage_to_the_named_parameters_only():
     import tracemalloc
-    from hpcnn.nn.core import is_placeholder, materialize_only
+    from hpcnn.nn.core import is_placeholder
     from hpcnn.parallel.tensor import shard_array
     full = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64)
     keep = {p.name for b in full.blocks[2:4] for p in b.params}
-    with materialize_only(keep):
-        part = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64)
+    part = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64, keep=keep)
     assert [p.name for p in part.params] == [p.name for p in full.params]
     for a, b in zip(full.params, part.params):
         assert b.shape == a.shape and b.data.dtype == a.data.dtype
@@ -122,18 +121,39 @@ def test_materialize_only_keeps_the_named_parameters_and_no_storage_for_the_rest
     held = {}
     for what in (None, ()):
         tracemalloc.start()
-        with materialize_only(what):
-            alive = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64)
+        alive = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64, keep=what)
         held[what] = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
         del alive
     stored = sum(p.data.nbytes for p in full.params) * 2          # parameters and gradients
     assert held[None] > stored > 8 * held[()], (held, stored)     # placeholders: Python objects
-    tracemalloc.start()                                           # nor are their values drawn:
-    with materialize_only(()):                                    # the peak stays below one
-        alive = models.gpt(500, 16, 2, 128, 2, seed=2, dtype=np.float64)   # 512 KiB tensor
+    tracemalloc.start()            # nor are their values drawn: the peak stays below one tensor
+    alive = models.gpt(500, 16, 2, 128, 2, seed=2, dtype=np.float64, keep=())   # of 512 KiB
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < max(p.data.nbytes for p in alive.params) // 4, peak
     shard = shard_array(part.params[0].data, 0, 1, 2)            # a placeholder's shard is one
     assert is_placeholder(shard) and shard.shape == (20, 32)
+
+
+def test_keep_reaches_every_parameter_of_the_tensor_parallel_factories():
+    """``keep`` passed to parallel_gpt / parallel_cnn (one tp rank) gives storage to the named
+    parameters only, with the values of a full build; the others are placeholders."""
+    from hpcnn.nn.core import is_placeholder
+    from hpcnn.parallel.tp_models import parallel_cnn, parallel_gpt
+    from mpi_util import single
+    comm = single("tp")
+    for build in (lambda keep: parallel_gpt(comm, 40, 16, 2, 32, 2, sequence_parallel=True,
+                                            seed=2, dtype=np.float64, keep=keep),
+                  lambda keep: parallel_cnn(comm, 1, 8, (4, 4), seed=2, dtype=np.float64,
+                                            keep=keep)):
+        full = build(None)
+        keep = {p.name for p in full.blocks[1].params} | {full.params[-1].name}
+        part = build(keep)
+        assert [p.name for p in part.params] == [p.name for p in full.params]
+        for a, b in zip(full.params, part.params):
+            if a.name in keep:
+                np.testing.assert_array_equal(b.data, a.data)
+                assert type(b) is type(a) and not is_placeholder(b.data)
+            else:
+                assert is_placeholder(b.data) and b.shape == a.shape, a.name

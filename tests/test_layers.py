@@ -98,13 +98,15 @@ def test_gelu_matches_tanh_form(chunk):
     g.CHUNK = chunk                                   # 7: many slices and a ragged last one
     x = np.concatenate([np.linspace(-12, 12, 481), _x((50,), seed=4) * 3, [0.0, -30.0, 30.0]])
     x = x.reshape(3, -1)
-    y, d = g.forward(x)
+    y, cache = g.forward(x)
     np.testing.assert_allclose(y, _gelu_tanh(x), rtol=1e-12, atol=1e-15)
-    np.testing.assert_allclose(d, _gelu_tanh_grad(x), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(cache.dgelu, _gelu_tanh_grad(x), rtol=1e-12, atol=1e-15)
     dy = _x(x.shape, seed=5)
-    np.testing.assert_allclose(g.backward(dy, d), dy * _gelu_tanh_grad(x), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(g.backward(dy, cache), dy * _gelu_tanh_grad(x), rtol=1e-12,
+                               atol=1e-15)
     x32 = x.astype(np.float32)
-    y32, d32 = GELU(dtype=np.float32).forward(x32)
+    y32, cache32 = GELU(dtype=np.float32).forward(x32)
+    d32 = cache32.dgelu
     assert y32.dtype == d32.dtype == np.float32
     np.testing.assert_allclose(y32, _gelu_tanh(x), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(d32, _gelu_tanh_grad(x), rtol=1e-4, atol=1e-5)
@@ -114,17 +116,18 @@ def test_gelu_inplace_variants_and_fresh_results():
     g = GELU(dtype=F64)
     g.CHUNK = 8
     x = _x((3, 5, 6))
-    y, d = g.forward(x)
+    y, cache = g.forward(x)
+    d = cache.dgelu
     assert not np.shares_memory(y, x) and not np.shares_memory(d, x)
     h = x.copy()
-    y2, d2 = g.forward_inplace(h)
+    y2, cache2 = g.forward_inplace(h)
     assert y2 is h                                    # written over its input
     np.testing.assert_array_equal(y2, y)
-    np.testing.assert_array_equal(d2, d)
+    np.testing.assert_array_equal(cache2.dgelu, d)
     dy = _x(x.shape, seed=2)
-    dx = g.backward(dy, d)
+    dx = g.backward(dy, cache)
     dy2 = dy.copy()
-    assert g.backward_inplace(dy2, d) is dy2
+    assert g.backward_inplace(dy2, cache) is dy2
     np.testing.assert_array_equal(dy2, dx)
     # a second call must not touch the first call's results (scratch stays inside the call)
     y_keep, d_keep = y.copy(), d.copy()
@@ -160,16 +163,16 @@ def test_layernorm_matches_reference_and_is_stable():
     x = _x((2, 5, 16)) * 3 + 2
     mu = x.mean(-1, keepdims=True)
     xhat = (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + ln.eps)
-    y, (c_xhat, c_rstd) = ln.forward(x)
+    y, cache = ln.forward(x)
     np.testing.assert_allclose(y, xhat * ln.gamma.data + ln.beta.data, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(c_xhat, xhat, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(cache.xhat, xhat, rtol=1e-12, atol=1e-12)
     # backward against the textbook formula, with accumulation into existing gradients
     dy = _x(x.shape, seed=7)
     ln.zero_grad()
-    ln.backward(dy, (c_xhat, c_rstd))
-    dx = ln.backward(dy, (c_xhat, c_rstd))
+    ln.backward(dy, cache)
+    dx = ln.backward(dy, cache)
     g = dy * ln.gamma.data
-    ref = (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True)) * c_rstd
+    ref = (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True)) * cache.rstd
     np.testing.assert_allclose(dx, ref, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ln.gamma.grad, 2 * (dy * xhat).sum((0, 1)), rtol=1e-12)
     np.testing.assert_allclose(ln.beta.grad, 2 * dy.sum((0, 1)), rtol=1e-12)
@@ -198,7 +201,7 @@ def test_dropout_mask_reproducible_and_gradients():
     check_block_gradients(d, x)
     d.eval()
     y, c = d.forward(x)
-    assert y is x and c is None
+    assert y is x and c.mask is None
 
 
 def test_keep_mask_rows_do_not_depend_on_the_split():

@@ -154,9 +154,9 @@ def test_attention_fast_equals_plain(dropout):
     attn.zero_grad()
     out, cache = attn.forward(x)
     dx = attn.backward(dy, cache)
-    c_drop = cache[3]                          # the fast block's mask, key-major (or None)
+    c_drop = cache.c_drop                      # the fast block's DropoutCache (or None)
     assert (c_drop is None) == (dropout == 0.0)
-    mask = None if c_drop is None else c_drop.swapaxes(-1, -2)
+    mask = None if c_drop is None else c_drop.mask.swapaxes(-1, -2)
     fast = [attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias]
     out_p, cache_p = attention_plain(x, *(p.data for p in fast), nh, mask)
     g = attention_plain_backward(dy, cache_p)

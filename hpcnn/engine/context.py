@@ -20,7 +20,6 @@ import numpy
 from hpcnn.config import ConfigError
 from hpcnn.engine.stage import Stage, attach_remat, build_stages
 from hpcnn.nn.chain import Chain
-from hpcnn.nn.core import materialize_only
 from hpcnn.nn.optim import grad_norm_sq
 from hpcnn.parallel import hetero, partition, schedules
 from hpcnn.parallel.collectives import CommStats, Communicator
@@ -59,16 +58,14 @@ class ParallelContext:
 
     # -- set-up -----------------------------------------------------------------------------------
     def build(self, build_task, data=None):
-        """The task (``build_task(cfg, tp, data=...)``); with pp > 1 its model holds storage for
+        """The task (``build_task(cfg, tp, data=..., keep=...)``); with pp > 1 its model holds storage for
         this rank's stages only: a first build without any (shapes, for the stage cut), then one
         keeping the local stages' parameters."""
         if not self.pipelined:
             return build_task(self.cfg, self.tp, data=data)
-        with materialize_only(()):
-            shapes = build_task(self.cfg, self.tp, data=data)
+        shapes = build_task(self.cfg, self.tp, data=data, keep=())
         local = self._cut(shapes.model, shapes.micro_shape())
-        with materialize_only(local):
-            return build_task(self.cfg, self.tp, data=shapes.data)
+        return build_task(self.cfg, self.tp, data=shapes.data, keep=local)
 
     def _cut(self, model, micro_shape) -> set:
         """Stage ranges (``--layout``, else by cost) and owners; the names of this rank's

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from hpcnn.nn.core import Block, BlockSpec
-from hpcnn.nn.layers import defer_weight_gradients
 
 
 def splittable(block) -> bool:
@@ -23,11 +22,8 @@ def backward_block(block, dy, cache, *, need_dx: bool = True, defer=None):
         else:
             block.backward_weight(dy, cache)
         return block.backward_input(dy, cache) if need_dx else None
-    if defer is not None:
-        with defer_weight_gradients() as deferred:
-            dx = block.backward(dy, cache)
-        defer.extend(deferred)
-        return dx
+    if defer is not None and getattr(block, "defers_weights", False):
+        return block.backward(dy, cache, defer=defer)
     return block.backward(dy, cache)
 
 

@@ -12,6 +12,7 @@ vectorised strided-slice adds (col2im), which also handles overlapping windows (
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy  # host-side initial values and index dtypes only; array code goes through backend.xp
 
@@ -43,6 +44,13 @@ def _windows(x, k, s, ho, wo):
         x, shape=x.shape[:2] + (k, k, ho, wo), strides=(s0, s1, sh, sw, sh * s, sw * s))
 
 
+class Conv2dCache(NamedTuple):
+    """``cols`` (C*k*k, N*Ho*Wo), the im2col matrix of the padded input (what dW needs), and
+    ``x_shape`` (N, C, H, W) (what col2im needs)."""
+    cols: Any
+    x_shape: tuple
+
+
 class Conv2d(Block):
     """2-D convolution (cross-correlation), y = W * x + b, by im2col and one matrix product.
 
@@ -50,11 +58,12 @@ class Conv2d(Block):
     (out_ch, in_ch, k, k) drawn He-uniform on the host, U(-sqrt(6/fan_in), +sqrt(6/fan_in)) with
     fan_in = in_ch*k*k, from ``init_rng(seed, index, 0)``; bias zeros. The column matrix is
     channel-major, (C*k*k, N*Ho*Wo), so that forward, dW and dcols are each a single GEMM.
-    The cache is the column matrix (what dW needs; dx needs only W and the input shape).
+    Cache: :class:`Conv2dCache`, the column matrix (what dW needs; dx needs only W and the input
+    shape).
     """
 
     def __init__(self, in_ch, out_ch, kernel, *, stride=1, padding=0, bias=True, seed=0,
-                 index=0, dtype=backend.DEFAULT_DTYPE, name="conv"):
+                 index=0, dtype=backend.DEFAULT_DTYPE, name="conv", keep=None):
         super().__init__()
         _check_geometry(kernel, stride, padding)
         self.name, self.dtype = name, backend.dtype_of(dtype)
@@ -65,11 +74,11 @@ class Conv2d(Block):
         shape = (self.out_ch, self.in_ch, self.kernel, self.kernel)
         self.weight = param_from_host(
             lambda: init_rng(seed, index, 0).uniform(-bound, bound, shape),
-            self.dtype, f"{name}.weight", shape=shape)
+            self.dtype, f"{name}.weight", shape=shape, keep=keep)
         self.params = [self.weight]
         self.bias = None
         if bias:
-            self.bias = param_from_host(numpy.zeros(out_ch), self.dtype, f"{name}.bias")
+            self.bias = param_from_host(numpy.zeros(out_ch), self.dtype, f"{name}.bias", keep=keep)
             self.params.append(self.bias)
 
     def _check(self, x_shape):
@@ -91,15 +100,15 @@ class Conv2d(Block):
         if self.bias is not None:
             y += self.bias.data.astype(x.dtype, copy=False)[:, None]
         y = xp.ascontiguousarray(y.reshape(self.out_ch, n, ho, wo).transpose(1, 0, 2, 3))
-        return y, (cols, tuple(x.shape))                              # y: (N, O, Ho, Wo)
+        return y, Conv2dCache(cols=cols, x_shape=tuple(x.shape))      # y: (N, O, Ho, Wo)
 
     def backward(self, dy, cache):
         """From y = W cols + b: dW += dy cols^T, db += sum(dy), dcols = W^T dy, dx = col2im."""
         xp, k, s, p = backend.xp, self.kernel, self.stride, self.padding
-        cols, (n, c, h, w) = cache
+        n, c, h, w = cache.x_shape
         ho, wo = dy.shape[2], dy.shape[3]
         dy2 = dy.transpose(1, 0, 2, 3).reshape(self.out_ch, n * ho * wo)  # (O, N*Ho*Wo)
-        self.weight.add_matmul(dy2, cols.T)                                 # (O, C, k, k)
+        self.weight.add_matmul(dy2, cache.cols.T)                           # (O, C, k, k)
         if self.bias is not None:
             self.bias.add_grad(dy2.sum(axis=1))                          # (O,)
         wmat = self.weight.data.astype(dy.dtype, copy=False).reshape(self.out_ch, -1)
@@ -146,8 +155,15 @@ class _Pool2d(Block):
                          bytes_cache=bytes_cache(out_shape), bytes_params=0)
 
 
+class MaxPoolCache(NamedTuple):
+    """``idx`` (N, C, Ho, Wo): the argmax within each window (its tap number, row-major), and
+    ``x_shape`` (N, C, H, W)."""
+    idx: Any
+    x_shape: tuple
+
+
 class MaxPool2d(_Pool2d):
-    """y = max over each k x k window. The cache is the argmax within each window.
+    """y = max over each k x k window. Cache: :class:`MaxPoolCache`, the argmax within each window.
 
     Ties go to the first maximum in row-major window order, so the gradient flows to one input
     only and equals the derivative wherever the maximum is unique. Argmax indices are stored in
@@ -165,17 +181,16 @@ class MaxPool2d(_Pool2d):
         win = _windows(x, k, s, ho, wo).reshape(n, c, k * k, ho, wo)   # (N, C, k*k, Ho, Wo)
         idx = win.argmax(axis=2)                                        # (N, C, Ho, Wo)
         y = backend.xp.take_along_axis(win, idx[:, :, None], axis=2)[:, :, 0]  # (N, C, Ho, Wo)
-        return y, (idx.astype(self.idx_dtype), tuple(x.shape))
+        return y, MaxPoolCache(idx=idx.astype(self.idx_dtype), x_shape=tuple(x.shape))
 
     def backward(self, dy, cache):
         """From y = win[argmax]: dx[window tap t] += dy where argmax == t, for each of k*k taps."""
-        idx, x_shape = cache
         k, s = self.kernel, self.stride
         ho, wo = dy.shape[2], dy.shape[3]
-        dx = backend.xp.zeros(x_shape, dtype=dy.dtype)                         # (N, C, H, W)
+        dx = backend.xp.zeros(cache.x_shape, dtype=dy.dtype)                   # (N, C, H, W)
         for i in range(k):
             for j in range(k):
-                picked = backend.xp.where(idx == i * k + j, dy, 0)
+                picked = backend.xp.where(cache.idx == i * k + j, dy, 0)
                 dx[:, :, i:i + s * ho:s, j:j + s * wo:s] += picked
         return dx
 
@@ -183,8 +198,13 @@ class MaxPool2d(_Pool2d):
         return self._spec(x_shape, 1, lambda out: backend.nbytes(out, self.idx_dtype))
 
 
+class ShapeCache(NamedTuple):
+    """Only the input shape ``x_shape`` (no arrays): the cache of AvgPool2d and Flatten."""
+    x_shape: tuple
+
+
 class AvgPool2d(_Pool2d):
-    """y = mean over each k x k window. The cache is only the input shape (no arrays)."""
+    """y = mean over each k x k window. Cache: :class:`ShapeCache`, the input shape (no arrays)."""
 
     def __init__(self, kernel, stride=None, *, dtype=backend.DEFAULT_DTYPE, name="avgpool"):
         super().__init__(kernel, stride, dtype=dtype, name=name)
@@ -197,13 +217,13 @@ class AvgPool2d(_Pool2d):
             for j in range(k):
                 y += x[:, :, i:i + s * ho:s, j:j + s * wo:s]
         y *= 1.0 / (k * k)
-        return y, tuple(x.shape)
+        return y, ShapeCache(x_shape=tuple(x.shape))
 
     def backward(self, dy, cache):
         """From y = sum of the k*k taps / k^2: every tap of a window receives dy / k^2."""
         k, s = self.kernel, self.stride
         ho, wo = dy.shape[2], dy.shape[3]
-        dx = backend.xp.zeros(cache, dtype=dy.dtype)                           # (N, C, H, W)
+        dx = backend.xp.zeros(cache.x_shape, dtype=dy.dtype)                   # (N, C, H, W)
         g = dy * (1.0 / (k * k))                                         # (N, C, Ho, Wo)
         for i in range(k):
             for j in range(k):
@@ -215,17 +235,17 @@ class AvgPool2d(_Pool2d):
 
 
 class Flatten(Block):
-    """(N, C, H, W) -> (N, C*H*W), a reshape; the cache is only the input shape."""
+    """(N, C, H, W) -> (N, C*H*W), a reshape. Cache: :class:`ShapeCache`, the input shape."""
 
     def __init__(self, *, dtype=backend.DEFAULT_DTYPE, name="flatten"):
         super().__init__()
         self.name, self.dtype = name, backend.dtype_of(dtype)
 
     def forward(self, x):
-        return x.reshape(x.shape[0], -1), tuple(x.shape)                 # (N, C*H*W)
+        return x.reshape(x.shape[0], -1), ShapeCache(x_shape=tuple(x.shape))   # (N, C*H*W)
 
     def backward(self, dy, cache):
-        return dy.reshape(cache)                                         # (N, C, H, W)
+        return dy.reshape(cache.x_shape)                                 # (N, C, H, W)
 
     def spec(self, x_shape):
         out_shape = (int(x_shape[0]), math.prod(int(d) for d in x_shape[1:]))

@@ -6,14 +6,43 @@
     dx = block.backward(dy, cache)   # accumulates into p.grad for p in block.params; returns dL/dx
     block.spec(x_shape)              # BlockSpec from shapes alone (never measured)
 
+The cache is a NamedTuple defined next to its block (``LinearCache(x)``,
+``LayerNormCache(xhat, rstd)``, ...): ``forward`` builds it by field name and ``backward`` reads
+the same names (``cache.x``), so a reader sees at once what a backward uses. A composite block's
+cache holds its sub-blocks' caches, named after the locals its forward gave them
+(``TransformerBlockCache(c_ln1, c_attn, c_drop, c_ln2, c_mlp)``). NamedTuples are tuples:
+:func:`hpcnn.memory.executor.live_bytes` counts their arrays and :mod:`hpcnn.memory.offload`
+moves them away and back as the same NamedTuple type.
+
 A block keeps no per-call state on ``self``: a pipeline holds one cache per micro-batch in flight,
 rematerialization drops a cache and runs ``forward`` again, offloading moves a cache's arrays away
 and back. Stochastic blocks (dropout) own a random generator whose state the caller can save and
 restore (:meth:`Block.rng_state`), so a recomputed forward draws the same mask.
+
+Deferred weight gradients (zero-bubble pipelines). A block with ``defers_weights = True``
+(:class:`~hpcnn.nn.layers.Linear` and the blocks built from Linears: attention, MLP, transformer
+block, their halves and tensor-parallel versions) takes an optional list::
+
+    pending = []
+    dx = block.backward(dy, cache, defer=pending)   # input gradient only
+    for linear, dy_l, cache_l in pending:           # later: the weight halves (W)
+        linear.backward_weight(dy_l, cache_l)
+
+Each Linear inside then computes only its input gradient and appends ``(linear, dy, cache)`` to
+``defer``; ``defer=None`` (the default) runs the whole backward. Nothing outside the call
+changes how a backward behaves.
+
+Which parameters get storage. Every block constructor that creates parameters takes
+``keep=None``: None gives every parameter storage; a set of parameter names gives storage to
+those only, the others are :func:`placeholder` arrays of no memory (a pipeline rank builds its
+model with ``keep`` = its own stages' parameter names). The argument is passed down explicitly
+to :func:`param_from_host`; initial values are drawn per tensor from their own key, so the kept
+ones are bit-identical to a full build. (An argument, not parameters materialized later by a
+separate call: a tensor-parallel block cuts its shard from the serial initial values while it is
+built, which lazy parameters would have to postpone as well.)
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy
@@ -151,6 +180,7 @@ class Block:
 
     name = "block"
     training = True
+    defers_weights = False      # True: backward(dy, cache, defer=None) can defer Linear W halves
 
     def __init__(self):
         self.params: list[Parameter] = []
@@ -195,23 +225,6 @@ def init_rng(seed: int, *key) -> numpy.random.Generator:
     return numpy.random.default_rng([int(seed), *[int(k) for k in key]])
 
 
-_materialize = None     # None: every parameter; else the set of names that get storage
-
-
-@contextmanager
-def materialize_only(names):
-    """Parameters built inside get storage only if their name is in ``names`` (None: all); the
-    others are placeholders (:func:`placeholder`). A pipeline rank builds its model this way, so
-    it holds its own stages' parameters only: initial values are keyed by tensor, so the ones it
-    keeps are those of the whole model."""
-    global _materialize
-    prev, _materialize = _materialize, (None if names is None else frozenset(names))
-    try:
-        yield
-    finally:
-        _materialize = prev
-
-
 def placeholder(shape, dtype):
     """A read-only NaN array of ``shape`` with no storage (all strides 0): stands for a
     parameter this rank does not hold. Writing to it raises; computing with it gives NaN, which
@@ -224,18 +237,19 @@ def is_placeholder(a) -> bool:
     return a.size >= 1 and a.ndim > 0 and not any(a.strides)
 
 
-def param_from_host(values, dtype, name: str, shape=None) -> Parameter:
-    """Host values -> a Parameter of the backend's array type in ``dtype`` (a placeholder if
-    :func:`materialize_only` excludes ``name``). ``values``: a NumPy array, or a function of no
-    argument returning one of ``shape`` (only called for a parameter that gets storage, so a
-    pipeline rank draws its own stages' initial values only)."""
+def param_from_host(values, dtype, name: str, shape=None, *, keep=None) -> Parameter:
+    """Host values -> a Parameter of the backend's array type in ``dtype``, or a placeholder
+    (:func:`placeholder`) if ``keep`` is a set of names without ``name`` (None: every parameter
+    gets storage). ``values``: a NumPy array, or a function of no argument returning one of
+    ``shape`` (only called for a parameter that gets storage, so a pipeline rank draws its own
+    stages' initial values only)."""
     if callable(values):
         if shape is None:
             raise ValueError(f"{name}: initial values given as a function need their shape")
         shape = tuple(int(d) for d in shape)
     else:
         shape = tuple(values.shape)
-    if _materialize is not None and name not in _materialize:
+    if keep is not None and name not in keep:
         return Parameter(placeholder(shape, dtype), name)
     host = values() if callable(values) else values
     if tuple(host.shape) != shape:

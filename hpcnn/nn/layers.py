@@ -1,13 +1,13 @@
 """Elementary blocks: Linear, ReLU, GELU, LayerNorm, Dropout.
 
-Each forward returns ``(y, cache)``; each backward quotes the forward line it differentiates.
-Inputs may have any number of leading dimensions: ``(..., C)``.
+Each forward returns ``(y, cache)`` with the cache a NamedTuple defined above its block (fields
+named as the forward's values, read by the backward under the same names); each backward quotes
+the forward line it differentiates. Inputs may have any number of leading dimensions: ``(..., C)``.
 """
 from __future__ import annotations
 
 import math
-import weakref
-from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import numpy  # host-side initial values only; array code goes through backend.xp
 
@@ -24,7 +24,9 @@ def _rows(shape) -> int:
     return n
 
 
-_FILLED = {}           # (value, dtype) -> the longest constant vector made so far (a memo)
+# (value, dtype) -> the longest constant vector made so far. A pure cache of constants: what
+# filled() returns depends only on its arguments, never on what was asked before.
+_FILLED = {}
 
 
 def filled(value: float, n: int, dtype):
@@ -43,45 +45,36 @@ def filled(value: float, n: int, dtype):
     return v[:n]
 
 
-_deferred = None       # a list while weight gradients are being deferred (zero-bubble pipelines)
-
-
-@contextmanager
-def defer_weight_gradients():
-    """Within the block, ``Linear.backward`` computes only the input gradient and appends
-    ``(linear, dy, cache)`` to the yielded list; calling ``linear.backward_weight(dy, cache)``
-    for each later completes the backward. This splits the backward of any block built from
-    Linear layers (attention, MLP, transformer block) into its input part (B) and weight part
-    (W) for zero-bubble pipeline schedules, without per-block code. The deferred ``dy`` arrays
-    must not be modified afterwards (blocks pass fresh arrays to Linear.backward)."""
-    global _deferred
-    prev, _deferred = _deferred, []
-    try:
-        yield _deferred
-    finally:
-        _deferred = prev
+class LinearCache(NamedTuple):
+    """What :meth:`Linear.backward_weight` needs: the input ``x`` (..., in)."""
+    x: Any
 
 
 class Linear(Block):
     """y = x W + b, with W of shape (in, out).
 
     The backward is split in two halves, :meth:`backward_input` (dx) and :meth:`backward_weight`
-    (dW, db), so that zero-bubble pipeline schedules can run them at different times.
+    (dW, db), so that zero-bubble pipeline schedules can run them at different times:
+    ``backward(dy, cache, defer=pending)`` runs the first and appends ``(self, dy, cache)`` to the
+    list ``pending`` for a later ``backward_weight`` (the caller must not modify that ``dy``).
+    Cache: :class:`LinearCache`.
     """
 
+    defers_weights = True
+
     def __init__(self, n_in, n_out, *, bias=True, seed=0, index=0, init_std=None,
-                 dtype=backend.DEFAULT_DTYPE, name="linear"):
+                 dtype=backend.DEFAULT_DTYPE, name="linear", keep=None):
         super().__init__()
         self.name, self.n_in, self.n_out = name, int(n_in), int(n_out)
         self.dtype = backend.dtype_of(dtype)
         std = init_std if init_std is not None else 1.0 / math.sqrt(n_in)
         self.weight = param_from_host(
             lambda: init_rng(seed, index, 0).standard_normal((n_in, n_out)) * std,
-            self.dtype, f"{name}.weight", shape=(n_in, n_out))
+            self.dtype, f"{name}.weight", shape=(n_in, n_out), keep=keep)
         self.params = [self.weight]
         self.bias = None
         if bias:
-            self.bias = param_from_host(numpy.zeros(n_out), self.dtype, f"{name}.bias")
+            self.bias = param_from_host(numpy.zeros(n_out), self.dtype, f"{name}.bias", keep=keep)
             self.params.append(self.bias)
 
     def forward(self, x):
@@ -91,11 +84,11 @@ class Linear(Block):
         y = backend.xp.matmul(x.reshape(-1, self.n_in), self.weight.data)   # (N, out)
         if self.bias is not None:
             y += self.bias.data
-        return y.reshape(tuple(x.shape[:-1]) + (self.n_out,)), x
+        return y.reshape(tuple(x.shape[:-1]) + (self.n_out,)), LinearCache(x=x)
 
-    def backward(self, dy, cache):
-        if _deferred is not None:                   # zero-bubble split: W comes later
-            _deferred.append((self, dy, cache))
+    def backward(self, dy, cache, defer=None):
+        if defer is not None:                       # zero-bubble split: W comes later
+            defer.append((self, dy, cache))
         else:
             self.backward_weight(dy, cache)
         return self.backward_input(dy, cache)
@@ -107,7 +100,7 @@ class Linear(Block):
 
     def backward_weight(self, dy, cache):
         """dW += x^T dy, db += sum(dy)  (from y = x W + b)."""
-        x2 = cache.reshape(-1, self.n_in)               # (N, in)
+        x2 = cache.x.reshape(-1, self.n_in)             # (N, in)
         dy2 = dy.reshape(-1, self.n_out)                # (N, out)
         self.weight.add_matmul(x2.T, dy2)               # (in, out)
         if self.bias is not None:
@@ -126,8 +119,13 @@ class Linear(Block):
                          cache_has_x=True)
 
 
+class ReLUCache(NamedTuple):
+    """The output ``y``, whose sign is the derivative."""
+    y: Any
+
+
 class ReLU(Block):
-    """y = max(x, 0); the cache is y (whose sign is the derivative)."""
+    """y = max(x, 0). Cache: :class:`ReLUCache`, the output y (whose sign is the derivative)."""
 
     name = "relu"
 
@@ -137,10 +135,10 @@ class ReLU(Block):
 
     def forward(self, x):
         y = backend.xp.maximum(x, 0)
-        return y, y
+        return y, ReLUCache(y=y)
 
     def backward(self, dy, cache):
-        return backend.xp.multiply(dy, cache > 0)              # dy * 1[y > 0]
+        return backend.xp.multiply(dy, cache.y > 0)            # dy * 1[y > 0]
 
     def spec(self, x_shape):
         nb = backend.nbytes(x_shape, self.dtype)
@@ -150,8 +148,14 @@ class ReLU(Block):
                          bytes_params=0, cache_has_y=True)
 
 
+class GELUCache(NamedTuple):
+    """``dgelu`` = gelu'(x), the derivative at the input (the whole backward is dy * dgelu)."""
+    dgelu: Any
+
+
 class GELU(Block):
-    """GELU, tanh form: y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Cache: gelu'(x).
+    """GELU, tanh form: y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Cache:
+    :class:`GELUCache`, gelu'(x).
 
     The forward computes the derivative as well and caches only it (one array, not two), so the
     backward is a single product. With z = sqrt(2/pi) (x + a x^3), a = 0.044715, t = tanh(z),
@@ -176,20 +180,20 @@ class GELU(Block):
     def forward(self, x):
         x = backend.xp.ascontiguousarray(x)
         y = backend.xp.empty_like(x)
-        return y, self._forward_into(x, y)
+        return y, GELUCache(dgelu=self._forward_into(x, y))
 
     def forward_inplace(self, x):
         """:meth:`forward` writing y over ``x`` (a caller's own, spent array)."""
         if not x.flags.c_contiguous:
             return self.forward(x)
-        return x, self._forward_into(x, x)
+        return x, GELUCache(dgelu=self._forward_into(x, x))
 
     def backward(self, dy, cache):
-        return backend.xp.multiply(dy, cache)                  # from y = gelu(x): dx = dy gelu'(x)
+        return backend.xp.multiply(dy, cache.dgelu)      # from y = gelu(x): dx = dy gelu'(x)
 
     def backward_inplace(self, dy, cache):
         """:meth:`backward` overwriting ``dy`` (owned by the caller) with dx."""
-        return backend.xp.multiply(dy, cache, out=dy)
+        return backend.xp.multiply(dy, cache.dgelu, out=dy)
 
     def _buffers(self, n, dtype):
         """Two reused scratch vectors of n elements (temporaries of one call only)."""
@@ -236,22 +240,28 @@ class GELU(Block):
                          bytes_params=0)
 
 
+class LayerNormCache(NamedTuple):
+    """``xhat`` (..., C), the normalised input, and ``rstd`` (..., 1) = 1/sqrt(var + eps)."""
+    xhat: Any
+    rstd: Any
+
+
 class LayerNorm(Block):
     """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dimension.
 
-    Cache: x_hat (the normalised input) and rstd = 1/sqrt(var + eps), both for the backward.
+    Cache: :class:`LayerNormCache`, x_hat (the normalised input) and rstd = 1/sqrt(var + eps).
     The variance is the two-pass mean((x - mean)^2). Row means are matrix-vector products and
     row/column sums of products are ``einsum`` contractions: both avoid reductions along a
     short last axis and the temporaries of a product followed by a sum.
     Plain twin: :func:`hpcnn.nn.plain.layer_norm_plain`.
     """
 
-    def __init__(self, dim, *, eps=1e-5, dtype=backend.DEFAULT_DTYPE, name="ln"):
+    def __init__(self, dim, *, eps=1e-5, dtype=backend.DEFAULT_DTYPE, name="ln", keep=None):
         super().__init__()
         self.name, self.dim, self.eps = name, int(dim), float(eps)
         self.dtype = backend.dtype_of(dtype)
-        self.gamma = param_from_host(numpy.ones(dim), self.dtype, f"{name}.weight")
-        self.beta = param_from_host(numpy.zeros(dim), self.dtype, f"{name}.bias")
+        self.gamma = param_from_host(numpy.ones(dim), self.dtype, f"{name}.weight", keep=keep)
+        self.beta = param_from_host(numpy.zeros(dim), self.dtype, f"{name}.bias", keep=keep)
         self.params = [self.gamma, self.beta]
 
     def forward(self, x):
@@ -271,14 +281,14 @@ class LayerNorm(Block):
         y = xp.multiply(xhat, self.gamma.data)
         y += self.beta.data                                  # y = x_hat gamma + beta
         shape = tuple(x.shape)
-        return y.reshape(shape), (xhat.reshape(shape), rstd.reshape(shape[:-1] + (1,)))
+        return y.reshape(shape), LayerNormCache(xhat=xhat.reshape(shape),
+                                                rstd=rstd.reshape(shape[:-1] + (1,)))
 
     def backward(self, dy, cache):
         xp = backend.xp
-        xhat, rstd = cache
         C = self.dim
-        dy2, xh2 = dy.reshape(-1, C), xhat.reshape(-1, C)   # (N, C)
-        r = rstd.reshape(-1)                                 # (N,)
+        dy2, xh2 = dy.reshape(-1, C), cache.xhat.reshape(-1, C)   # (N, C)
+        r = cache.rstd.reshape(-1)                                 # (N,)
         # from y = x_hat*gamma + beta
         self.gamma.add_grad(xp.einsum("ij,ij->j", dy2, xh2))
         self.beta.add_grad(xp.matmul(filled(1.0, dy2.shape[0], dy.dtype), dy2))
@@ -305,35 +315,35 @@ class LayerNorm(Block):
                          bytes_params=2 * self.dim * self.dtype.itemsize)
 
 
-_DROPOUTS = weakref.WeakKeyDictionary()     # block -> the dropouts inside it (found once)
-
-
-def _walk(block) -> list:
-    """Every :class:`Dropout` reachable from ``block`` through attributes, lists and tuples."""
+def reachable(block, kind) -> list:
+    """Every instance of ``kind`` reachable from ``block`` (itself included) through attributes,
+    lists and tuples, each once, in a fixed order (the memo ``_dropouts`` is not followed)."""
     found, seen, stack = [], set(), [block]
     while stack:
         obj = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, Dropout):
+        if isinstance(obj, kind):
             found.append(obj)
         if isinstance(obj, (list, tuple)):
             stack.extend(reversed(obj))
         elif isinstance(obj, Block) or hasattr(obj, "blocks"):
-            stack.extend(v for v in reversed(list(vars(obj).values()))
-                         if isinstance(v, (Block, list, tuple)) or hasattr(v, "blocks"))
+            stack.extend(v for k, v in reversed(list(vars(obj).items()))
+                         if k != "_dropouts"
+                         and (isinstance(v, (Block, list, tuple)) or hasattr(v, "blocks")))
     return found
 
 
 def dropouts(root) -> list:
     """Every :class:`Dropout` reachable from ``root`` (a block, a chain, or a list of them),
-    each once, in a fixed order. A block's are found once and remembered (its structure does not
-    change), so the training loop's call before every forward costs a lookup per block."""
+    each once, in a fixed order. A block's are found once and kept on the block itself
+    (``block._dropouts``: its structure does not change after construction), so the training
+    loop's call before every forward costs an attribute read per block."""
     if isinstance(root, Block):
-        found = _DROPOUTS.get(root)
+        found = getattr(root, "_dropouts", None)
         if found is None:
-            found = _DROPOUTS[root] = _walk(root)
+            found = root._dropouts = reachable(root, Dropout)
         return found
     out, seen = [], set()
     for part in (root.blocks if hasattr(root, "blocks") else root):
@@ -351,8 +361,14 @@ def place_draws(root, draw: int, row: int) -> None:
         d.place(draw, row)
 
 
+class DropoutCache(NamedTuple):
+    """``mask``: the scaled keep mask, mask / (1 - p); None when the block is the identity
+    (eval mode or p = 0)."""
+    mask: Any
+
+
 class Dropout(Block):
-    """y = x * mask / (1 - p) in training, identity in eval. Cache: the scaled mask.
+    """y = x * mask / (1 - p) in training, identity in eval. Cache: :class:`DropoutCache`.
 
     Masks come from :func:`hpcnn.backend.keep_mask`, keyed by (seed, index, draw) and positioned
     at row ``row`` of that draw's unbounded array of rows (axis 0 is the batch). The state is
@@ -389,12 +405,12 @@ class Dropout(Block):
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
-            return x, None
+            return x, DropoutCache(mask=None)
         mask = self._mask(x.shape)                                   # (..., C)
-        return x * mask, mask
+        return x * mask, DropoutCache(mask=mask)
 
     def backward(self, dy, cache):
-        return dy if cache is None else dy * cache                   # from y = x * mask
+        return dy if cache.mask is None else dy * cache.mask         # from y = x * mask
 
     def spec(self, x_shape):
         nb = backend.nbytes(x_shape, self.dtype)

@@ -1,6 +1,8 @@
 """Softmax cross-entropy, the last stage of every classification chain."""
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from hpcnn import backend
 from hpcnn.nn.core import BlockSpec
 
@@ -21,23 +23,32 @@ def checked_targets(logits_shape, targets, vocab: int, ignore_index: int):
     return tt, valid
 
 
+class CrossEntropyCache(NamedTuple):
+    """What the loss backward needs, per row of the flattened logits (N = rows)."""
+    probs: Any          # (N, V) softmax probabilities
+    tt: Any             # (N,) targets, ignored ones set to 0
+    valid: Any          # (N,) bool: the row counts
+    count: int          # number of counted rows
+    shape: tuple        # the logits' shape (..., V)
+
+
 class SoftmaxCrossEntropy:
     """Mean over the batch of -log softmax(logits)[target], skipping ``ignore_index`` targets.
 
     ``forward(logits, targets) -> (loss, cache)`` with logits ``(..., V)`` and integer targets
     ``(...)``; ``backward(dloss, cache) -> dlogits``. Numerically stable: the row maximum is
-    subtracted before exponentiating. Cache: the softmax probabilities, the targets, the mask of
-    counted rows and their number. ``reduction="sum"`` returns the sum instead of the mean (data
-    parallelism with unequal shares combines sums).
+    subtracted before exponentiating. Cache: :class:`CrossEntropyCache`, the softmax
+    probabilities, the targets, the mask of counted rows and their number. ``reduction="sum"``
+    returns the sum instead of the mean (data parallelism with unequal shares combines sums).
     """
 
     name = "xent"
-    params: list = []
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         self.ignore_index, self.reduction = int(ignore_index), reduction
+        self.params = []                     # no parameters (an own list: never shared)
 
     def forward(self, logits, targets):
         xp = backend.xp
@@ -45,25 +56,25 @@ class SoftmaxCrossEntropy:
         tt, valid = checked_targets(logits.shape, targets, V, self.ignore_index)   # (N,)
         z = logits.reshape(-1, V)                                  # (N, V)
         zmax = z.max(axis=1, keepdims=True)
-        e = xp.exp(z - zmax)                                       # (N, V)
-        s = e.sum(axis=1, keepdims=True)
+        probs = xp.exp(z - zmax)                                   # (N, V) exp, then p
+        s = probs.sum(axis=1, keepdims=True)
         rows = xp.arange(z.shape[0])
         # -log p[t] = log(sum exp(z - zmax)) - (z[t] - zmax)
         nll = xp.log(s[:, 0]) - (z[rows, tt] - zmax[:, 0])
         count = int(valid.sum())
         total = (nll * valid).sum()
         loss = float(total) if self.reduction == "sum" else float(total) / max(count, 1)
-        e /= s                                                     # probabilities, in place
-        return loss, (e, tt, valid, count, logits.shape)
+        probs /= s                                                 # probabilities, in place
+        return loss, CrossEntropyCache(probs=probs, tt=tt, valid=valid, count=count,
+                                       shape=tuple(logits.shape))
 
     def backward(self, dloss, cache):
         """dlogits = (softmax - onehot(target)) * dloss / count on counted rows, 0 elsewhere."""
-        p, tt, valid, count, shape = cache
-        d = p.copy()
-        d[backend.xp.arange(d.shape[0]), tt] -= 1.0
-        scale = dloss if self.reduction == "sum" else dloss / max(count, 1)
-        d *= (valid * scale).astype(d.dtype)[:, None]
-        return d.reshape(shape)
+        d = cache.probs.copy()
+        d[backend.xp.arange(d.shape[0]), cache.tt] -= 1.0
+        scale = dloss if self.reduction == "sum" else dloss / max(cache.count, 1)
+        d *= (cache.valid * scale).astype(d.dtype)[:, None]
+        return d.reshape(cache.shape)
 
     def spec(self, x_shape, dtype=backend.DEFAULT_DTYPE):
         """The cache is the probabilities, the flat targets (int64 assumed) and the row mask."""

@@ -8,12 +8,14 @@ whole arrays at a time, one named intermediate per line and nothing written in p
 reader can check each line against the formula. ``tests/test_plain.py`` checks the plain twins by
 finite differences and the fast blocks against them (float64, 1e-12).
 
-Each forward returns ``(y, cache)``; each backward takes ``(dy, cache)`` and returns the input
+Each forward returns ``(y, cache)``, the cache a NamedTuple whose fields are named as the
+forward's values; each backward takes ``(dy, cache)``, reads those names and returns the input
 gradient and, for blocks with parameters, the parameter gradients. Nothing is accumulated.
 """
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 from hpcnn import backend
 
@@ -22,10 +24,16 @@ GELU_C = math.sqrt(2.0 / math.pi)
 
 
 # -- LayerNorm -------------------------------------------------------------------------------------
+class LayerNormPlainCache(NamedTuple):
+    x_hat: Any          # (..., C) the normalised input
+    rstd: Any           # (..., 1) 1 / sqrt(var + eps)
+    gamma: Any          # (C,) the scale, for dL/dx_hat = dy * gamma
+
+
 def layer_norm_plain(x, gamma, beta, eps: float = 1e-5):
     """y = gamma * (x - mean) / sqrt(var + eps) + beta, mean and var over the last axis.
 
-    ``x`` (..., C); ``gamma``, ``beta`` (C,). Cache: (x_hat, rstd, gamma)."""
+    ``x`` (..., C); ``gamma``, ``beta`` (C,). Cache: :class:`LayerNormPlainCache`."""
     xp = backend.xp
     mean = xp.mean(x, axis=-1, keepdims=True)                 # (..., 1)
     centred = x - mean
@@ -33,7 +41,7 @@ def layer_norm_plain(x, gamma, beta, eps: float = 1e-5):
     rstd = 1.0 / xp.sqrt(var + eps)
     x_hat = centred * rstd
     y = gamma * x_hat + beta
-    return y, (x_hat, rstd, gamma)
+    return y, LayerNormPlainCache(x_hat=x_hat, rstd=rstd, gamma=gamma)
 
 
 def layer_norm_plain_backward(dy, cache):
@@ -42,7 +50,7 @@ def layer_norm_plain_backward(dy, cache):
     With g = dy * gamma = dL/dx_hat, the derivative of x_hat = (x - mean) rstd over the row is
     dx = rstd (g - mean(g) - x_hat mean(g x_hat))."""
     xp = backend.xp
-    x_hat, rstd, gamma = cache
+    x_hat, rstd, gamma = cache.x_hat, cache.rstd, cache.gamma
     lead = tuple(range(dy.ndim - 1))                          # every axis but the features
     dgamma = xp.sum(dy * x_hat, axis=lead)
     dbeta = xp.sum(dy, axis=lead)
@@ -54,15 +62,21 @@ def layer_norm_plain_backward(dy, cache):
 
 
 # -- GELU ------------------------------------------------------------------------------------------
+class GeluPlainCache(NamedTuple):
+    x: Any              # the input (the backward recomputes tanh(z) from it)
+
+
 def gelu_plain(x):
-    """y = x/2 (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3) (the tanh form). Cache: x."""
+    """y = x/2 (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3) (the tanh form).
+    Cache: :class:`GeluPlainCache`, the input x."""
     t = backend.xp.tanh(GELU_C * (x + GELU_A * x ** 3))
     y = 0.5 * x * (1.0 + t)
-    return y, x
+    return y, GeluPlainCache(x=x)
 
 
-def gelu_plain_backward(dy, x):
+def gelu_plain_backward(dy, cache):
     """dx = dy gelu'(x), gelu'(x) = (1 + t)/2 + x/2 (1 - t^2) dz/dx, dz/dx = sqrt(2/pi)(1 + 3a x^2)."""
+    x = cache.x
     t = backend.xp.tanh(GELU_C * (x + GELU_A * x ** 3))
     dz_dx = GELU_C * (1.0 + 3.0 * GELU_A * x ** 2)
     dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t ** 2) * dz_dx
@@ -72,14 +86,28 @@ def gelu_plain_backward(dy, x):
 # -- causal self-attention -------------------------------------------------------------------------
 def _split_heads(a, n_heads):
     """(B, T, C) -> (B, nh, T, hs)."""
-    Bn, T, C = a.shape
-    return a.reshape(Bn, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)
+    B, T, C = a.shape
+    return a.reshape(B, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)
 
 
 def _merge_heads(a):
     """(B, nh, T, hs) -> (B, T, C)."""
-    Bn, nh, T, hs = a.shape
-    return a.transpose(0, 2, 1, 3).reshape(Bn, T, nh * hs)
+    B, nh, T, hs = a.shape
+    return a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
+
+
+class AttentionPlainCache(NamedTuple):
+    x: Any              # (B, T, C) the input
+    q: Any              # (B, nh, T, hs) queries, keys, values
+    k: Any
+    v: Any
+    p: Any              # (B, nh, T_query, T_key) softmax probabilities
+    drop_mask: Any      # (B, nh, T, T) scaled dropout mask, or None
+    p_drop: Any         # p * drop_mask (p without dropout)
+    y: Any              # (B, T, C) heads merged, the input of the output projection
+    w_qkv: Any
+    w_proj: Any
+    n_heads: int
 
 
 def attention_plain(x, w_qkv, b_qkv, w_proj, b_proj, n_heads: int, drop_mask=None):
@@ -89,9 +117,10 @@ def attention_plain(x, w_qkv, b_qkv, w_proj, b_proj, n_heads: int, drop_mask=Non
     each into ``n_heads`` heads of hs = C / n_heads; per head s = q k^T / sqrt(hs) (query i, key
     j), s_ij = -inf for j > i (no attention to the future), p = softmax of each row of s,
     y = (p * drop_mask) v, heads merged, out = y W_proj + b_proj. ``drop_mask`` (B, nh, T, T),
-    query-major, is an attention-dropout mask already scaled by 1/(1 - p_drop), or None."""
+    query-major, is an attention-dropout mask already scaled by 1/(1 - p_drop), or None.
+    Cache: :class:`AttentionPlainCache`."""
     xp = backend.xp
-    Bn, T, C = x.shape
+    B, T, C = x.shape
     hs = C // n_heads
     qkv = x @ w_qkv + b_qkv                                   # (B, T, 3C)
     q = _split_heads(qkv[..., 0 * C:1 * C], n_heads)          # (B, nh, T, hs)
@@ -106,8 +135,8 @@ def attention_plain(x, w_qkv, b_qkv, w_proj, b_proj, n_heads: int, drop_mask=Non
     y_heads = p_drop @ v                                      # (B, nh, T, hs)
     y = _merge_heads(y_heads)                                 # (B, T, C)
     out = y @ w_proj + b_proj
-    cache = dict(x=x, q=q, k=k, v=v, p=p, drop_mask=drop_mask, p_drop=p_drop, y=y,
-                 w_qkv=w_qkv, w_proj=w_proj, n_heads=n_heads)
+    cache = AttentionPlainCache(x=x, q=q, k=k, v=v, p=p, drop_mask=drop_mask, p_drop=p_drop, y=y,
+                                w_qkv=w_qkv, w_proj=w_proj, n_heads=n_heads)
     return out, cache
 
 
@@ -118,19 +147,19 @@ def attention_plain_backward(dout, cache):
     backward, row by row: ds = p * (dp - sum_j dp_j p_j)."""
     xp = backend.xp
     c = cache
-    x, q, k, v, p, y = c["x"], c["q"], c["k"], c["v"], c["p"], c["y"]
-    Bn, T, C = x.shape
-    hs = C // c["n_heads"]
+    x, q, k, v, p, y = c.x, c.q, c.k, c.v, c.p, c.y
+    B, T, C = x.shape
+    hs = C // c.n_heads
     # out = y W_proj + b_proj
     dw_proj = xp.einsum("btc,bto->co", y, dout)
     db_proj = xp.sum(dout, axis=(0, 1))
-    dy = dout @ c["w_proj"].T                                 # (B, T, C)
-    dy_heads = _split_heads(dy, c["n_heads"])                 # (B, nh, T, hs)
+    dy = dout @ c.w_proj.T                                 # (B, T, C)
+    dy_heads = _split_heads(dy, c.n_heads)                 # (B, nh, T, hs)
     # y_heads = p_drop v
-    dv = c["p_drop"].swapaxes(-1, -2) @ dy_heads
+    dv = c.p_drop.swapaxes(-1, -2) @ dy_heads
     dp_drop = dy_heads @ v.swapaxes(-1, -2)                   # (B, nh, T, T)
     # p_drop = p * drop_mask
-    dp = dp_drop if c["drop_mask"] is None else dp_drop * c["drop_mask"]
+    dp = dp_drop if c.drop_mask is None else dp_drop * c.drop_mask
     # p = softmax(s) over each row (masked entries have p = 0, so they get ds = 0)
     ds = p * (dp - xp.sum(dp * p, axis=-1, keepdims=True))
     # s = q k^T / sqrt(hs)
@@ -141,5 +170,5 @@ def attention_plain_backward(dout, cache):
     # qkv = x W_qkv + b_qkv
     dw_qkv = xp.einsum("btc,bto->co", x, dqkv)
     db_qkv = xp.sum(dqkv, axis=(0, 1))
-    dx = dqkv @ c["w_qkv"].T
+    dx = dqkv @ c.w_qkv.T
     return dict(x=dx, w_qkv=dw_qkv, b_qkv=db_qkv, w_proj=dw_proj, b_proj=db_proj)

@@ -11,13 +11,25 @@ gradients as the original, with twice as many, half as large stages.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from hpcnn.nn.chain import Chain
 from hpcnn.nn.core import Block, BlockSpec
 from hpcnn.nn.transformer import TransformerBlock, _check_btc, _residual_spec
 
 
+class ResidualHalfCache(NamedTuple):
+    """The sub-blocks' caches of :class:`ResidualHalf` (the residual add needs none)."""
+    c_ln: Any           # self.ln's LayerNormCache
+    c_body: Any         # self.body's cache (attention or MLP)
+    c_drop: Any         # self.drop's DropoutCache, or None without a dropout
+
+
 class ResidualHalf(Block):
-    """y = x + drop(body(ln(x))) (``drop`` may be None). Cache: (ln's, body's, drop's)."""
+    """y = x + drop(body(ln(x))) (``drop`` may be None). Cache: :class:`ResidualHalfCache`.
+    ``backward(dy, cache, defer=None)`` passes ``defer`` to the body (built from Linears)."""
+
+    defers_weights = True
 
     def __init__(self, ln, body, drop=None, *, name="half"):
         super().__init__()
@@ -49,13 +61,12 @@ class ResidualHalf(Block):
         if self.drop is not None:
             a, c_drop = self.drop.forward(a)         # (B, T, C)
         a += x                                       # y = x + drop(body(ln(x))); a is ours
-        return a, (c_ln, c_body, c_drop)
+        return a, ResidualHalfCache(c_ln=c_ln, c_body=c_body, c_drop=c_drop)
 
-    def backward(self, dy, cache):
-        c_ln, c_body, c_drop = cache
-        da = dy if self.drop is None else self.drop.backward(dy, c_drop)
-        dh = self.body.backward(da, c_body)          # from a = body(h)
-        dx = self.ln.backward(dh, c_ln)              # from h = ln(x), a fresh array
+    def backward(self, dy, cache, defer=None):
+        da = dy if self.drop is None else self.drop.backward(dy, cache.c_drop)
+        dh = self.body.backward(da, cache.c_body, defer)   # from a = body(h)
+        dx = self.ln.backward(dh, cache.c_ln)              # from h = ln(x), a fresh array
         dx += dy                                     # from y = x + ...
         return dx
 

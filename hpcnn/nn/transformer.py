@@ -1,6 +1,10 @@
 """GPT blocks: token + position Embedding, CausalSelfAttention, MLPBlock, pre-LN TransformerBlock.
 
-Each forward returns ``(y, cache)``; each backward quotes the forward line it differentiates.
+Each forward returns ``(y, cache)``, the cache a NamedTuple whose fields are named as the
+forward's locals (``c_qkv``: the cache of ``self.qkv``); each backward reads those names and
+quotes the forward line it differentiates. The blocks built from Linears take
+``backward(dy, cache, defer=None)``: with a list, their Linears defer the weight gradients into
+it (:class:`~hpcnn.nn.layers.Linear`, zero-bubble pipelines).
 Activations are ``(B, T, C)``: batch, time, channels; attention heads are ``(B, nh, T, hs)`` with
 ``C = nh * hs``. The layout follows karpathy/nanoGPT ``model.py``; the attention backward uses
 the FlashAttention identity ``rowsum(dP * P) = rowsum(dO * O)`` (Dao et al. 2022, Alg. 2) so
@@ -13,12 +17,14 @@ or shards draws the same weights and the same dropout masks.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy  # host-side initial values and dtypes only; array code goes through backend.xp
 
 from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, init_rng, param_from_host
-from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear
+from hpcnn.nn.layers import (GELU, Dropout, DropoutCache, GELUCache, LayerNorm, LayerNormCache,
+                             Linear)
 
 _SUB = 1 << 62   # sub-block keys live above any top-level chain index
 
@@ -64,36 +70,41 @@ def check_tokens(name: str, tokens, max_len: int, vocab: int) -> int:
     return T
 
 
+class EmbeddingCache(NamedTuple):
+    """``tokens`` (B, T): the input ids (the rows of wte that get a gradient)."""
+    tokens: Any
+
+
 class Embedding(Block):
     """y = wte[tokens] + wpe[:T]: learned token and position embeddings.
 
     Parameters: vocab, dim, max_len; init normal(0, 0.02) keyed (seed, index, 0) for wte and
     (seed, index, 1) for wpe.
-    forward(tokens int (B, T)) -> (B, T, dim); cache: the tokens. backward returns None (the
-    input is discrete) after accumulating into wte.grad and wpe.grad.
+    forward(tokens int (B, T)) -> (B, T, dim); cache: :class:`EmbeddingCache`, the tokens.
+    backward returns None (the input is discrete) after accumulating into wte.grad and wpe.grad.
     """
 
     def __init__(self, vocab, dim, max_len, *, seed=0, index=0, dtype=backend.DEFAULT_DTYPE,
-                 name="embed"):
+                 name="embed", keep=None):
         super().__init__()
         self.name, self.dtype = name, backend.dtype_of(dtype)
         self.vocab, self.dim, self.max_len = int(vocab), int(dim), int(max_len)
         te, pe = (self.vocab, self.dim), (self.max_len, self.dim)
         self.wte = param_from_host(lambda: init_rng(seed, index, 0).standard_normal(te) * 0.02,
-                                   self.dtype, f"{name}.wte", shape=te)
+                                   self.dtype, f"{name}.wte", shape=te, keep=keep)
         self.wpe = param_from_host(lambda: init_rng(seed, index, 1).standard_normal(pe) * 0.02,
-                                   self.dtype, f"{name}.wpe", shape=pe)
+                                   self.dtype, f"{name}.wpe", shape=pe, keep=keep)
         self.params = [self.wte, self.wpe]
 
     def forward(self, tokens):
         T = check_tokens(self.name, tokens, self.max_len, self.vocab)
         y = self.wte.data[tokens]                        # (B, T, C)
         y += self.wpe.data[:T]                           # (T, C) broadcast over B
-        return y, tokens
+        return y, EmbeddingCache(tokens=tokens)
 
     def backward(self, dy, cache):
         xp = backend.xp
-        tokens = cache
+        tokens = cache.tokens
         T, C = tokens.shape[1], self.dim
         # from y += wpe[:T]
         self.wpe.grad[:T] += dy.sum(axis=0)              # (T, C)
@@ -118,13 +129,23 @@ class Embedding(Block):
                          cache_has_x=True)
 
 
+class AttentionCache(NamedTuple):
+    """The cache of :class:`CausalSelfAttention` (and of its tensor-parallel version)."""
+    c_qkv: Any          # self.qkv's cache: the block input x
+    qkv: Any            # (B, T, 3C) the projection's output, q | k | v
+    att: Any            # (B, nh, T_key, T_query) attention probabilities, key-major
+    c_drop: Any         # self.attn_drop's DropoutCache, or None when it is the identity
+    c_proj: Any         # self.proj's cache: the merged head output y (B, T, C)
+
+
 class CausalSelfAttention(Block):
     """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, projection.
 
-    forward(x (B, T, C)) -> (B, T, C). Cache: the qkv input (x), the qkv output, the attention
-    probabilities, the attention-dropout mask (or None) and the merged head output y (the input
-    of ``proj``). ``init_std`` is the std of the qkv weights, ``proj_std`` that of the output
-    projection (GPT-2: 0.02 / sqrt(2 n_layers); default init_std).
+    forward(x (B, T, C)) -> (B, T, C). Cache: :class:`AttentionCache`: the qkv input (x), the
+    qkv output, the attention probabilities, the attention-dropout mask (or None) and the merged
+    head output y (the input of ``proj``). ``init_std`` is the std of the qkv weights,
+    ``proj_std`` that of the output projection (GPT-2: 0.02 / sqrt(2 n_layers); default
+    init_std).
 
     The probabilities are stored key-major, ``att[b, h, j, i]`` for query i and key j, so the
     softmax reductions run down axis -2, vectorised along the queries. The 1/sqrt(hs) scale is
@@ -135,9 +156,10 @@ class CausalSelfAttention(Block):
     """
 
     CHUNK = 1 << 17      # score elements per cache-resident batch slice on the CPU
+    defers_weights = True
 
     def __init__(self, dim, n_heads, *, dropout=0.0, seed=0, index=0, init_std=0.02,
-                 proj_std=None, dtype=backend.DEFAULT_DTYPE, name="attn"):
+                 proj_std=None, dtype=backend.DEFAULT_DTYPE, name="attn", keep=None):
         super().__init__()
         dim, n_heads = int(dim), int(n_heads)
         if n_heads <= 0 or dim % n_heads != 0:
@@ -147,9 +169,9 @@ class CausalSelfAttention(Block):
         self.scale = 1.0 / math.sqrt(self.head_size)
         proj_std = init_std if proj_std is None else proj_std
         self.qkv = Linear(dim, 3 * dim, seed=seed, index=sub_index(index, 0), init_std=init_std,
-                          dtype=dtype, name=f"{name}.qkv")
+                          dtype=dtype, name=f"{name}.qkv", keep=keep)
         self.proj = Linear(dim, dim, seed=seed, index=sub_index(index, 1), init_std=proj_std,
-                           dtype=dtype, name=f"{name}.proj")
+                           dtype=dtype, name=f"{name}.proj", keep=keep)
         self.attn_drop = Dropout(dropout, seed=seed, index=sub_index(index, 2), dtype=dtype,
                                  name=f"{name}.drop")
         self.params = self.qkv.params + self.proj.params
@@ -230,16 +252,17 @@ class CausalSelfAttention(Block):
             xp.matmul(att_d.swapaxes(-1, -2), v, out=yh)
         y = y.reshape(B, T, C)                                  # (B, T, C) heads merged
         out, c_proj = self.proj.forward(y)                       # (B, T, C)
-        return out, (c_qkv, qkv, att, c_drop, c_proj)
+        return out, AttentionCache(c_qkv=c_qkv, qkv=qkv, att=att, c_drop=c_drop, c_proj=c_proj)
 
-    def backward(self, dy, cache):
+    def backward(self, dy, cache, defer=None):
         xp = backend.xp
-        c_qkv, qkv, att, c_drop, y = cache
+        att, c_drop = cache.att, cache.c_drop
+        y = cache.c_proj.x                                       # (B, T, C) merged heads
         B, T, C = y.shape
         nh, hs = self.n_heads, self.head_size
-        q, k, v = self._heads(qkv)                               # (B, nh, T, hs)
+        q, k, v = self._heads(cache.qkv)                         # (B, nh, T, hs)
         # from: out, c_proj = self.proj.forward(y)
-        dyc = self.proj.backward(dy, y)                          # (B, T, C)
+        dyc = self.proj.backward(dy, cache.c_proj, defer)        # (B, T, C)
         dyh = dyc.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
         dqkv = xp.empty((B, T, 3, nh, hs), dtype=dyc.dtype)     # (B, T, 3, nh, hs)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)               # (B, nh, T, hs) views
@@ -250,7 +273,7 @@ class CausalSelfAttention(Block):
                       y.reshape(B, T, nh, hs))                  # (B, nh, T_query)
         D *= self.scale                                          # all of ds carries 1/sqrt(hs)
         D = D[:, :, None, :]                                     # (B, nh, 1, T_query)
-        att_d = att if c_drop is None else att * c_drop          # (B, nh, T, T) recomputed
+        att_d = att if c_drop is None else att * c_drop.mask     # (B, nh, T, T) recomputed
         bs = self._batch_step(B, T)
         dT_buf = self._buffer("dT", (bs, nh, hs, T), dt)
         datt_buf = self._buffer("datt", (bs, nh, T, T), dt)
@@ -262,14 +285,14 @@ class CausalSelfAttention(Block):
             dT = xp.multiply(dyh[sl].swapaxes(-1, -2), self.scale, out=dT_buf[:n])
             datt = xp.matmul(v[sl], dT, out=datt_buf[:n])        # (n, nh, T_key, T_query)
             if c_drop is not None:                               # from: att_d = drop(att)
-                datt = self.attn_drop.backward(datt, c_drop[sl])
+                datt = self.attn_drop.backward(datt, DropoutCache(mask=c_drop.mask[sl]))
             datt -= D[sl]
             datt *= att[sl]                                      # ds / sqrt(hs); masked: att = 0
             # from: s = k q^T / sqrt(hs)  ->  dq = ds^T k / sqrt(hs), dk = ds q / sqrt(hs)
             xp.matmul(datt.swapaxes(-1, -2), k[sl], out=dq[sl])
             xp.matmul(datt, q[sl], out=dk[sl])
         # from: qkv, c_qkv = self.qkv.forward(x)
-        return self.qkv.backward(dqkv.reshape(B, T, 3 * C), c_qkv)   # (B, T, C)
+        return self.qkv.backward(dqkv.reshape(B, T, 3 * C), cache.c_qkv, defer)   # (B, T, C)
 
     def spec(self, x_shape):
         B, T, C = x_shape
@@ -296,24 +319,34 @@ class CausalSelfAttention(Block):
                                              self.proj.spec(x_shape)])
 
 
+class MLPCache(NamedTuple):
+    """The cache of :class:`MLPBlock` (and of its tensor-parallel version): its sub-blocks'."""
+    c_fc: Any           # self.fc's cache: the block input x
+    c_act: GELUCache    # gelu'(h)
+    c_proj: Any         # self.proj's cache: the GELU output g
+    c_drop: DropoutCache
+
+
 class MLPBlock(Block):
     """y = Dropout(Linear(GELU(Linear(x)))): (B, T, C) -> (B, T, hidden) -> (B, T, C).
 
-    No residual and no norm inside (the TransformerBlock adds those). Cache: the caches of fc,
-    GELU, proj and dropout, in that order.
+    No residual and no norm inside (the TransformerBlock adds those). Cache: :class:`MLPCache`,
+    the caches of fc, GELU, proj and dropout.
     """
 
+    defers_weights = True
+
     def __init__(self, dim, hidden=None, *, dropout=0.0, seed=0, index=0, init_std=0.02,
-                 proj_std=None, dtype=backend.DEFAULT_DTYPE, name="mlp"):
+                 proj_std=None, dtype=backend.DEFAULT_DTYPE, name="mlp", keep=None):
         super().__init__()
         self.name, self.dim, self.dtype = name, int(dim), backend.dtype_of(dtype)
         self.hidden = 4 * self.dim if hidden is None else int(hidden)
         proj_std = init_std if proj_std is None else proj_std
         self.fc = Linear(dim, self.hidden, seed=seed, index=sub_index(index, 0),
-                         init_std=init_std, dtype=dtype, name=f"{name}.fc")
+                         init_std=init_std, dtype=dtype, name=f"{name}.fc", keep=keep)
         self.act = GELU(dtype=dtype)
         self.proj = Linear(self.hidden, dim, seed=seed, index=sub_index(index, 1),
-                           init_std=proj_std, dtype=dtype, name=f"{name}.proj")
+                           init_std=proj_std, dtype=dtype, name=f"{name}.proj", keep=keep)
         self.drop = Dropout(dropout, seed=seed, index=sub_index(index, 2), dtype=dtype,
                             name=f"{name}.drop")
         self.params = self.fc.params + self.proj.params
@@ -334,14 +367,13 @@ class MLPBlock(Block):
         g, c_act = self.act.forward_inplace(h)       # (B, T, H): g written over h
         o, c_proj = self.proj.forward(g)             # (B, T, C)
         o, c_drop = self.drop.forward(o)             # (B, T, C)
-        return o, (c_fc, c_act, c_proj, c_drop)
+        return o, MLPCache(c_fc=c_fc, c_act=c_act, c_proj=c_proj, c_drop=c_drop)
 
-    def backward(self, dy, cache):
-        c_fc, c_act, c_proj, c_drop = cache
-        do = self.drop.backward(dy, c_drop)          # from o, c_drop = self.drop.forward(o)
-        dg = self.proj.backward(do, c_proj)          # from o, c_proj = self.proj.forward(g)
-        dh = self.act.backward_inplace(dg, c_act)    # from g, c_act = self.act.forward(h); dg ours
-        return self.fc.backward(dh, c_fc)            # from h, c_fc = self.fc.forward(x)
+    def backward(self, dy, cache, defer=None):
+        do = self.drop.backward(dy, cache.c_drop)          # from o, c_drop = self.drop.forward(o)
+        dg = self.proj.backward(do, cache.c_proj, defer)   # from o, c_proj = self.proj.forward(g)
+        dh = self.act.backward_inplace(dg, cache.c_act)    # from g, c_act = self.act.forward(h)
+        return self.fc.backward(dh, cache.c_fc, defer)     # from h, c_fc = self.fc.forward(x)
 
     def spec(self, x_shape):
         h_shape = tuple(x_shape[:-1]) + (self.hidden,)
@@ -349,27 +381,41 @@ class MLPBlock(Block):
                                              self.proj.spec(h_shape), self.drop.spec(x_shape)])
 
 
+class TransformerBlockCache(NamedTuple):
+    """The cache of :class:`TransformerBlock` (and of its tensor-parallel version): the
+    sub-blocks' caches (the residual stream needs none)."""
+    c_ln1: LayerNormCache
+    c_attn: AttentionCache
+    c_drop: DropoutCache
+    c_ln2: LayerNormCache
+    c_mlp: MLPCache
+
+
 class TransformerBlock(Block):
     """Pre-LN GPT block: x = x + Dropout(attn(ln1(x))); x = x + mlp(ln2(x)).
 
     ``params`` is ln1, attn, ln2, mlp in that order. :meth:`rng_state` is the tuple of the
-    attention-dropout, residual-dropout and MLP-dropout states. The residual stream needs no
-    cache: the cache is the sub-blocks' caches.
+    attention-dropout, residual-dropout and MLP-dropout states. Cache:
+    :class:`TransformerBlockCache`, the sub-blocks' caches.
     """
 
+    defers_weights = True
+
     def __init__(self, dim, n_heads, *, hidden=None, dropout=0.0, seed=0, index=0,
-                 init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="block"):
+                 init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="block",
+                 keep=None):
         super().__init__()
         self.name, self.dim, self.dtype = name, int(dim), backend.dtype_of(dtype)
         kw = dict(seed=seed, dtype=dtype)
-        self.ln1 = LayerNorm(dim, dtype=dtype, name=f"{name}.ln1")
+        self.ln1 = LayerNorm(dim, dtype=dtype, name=f"{name}.ln1", keep=keep)
         self.attn = CausalSelfAttention(dim, n_heads, dropout=dropout, index=sub_index(index, 1),
                                         init_std=init_std, proj_std=proj_std,
-                                        name=f"{name}.attn", **kw)
+                                        name=f"{name}.attn", keep=keep, **kw)
         self.drop = Dropout(dropout, index=sub_index(index, 2), name=f"{name}.drop", **kw)
-        self.ln2 = LayerNorm(dim, dtype=dtype, name=f"{name}.ln2")
+        self.ln2 = LayerNorm(dim, dtype=dtype, name=f"{name}.ln2", keep=keep)
         self.mlp = MLPBlock(dim, hidden, dropout=dropout, index=sub_index(index, 4),
-                            init_std=init_std, proj_std=proj_std, name=f"{name}.mlp", **kw)
+                            init_std=init_std, proj_std=proj_std, name=f"{name}.mlp", keep=keep,
+                            **kw)
         self.params = self.ln1.params + self.attn.params + self.ln2.params + self.mlp.params
 
     def rng_state(self):
@@ -396,18 +442,18 @@ class TransformerBlock(Block):
         h2, c_ln2 = self.ln2.forward(a)              # (B, T, C)
         y, c_mlp = self.mlp.forward(h2)              # (B, T, C)
         y += a                                       # y = x1 + mlp(ln2(x1)); y is ours
-        return y, (c_ln1, c_attn, c_drop, c_ln2, c_mlp)
+        return y, TransformerBlockCache(c_ln1=c_ln1, c_attn=c_attn, c_drop=c_drop, c_ln2=c_ln2,
+                                        c_mlp=c_mlp)
 
-    def backward(self, dy, cache):
-        c_ln1, c_attn, c_drop, c_ln2, c_mlp = cache
+    def backward(self, dy, cache, defer=None):
         # from: y += a  (y = x1 + mlp(ln2(x1)))
-        dh2 = self.mlp.backward(dy, c_mlp)
-        dx1 = self.ln2.backward(dh2, c_ln2)          # (B, T, C), a fresh array
+        dh2 = self.mlp.backward(dy, cache.c_mlp, defer)
+        dx1 = self.ln2.backward(dh2, cache.c_ln2)    # (B, T, C), a fresh array
         dx1 += dy
         # from: a += x  (x1 = x + drop(attn(ln1(x))))
-        da = self.drop.backward(dx1, c_drop)
-        dh1 = self.attn.backward(da, c_attn)
-        dx = self.ln1.backward(dh1, c_ln1)           # (B, T, C), a fresh array
+        da = self.drop.backward(dx1, cache.c_drop)
+        dh1 = self.attn.backward(da, cache.c_attn, defer)
+        dx = self.ln1.backward(dh1, cache.c_ln1)     # (B, T, C), a fresh array
         dx += dx1
         return dx
 

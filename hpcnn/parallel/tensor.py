@@ -27,12 +27,13 @@ forward+backward sends under :mod:`~hpcnn.parallel.collectives.comm`'s counting 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, NamedTuple
 
 import numpy
 
 from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, Parameter, is_placeholder, placeholder
-from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear
+from hpcnn.nn.layers import GELU, Dropout, DropoutCache, LayerNorm, Linear
 from hpcnn.nn.transformer import MLPBlock, sub_index
 from hpcnn.parallel.tp_comm import (AllGatherSeq, Copy, GatherLast, Reduce, ReduceScatterSeq,
                                     Volume, check_divides)
@@ -108,7 +109,7 @@ class ShardDropout(Dropout):
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
-            return x, None
+            return x, DropoutCache(mask=None)
         n = x.shape[self.axis]
         full = list(x.shape)
         full[self.axis] = n * self.size
@@ -116,7 +117,7 @@ class ShardDropout(Dropout):
         idx[self.axis] = slice(self.rank * n, (self.rank + 1) * n)
         # this rank's part of the serial mask, copied: a view would keep the whole mask alive
         mask = self._mask(tuple(full))[tuple(idx)].copy()
-        return x * mask, mask
+        return x * mask, DropoutCache(mask=mask)
 
 
 def seq_dropout(comm, p, sequence_parallel, *, axis=1, **kw):
@@ -126,14 +127,22 @@ def seq_dropout(comm, p, sequence_parallel, *, axis=1, **kw):
     return Dropout(p, **kw)
 
 
-def replicated_layernorm(dim, *, sequence_parallel=False, dtype=backend.DEFAULT_DTYPE, name="ln"):
+def replicated_layernorm(dim, *, sequence_parallel=False, dtype=backend.DEFAULT_DTYPE, name="ln",
+                         keep=None):
     """A LayerNorm whose parameters are replicated :class:`TPParameter` (partial gradients under
     sequence parallelism: it then normalises this rank's T/tp rows only)."""
-    ln = LayerNorm(dim, dtype=dtype, name=name)
+    ln = LayerNorm(dim, dtype=dtype, name=name, keep=keep)
     ln.gamma = TPParameter(ln.gamma.data, ln.gamma.name, tp_partial=sequence_parallel)
     ln.beta = TPParameter(ln.beta.data, ln.beta.name, tp_partial=sequence_parallel)
     ln.params = [ln.gamma, ln.beta]
     return ln
+
+
+class ColumnParallelCache(NamedTuple):
+    """The cache of :class:`ColumnParallelLinear`: its three steps' caches."""
+    c_in: Any           # self.enter's (None: a collective keeps nothing)
+    c_lin: Any          # self.linear's LinearCache: the (gathered) input
+    c_out: Any          # self.gather's, or None without gather_output
 
 
 class ColumnParallelLinear(Block):
@@ -144,14 +153,18 @@ class ColumnParallelLinear(Block):
     over tp (:class:`Copy`; reduce-scattered along T with sequence parallelism).
     ``parts``: the output is ``parts`` equal blocks each split over tp (3 for [q | k | v]).
     Parameters ``weight`` (in, out/tp), tp_axis 1, and ``bias`` (out/tp,), tp_axis 0.
-    Cache: the (gathered) input, as :class:`~hpcnn.nn.layers.Linear`'s. Under sequence
+    Cache: :class:`ColumnParallelCache`, whose ``c_lin`` holds the (gathered) input. Under sequence
     parallelism that is (B, T, in); Korthikanti et al. keep the (B, T/tp, in) slice and all-gather
     it again in the backward (memory for one more all-gather): not done here.
+    ``backward(dy, cache, defer=None)``: with a list, the local Linear's weight gradient is
+    deferred into it (:class:`~hpcnn.nn.layers.Linear`).
     """
+
+    defers_weights = True
 
     def __init__(self, comm, n_in, n_out, *, bias=True, gather_output=False,
                  sequence_parallel=False, parts=1, seed=0, index=0, init_std=None,
-                 dtype=backend.DEFAULT_DTYPE, name="linear"):
+                 dtype=backend.DEFAULT_DTYPE, name="linear", keep=None):
         super().__init__()
         if n_out % parts or (gather_output and parts > 1):
             raise ValueError(f"{name}: output features ({n_out}) must be {parts} equal blocks"
@@ -159,7 +172,7 @@ class ColumnParallelLinear(Block):
         what = "output features" + (f" per block ({n_out} / {parts})" if parts > 1 else "")
         check_divides(f"{name}: {what}", n_out // parts, comm.size)
         full = Linear(n_in, n_out, bias=bias, seed=seed, index=index, init_std=init_std,
-                      dtype=dtype, name=name)                      # the serial initialisation
+                      dtype=dtype, name=name, keep=keep)           # the serial initialisation
         w = _sharded(full.weight, 1, comm, parts)                  # (in, out/tp)
         b = _sharded(full.bias, 0, comm, parts) if bias else None  # (out/tp,)
         self.name, self.dtype, self.comm = name, backend.dtype_of(dtype), comm
@@ -177,14 +190,13 @@ class ColumnParallelLinear(Block):
         c_out = None
         if self.gather is not None:
             y, c_out = self.gather.forward(y)        # (..., out)
-        return y, (c_in, c_lin, c_out)
+        return y, ColumnParallelCache(c_in=c_in, c_lin=c_lin, c_out=c_out)
 
-    def backward(self, dy, cache):
-        c_in, c_lin, c_out = cache
+    def backward(self, dy, cache, defer=None):
         if self.gather is not None:
-            dy = self.gather.backward(dy, c_out)     # (..., out/tp) this rank's part
-        dx = self.linear.backward(dy, c_lin)         # (..., in) partial: from y = x W_r + b_r
-        return self.enter.backward(dx, c_in)         # summed [reduce-scattered: (B, T/tp, in)]
+            dy = self.gather.backward(dy, cache.c_out)       # (..., out/tp) this rank's part
+        dx = self.linear.backward(dy, cache.c_lin, defer)    # (..., in) partial: y = x W_r + b_r
+        return self.enter.backward(dx, cache.c_in)   # summed [reduce-scattered: (B, T/tp, in)]
 
     def spec(self, x_shape):
         p, dt = self.comm.size, self.dtype
@@ -212,15 +224,19 @@ class RowParallelLinear(Block):
     with ``sequence_parallel``), then + b, once. backward: dx = dy W_r^T, no communication
     (dy all-gathered along T first with sequence parallelism). Parameters ``weight``
     (in/tp, out), tp_axis 0, and ``bias`` (out,) replicated (partial gradient under sequence
-    parallelism). Cache: the input x, as :class:`~hpcnn.nn.layers.Linear`'s.
+    parallelism). Cache: its local Linear's :class:`~hpcnn.nn.layers.LinearCache`, the input x
+    (the collective after it keeps nothing). ``backward(dy, cache, defer=None)``: with a list,
+    the local Linear's weight gradient is deferred into it (the bias gradient is not).
     """
 
+    defers_weights = True
+
     def __init__(self, comm, n_in, n_out, *, bias=True, sequence_parallel=False, seed=0,
-                 index=0, init_std=None, dtype=backend.DEFAULT_DTYPE, name="linear"):
+                 index=0, init_std=None, dtype=backend.DEFAULT_DTYPE, name="linear", keep=None):
         super().__init__()
         check_divides(f"{name}: input features", n_in, comm.size)
         full = Linear(n_in, n_out, bias=bias, seed=seed, index=index, init_std=init_std,
-                      dtype=dtype, name=name)                      # the serial initialisation
+                      dtype=dtype, name=name, keep=keep)           # the serial initialisation
         w = _sharded(full.weight, 0, comm)                         # (in/tp, out)
         self.name, self.dtype, self.comm = name, backend.dtype_of(dtype), comm
         self.n_in, self.n_out = int(n_in), int(n_out)
@@ -239,11 +255,11 @@ class RowParallelLinear(Block):
             y += self.bias.data                      # added once, after the sum
         return y, c_lin
 
-    def backward(self, dy, cache):
+    def backward(self, dy, cache, defer=None):
         if self.bias is not None:                    # from y += b [partial: this T/tp slice]
             self.bias.add_grad(dy.reshape(-1, self.n_out).sum(axis=0))
         dyp = self.exit.backward(dy, None)           # (..., out) [all-gathered along T]
-        return self.linear.backward(dyp, cache)      # (..., in/tp): from y_r = x_r W_r
+        return self.linear.backward(dyp, cache, defer)   # (..., in/tp): from y_r = x_r W_r
 
     def spec(self, x_shape):
         p, dt = self.comm.size, self.dtype
@@ -267,7 +283,8 @@ class ParallelMLPBlock(MLPBlock):
     """
 
     def __init__(self, comm, dim, hidden=None, *, dropout=0.0, sequence_parallel=False, seed=0,
-                 index=0, init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="mlp"):
+                 index=0, init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="mlp",
+                 keep=None):
         Block.__init__(self)
         self.name, self.dim, self.dtype, self.comm = name, int(dim), backend.dtype_of(dtype), comm
         self.hidden = 4 * self.dim if hidden is None else int(hidden)
@@ -277,11 +294,11 @@ class ParallelMLPBlock(MLPBlock):
         sp = self.sequence_parallel
         self.fc = ColumnParallelLinear(comm, dim, self.hidden, sequence_parallel=sp, seed=seed,
                                        index=sub_index(index, 0), init_std=init_std,
-                                       dtype=dtype, name=f"{name}.fc")
+                                       dtype=dtype, name=f"{name}.fc", keep=keep)
         self.act = GELU(dtype=dtype)
         self.proj = RowParallelLinear(comm, self.hidden, dim, sequence_parallel=sp, seed=seed,
                                       index=sub_index(index, 1), init_std=proj_std,
-                                      dtype=dtype, name=f"{name}.proj")
+                                      dtype=dtype, name=f"{name}.proj", keep=keep)
         self.drop = seq_dropout(comm, dropout, sp, seed=seed, index=sub_index(index, 2),
                                 dtype=dtype, name=f"{name}.drop")
         self.params = self.fc.params + self.proj.params

@@ -20,7 +20,7 @@ import math
 
 from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec
-from hpcnn.nn.transformer import CausalSelfAttention, TransformerBlock, sub_index
+from hpcnn.nn.transformer import AttentionCache, CausalSelfAttention, TransformerBlock, sub_index
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
                                    ShardDropout, replicated_layernorm, replicated_sync_volume,
                                    seq_dropout, sync_replicated_grads)
@@ -37,11 +37,13 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
     along T with ``sequence_parallel``: x and y are then (B, T/tp, C)). The attention dropout mask
     is this rank's heads of the serial mask. ``n_heads`` is the local number of heads; the
     backward is the serial one (inherited: it reads the local heads and calls ``proj`` and
-    ``qkv``, whose backward run the collectives). Cache: as the serial block's.
+    ``qkv``, whose backward run the collectives). Cache: the serial block's
+    :class:`~hpcnn.nn.transformer.AttentionCache`.
     """
 
     def __init__(self, comm, dim, n_heads, *, dropout=0.0, sequence_parallel=False, seed=0,
-                 index=0, init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="attn"):
+                 index=0, init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE, name="attn",
+                 keep=None):
         Block.__init__(self)
         dim, n_heads = int(dim), int(n_heads)
         if n_heads <= 0 or dim % n_heads != 0:
@@ -54,10 +56,10 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
         proj_std = init_std if proj_std is None else proj_std
         self.qkv = ColumnParallelLinear(comm, dim, 3 * dim, parts=3, sequence_parallel=sp,
                                         seed=seed, index=sub_index(index, 0), init_std=init_std,
-                                        dtype=dtype, name=f"{name}.qkv")
+                                        dtype=dtype, name=f"{name}.qkv", keep=keep)
         self.proj = RowParallelLinear(comm, dim, dim, sequence_parallel=sp, seed=seed,
                                       index=sub_index(index, 1), init_std=proj_std, dtype=dtype,
-                                      name=f"{name}.proj")
+                                      name=f"{name}.proj", keep=keep)
         kw = dict(seed=seed, index=sub_index(index, 2), dtype=dtype, name=f"{name}.drop")
         self.attn_drop = (ShardDropout(dropout, axis=1, rank=comm.rank, size=comm.size, **kw)
                           if comm.size > 1 else seq_dropout(comm, dropout, False, **kw))
@@ -99,7 +101,7 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
             xp.matmul(att_d.swapaxes(-1, -2), v, out=yh)
         y = y.reshape(B, T, nh * hs)                            # (B, T, C/tp) heads merged
         out, c_proj = self.proj.forward(y)                       # (B, T, C) [(B, T/tp, C)]
-        return out, (c_qkv, qkv, att, c_drop, c_proj)
+        return out, AttentionCache(c_qkv=c_qkv, qkv=qkv, att=att, c_drop=c_drop, c_proj=c_proj)
 
     def spec(self, x_shape):
         qkv = self.qkv.spec(x_shape)                             # (B, T, 3C/tp)
@@ -135,18 +137,20 @@ class ParallelTransformerBlock(TransformerBlock):
 
     def __init__(self, comm, dim, n_heads, *, hidden=None, dropout=0.0, sequence_parallel=False,
                  seed=0, index=0, init_std=0.02, proj_std=None, dtype=backend.DEFAULT_DTYPE,
-                 name="block"):
+                 name="block", keep=None):
         Block.__init__(self)
         self.name, self.dim, self.dtype, self.comm = name, int(dim), backend.dtype_of(dtype), comm
         self.sequence_parallel = sp = bool(sequence_parallel)
-        kw = dict(seed=seed, dtype=dtype, sequence_parallel=sp)
-        self.ln1 = replicated_layernorm(dim, sequence_parallel=sp, dtype=dtype, name=f"{name}.ln1")
+        kw = dict(seed=seed, dtype=dtype, sequence_parallel=sp, keep=keep)
+        self.ln1 = replicated_layernorm(dim, sequence_parallel=sp, dtype=dtype, name=f"{name}.ln1",
+                                        keep=keep)
         self.attn = ParallelCausalSelfAttention(comm, dim, n_heads, dropout=dropout,
                                                 index=sub_index(index, 1), init_std=init_std,
                                                 proj_std=proj_std, name=f"{name}.attn", **kw)
         self.drop = seq_dropout(comm, dropout, sp, seed=seed, index=sub_index(index, 2),
                                 dtype=dtype, name=f"{name}.drop")
-        self.ln2 = replicated_layernorm(dim, sequence_parallel=sp, dtype=dtype, name=f"{name}.ln2")
+        self.ln2 = replicated_layernorm(dim, sequence_parallel=sp, dtype=dtype, name=f"{name}.ln2",
+                                        keep=keep)
         self.mlp = ParallelMLPBlock(comm, dim, hidden, dropout=dropout, index=sub_index(index, 4),
                                     init_std=init_std, proj_std=proj_std, name=f"{name}.mlp", **kw)
         self.params = self.ln1.params + self.attn.params + self.ln2.params + self.mlp.params

@@ -25,6 +25,7 @@ block's; the im2col matrix (the cache) is not: every rank builds it from the who
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, NamedTuple
 
 from hpcnn import backend
 from hpcnn.nn.core import Block
@@ -49,6 +50,13 @@ class GatherChannels(GatherLast):
         return split(self.comm, dy, 1) if self.active else dy              # (N, C/tp, H, W)
 
 
+class ChannelParallelConvCache(NamedTuple):
+    """The cache of :class:`ChannelParallelConv2d`: its three steps' caches."""
+    c_in: Any           # self.enter's (None: a collective keeps nothing)
+    c_conv: Any         # self.conv's Conv2dCache: the column matrix of the whole input
+    c_out: Any          # self.gather's (None)
+
+
 class ChannelParallelConv2d(Block):
     """:class:`~hpcnn.nn.conv.Conv2d` with its output channels split over tp.
 
@@ -56,18 +64,19 @@ class ChannelParallelConv2d(Block):
     (N, O, Ho, Wo) on every rank. backward: dy (N, O, Ho, Wo), the same on every rank -> this
     rank's channels give dW_r, db_r -> the partial dx (N, C, H, W) is summed over tp.
     Parameters ``weight`` (O/tp, C, k, k) and ``bias`` (O/tp,), both tp_axis 0, with the serial
-    names. Cache: the local Conv2d's (the column matrix of the whole input).
+    names. Cache: :class:`ChannelParallelConvCache` (the local Conv2d's holds the column matrix
+    of the whole input).
 
     ``comm``: the tp :class:`~hpcnn.parallel.collectives.Communicator`; the other arguments are
     Conv2d's. ``out_ch`` not divisible by tp is a ValueError naming both numbers.
     """
 
     def __init__(self, comm, in_ch, out_ch, kernel, *, stride=1, padding=0, bias=True, seed=0,
-                 index=0, dtype=backend.DEFAULT_DTYPE, name="conv"):
+                 index=0, dtype=backend.DEFAULT_DTYPE, name="conv", keep=None):
         super().__init__()
         check_divides(f"{name}: output channels", int(out_ch), comm.size)
         full = Conv2d(in_ch, out_ch, kernel, stride=stride, padding=padding, bias=bias, seed=seed,
-                      index=index, dtype=dtype, name=name)          # the serial initialisation
+                      index=index, dtype=dtype, name=name, keep=keep)   # the serial initialisation
         self._cut(comm, full)
 
     @classmethod
@@ -99,13 +108,12 @@ class ChannelParallelConv2d(Block):
         xin, c_in = self.enter.forward(x)             # (N, C, H, W) replicated
         y, c_conv = self.conv.forward(xin)            # (N, O/tp, Ho, Wo): y_r = W_r * x + b_r
         y, c_out = self.gather.forward(y)             # (N, O, Ho, Wo) on every rank
-        return y, (c_in, c_conv, c_out)
+        return y, ChannelParallelConvCache(c_in=c_in, c_conv=c_conv, c_out=c_out)
 
     def backward(self, dy, cache):
-        c_in, c_conv, c_out = cache
-        dyr = self.gather.backward(dy, c_out)         # (N, O/tp, Ho, Wo) this rank's channels
-        dx = self.conv.backward(dyr, c_conv)          # (N, C, H, W) partial: from y_r = W_r * x
-        return self.enter.backward(dx, c_in)          # (N, C, H, W) summed over tp
+        dyr = self.gather.backward(dy, cache.c_out)   # (N, O/tp, Ho, Wo) this rank's channels
+        dx = self.conv.backward(dyr, cache.c_conv)    # (N, C, H, W) partial: from y_r = W_r * x
+        return self.enter.backward(dx, cache.c_in)    # (N, C, H, W) summed over tp
 
     def spec(self, x_shape):
         """The local Conv2d's spec on the full input, with the gathered output and the bytes of

@@ -14,6 +14,8 @@ exp(z - max) and the target logit (one allreduce SUM of both). See :mod:`hpcnn.p
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy
 
 from hpcnn import backend
@@ -24,6 +26,12 @@ from hpcnn.parallel.tensor import TPParameter, seq_local, shard_array
 from hpcnn.parallel.tp_comm import Reduce, ReduceScatterSeq, Volume, allreduce_max, check_divides
 
 
+class VocabEmbeddingCache(NamedTuple):
+    """The cache of :class:`VocabParallelEmbedding`."""
+    idx: Any            # (B, T) each token's row in this shard (0 where it is not held here)
+    own: Any            # (B, T) bool: the token's row is held here
+
+
 class VocabParallelEmbedding(Block):
     """y = wte[tokens] + wpe[:T], :class:`~hpcnn.nn.transformer.Embedding` with wte split by rows.
 
@@ -32,15 +40,16 @@ class VocabParallelEmbedding(Block):
     reduce-scattered along T to (B, T/tp, C), then this slice's positions added. backward: dy
     (all-gathered along T under sp) is scattered into this rank's rows; wpe gets the full
     gradient on every rank (replicated, not partial). Parameters ``wte`` (V/tp, C), tp_axis 0,
-    and ``wpe`` (max_len, C) replicated. Cache: the local row of each token and whether it is
-    here.
+    and ``wpe`` (max_len, C) replicated. Cache: :class:`VocabEmbeddingCache`, the local row of
+    each token and whether it is here.
     """
 
     def __init__(self, comm, vocab, dim, max_len, *, sequence_parallel=False, seed=0, index=0,
-                 dtype=backend.DEFAULT_DTYPE, name="embed"):
+                 dtype=backend.DEFAULT_DTYPE, name="embed", keep=None):
         super().__init__()
         self.vocab_local = check_divides(f"{name}: vocabulary size", int(vocab), comm.size)
-        full = Embedding(vocab, dim, max_len, seed=seed, index=index, dtype=dtype, name=name)
+        full = Embedding(vocab, dim, max_len, seed=seed, index=index, dtype=dtype, name=name,
+                         keep=keep)
         self.name, self.dtype, self.comm = name, backend.dtype_of(dtype), comm
         self.vocab, self.dim, self.max_len = int(vocab), int(dim), int(max_len)
         self.lo = comm.rank * self.vocab_local                     # first token id held here
@@ -64,11 +73,11 @@ class VocabParallelEmbedding(Block):
         y, _ = self.exit.forward(e)                                # (B, T, C) [(B, T/tp, C)]
         t0 = self.comm.rank * y.shape[1] if self.sequence_parallel and self.comm.size > 1 else 0
         y += self.wpe.data[t0:t0 + y.shape[1]]                     # this slice's positions
-        return y, (idx, own)
+        return y, VocabEmbeddingCache(idx=idx, own=own)
 
     def backward(self, dy, cache):
         xp = backend.xp
-        idx, own = cache
+        idx, own = cache.idx, cache.own
         C = self.dim
         dy = self.exit.backward(dy, None)                          # (B, T, C) [all-gathered]
         T = dy.shape[1]
@@ -98,6 +107,16 @@ class VocabParallelEmbedding(Block):
                          comm_bytes=self.exit.volume(backend.nbytes(full, dt)).sent(p))
 
 
+class VocabCrossEntropyCache(NamedTuple):
+    """What :class:`VocabParallelCrossEntropy`'s backward needs (N = rows of the logits)."""
+    probs: Any          # (N, V/tp) this shard's softmax probabilities
+    col: Any            # (N,) the target's local column (0 where not held here)
+    own: Any            # (N,) bool: the target's column is held here
+    valid: Any          # (N,) bool: the row counts
+    count: int          # number of counted rows
+    shape: tuple        # the local logits' shape (..., V/tp)
+
+
 class VocabParallelCrossEntropy:
     """:class:`~hpcnn.nn.loss.SoftmaxCrossEntropy` of logits split by vocabulary, never gathered.
 
@@ -106,17 +125,18 @@ class VocabParallelCrossEntropy:
     local sums, together with z_t - m sent by the rank holding the target t, zeros elsewhere):
     -log p_t = log s - (z_t - m). ``backward(dloss, cache) -> dlogits (..., V/tp)``, local:
     (softmax - onehot(t) on the target's owner) * dloss / count. Mean over the rows whose target
-    is not ``ignore_index``, or their sum with ``reduction="sum"``. Cache: this shard's softmax,
-    the targets' local columns, where they are held, the counted rows and their number.
+    is not ``ignore_index``, or their sum with ``reduction="sum"``. Cache:
+    :class:`VocabCrossEntropyCache`, this shard's softmax, the targets' local columns, where they
+    are held, the counted rows and their number.
     """
 
     name = "xent"
-    params: list = []
 
     def __init__(self, comm, ignore_index: int = -100, reduction: str = "mean"):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         self.comm, self.ignore_index, self.reduction = comm, int(ignore_index), reduction
+        self.params = []                     # no parameters (an own list: never shared)
         self.reduce = Reduce(comm)
 
     def forward(self, logits, targets):
@@ -127,13 +147,13 @@ class VocabParallelCrossEntropy:
         z = logits.reshape(-1, Vl)                                 # (N, V/tp)
         zmax = z.max(axis=1)                                       # (N,) local maxima
         allreduce_max(self.comm, zmax)                             # (N,) max over V
-        e = xp.exp(z - zmax[:, None])                              # (N, V/tp)
+        probs = xp.exp(z - zmax[:, None])                          # (N, V/tp) exp, then p
         col = tt - lo                                              # (N,) target's local column
         own = (col >= 0) & (col < Vl)                              # (N,) target held here
         col = xp.where(own, col, 0)
         rows = xp.arange(z.shape[0])
         st = xp.empty((2, z.shape[0]), dtype=z.dtype)              # (2, N): sum exp, z_t - m
-        e.sum(axis=1, out=st[0])
+        probs.sum(axis=1, out=st[0])
         st[1] = xp.where(own, z[rows, col] - zmax, 0.0)
         self.reduce.forward(st)                                    # (2, N) summed over tp
         s = st[0]
@@ -142,18 +162,18 @@ class VocabParallelCrossEntropy:
         count = int(valid.sum())
         total = (nll * valid).sum()
         loss = float(total) if self.reduction == "sum" else float(total) / max(count, 1)
-        e /= s[:, None]                                            # probabilities, in place
-        return loss, (e, col, own, valid, count, logits.shape)
+        probs /= s[:, None]                                        # probabilities, in place
+        return loss, VocabCrossEntropyCache(probs=probs, col=col, own=own, valid=valid,
+                                            count=count, shape=tuple(logits.shape))
 
     def backward(self, dloss, cache):
         """dlogits = (softmax - onehot(target)) * dloss / count on counted rows, 0 elsewhere."""
-        p, col, own, valid, count, shape = cache
-        d = p.copy()                                               # (N, V/tp)
-        r = backend.xp.nonzero(own)[0]
-        d[r, col[r]] -= 1.0                                        # from -z[t], on its owner
-        scale = dloss if self.reduction == "sum" else dloss / max(count, 1)
-        d *= (valid * scale).astype(d.dtype)[:, None]
-        return d.reshape(shape)
+        d = cache.probs.copy()                                     # (N, V/tp)
+        r = backend.xp.nonzero(cache.own)[0]
+        d[r, cache.col[r]] -= 1.0                                  # from -z[t], on its owner
+        scale = dloss if self.reduction == "sum" else dloss / max(cache.count, 1)
+        d *= (cache.valid * scale).astype(d.dtype)[:, None]
+        return d.reshape(cache.shape)
 
     def spec(self, x_shape, dtype=backend.DEFAULT_DTYPE):
         """The cache is this shard's probabilities and, per row, the target's local column

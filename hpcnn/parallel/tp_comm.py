@@ -14,9 +14,11 @@ sequence parallelism)::
     ReduceScatterSeq   reduce-scatter along T (dim 1)   all-gather along T
 
 Each op has the block interface, ``y, cache = op.forward(x)`` and ``dx = op.backward(dy, cache)``,
-and is the identity on a communicator of size 1 (no call, nothing counted). They call the named
-methods of :class:`~hpcnn.parallel.collectives.Communicator` (allreduce, allgather and
-reduce_scatter along axis 0: the communicated axis is moved first and made contiguous, then moved back);
+and is the identity on a communicator of size 1 (no call, nothing counted). A collective keeps
+nothing for its backward: its cache is None (the blocks that use them name it in their own cache
+NamedTuple, e.g. ``ColumnParallelCache.c_in``). They call the named
+methods of :class:`~hpcnn.parallel.collectives.Communicator` (allreduce, allgather and reduce_scatter
+along axis 0: the communicated axis is moved first and made contiguous, then moved back);
 :func:`allreduce_max` adds the element-wise maximum the vocabulary-parallel softmax needs, counted
 in the Communicator's :class:`~hpcnn.parallel.collectives.CommStats` like its own collectives.
 

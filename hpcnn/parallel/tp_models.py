@@ -27,8 +27,10 @@ from hpcnn.parallel.tp_comm import check_divides
 
 def parallel_gpt(comm, vocab: int, block_size: int = 64, n_layers: int = 2, dim: int = 64,
                  n_heads: int = 4, *, sequence_parallel: bool = False, dropout: float = 0.0,
-                 seed: int = 0, dtype=backend.DEFAULT_DTYPE):
+                 seed: int = 0, dtype=backend.DEFAULT_DTYPE, keep=None):
     """:func:`hpcnn.nn.models.gpt` sharded over ``comm`` (the tp group): same blocks, names, keys.
+    ``keep``: the names of the parameters given storage (None: all; the others are placeholders,
+    :mod:`hpcnn.nn.core`).
 
     VocabParallelEmbedding -> ParallelTransformerBlocks -> LayerNorm (replicated) -> column-
     parallel LM head, output NOT gathered: logits (B, T, vocab/tp) -> VocabParallelCrossEntropy.
@@ -42,20 +44,23 @@ def parallel_gpt(comm, vocab: int, block_size: int = 64, n_layers: int = 2, dim:
     check_divides("gpt: attention heads", n_heads, comm.size)
     sp = bool(sequence_parallel)
     blocks = [VocabParallelEmbedding(comm, vocab, dim, block_size, sequence_parallel=sp,
-                                     seed=seed, index=0, dtype=dtype)]
+                                     seed=seed, index=0, dtype=dtype, keep=keep)]
     for i in range(n_layers):
         blocks.append(ParallelTransformerBlock(comm, dim, n_heads, dropout=dropout,
                                                sequence_parallel=sp, seed=seed,
-                                               index=len(blocks), dtype=dtype, name=f"h{i}"))
-    blocks.append(replicated_layernorm(dim, sequence_parallel=sp, dtype=dtype, name="ln_f"))
+                                               index=len(blocks), dtype=dtype, name=f"h{i}",
+                                               keep=keep))
+    blocks.append(replicated_layernorm(dim, sequence_parallel=sp, dtype=dtype, name="ln_f",
+                                       keep=keep))
     blocks.append(ColumnParallelLinear(comm, dim, vocab, bias=False, sequence_parallel=sp,
                                        seed=seed, index=len(blocks), init_std=0.02, dtype=dtype,
-                                       name="lm_head"))
+                                       name="lm_head", keep=keep))
     return Chain(blocks, VocabParallelCrossEntropy(comm), name="gpt")
 
 
 def parallel_cnn(comm, in_ch: int = 1, image: int = 8, channels=(16, 32), hidden: int = 64,
-                 n_out: int = 10, *, pool: str = "max", seed: int = 0, dtype=backend.DEFAULT_DTYPE):
+                 n_out: int = 10, *, pool: str = "max", seed: int = 0, dtype=backend.DEFAULT_DTYPE,
+                 keep=None):
     """:func:`hpcnn.nn.models.cnn` with its convolutions channel-parallel over ``comm`` (tp).
 
     The serial chain is built (same checks, blocks, names and keys), then each Conv2d is replaced
@@ -64,8 +69,10 @@ def parallel_cnn(comm, in_ch: int = 1, image: int = 8, channels=(16, 32), hidden
     rank, so their outputs and gradients are identical on every tp rank too and need no sync
     (plain Parameters: the training loop counts them once in the gradient norm). An entry of
     ``channels`` that tp does not divide is a ValueError naming the layer and both numbers.
+    ``keep``: as :func:`parallel_gpt`'s.
     """
-    chain = models.cnn(in_ch, image, channels, hidden, n_out, pool=pool, seed=seed, dtype=dtype)
+    chain = models.cnn(in_ch, image, channels, hidden, n_out, pool=pool, seed=seed, dtype=dtype,
+                       keep=keep)
     chain.blocks = [ChannelParallelConv2d.from_serial(comm, b) if isinstance(b, Conv2d) else b
                     for b in chain.blocks]
     return chain
