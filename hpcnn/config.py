@@ -102,6 +102,7 @@ class TrainConfig:
     checkpoint_every: int = 0           # steps between checkpoints; 0 = at the end only
     resume: str = ""                    # checkpoint to start from (any dp/tp/pp layout)
     progress: bool = True               # print a progress line on rank 0
+    show_schedule: bool = False         # print (and log) each rank's first step as the schedule it ran
 
     def resolved(self) -> "TrainConfig":
         """A copy with derived defaults filled in (dataset, log path), validated."""
@@ -187,8 +188,8 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
 }
 # options with any value of their type: switches and paths; layout, speeds and slowdown are
 # parsed by _syntax_errors
-FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "progress", "log",
-        "checkpoint", "resume", "layout", "speeds", "slowdown")
+FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "progress", "show_schedule",
+        "log", "checkpoint", "resume", "layout", "speeds", "slowdown")
 
 
 def option_errors(c: TrainConfig) -> list[str]:

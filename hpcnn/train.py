@@ -20,6 +20,7 @@ from hpcnn import backend, checkpoint
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.engine.context import ParallelContext
 from hpcnn.engine.step import train_step
+from hpcnn.engine.trace import show as show_schedule
 from hpcnn.nn.core import is_placeholder
 from hpcnn.nn.optim import make_optimizer
 from hpcnn.task import build_task, metrics_from_sums
@@ -54,16 +55,6 @@ def _progress(step, steps, loss, sps, elapsed):
     eta = (steps - step) * elapsed / max(step, 1)
     return (f"step {step:>6}/{steps} | loss {loss:.4f} | {sps:,.0f} samples/s | "
             f"elapsed {elapsed:6.1f}s | ETA {eta:6.1f}s")
-
-
-def _log_ranks_events(log, rows, events) -> None:
-    by_step: dict = {}
-    for r in rows:
-        r = dict(r)
-        by_step.setdefault(r.pop("step"), []).append(r)
-    for s in sorted(by_step):
-        log.log_ranks(s, sorted(by_step[s], key=lambda r: r["rank"]))
-    log.log_events(events)
 
 
 def _setup(cfg: TrainConfig, world, data):
@@ -144,9 +135,12 @@ def _flush_ranks(ctx, log, rows, events) -> None:
     pickled gather per log interval)."""
     gathered = ctx.world.gather_objects((rows, events), root=0)
     if log is not None:
-        rows = [r for part, _ in gathered for r in part]
-        events = [e for _, evs in gathered for e in evs]
-        _log_ranks_events(log, rows, events)
+        by_step: dict = {}
+        for r in (dict(r) for part, _ in gathered for r in part):
+            by_step.setdefault(r.pop("step"), []).append(r)
+        for s in sorted(by_step):
+            log.log_ranks(s, sorted(by_step[s], key=lambda r: r["rank"]))
+        log.log_events([e for _, evs in gathered for e in evs])
 
 
 def _record_memory(ctx, task, log) -> None:
@@ -202,6 +196,8 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start) -> dict:
     task.model.train()
     for step in range(start, task.steps):
         row, rank_row, events = train_step(ctx, task, opt, step, t_start)
+        if ctx.traced is not None:                   # --show_schedule, after the first step
+            show_schedule(ctx, log, say)
         pending_rows.append(rank_row)
         pending_events += events
         done = step + 1

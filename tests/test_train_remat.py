@@ -68,6 +68,23 @@ def test_remat_training_equals_plain_training(tmp_path, mode):
     assert "remat_recompute_s_per_rank" not in r0.plan
 
 
+def test_show_schedule_prints_the_sequence_each_step_runs(tmp_path, capsys):
+    """A serial step of two micro-batches (--grad_accum=2) is the one-stage list F B F B; each
+    F and B runs its part of the stage's remat sequence, and the two parts make the whole."""
+    out = _run(tmp_path, "show.h5", *GPT, "--remat=sqrt", "--grad_accum=2", "--steps=2",
+               "--show_schedule=true", "--progress=true")
+    lines = read_run(tmp_path / "show.h5").plan["step_schedule"][0]
+    assert lines[0] == "rank 0 (dp 0, tp 0, pp 0)" and len(lines) == 5, lines
+    heads = [ln.strip().split(":")[0] for ln in lines[1:]]
+    assert heads == ["F(mb=0, stage=0)", "B(mb=0, stage=0)", "F(mb=1, stage=0)",
+                     "B(mb=1, stage=0)"]
+    seq = out["remat_plans"][0]["sequence"]
+    for f, b in ((1, 2), (3, 4)):
+        ops = lines[f].split(": ")[1] + " " + lines[b].split(": ")[1]
+        assert ops == seq, (ops, seq)
+    assert "the first step as each rank ran it" in capsys.readouterr().out
+
+
 def test_remat_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="needs --memory_budget"):
         _run(tmp_path, "a.h5", *GPT, "--remat=optimal")

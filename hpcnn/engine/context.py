@@ -54,6 +54,7 @@ class ParallelContext:
         self.engine = self.remat = self.calibration = None
         self.factors = [1.0] * self.dp.size
         self.peak_stage_bytes = 0
+        self.tracing, self.traced = bool(cfg.show_schedule), None   # see hpcnn.engine.trace
         self._lists = {}
 
     # -- set-up -----------------------------------------------------------------------------------

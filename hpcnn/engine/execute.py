@@ -37,6 +37,14 @@ def tag_of(kind: str, mb: int, stage: int, n_stages: int) -> int:
     return 2 * (mb * n_stages + stage) + KINDS.index(kind)
 
 
+def _remat_ops(stage, state, since: int) -> list:
+    """The ops a rematerialized stage's executor ran since position ``since`` of its trace
+    (none for a plain stage)."""
+    if stage.remat is None:
+        return []
+    return [op for op, _ in state.trace[since:] if op != "start"]
+
+
 class _Run:
     """The state of one list's execution: caches, pending W's, messages, memory account."""
 
@@ -57,23 +65,28 @@ class _Run:
         x = self.inputs[mb] if st.first else self.msgs.pop(("ACT", mb, s - 1))
         if self.draws is not None:
             place_draws(st.chain, *self.draws[mb])
-        out, self.caches[(s, mb)] = st.forward(x, self.targets[mb] if st.last else None)
+        out, state = st.forward(x, self.targets[mb] if st.last else None)
+        self.caches[(s, mb)] = state
         if st.last:
             self.losses[mb] = out
         else:
             self.msgs[("ACT", mb, s)] = out
-        self.live[(s, mb)] = st.held_bytes(self.caches[(s, mb)], self.shapes[mb][s])
+        self.live[(s, mb)] = st.held_bytes(state, self.shapes[mb][s])
         self.inflight[s] += 1
+        return _remat_ops(st, state, 0)
 
     def backward(self, mb, s):
         st = self.mine[s]
         dy = self.factor(mb) if st.last else self.msgs.pop(("GRAD", mb, s + 1))
         hook = self.hook(mb) if self.hook is not None else None
-        dx, self.pending[(s, mb)] = st.backward(dy, self.caches.pop((s, mb)), self.split, hook)
+        state = self.caches.pop((s, mb))
+        since = len(state.trace) if st.remat is not None else 0
+        dx, self.pending[(s, mb)] = st.backward(dy, state, self.split, hook)
         if not st.first:
             self.msgs[("GRAD", mb, s)] = dx
         self.live[(s, mb)] = st.cache_bytes(self.shapes[mb][s])[1] if self.split else 0
         self.inflight[s] -= 1
+        return _remat_ops(st, state, since)
 
     def weight(self, mb, s):
         self.mine[s].weight(self.pending.pop((s, mb)))
@@ -100,7 +113,7 @@ class _Run:
 
 
 def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dtype, clock=None,
-        t0=None, rank=None, draws=None, hook=None) -> dict:
+        t0=None, rank=None, draws=None, hook=None, trace=None) -> dict:
     """Execute one rank's instruction list.
 
     Parameters: ``instrs``: this rank's list (:class:`hpcnn.engine.ops.Op`);
@@ -112,7 +125,9 @@ def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dty
     events; ``rank`` labels them (default ``comm.rank``); ``draws``: per micro-batch (step,
     global index of its first row), given to the stage's dropouts before its F
     (:func:`hpcnn.nn.layers.place_draws`), so masks are those of the serial step; ``hook(mb)``:
-    the ``on_block_done`` callback for micro-batch mb's backward, or None (data parallelism).
+    the ``on_block_done`` callback for micro-batch mb's backward, or None (data parallelism);
+    ``trace``: a list receiving ``(instruction, ops run inside it)`` as they run (the ops: a
+    rematerialized stage's sequence part, :mod:`hpcnn.engine.trace`).
 
     Returns a dict: ``loss`` (sum of micro-batch losses times dloss; None off the last stage),
     ``losses`` {mb: loss}, ``events`` [(rank, kind, mb, t_start, t_end)], ``peak_bytes``,
@@ -126,14 +141,16 @@ def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dty
     compute = {"F": r.forward, "B": r.backward, "W": r.weight}
     events = []
     for ins in instrs:
-        ts = clock()
+        ts, inner = clock(), None
         if ins.kind in compute:
-            compute[ins.kind](ins.mb, ins.stage)
+            inner = compute[ins.kind](ins.mb, ins.stage)
         elif ins.kind.startswith("SEND"):
             r.send(ins)
         else:                                                  # RECV_ACT / RECV_GRAD
             r.receive(ins)
         events.append((rank, ins.kind, ins.mb, ts - t0, clock() - t0))
+        if trace is not None:
+            trace.append((ins, inner or []))
         r.account()
     for q, _ in r.sends:
         q.wait()

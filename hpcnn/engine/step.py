@@ -35,10 +35,10 @@ def split_batch(x, y, n_micro: int):
     return ([x[a:b] for a, b in zip(cuts, cuts[1:])], [y[a:b] for a, b in zip(cuts, cuts[1:])])
 
 
-def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: float):
+def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: float, trace=None):
     """This rank's forward and backward of its rows ``x, y`` (rows ``row0 ..`` of the step's
     global batch) as its schedule says; returns (loss sum over its rows, events). The loss sum
-    is known on the last stage's rank only (0 elsewhere)."""
+    is known on the last stage's rank only (0 elsewhere). ``trace``: see :func:`.execute.run`."""
     cfg = ctx.cfg
     x, y = task.to_device(x, y)
     xs, ys = split_batch(x, y, ctx.n_micro(len(x)))
@@ -52,7 +52,8 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
     out = run(ctx.schedule(len(xs)), ctx.stages, ctx.pp, xs, ys, dloss=dloss,
               shapes=boundary_shapes(task.model, ctx.ranges, [a.shape for a in xs]),
               dtype=task.model.params[0].data.dtype, t0=t_start, rank=ctx.rank, draws=draws,
-              hook=(lambda mb: hook if mb == last else None) if hook is not None else None)
+              hook=(lambda mb: hook if mb == last else None) if hook is not None else None,
+              trace=trace)
     ctx.peak_stage_bytes = max(ctx.peak_stage_bytes, int(out["peak_bytes"]))
     loss = sum(out["losses"][mb] * sizes[mb] for mb in sorted(out["losses"]))
     return float(loss), list(out["events"])
@@ -70,10 +71,11 @@ def train_step(ctx, task, opt, step: int, t_start: float):
     xg, yg = task.global_batch(step)
     mine = shard(numpy.arange(cfg.batch_size), shares, ctx.dp.rank)
     comm_before, bytes_before = ctx.stats.comm_seconds, ctx.stats.bytes_sent
+    trace = [] if ctx.tracing else None                  # --show_schedule: this step's ops
     t0 = time.perf_counter()
     ctx.local.zero_grad()
     loss_sum, events = forward_backward(ctx, task, xg[mine], yg[mine], shares, step,
-                                        int(mine[0]) if len(mine) else 0, t_start)
+                                        int(mine[0]) if len(mine) else 0, t_start, trace)
     compute = time.perf_counter() - t0
     pad = ctx.slowdown.pad(compute)
     if pad:
@@ -82,6 +84,8 @@ def train_step(ctx, task, opt, step: int, t_start: float):
     compute += pad
     tw = time.perf_counter()
     ctx.engine.finish(step)          # each pipeline rank starts as soon as its stages are done
+    if trace is not None:
+        ctx.traced, ctx.tracing = (trace, list(ctx.engine.last_launched)), False
     ctx.sync_replicated()
     loss_sum = ctx.loss_everywhere(loss_sum)    # after the reduction: last stages start first
     if ctx.engine.reduces:

@@ -172,6 +172,8 @@ class DataParallel:
                                        last=hi == n + 1))
 
     def _reset(self) -> None:
+        # (position in launch order, block whose backward completed it; -1: finish) per bucket
+        self.last_launched, self.launched = getattr(self, "launched", []), []
         self._next, self._reqs, self._local_bad, self._reduce_s = 0, [], False, 0.0
         self._sq = [0.0] * len(self.flats)
 
@@ -223,6 +225,7 @@ class DataParallel:
         """Start every bucket final after block ``i``, in order; poke the ones in flight."""
         while self._next < len(self.order) and self.order[self._next].ready >= i:
             self._launch(self.order[self._next])
+            self.launched.append((self._next, i))
             self._next += 1
         for r in self._reqs:
             if not r.done:
@@ -332,6 +335,7 @@ class LocalGradients:
     hook = None
     reduces = False
     overlap = False
+    last_launched: list = []
 
     def __init__(self, model):
         self.model = model

@@ -63,6 +63,24 @@ def _pp_communicator(comm):
     return Communicator(comm, name="pp")
 
 
+def _plan(schedule_name, chain, p: int, n_micro: int, ranges, layout, virtual: int):
+    """Stage ranges, stage owners and the validated per-rank lists (the same on every rank)."""
+    if schedule_name not in schedules.SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule_name!r}: one of "
+                         f"{', '.join(schedules.SCHEDULES)}")
+    n_stages = p * int(virtual)
+    if ranges is None:
+        ranges = (partition.parse_layout(layout, len(chain)) if layout is not None
+                  else partition.uniform(len(chain), n_stages))
+    ranges = [tuple(r) for r in ranges]
+    if len(ranges) != n_stages:
+        raise ValueError(f"{len(ranges)} stages given, expected pp * virtual = {p} * {virtual}")
+    owner = schedules.placement(schedule_name, n_stages, p)
+    lists = schedules.SCHEDULES[schedule_name](n_stages, n_micro, p)
+    schedules.validate(lists, n_stages, n_micro, p, owner)
+    return ranges, owner, lists
+
+
 def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout=None,
                virtual: int = 1, clock=None, t0=None, rank=None, dloss_scale: float = 1.0,
                broadcast_loss: bool = True, remat=None, draw=None, row0: int = 0) -> dict:
@@ -90,21 +108,9 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     Returns :func:`hpcnn.engine.execute.run`'s dict with ``loss`` broadcast to every pipeline rank, plus
     ``stages`` (this rank's :class:`hpcnn.engine.stage.Stage` s) and ``ranges``.
     """
-    if schedule_name not in schedules.SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule_name!r}: one of "
-                         f"{', '.join(schedules.SCHEDULES)}")
     pp = _pp_communicator(comm)
-    p, n_stages = pp.size, pp.size * int(virtual)
-    if ranges is None:
-        ranges = (partition.parse_layout(layout, len(chain)) if layout is not None
-                  else partition.uniform(len(chain), n_stages))
-    ranges = [tuple(r) for r in ranges]
-    if len(ranges) != n_stages:
-        raise ValueError(f"{len(ranges)} stages given, expected pp * virtual = {p} * {virtual}")
-    # -- plan: schedule, micro-batches, receive shapes (identical on every rank) --
-    owner = schedules.placement(schedule_name, n_stages, p)
-    lists = schedules.SCHEDULES[schedule_name](n_stages, n_micro, p)
-    schedules.validate(lists, n_stages, n_micro, p, owner)
+    ranges, owner, lists = _plan(schedule_name, chain, pp.size, n_micro, ranges, layout, virtual)
+    p = pp.size
     xs, ys = split_batch(x, y, n_micro)
     shapes = boundary_shapes(chain, ranges, [a.shape for a in xs])
     dtype = chain.params[0].data.dtype

@@ -35,7 +35,34 @@ cases = [("sqrt", ["--remat=sqrt"]),
 if pp > 1:
     cases = [(f"{n}-{s}", a + [f"--schedule={s}", "--microbatches=4"])
              for n, a in cases for s in ("1f1b", "gpipe")]
+
+def check_step_schedule(run, schedule):
+    """--show_schedule: each rank's traced first step is its schedule list, the F and B of a
+    micro-batch together run the stage's whole remat sequence, and every gradient bucket is
+    launched once before the final wait."""
+    from hpcnn.parallel import schedules
+    lists = schedules.SCHEDULES[schedule](pp, 4, pp) if pp > 1 else None
+    for r, lines in enumerate(run.plan["step_schedule"]):
+        assert lines[0] == f"rank {r} (dp {r % dp}, tp 0, pp {r // dp})", lines[0]
+        body, last = [ln.strip() for ln in lines[1:-1]], lines[-1].split()
+        if lists is not None:
+            assert [ln.split(":")[0] for ln in body] == [str(i) for i in lists[r // dp]], body
+        seq = {x["sequence"] for x in run.plan["remat_plans"] if x["rank"] == r}
+        inner, launched = {}, [a for a in last[:-1]]
+        for ln in body:
+            head, _, ops = ln.partition(": ")
+            if head.startswith(("F(", "B(")):         # buckets launch inside the last B (overlap)
+                launched += [a for a in ops.split() if a.startswith("AR")]
+                ops = " ".join(a for a in ops.split() if not a.startswith("AR"))
+                inner.setdefault(head[2:], []).append(ops)
+        assert inner and all(" ".join(v) in seq for v in inner.values()), (inner, seq)
+        assert last[-1] == "AR_WAIT", lines
+        assert sorted(int(a[2:]) for a in launched) == list(range(len(launched))), lines
+
+
 for name, args in cases:
+    if name.startswith("sqrt"):
+        args = args + ["--show_schedule=true"]
     par = train(cfg(f"{name}.h5", *layout, *args), comm=world)
     local = set(par["local_params"])
     for q in par["model"].params:
@@ -55,6 +82,8 @@ for name, args in cases:
                 assert abs(r["budget_bytes"] * r["inflight"] - mib * 2**20) < 1, r
         if pp > 1 and "1f1b" in name:
             assert max(r["inflight"] for r in plans) == pp
+        if name.startswith("sqrt"):
+            check_step_schedule(run, name.split("-")[-1])
     world.Barrier()
 if dp == 2 and pp == 1:      # measured shares move: the budget must fit the largest one
     from hpcnn.config import ConfigError
