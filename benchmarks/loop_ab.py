@@ -1,0 +1,123 @@
+"""Two checkouts of hpcnn, side by side: the training loop's step time and the pipeline experiment.
+
+Timing two commits one after the other mixes their difference with whatever the machine did in
+between. Here every round runs each case once per checkout, in alternating order (old first in
+even rounds, new first in odd ones), each in a fresh process with ``PYTHONPATH`` set to its
+checkout; a case's figure is the median over rounds of the per-round ratio new/old of
+
+- ``hpcnn train`` cases: the median ``step_time`` of the run log's steps after the first 20 %
+  (serial MLP, serial GPT with ``--remat=sqrt``, 2 data-parallel ranks, 2 x 2 data x pipeline
+  ranks with remat): the whole loop, shard to optimizer, through each checkout's own engine;
+- ``pipeline``: ``experiments/pipeline_bubble.py`` on 2 ranks (1f1b and zb_h1, M = 4 and 8): the
+  median over its configurations of the median timed step.
+
+    git archive <old-commit> | (mkdir -p /tmp/old && tar -x -C /tmp/old)
+    OMP_NUM_THREADS=1 python benchmarks/loop_ab.py /tmp/old . [--rounds=5] [--cases=mlp,dp2]
+
+Each checkout uses its own C fast path if it has been built there (``make`` or its lean_build).
+Prints one line per case and saves the table ``loop_ab`` in runs/bench/loop_ab.h5 (old and new
+medians in seconds, the ratio, its spread over rounds, the load average before and after).
+"""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import h5py  # noqa: E402
+import numpy as np  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+MPI = [os.path.join(BIN, "mpiexec")] if os.path.exists(os.path.join(BIN, "mpiexec")) else ["mpiexec"]
+TRAIN = ["-m", "hpcnn", "train", "--progress=false", "--allreduce=mpi"]
+CASES = {
+    "mlp": (1, TRAIN + ["--model=mlp", "--steps=150"]),
+    "gpt_remat": (1, TRAIN + ["--model=gpt", "--n_layers=2", "--dim=64", "--steps=40",
+                              "--batch_size=16", "--remat=sqrt", "--eval_interval=0"]),
+    "dp2": (2, TRAIN + ["--model=mlp", "--dp=2", "--steps=150"]),
+    "dp2_pp2_remat": (4, TRAIN + ["--model=gpt", "--dp=2", "--pp=2", "--microbatches=4",
+                                  "--n_layers=4", "--dim=64", "--steps=30", "--batch_size=32",
+                                  "--remat=sqrt", "--eval_interval=0"]),
+    "pipeline": (2, ["experiments/pipeline_bubble.py", "--schedules=1f1b,zb_h1",
+                     "--micro-batches=4,8", "--steps=5", "--warmup=2"]),
+}
+
+
+def _median_step(case: str, out: str) -> float:
+    """The case's figure from what the run wrote in ``out``."""
+    if case == "pipeline":
+        times = []
+        for name in os.listdir(out):
+            if name.endswith(".h5") and name != "results.h5":
+                with h5py.File(os.path.join(out, name), "r") as f:
+                    times.append(float(np.median(f["metrics/step_time"][...])))
+        return float(np.median(times))
+    with h5py.File(os.path.join(out, "run.h5"), "r") as f:
+        t = f["metrics/step_time"][...]
+    return float(np.median(t[len(t) // 5:]))
+
+
+def run_once(root: str, case: str) -> float:
+    """One run of ``case`` with the checkout at ``root``; returns its figure (seconds)."""
+    ranks, args = CASES[case]
+    with tempfile.TemporaryDirectory() as out:
+        dest = ["--out=" + out] if case == "pipeline" else ["--log=" + os.path.join(out, "run.h5")]
+        cmd = [sys.executable] + (["-m", "mpi4py"] if ranks > 1 else []) + args + dest
+        if ranks > 1:
+            cmd = MPI + ["-n", str(ranks)] + cmd
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(root), HPCNN_CALIBRATION=out)
+        subprocess.run(cmd, cwd=os.path.abspath(root), env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
+        return _median_step(case, out)
+
+
+def main(argv) -> int:
+    opts = {"rounds": "5", "cases": ",".join(CASES)}
+    paths = []
+    for a in argv:
+        if a.startswith("--"):
+            k, _, v = a[2:].partition("=")
+            if k not in opts:
+                raise SystemExit(f"unknown option {a!r}; expected --rounds=N, --cases=a,b")
+            opts[k] = v
+        else:
+            paths.append(a)
+    if len(paths) != 2:
+        raise SystemExit(__doc__)
+    old, new = paths
+    cases = opts["cases"].split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; expected some of {list(CASES)}")
+    load0 = os.getloadavg()[0]
+    rows = []
+    for case in cases:
+        times = {"old": [], "new": []}
+        for r in range(int(opts["rounds"])):
+            order = (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old))
+            for label, root in order:
+                times[label].append(run_once(root, case))
+        ratios = [n / o for n, o in zip(times["new"], times["old"])]
+        row = {"case": case, "old_s": statistics.median(times["old"]),
+               "new_s": statistics.median(times["new"]), "ratio": statistics.median(ratios),
+               "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": len(ratios)}
+        rows.append(row)
+        print(f"{case:>14}: old {row['old_s'] * 1e3:8.3f} ms  new {row['new_s'] * 1e3:8.3f} ms  "
+              f"new/old {row['ratio']:.3f} (rounds {row['ratio_min']:.3f}-{row['ratio_max']:.3f})",
+              flush=True)
+    load1 = os.getloadavg()[0]
+    print(f"load average {load0:.1f} before, {load1:.1f} after ({os.cpu_count()} cores)")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from hpcnn.log.results import save_table
+    save_table(os.path.join("runs", "bench", "loop_ab.h5"), "loop_ab", rows,
+               attrs={"old": os.path.abspath(old), "new": os.path.abspath(new),
+                      "load_before": load0, "load_after": load1, "cores": os.cpu_count()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
