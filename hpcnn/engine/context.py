@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy
 
 from hpcnn.config import ConfigError
-from hpcnn.engine.stage import Stage, attach_remat, build_stages
+from hpcnn.engine.stage import Stage, attach_remat, boundary_shapes, build_stages
 from hpcnn.nn.chain import Chain
 from hpcnn.nn.optim import grad_norm_sq
 from hpcnn.parallel import hetero, partition, schedules
@@ -55,7 +55,7 @@ class ParallelContext:
         self.factors = [1.0] * self.dp.size
         self.peak_stage_bytes = 0
         self.tracing, self.traced = bool(cfg.show_schedule), None   # see hpcnn.engine.trace
-        self._lists = {}
+        self._lists, self._shapes = {}, {}
 
     # -- set-up -----------------------------------------------------------------------------------
     def build(self, build_task, data=None):
@@ -82,6 +82,7 @@ class ParallelContext:
         """Build this rank's stages once, the balancer, the data-parallel engine (broadcasting
         rank 0's parameters) and the remat policy (first sequences solved on every rank)."""
         cfg, model = self.cfg, task.model
+        self.model, self.dtype = model, model.params[0].data.dtype   # of activations
         if self.pipelined:
             if self.ranges is None:
                 self._cut(model, task.micro_shape())
@@ -153,6 +154,14 @@ class ParallelContext:
             schedules.validate(lists, n_stages, n_micro, self.pp.size, self.owner)
             self._lists[n_micro] = lists[self.pp.rank]
         return self._lists[n_micro]
+
+    def shapes(self, micro_shapes) -> list:
+        """Each stage's input shape per micro-batch (:func:`.stage.boundary_shapes`), worked
+        out once per set of micro-batch shapes (from the blocks' specs)."""
+        key = tuple(tuple(s) for s in micro_shapes)
+        if key not in self._shapes:
+            self._shapes[key] = boundary_shapes(self.model, self.ranges, key)
+        return self._shapes[key]
 
     def attach_remat(self, policy) -> None:
         """Each stage runs ``policy``'s sequences, its budget over its micro-batches in flight."""

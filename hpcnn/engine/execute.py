@@ -56,9 +56,22 @@ class _Run:
         self.shapes, self.dtype, self.draws, self.hook = shapes, dtype, draws, hook
         self.split = False
         self.caches, self.pending, self.msgs, self.losses = {}, {}, {}, {}
-        self.sends, self.live = [], {}
+        self.sends, self.live, self.held = [], {}, 0    # live bytes per (stage, mb); their sum
         self.inflight = {s: 0 for s in self.mine}
         self.peak_bytes, self.peak_rank, self.peak_stage = 0, 0, dict(self.inflight)
+
+    def _hold(self, key, nbytes: int) -> None:
+        """(stage, mb) now holds ``nbytes`` between its ops; the peak of the sum follows."""
+        self.held += nbytes - self.live.get(key, 0)
+        self.live[key] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held)
+
+    def _count(self, s: int, d: int) -> None:
+        """Micro-batches in flight on stage s change by d (F: +1, B: -1); peaks follow."""
+        self.inflight[s] += d
+        if d > 0:
+            self.peak_stage[s] = max(self.peak_stage[s], self.inflight[s])
+            self.peak_rank = max(self.peak_rank, sum(self.inflight.values()))
 
     def forward(self, mb, s):
         st = self.mine[s]
@@ -71,8 +84,8 @@ class _Run:
             self.losses[mb] = out
         else:
             self.msgs[("ACT", mb, s)] = out
-        self.live[(s, mb)] = st.held_bytes(state, self.shapes[mb][s])
-        self.inflight[s] += 1
+        self._hold((s, mb), st.held_bytes(state, self.shapes[mb][s]))
+        self._count(s, 1)
         return _remat_ops(st, state, 0)
 
     def backward(self, mb, s):
@@ -84,13 +97,13 @@ class _Run:
         dx, self.pending[(s, mb)] = st.backward(dy, state, self.split, hook)
         if not st.first:
             self.msgs[("GRAD", mb, s)] = dx
-        self.live[(s, mb)] = st.cache_bytes(self.shapes[mb][s])[1] if self.split else 0
-        self.inflight[s] -= 1
+        self._hold((s, mb), st.cache_bytes(self.shapes[mb][s])[1] if self.split else 0)
+        self._count(s, -1)
         return _remat_ops(st, state, since)
 
     def weight(self, mb, s):
         self.mine[s].weight(self.pending.pop((s, mb)))
-        self.live[(s, mb)] = 0
+        self._hold((s, mb), 0)
 
     def send(self, ins):
         kind = ins.kind[5:]
@@ -104,12 +117,10 @@ class _Run:
         self.comm.irecv(buf, ins.peer, tag_of(kind, mb, s, self.n_stages)).wait()
         self.msgs[(kind, mb, s)] = buf
 
-    def account(self):
-        """Progress the sends (dropping completed buffers) and update the peaks."""
-        self.sends = [(q, b) for q, b in self.sends if not q.test()]
-        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
-        self.peak_stage = {k: max(v, self.inflight[k]) for k, v in self.peak_stage.items()}
-        self.peak_rank = max(self.peak_rank, sum(self.inflight.values()))
+    def progress(self):
+        """Progress the sends, dropping the buffers of completed ones."""
+        if self.sends:
+            self.sends = [(q, b) for q, b in self.sends if not q.test()]
 
 
 def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dtype, clock=None,
@@ -151,7 +162,7 @@ def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dty
         events.append((rank, ins.kind, ins.mb, ts - t0, clock() - t0))
         if trace is not None:
             trace.append((ins, inner or []))
-        r.account()
+        r.progress()
     for q, _ in r.sends:
         q.wait()
     if r.msgs or r.caches or any(r.pending.values()):

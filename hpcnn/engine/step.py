@@ -17,7 +17,6 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.engine.execute import run
-from hpcnn.engine.stage import boundary_shapes
 from hpcnn.nn.optim import clip_grad_norm, lr_at
 from hpcnn.parallel.data import dloss_for, shard
 
@@ -50,8 +49,8 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
     hook = ctx.engine.hook                               # buckets launched as blocks finish
     last = len(xs) - 1
     out = run(ctx.schedule(len(xs)), ctx.stages, ctx.pp, xs, ys, dloss=dloss,
-              shapes=boundary_shapes(task.model, ctx.ranges, [a.shape for a in xs]),
-              dtype=task.model.params[0].data.dtype, t0=t_start, rank=ctx.rank, draws=draws,
+              shapes=ctx.shapes(a.shape for a in xs),
+              dtype=ctx.dtype, t0=t_start, rank=ctx.rank, draws=draws,
               hook=(lambda mb: hook if mb == last else None) if hook is not None else None,
               trace=trace)
     ctx.peak_stage_bytes = max(ctx.peak_stage_bytes, int(out["peak_bytes"]))
