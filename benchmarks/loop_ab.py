@@ -9,7 +9,9 @@ checkout; a case's figure is the median over rounds of the per-round ratio new/o
   (serial MLP, serial GPT with ``--remat=sqrt``, 2 data-parallel ranks, 2 x 2 data x pipeline
   ranks with remat): the whole loop, shard to optimizer, through each checkout's own engine;
 - ``pipeline``: ``experiments/pipeline_bubble.py`` on 2 ranks (1f1b and zb_h1, M = 4 and 8): the
-  median over its configurations of the median timed step.
+  median over its configurations of the median timed step;
+- ``data_parallel``: ``benchmarks/data_parallel.py --repeats=3`` on 2 ranks: the median step time
+  of its overlap table (compute only, overlap off and on, mpi, ring and auto).
 
     git archive <old-commit> | (mkdir -p /tmp/old && tar -x -C /tmp/old)
     OMP_NUM_THREADS=1 python benchmarks/loop_ab.py /tmp/old . [--rounds=5] [--cases=mlp,dp2]
@@ -44,11 +46,16 @@ CASES = {
                                   "--remat=sqrt", "--eval_interval=0"]),
     "pipeline": (2, ["experiments/pipeline_bubble.py", "--schedules=1f1b,zb_h1",
                      "--micro-batches=4,8", "--steps=5", "--warmup=2"]),
+    "data_parallel": (2, ["benchmarks/data_parallel.py", "--repeats=3"]),
 }
+SCRIPTS = ("pipeline", "data_parallel")      # a checkout's own script, run in the scratch folder
 
 
 def _median_step(case: str, out: str) -> float:
     """The case's figure from what the run wrote in ``out``."""
+    if case == "data_parallel":              # the overlap table's step times, every variant
+        with h5py.File(os.path.join(out, "runs", "bench", "data_parallel.h5"), "r") as f:
+            return float(np.median(f["overlap/step_s"][...]))
     if case == "pipeline":
         times = []
         for name in os.listdir(out):
@@ -65,12 +72,16 @@ def run_once(root: str, case: str) -> float:
     """One run of ``case`` with the checkout at ``root``; returns its figure (seconds)."""
     ranks, args = CASES[case]
     with tempfile.TemporaryDirectory() as out:
-        dest = ["--out=" + out] if case == "pipeline" else ["--log=" + os.path.join(out, "run.h5")]
+        dest = {"pipeline": ["--out=" + out], "data_parallel": []}.get(
+            case, ["--log=" + os.path.join(out, "run.h5")])
+        if case in SCRIPTS:                  # the script of that checkout, writing under ``out``
+            args = [os.path.join(os.path.abspath(root), args[0])] + args[1:]
         cmd = [sys.executable] + (["-m", "mpi4py"] if ranks > 1 else []) + args + dest
         if ranks > 1:
             cmd = MPI + ["-n", str(ranks)] + cmd
         env = dict(os.environ, PYTHONPATH=os.path.abspath(root), HPCNN_CALIBRATION=out)
-        subprocess.run(cmd, cwd=os.path.abspath(root), env=env, check=True,
+        subprocess.run(cmd, cwd=out if case in SCRIPTS else os.path.abspath(root), env=env,
+                       check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
         return _median_step(case, out)
 

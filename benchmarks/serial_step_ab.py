@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import importlib  # noqa: E402
+import inspect  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -49,13 +50,18 @@ def steps(models, optim) -> dict:
                     rng.integers(0, 1024, 256)),
             "gpt": (gpt, rng.integers(0, 81, (32, 64)), rng.integers(0, 81, (32, 64)))}
     out = {}
+    # Chain.backward(dloss, caches) now; older copies took (caches, dloss=1.0)
+    dloss_first = list(inspect.signature(type(mlp).backward).parameters)[1] == "dloss"
     for name, (model, x, y) in data.items():
         opt = optim.SGD(model.params, momentum=0.9)
 
         def step(model=model, x=x, y=y, opt=opt):
             model.zero_grad()
             loss, caches = model.forward(x, y)
-            model.backward(caches, need_dx=False)
+            if dloss_first:
+                model.backward(1.0, caches, need_dx=False)
+            else:
+                model.backward(caches, need_dx=False)
             opt.step(1e-3)
         out[name] = step
     return out

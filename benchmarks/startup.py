@@ -3,7 +3,8 @@
 (a) startup: for the MLP on digits (the default run, and with ``--overlap=false``, whose gradient
     bucket ``auto`` reduces with a calibrated choice) on 2, 3 and 4 ranks, and for the GPT of
     ``make demo`` on 2 data-parallel x 2 pipeline ranks (``gpt-demo``), the seconds from
-    ``_Parallel`` (grid, communicators) through the model build to the end of ``attach``
+    the run context's creation (grid, communicators) through the model build to the end of its
+    ``attach`` (``hpcnn.engine.context.ParallelContext``; older code: ``train._Parallel``)
     (``start-up``), of which in ``attach`` (the data-parallel engine and the calibration) and in
     the calibration itself (this code: ``calibration.for_run``; the older code:
     ``algorithms.calibrate``; timed from a barrier), the slowest rank's, for:
@@ -50,7 +51,6 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     from hpcnn.config import parse_overrides
-    from hpcnn.train import _build_for, _Parallel
     world = MPI.COMM_WORLD
     dp = [] if any(a.startswith("--dp=") for a in args) else [f"--dp={world.Get_size()}"]
     cfg = parse_overrides(args + dp).resolved()
@@ -79,12 +79,24 @@ def worker(args) -> None:
         except ImportError:                         # older still: its calibrate call
             from hpcnn.parallel import allreduce
             timed(allreduce, "calibrate")
+    try:                                            # this code: the run context
+        from hpcnn.engine.context import ParallelContext
+        from hpcnn.task import build_task
+    except ImportError:                             # older code: train.py's _Parallel
+        ParallelContext = None
+        from hpcnn.train import _build_for, _Parallel
     world.Barrier()
     t0 = time.perf_counter()
-    par = _Parallel(cfg, world)
-    task = _build_for(cfg, par)
-    t1 = time.perf_counter()
-    par.attach(task.model, task.micro_shape())
+    if ParallelContext is not None:
+        par = ParallelContext(cfg, world)
+        task = par.build(build_task)
+        t1 = time.perf_counter()
+        par.attach(task)
+    else:
+        par = _Parallel(cfg, world)
+        task = _build_for(cfg, par)
+        t1 = time.perf_counter()
+        par.attach(task.model, task.micro_shape())
     t2 = time.perf_counter()
     cal = getattr(par, "calibration", None)
     slowest = numpy.array([t2 - t0, t2 - t1, spent[0]])

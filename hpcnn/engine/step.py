@@ -44,8 +44,10 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
     sizes = [int(a.shape[0]) for a in xs]
     # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
     dloss = [dloss_for(cfg.combine, m, shares, local=len(x)) for m in sizes]
-    starts = numpy.cumsum([row0] + sizes)
-    draws = [(step, int(a)) for a in starts[:-1]]       # the serial step's dropout masks
+    draws, row = [], row0                                # the serial step's dropout masks
+    for m in sizes:
+        draws.append((step, row))
+        row += m
     hook = ctx.engine.hook                               # buckets launched as blocks finish
     last = len(xs) - 1
     out = run(ctx.schedule(len(xs)), ctx.stages, ctx.pp, xs, ys, dloss=dloss,
@@ -55,7 +57,7 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
               trace=trace)
     ctx.peak_stage_bytes = max(ctx.peak_stage_bytes, int(out["peak_bytes"]))
     loss = sum(out["losses"][mb] * sizes[mb] for mb in sorted(out["losses"]))
-    return float(loss), list(out["events"])
+    return float(loss), out["events"]
 
 
 def _peak_rss_bytes() -> int:

@@ -101,9 +101,13 @@ class Chain:
         ``defer``: a list receiving the weight halves (block, dy, cache) instead of running them
         (zero-bubble pipelines run them later as W).
         """
-        for i in range(len(self.blocks) - 1, -1, -1):
-            dy = backward_block(self.blocks[i], dy, caches[i], need_dx=need_dx or i > 0,
-                                defer=defer)
+        blocks = self.blocks
+        for i in range(len(blocks) - 1, -1, -1):
+            if defer is None and i > 0:          # the common case, without the checks below
+                dy = blocks[i].backward(dy, caches[i])
+            else:
+                dy = backward_block(blocks[i], dy, caches[i], need_dx=need_dx or i > 0,
+                                    defer=defer)
             if on_block_done is not None:
                 on_block_done(i)
         return dy
