@@ -49,14 +49,14 @@ def _root(a):
 
 def _arrays(obj, out):
     """The arrays in ``obj`` (an array, or tuples, lists and dicts of them), appended to ``out``."""
-    if hasattr(obj, "nbytes") and hasattr(obj, "dtype") and hasattr(obj, "shape"):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
+    if isinstance(obj, (tuple, list)):      # caches (NamedTuples), lists of them: the common case
         for o in obj:
             _arrays(o, out)
     elif isinstance(obj, dict):
         for o in obj.values():
             _arrays(o, out)
+    elif hasattr(obj, "nbytes") and hasattr(obj, "dtype") and hasattr(obj, "shape"):
+        out.append(obj)
     return out
 
 
