@@ -20,7 +20,7 @@ USAGE = """usage: hpcnn <command> [options]
 commands:
   train [--key=value ...]   train a model (hpcnn train --help lists the options)
   info                      versions, MPI library, backend, BLAS threads
-  report RUN.h5 [OUT.png]   plot a run log's curves and step times
+  report RUN.h5 [OUT.png]   plot a run log's curves and step times (--trace OUT.json: Perfetto)
   simulate [--key=value]    a pipeline schedule's predicted makespan, bubble and chart
   calibrate                 (under mpiexec) time the allreduce algorithms, print auto's table
 """
@@ -199,8 +199,11 @@ def cmd_info(args) -> int:
 def cmd_report(args) -> int:
     if not args or args[0] in ("-h", "--help"):
         print("usage: hpcnn report RUN.h5 [OUT.png]     figure, headline and summary of one run\n"
-              "       hpcnn report --headline RUN.h5 ...  one line of figures per run")
+              "       hpcnn report --headline RUN.h5 ...  one line of figures per run\n"
+              "       hpcnn report RUN.h5 --trace OUT.json  the timeline as a Chrome trace (Perfetto)")
         return 0 if args else 2
+    if "--trace" in args:
+        return _report_trace(args)
     from hpcnn.log.report import headline, make_report, summary
     if args[0] == "--headline":
         missing = [p for p in args[1:] if not os.path.exists(p)]
@@ -219,6 +222,27 @@ def cmd_report(args) -> int:
     print(headline(path))
     print(summary(path))
     print(f"wrote {png}")
+    return 0
+
+
+def _report_trace(args) -> int:
+    """``hpcnn report RUN.h5 --trace OUT.json``: the run's timeline for Perfetto."""
+    from hpcnn.log.trace import write_trace
+    k = args.index("--trace")
+    rest = args[:k] + args[k + 2:]
+    if k + 1 >= len(args) or len(rest) != 1:
+        print("hpcnn report: --trace needs one run log and one output path: "
+              "hpcnn report RUN.h5 --trace OUT.json", file=sys.stderr)
+        return 2
+    if not os.path.exists(rest[0]):
+        print(f"hpcnn report: no such file: {rest[0]}", file=sys.stderr)
+        return 2
+    try:
+        n = write_trace(rest[0], args[k + 1])
+    except ValueError as e:
+        print(f"hpcnn report: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args[k + 1]} ({n} events; open it in https://ui.perfetto.dev)")
     return 0
 
 
