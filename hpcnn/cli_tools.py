@@ -13,7 +13,8 @@ SIMULATE = {"schedule": ("1f1b", str, "gpipe | 1f1b | interleaved | zb_h1 | zb_v
             "t_b": (2.0, float, "backward time (input and weight gradients: t_b + t_w)"),
             "t_w": (0.0, float, "of which weight gradients, split off by zb_h1 and zb_v"),
             "t_comm": (0.0, float, "time a message takes between stages"),
-            "width": (72, int, "columns of the chart")}
+            "width": (72, int, "columns of the chart"),
+            "log": ("", str, "also write the predicted timeline as a run log (hpcnn report, --trace)")}
 
 
 def _options(args, spec, command):
@@ -94,7 +95,30 @@ def cmd_simulate(args) -> int:
         print("micro-batches held until their W per rank (peak): "
               + " ".join(str(k) for k in sim.peak_held))
     print("\n".join(chart(sim, p, o["width"])))
+    if o["log"]:
+        predicted_log(o["log"], sim, o, "hpcnn simulate " + " ".join(args))
+        print(f"wrote {o['log']} (the predicted timeline; hpcnn report {o['log']} --trace OUT.json)")
     return 0
+
+
+def predicted_log(path, sim, options: dict, command_line: str) -> None:
+    """A run log holding a simulated schedule: its options as the config, the predicted makespan
+    and bubble as step 0's metrics, and every compute instruction of ``sim.timelines`` as a
+    ``/timeline`` event in the format a measured run writes (times in the units given), so the
+    tools that read measured logs (``hpcnn report``, ``--trace``, analysis/pipeline_gantt.py)
+    read it too; the root attribute ``predicted`` says it was not measured."""
+    import os
+
+    from hpcnn.log import RunLog
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    log = RunLog(path, options, command_line=command_line, world_size=len(sim.timelines),
+                 extra_attrs={"predicted": True}, overwrite=True)
+    log.set_plan({"pp": len(sim.timelines), "schedule": options["schedule"],
+                  "microbatches": options["microbatches"], "virtual": options["virtual"]})
+    log.log_events([(r, ins.kind, ins.mb, t0, t1) for r, line in enumerate(sim.timelines)
+                    for ins, t0, t1 in line])
+    log.log_metrics(0, step_time=sim.makespan, bubble=sim.bubble)
+    log.close(status="finished")
 
 
 CALIBRATE = {"dtype": ("float32", str, "float32 | float64: the dtype of the runs to serve")}

@@ -28,6 +28,27 @@ def test_simulate_prints_the_bubble_and_a_chart(capsys):
     assert "makespan 51 (all busy: 48); bubble 0.059" in capsys.readouterr().out
 
 
+def test_simulate_writes_the_predicted_timeline_as_a_run_log(tmp_path, capsys):
+    from hpcnn.log import read_run
+    from hpcnn.log.trace import write_trace
+    from hpcnn.parallel import schedules
+    path = tmp_path / "pred.h5"
+    assert cmd_simulate(["--schedule=zb_h1", "--ranks=2", "--microbatches=4", "--t_w=1",
+                         f"--log={path}"]) == 0
+    run = read_run(path)
+    sim = schedules.simulate(schedules.zb_h1(2, 4, 2), 1.0, 1.0, 1.0)
+    want = sorted((r, i.kind, i.mb, t0, t1) for r, tl in enumerate(sim.timelines)
+                  for i, t0, t1 in tl)
+    t = run.timeline
+    got = sorted(zip(t["rank"].tolist(), t["kind"].tolist(), t["microbatch"].tolist(),
+                     t["t_start"].tolist(), t["t_end"].tolist()))
+    assert got == want and run.attrs["predicted"]
+    assert run.metrics["step_time"][0] == sim.makespan
+    assert write_trace(path, tmp_path / "pred.json") == len(want) + 2 + sum(   # + 2 track names
+        1 for e in json.loads((tmp_path / "pred.json").read_text())["traceEvents"]
+        if e.get("cat") == "idle")
+
+
 def test_simulate_errors(capsys):
     assert cmd_simulate(["--schedul=1f1b"]) == 2
     assert "unknown option '--schedul=1f1b' (did you mean --schedule?)" in capsys.readouterr().err
