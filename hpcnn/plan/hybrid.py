@@ -1,0 +1,202 @@
+"""The hybrid layout of a transformer chain: dp x tp x pp x schedule x micro-batches x remat.
+
+Every candidate layout of a GPT over ``devices`` devices of a machine (:mod:`.machine`) is priced
+in closed form, without profiling, from the blocks' own ``spec()`` (FLOPs and bytes of one
+transformer block, built without storage: ``keep=()``) and the machine's rates:
+
+- **compute** of a stage and micro-batch of m rows: (L/pp) x the block's forward (backward) FLOPs
+  / (tp x the device's rate), the LM head on the last stage; ``remat="full"`` keeps only each
+  block's input and runs its forward again in the backward (t_b += t_f);
+- **tensor parallelism** (Megatron): two allreduces of the block's activation (m x T x d) per block
+  in the forward and two in the backward, each a ring over the tp group:
+  2(n-1)/n x bytes x g + 2(n-1) L at the level that holds tp consecutive devices;
+- **pipeline**: the schedule's makespan in stage passes (:func:`hpcnn.parallel.schedules.
+  formula_makespan` with the slowest stage's times; :func:`hpcnn.parallel.schedules.simulate`
+  where no formula applies), plus one activation message per boundary each way on the critical
+  path, at the level of the pp neighbours (tp x dp devices apart);
+- **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
+  overlapped: pipelines reduce after their list), at the level holding tp x dp devices;
+- **memory per rank**: parameters, gradients and two AdamW slots of its share (4 words per
+  parameter), plus the activations its first stage holds: one cache per micro-batch in flight
+  (1F1B and ZB-H1: pp; GPipe: M), ``spec().bytes_cache`` per block / tp (``remat="full"``: the
+  block inputs only, and one block's cache for the recomputation).
+
+Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid` orders them (tp fastest, then dp,
+then pp). The thesis prices operator cuts (:mod:`.cost`, :mod:`.search`); for the transformer's
+coarse choice it is silent, and these are our choices: Megatron's collectives, no overlap of
+communication with compute, the slowest stage setting the pipeline's pace.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+SCHEDULES = ("1f1b", "gpipe", "zb_h1")
+REMAT = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A GPT's shape: ``n_layers`` blocks of width ``dim`` with ``n_heads`` heads, context
+    ``seq``, vocabulary ``vocab``, global ``batch`` sequences per step, in ``dtype``."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    seq: int = 1024
+    vocab: int = 50304
+    batch: int = 512
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        bad = {k: v for k, v in vars(self).items() if k != "dtype" and not (
+            isinstance(v, int) and v >= 1)}
+        if bad or self.dim % self.n_heads or self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"transformer shape: {dict(vars(self))}: every size an integer "
+                             f">= 1, n_heads dividing dim, dtype one of {list(DTYPE_BYTES)}")
+
+    @property
+    def word(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def params(self) -> int:
+        """Parameters of the whole model (blocks, embeddings, head)."""
+        return self.n_layers * _block(self.dim, self.n_heads, self.seq, 1, self.word)[3] // \
+            self.word + (2 * self.vocab + self.seq) * self.dim
+
+
+@lru_cache(maxsize=4096)
+def _block(dim: int, heads: int, seq: int, rows: int, word: int) -> tuple:
+    """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
+    transformer block on ``rows`` sequences, from its ``spec()`` (built without storage)."""
+    from hpcnn.nn.transformer import TransformerBlock
+    dtype = {2: "float32", 4: "float32", 8: "float64"}[word]     # spec's shapes, then rescaled
+    blk = TransformerBlock(dim, heads, dtype=dtype, keep=())
+    s = blk.spec((rows, seq, dim))
+    scale = word / (4 if word <= 4 else 8)
+    return (s.flops_fwd, s.flops_bwd, int(s.bytes_cache * scale), int(s.bytes_params * scale),
+            int(s.bytes_x * scale))
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int
+    schedule: str = "1f1b"
+    remat: str = "none"
+
+    def __str__(self) -> str:
+        return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}, {self.schedule}, "
+                f"{self.microbatches} micro-batches, remat={self.remat}")
+
+
+@dataclass
+class Priced:
+    """A layout's predicted step: ``step_s`` and its parts (seconds), ``memory_bytes`` per rank,
+    ``feasible`` (fits the device memory), ``formula`` (the step as a sum of its terms)."""
+
+    layout: Layout
+    step_s: float
+    parts: dict = field(default_factory=dict)
+    memory_bytes: float = 0.0
+    feasible: bool = True
+    formula: str = ""
+
+
+def ring_allreduce_s(nbytes: float, n: int, level) -> float:
+    """A ring allreduce of ``nbytes`` over ``n`` ranks at ``level``: 2(n-1) steps of n-th parts."""
+    if n == 1 or nbytes == 0:
+        return 0.0
+    part = nbytes / n
+    return 2 * (n - 1) * (level.latency_s + part * level.seconds_per_byte(int(part)))
+
+
+def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None) -> Priced:
+    """The predicted step time and memory per rank of ``layout`` (see the module docstring)."""
+    from hpcnn.parallel import schedules
+    dp, tp, pp, m_count = layout.dp, layout.tp, layout.pp, layout.microbatches
+    rows = model.batch // (dp * m_count)                    # sequences per micro-batch
+    f, b, cache, pbytes, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word)
+    rate = machine.device.flops.get(model.dtype) or max(machine.device.flops.values())
+    per_stage = model.n_layers / pp
+    head = 2.0 * rows * model.seq * model.dim * model.vocab          # LM head forward FLOPs
+    act = rows * model.seq * model.dim * model.word                  # one activation
+    tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp)) * per_stage
+    t_f = (per_stage * f + head) / (tp * rate) + tp_s
+    t_b = (per_stage * b + 2 * head) / (tp * rate) + tp_s
+    if layout.remat == "full":
+        t_b += t_f
+    span = schedules.formula_makespan(layout.schedule, pp, m_count, t_f, t_b)
+    if span is None:
+        lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
+        span = schedules.simulate(lists, t_f, t_b).makespan
+    msg = machine.level_for_group(min(machine.p, 2 * tp * dp)).message_seconds(act) if pp > 1 else 0
+    pp_s = 2 * (pp - 1) * msg
+    local_params = (per_stage * pbytes / model.word + model.vocab * model.dim) / tp
+    dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp))
+    inflight = m_count if layout.schedule == "gpipe" else min(pp, m_count)
+    held = (xbytes * per_stage + cache) if layout.remat == "full" else cache * per_stage
+    memory = 4 * local_params * model.word + inflight * held / tp
+    cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
+    compute = m_count * (t_f + t_b - 2 * tp_s)
+    parts = {"compute": compute, "tp_comm": 2 * m_count * tp_s,
+             "bubble": span - m_count * (t_f + t_b), "pp_comm": pp_s, "dp_comm": dp_s}
+    step = span + pp_s + dp_s
+    formula = (f"({m_count} micro-batches, {pp} stages) {layout.schedule} span {span:.4g} s "
+               f"[t_f {t_f:.3g} + t_b {t_b:.3g} per stage pass, of which tp {tp_s:.3g}] "
+               f"+ pp messages {pp_s:.3g} + dp allreduce {dp_s:.3g} = {step:.4g} s")
+    return Priced(layout, step, parts, memory, memory <= cap, formula)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT):
+    """Every layout of ``model`` on ``devices``: dp x tp x pp = devices, tp dividing the heads,
+    pp dividing the layers, micro-batches M a power of two with dp x M dividing the batch (and
+    M >= pp for the pipelined schedules' steady state), each schedule and remat choice."""
+    for tp in _divisors(devices):
+        if model.n_heads % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            if model.n_layers % pp:
+                continue
+            dp = devices // (tp * pp)
+            if model.batch % dp:
+                continue
+            m_count = 1
+            while model.batch % (dp * m_count) == 0:
+                if pp == 1 or m_count >= pp:
+                    for s in (("1f1b",) if pp == 1 else schedules):
+                        for r in remat:
+                            yield Layout(dp, tp, pp, m_count, s, r)
+                m_count *= 2
+
+
+def plan(model: Transformer, machine, devices: int | None = None, *,
+         memory_bytes: float | None = None) -> list[Priced]:
+    """Every layout priced, the feasible ones first, each group by predicted step time."""
+    devices = machine.p if devices is None else int(devices)
+    if devices < 1 or devices > machine.p:
+        raise ValueError(f"devices={devices}: the machine {machine.name!r} has {machine.p}")
+    out = [price(model, lay, machine, memory_bytes) for lay in layouts(model, devices)]
+    if not out:
+        raise ValueError(f"no layout of {model} fits {devices} devices (tp must divide the "
+                         f"{model.n_heads} heads, pp the {model.n_layers} layers, dp the batch)")
+    return sorted(out, key=lambda q: (not q.feasible, q.step_s if q.feasible else q.memory_bytes))
+
+
+def flops_per_step(model: Transformer) -> float:
+    """Model FLOPs of one step (forward + backward, no recomputation): for throughput."""
+    f, b, *_ = _block(model.dim, model.n_heads, model.seq, model.batch, model.word)
+    head = 2.0 * model.batch * model.seq * model.dim * model.vocab
+    return model.n_layers * (f + b) + 3 * head
+
+
+__all__ = ["Layout", "Priced", "Transformer", "flops_per_step", "layouts", "plan", "price",
+           "ring_allreduce_s"]

@@ -1,0 +1,108 @@
+"""The transformer layout search (hpcnn.plan.hybrid): closed-form prices on a stub machine that
+follows the Machine interface (levels with latency and per-byte cost, a device with rates and
+memory)."""
+from dataclasses import dataclass
+
+import pytest
+
+from hpcnn.plan.hybrid import Layout, Transformer, flops_per_step, layouts, plan, price
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    fanout: int
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds_per_byte(self, nbytes):
+        return 1.0 / self.bytes_per_s
+
+    def message_seconds(self, nbytes):
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Device:
+    flops: dict
+    memory_bytes: float
+
+
+class Machine:
+    """gpus_per_node GPUs on NVLink-like links, nodes on a slower network."""
+
+    def __init__(self, per_node=8, nodes=4, inter=25e9, memory=80e9):
+        self.name = "stub"
+        self.levels = (Level("node", per_node, 2e-6, 300e9), Level("cluster", nodes, 5e-6, inter))
+        self.device = Device({"bfloat16": 150e12, "float32": 19.5e12}, memory)
+        self.p = per_node * nodes
+
+    def level_for_group(self, size):
+        return self.levels[0] if size <= self.levels[0].fanout else self.levels[1]
+
+
+SMALL = Transformer(n_layers=8, dim=512, n_heads=8, seq=256, vocab=1024, batch=64)
+
+
+def test_parts_add_up_and_one_device_is_the_compute():
+    m = Machine(per_node=1, nodes=1)
+    every = plan(SMALL, m, 1)
+    assert {q.layout.microbatches for q in every} == {1, 2, 4, 8, 16, 32, 64}
+    for q in every:
+        assert (q.layout.dp, q.layout.tp, q.layout.pp) == (1, 1, 1)
+        assert q.step_s == pytest.approx(sum(q.parts.values()), rel=1e-12)
+        assert q.parts["tp_comm"] == q.parts["dp_comm"] == q.parts["pp_comm"] == 0
+    # one micro-batch of the whole batch: the model's FLOPs at the device's rate
+    one = price(SMALL, Layout(1, 1, 1, 1), m)
+    assert one.step_s == pytest.approx(flops_per_step(SMALL) / 150e12, rel=1e-9)
+    assert "dp allreduce" in one.formula
+
+
+def test_every_layout_respects_the_divisibility_rules():
+    got = list(layouts(SMALL, 16))
+    assert got and all(q.dp * q.tp * q.pp == 16 for q in got)
+    assert all(SMALL.n_heads % q.tp == 0 and SMALL.n_layers % q.pp == 0 for q in got)
+    assert all(SMALL.batch % (q.dp * q.microbatches) == 0 for q in got)
+    assert all(q.pp == 1 or q.microbatches >= q.pp for q in got)
+    assert {q.schedule for q in got if q.pp > 1} == {"1f1b", "gpipe", "zb_h1"}
+    for q in plan(SMALL, Machine(), 16):
+        assert q.step_s == pytest.approx(sum(q.parts.values()), rel=1e-9), q.layout
+
+
+def test_memory_decides_feasibility_and_the_order():
+    big = Transformer(n_layers=96, dim=12288, n_heads=96, seq=2048, batch=1536)
+    assert 170e9 < big.params() < 180e9                        # GPT-3's 175 B
+    eight = plan(big, Machine(per_node=8, nodes=1), 8)
+    assert not any(q.feasible for q in eight)                  # 175 B does not fit 8 x 80 GB
+    many = plan(big, Machine(per_node=8, nodes=128), 1024)
+    best = many[0]
+    assert best.feasible and best.memory_bytes <= 80e9
+    assert best.layout.tp * best.layout.pp > 1                 # sharded, not replicated
+    first_bad = next(i for i, q in enumerate(many) if not q.feasible)
+    assert all(not q.feasible for q in many[first_bad:])       # feasible ones first
+
+
+def test_a_slow_network_keeps_tensor_parallelism_inside_a_node():
+    for inter in (1e9, 100e9):
+        best = plan(SMALL, Machine(per_node=4, nodes=4, inter=inter), 16)[0]
+        assert best.layout.tp <= 4, (inter, best.layout)
+    slow = plan(SMALL, Machine(inter=1e9), 32)
+    fast = plan(SMALL, Machine(inter=100e9), 32)
+    by = {q.layout: q.step_s for q in fast}
+    assert all(by[q.layout] <= q.step_s + 1e-15 for q in slow)   # faster links never slower
+
+
+def test_remat_trades_time_for_memory():
+    m = Machine()
+    lay = dict(dp=2, tp=2, pp=2, microbatches=8)
+    plain, full = price(SMALL, Layout(**lay), m), price(SMALL, Layout(**lay, remat="full"), m)
+    assert full.step_s > plain.step_s and full.memory_bytes < plain.memory_bytes
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="n_heads dividing dim"):
+        Transformer(n_layers=2, dim=100, n_heads=3)
+    with pytest.raises(ValueError, match="devices=64: the machine 'stub' has 32"):
+        plan(SMALL, Machine(), 64)
+    with pytest.raises(ValueError, match="no layout"):
+        plan(Transformer(n_layers=3, dim=64, n_heads=1, batch=1), Machine(), 32)
