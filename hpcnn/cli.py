@@ -23,6 +23,7 @@ commands:
   report RUN.h5 [OUT.png]   plot a run log's curves and step times (--trace OUT.json: Perfetto)
   simulate [--key=value]    a pipeline schedule's predicted makespan, bubble and chart
   calibrate                 (under mpiexec) time the allreduce algorithms, print auto's table
+  plan --machine=FILE ...   rank a GPT's dp x tp x pp layouts on a machine by predicted step time
 """
 
 
@@ -251,12 +252,17 @@ def cmd_simulate(args) -> int:
     return run(args)
 
 
+def cmd_plan(args) -> int:
+    from hpcnn.cli_tools import cmd_plan as run
+    return run(args)
+
+
 def cmd_calibrate(args) -> int:
     from hpcnn.cli_tools import cmd_calibrate as run
     return run(args)
 
 
-COMMANDS = {"train": cmd_train, "info": cmd_info, "report": cmd_report,
+COMMANDS = {"train": cmd_train, "info": cmd_info, "report": cmd_report, "plan": cmd_plan,
             "simulate": cmd_simulate, "calibrate": cmd_calibrate}
 
 

@@ -121,6 +121,71 @@ def predicted_log(path, sim, options: dict, command_line: str) -> None:
     log.close(status="finished")
 
 
+PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
+        "n_layers": (24, int, "transformer blocks"), "dim": (2048, int, "width"),
+        "n_heads": (16, int, "attention heads"), "seq": (1024, int, "context length"),
+        "vocab": (50304, int, "vocabulary"), "batch": (512, int, "global batch (sequences)"),
+        "dtype": ("bfloat16", str, "bfloat16 | float16 | float32 | float64"),
+        "machine": ("", str, "machine file (machines/*.toml); required"),
+        "devices": (0, int, "devices to plan for (0: all of the machine's)"),
+        "memory_gb": (0.0, float, "memory per device in GB (0: the machine file's)"),
+        "top": (10, int, "layouts to print"),
+        "json": (False, lambda v: v.lower() in ("1", "true", "yes"), "print JSON for scripts")}
+
+
+def cmd_plan(args) -> int:
+    """Rank every layout of a GPT on a machine by predicted step time (:mod:`hpcnn.plan.hybrid`):
+    no profiling, no MPI; prints the winner's formula and what separates it from the next."""
+    if any(a in ("-h", "--help") for a in args):
+        print(_help("plan", PLAN))
+        return 0
+    o, err = _options(args, PLAN, "plan")
+    if err is None and not o["machine"]:
+        err = "hpcnn plan: --machine=FILE is required (see machines/)"
+    if err is None and o["model"] != "gpt":
+        err = f"hpcnn plan: --model={o['model']!r}: only gpt is planned here"
+    if err:
+        print(err, file=sys.stderr)
+        return 2
+    import json
+    import time
+
+    from hpcnn.plan import hybrid, machine as machines
+    t0 = time.perf_counter()
+    try:
+        mach = machines.load(o["machine"])
+        model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"], o["vocab"],
+                                   o["batch"], o["dtype"])
+        ranked = hybrid.plan(model, mach, o["devices"] or mach.p,
+                             memory_bytes=o["memory_gb"] * 1e9 or None)
+    except (ValueError, OSError) as e:
+        print(f"hpcnn plan: {e}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - t0
+    devices = o["devices"] or mach.p
+    flops = hybrid.flops_per_step(model)
+    rows = [{"layout": str(q.layout), "step_s": q.step_s, "memory_gb": q.memory_bytes / 1e9,
+             "tflops_per_device": flops / q.step_s / devices / 1e12, "feasible": q.feasible,
+             "parts": q.parts} for q in ranked[:max(1, o["top"])]]
+    if o["json"]:
+        print(json.dumps({"machine": mach.name, "devices": devices, "params": model.params(),
+                          "layouts": len(ranked), "search_s": seconds, "ranked": rows}))
+        return 0
+    print(f"{model.params() / 1e9:.2f} B parameters on {devices} devices of {mach.name}: "
+          f"{len(ranked)} layouts priced in {seconds:.3f} s")
+    for k, r in enumerate(rows, 1):
+        print(f"{k:>3}. {r['layout']:<60} {r['step_s']:10.4g} s  {r['memory_gb']:7.2f} GB/dev  "
+              f"{r['tflops_per_device']:7.2f} TFLOP/s/dev{'' if r['feasible'] else '  (does not fit)'}")
+    best = ranked[0]
+    print(f"winner: {best.formula}")
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        diff = max(best.parts, key=lambda k: abs(nxt.parts[k] - best.parts[k]))
+        print(f"against #2 ({nxt.layout}): {nxt.step_s - best.step_s:+.4g} s, most in {diff} "
+              f"({best.parts[diff]:.4g} s vs {nxt.parts[diff]:.4g} s)")
+    return 0
+
+
 CALIBRATE = {"dtype": ("float32", str, "float32 | float64: the dtype of the runs to serve")}
 
 
