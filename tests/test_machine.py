@@ -18,7 +18,7 @@ GPU = os.path.join(ROOT, "machines", "dgx-a100-cluster.toml")
 
 
 def small():
-    """Two levels: 4 devices of a node (1 us, 10 GB/s up to 1 MiB then 20), 8 nodes (5 us, 1 GB/s)."""
+    """Two levels: 4 devices a node (1 us, 10 GB/s up to 1 MiB then 20), 8 nodes (5 us, 1 GB/s)."""
     dev = hm.Device("d", {"float32": 1e12, "float64": 5e11}, 1e11, 16e9)
     return hm.Machine("m", (hm.Level("node", 4, 1e-6, ((2**20, 1e10), (math.inf, 2e10))),
                             hm.Level("cluster", 8, 5e-6, ((math.inf, 1e9),))), dev)
@@ -125,16 +125,25 @@ GOOD = small().to_toml()
     ('name = "m"\n', '', "missing key 'name'"),
     ('name = "cluster"', 'name = "node"', "level names repeat"),
     ('fanout = 4', 'fanout = [4', "not valid TOML"),
+    ('[device.flops]', '[device.flops.x]', r"device flops.x = \{"),
+    ('[[levels]]', '[[level]]', "missing key 'levels'"),
+    ('bandwidth = [[1048576', 'bandwidth = 3 #', r"levels\[0\]: bandwidth = 3: expected a list"),
 ])
 def test_bad_files_name_the_file_and_key(tmp_path, old, new, message):
     assert old in GOOD
     path = tmp_path / "bad.toml"
-    path.write_text(GOOD.replace(old, new, 1))
+    path.write_text(GOOD.replace(old, new))
     with pytest.raises(ValueError, match=message) as e:
         hm.load(path)
     assert str(e.value).startswith(str(path)), e.value
     with pytest.raises(ValueError, match="cannot read the machine file"):
         hm.load(tmp_path / "absent.toml")
+
+
+def test_levels_that_are_not_tables():
+    text = GOOD.split("[[levels]]")[0].replace('name = "m"', 'name = "m"\nlevels = [1]')
+    with pytest.raises(ValueError, match=r"<string> levels\[0\] = 1: expected a table"):
+        hm.loads(text)
 
 
 def test_this_machine_prefers_the_named_file(tmp_path, monkeypatch):

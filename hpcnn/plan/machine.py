@@ -26,6 +26,7 @@ Files are TOML (read with :mod:`tomllib`, written by :meth:`Machine.to_toml`); s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tomllib
@@ -240,10 +241,23 @@ def _toml_num(x: float) -> str:
     return repr(float(x))
 
 
-def _get(table: dict, key: str, where: str):
+def _get(table: dict, key: str, where: str, kind=None):
+    """table[key], ValueError naming ``where`` and the key if it is missing or not a ``kind``."""
     if key not in table:
         raise ValueError(f"{where}: missing key {key!r}")
+    if kind is not None and not isinstance(table[key], kind):
+        raise ValueError(f"{where}: {key} = {table[key]!r}: expected a "
+                         f"{'table' if kind is dict else 'list'}")
     return table[key]
+
+
+@contextlib.contextmanager
+def _named(where: str):
+    """Prefix a ValueError raised inside with ``where`` (the file and the table it is about)."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
 
 
 def loads(text: str, where: str = "<string>") -> Machine:
@@ -252,28 +266,24 @@ def loads(text: str, where: str = "<string>") -> Machine:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{where}: not valid TOML: {e}") from None
-    try:
-        dev = _get(doc, "device", where)
-        device = Device(name=str(_get(dev, "name", f"{where} [device]")),
-                        flops=_get(dev, "flops", f"{where} [device]"),
-                        memory_bandwidth=_get(dev, "memory_bandwidth", f"{where} [device]"),
-                        memory_bytes=_get(dev, "memory_bytes", f"{where} [device]"))
-    except ValueError as e:
-        raise ValueError(str(e) if str(e).startswith(where) else f"{where} [device]: {e}") from None
+    at = f"{where} [device]"
+    dev = _get(doc, "device", where, dict)
+    with _named(at):
+        device = Device(name=str(_get(dev, "name", at)), flops=_get(dev, "flops", at, dict),
+                        memory_bandwidth=_get(dev, "memory_bandwidth", at),
+                        memory_bytes=_get(dev, "memory_bytes", at))
     levels = []
-    for i, lv in enumerate(_get(doc, "levels", where)):
+    for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"
-        try:
+        if not isinstance(lv, dict):
+            raise ValueError(f"{at} = {lv!r}: expected a table ([[levels]])")
+        with _named(at):
             levels.append(Level(name=_get(lv, "name", at), fanout=_get(lv, "fanout", at),
                                 latency_s=_get(lv, "latency_s", at),
-                                bandwidth=_get(lv, "bandwidth", at)))
-        except ValueError as e:
-            raise ValueError(str(e) if str(e).startswith(where) else f"{at}: {e}") from None
-    try:
+                                bandwidth=_get(lv, "bandwidth", at, list)))
+    with _named(where):
         return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
                        source=str(doc.get("source", "")))
-    except ValueError as e:
-        raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
 
 
 def load(path) -> Machine:
