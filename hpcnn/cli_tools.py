@@ -143,7 +143,8 @@ def cmd_calibrate(args) -> int:
               "--allreduce=auto would choose and saves it for the runs on the same ranks "
               "(delete the file it names to measure again).\n"
               "With --write: times ping-pong per size (all rank pairs at once), matmul and copy "
-              "rates (rank 0 alone, then all ranks at once) and writes the machine file the planner reads (hpcnn/plan/measure.py).\n\n"
+              "rates (rank 0 alone, then all ranks at once) and writes the machine file the "
+              "planner reads (hpcnn/plan/measure.py).\n\n"
               + _help("calibrate", CALIBRATE))
         return 0
     args = list(args)
