@@ -75,7 +75,7 @@ def test_level_for_group_and_with_devices():
     assert m.with_devices(32) == m
     cut = m.with_devices(8)
     assert cut.levels[0] == m.levels[0] and cut.levels[1].latency_s == 5e-6 and cut.p == 8
-    with pytest.raises(ValueError, match="6 devices do not fit: level 'cluster' groups 4"):
+    with pytest.raises(ValueError, match="6 devices do not fit: the children of level 'cluster' hold 4 "):
         m.with_devices(6)
     with pytest.raises(ValueError, match=r"devices = 64: expected 1..32"):
         m.with_devices(64)

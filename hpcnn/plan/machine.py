@@ -198,8 +198,9 @@ class Machine:
             if p <= below * lv.fanout:
                 if p % below:
                     raise ValueError(
-                        f"machine {self.name!r}: {p} devices do not fit: level {lv.name!r} "
-                        f"groups {below} devices ({p} is not a multiple of {below})")
+                        f"machine {self.name!r}: {p} devices do not fit: the children of level "
+                        f"{lv.name!r} hold {below} devices each ({p} is not a multiple of "
+                        f"{below})")
                 levels.append(replace(lv, fanout=p // below))
                 below = p
             else:
