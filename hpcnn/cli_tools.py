@@ -1,8 +1,10 @@
 """``hpcnn simulate`` (a pipeline schedule's predicted timeline, no MPI) and ``hpcnn calibrate``
-(the allreduce table ``--allreduce=auto`` would use on these ranks, saved for them)."""
+(the allreduce table ``--allreduce=auto`` would use on these ranks, saved for them; with
+``--write=FILE`` the machine file of these ranks instead, :mod:`hpcnn.plan.measure`)."""
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 
 SIMULATE = {"schedule": ("1f1b", str, "gpipe | 1f1b | interleaved | zb_h1 | zb_v"),
@@ -186,7 +188,36 @@ def cmd_plan(args) -> int:
     return 0
 
 
-CALIBRATE = {"dtype": ("float32", str, "float32 | float64: the dtype of the runs to serve")}
+CALIBRATE = {"dtype": ("float32", str, "float32 | float64: the dtype of the runs to serve"),
+             "write": ("", str, "machines/NAME.toml: measure these ranks and write a machine "
+                                "file instead (one rank: the device alone)")}
+
+
+def calibrate_machine(path: str) -> int:
+    """``hpcnn calibrate --write=PATH``: ping-pong per size, matmul and copy rates (alone and all
+    ranks at once) measured on these ranks (any number, one included), written by rank 0 as the
+    machine file PATH, named after the file."""
+    from mpi4py import MPI
+
+    from hpcnn.plan import machine, measure
+    comm = MPI.COMM_WORLD
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):                  # every rank sees it, before any collective
+        print(f"hpcnn calibrate: --write={path!r}: no such directory {folder!r}", file=sys.stderr)
+        return 2
+    name = os.path.splitext(os.path.basename(path))[0]
+    text = measure.machine_text(measure.measure(comm), name, comm.Get_size())
+    failed = ""
+    if comm.Get_rank() == 0:
+        try:
+            machine.loads(text, where=path)         # what is written must read back
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except (OSError, ValueError) as e:
+            failed = str(e)
+        print(f"hpcnn calibrate: {failed}" if failed else text + f"wrote {path}",
+              file=sys.stderr if failed else sys.stdout)
+    return 1 if comm.bcast(failed, root=0) else 0
 
 
 def cmd_calibrate(args) -> int:
@@ -194,16 +225,28 @@ def cmd_calibrate(args) -> int:
     save it where ``--allreduce=auto`` runs of the same key load it
     (:mod:`hpcnn.parallel.collectives.calibration`)."""
     if any(a in ("-h", "--help") for a in args):
-        print("usage: mpiexec -n N python -m mpi4py -m hpcnn calibrate [--dtype=float32]\n\n"
+        print("usage: mpiexec -n N python -m mpi4py -m hpcnn calibrate [--dtype=float32]\n"
+              "       [mpiexec -n N python -m mpi4py -m] hpcnn calibrate --write=machines/NAME.toml"
+              "\n\n"
               "Times every allreduce algorithm at 1 KiB .. 64 MiB on these ranks, prints what "
               "--allreduce=auto would choose and saves it for the runs on the same ranks "
-              "(delete the file it names to measure again).\n\n" + _help("calibrate", CALIBRATE))
+              "(delete the file it names to measure again).\n"
+              "With --write: times ping-pong per size (all rank pairs at once), matmul and copy "
+              "rates (rank 0 alone, then all ranks at once) and writes the machine file the "
+              "planner reads (hpcnn/plan/measure.py).\n\n"
+              + _help("calibrate", CALIBRATE))
         return 0
+    args = list(args)
+    if "--write" in args[:-1]:                   # also as two words: --write machines/NAME.toml
+        i = args.index("--write")
+        args[i:i + 2] = [f"--write={args[i + 1]}"]
     opts, err = _options(args, CALIBRATE, "calibrate")
     if err or opts["dtype"] not in ("float32", "float64"):
         print(err or f"hpcnn calibrate: --dtype={opts['dtype']!r}: expected float32 or float64",
               file=sys.stderr)
         return 2
+    if opts["write"]:
+        return calibrate_machine(opts["write"])
     from mpi4py import MPI
 
     from hpcnn.parallel.collectives import algorithms

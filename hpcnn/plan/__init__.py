@@ -1,0 +1,14 @@
+"""Planning hybrid-parallel layouts without profiling (H. Wang's HSM2DL; docs/architecture.md).
+
+The package owns three things:
+
+- ``machine``: the hierarchical symmetric BSP machine (levels with fan-out, latency and a
+  piecewise per-byte cost; a device's compute rates, memory bandwidth and capacity), read from and
+  written to the TOML files under ``machines/``;
+- ``measure``: what ``hpcnn calibrate --write`` times on the ranks at hand to write such a file;
+- ``cost`` and ``search``: the symbolic BSP cost of a block under a layout and the double
+  recursive search over the bisections of the device set.
+
+Nothing here imports MPI at module level: a plan is made on a laptop for a machine described by a
+file; only ``measure`` talks to the communicator it is handed.
+"""

@@ -1,0 +1,312 @@
+"""The machine a plan is made for: a hierarchical, symmetric BSP machine (HSM2DL).
+
+H. Wang's thesis (Orléans 2022, ../shared/REFERENCES.md section 3) models the machine as a tree of
+levels: level l has p_l identical children, a per-word cost g_l and a latency L_l, and
+p = prod p_l devices sit at the leaves. A BSP superstep costs max work + h g_l + L_l. What the
+thesis leaves open, and what is chosen here:
+
+- **g is piecewise in the message size.** One g does not fit all sizes (on this machine MPICH moves
+  2-4 GB/s at 1-16 MiB and 13 GB/s at 256 MiB), so a level holds pieces
+  ``((max_bytes, bytes_per_s), ...)``: g_l(n) = 1 / bytes_per_s of the first piece with
+  n <= max_bytes; the last piece ends at infinity.
+- **Symmetric levels.** All children of a level are alike and every pair of devices whose lowest
+  common level is l talks at that level's cost; a level is named after the group it forms
+  ("node": the devices of one node, "cluster": the nodes) and its fan-out counts its children.
+- **Bandwidth per device when all communicate.** bytes_per_s is what one device gets while every
+  device of the group sends at once (a BSP h-relation): a node's network injection bandwidth is
+  divided among the devices below it. Calibration measures it that way (all pairs at once).
+- **Innermost first.** ``Machine.levels[0]`` is the innermost level; device d's coordinates are
+  its mixed-radix digits with the innermost fan-out varying fastest, so consecutive ranks share
+  the innermost level.
+- **The device** has a compute rate per dtype (FLOP/s), a memory bandwidth and a capacity; when
+  several ranks share cores, calibration records the rate each gets while all compute at once.
+
+Files are TOML (read with :mod:`tomllib`, written by :meth:`Machine.to_toml`); see
+``machines/*.toml`` for examples with the sources of their numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+
+MACHINES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "machines")
+ENV = "HPCNN_MACHINE"        # a machine file this_machine() reads before machines/local.toml
+
+
+def _positive(value, what: str, allow_zero: bool = False) -> float:
+    """``value`` as a float, ValueError naming ``what`` unless it is a finite number > 0 (>= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} = {value!r}: expected a number")
+    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{what} = {value!r}: expected a number {'>=' if allow_zero else '>'} 0")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the hierarchy: ``fanout`` identical children talking at latency ``latency_s``
+    (seconds per message, also the cost of a barrier at this level) and a per-byte cost that
+    depends on the message size through ``bandwidth`` pieces ((max_bytes, bytes_per_s), ...)."""
+    name: str
+    fanout: int
+    latency_s: float
+    bandwidth: tuple
+
+    def __post_init__(self):
+        where = f"level {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"level name = {self.name!r}: expected a non-empty string")
+        if isinstance(self.fanout, bool) or not isinstance(self.fanout, int) or self.fanout < 1:
+            raise ValueError(f"{where}: fanout = {self.fanout!r}: expected an integer >= 1")
+        object.__setattr__(self, "latency_s", _positive(self.latency_s, f"{where}: latency_s",
+                                                        allow_zero=True))
+        object.__setattr__(self, "bandwidth", _pieces(self.bandwidth, f"{where}: bandwidth"))
+
+    def seconds_per_byte(self, nbytes: int) -> float:
+        """g_l(n): 1 / bytes_per_s of the first piece with n <= max_bytes."""
+        if nbytes < 0:
+            raise ValueError(f"level {self.name!r}: nbytes = {nbytes}: expected >= 0")
+        for max_bytes, rate in self.bandwidth:
+            if nbytes <= max_bytes:
+                return 1.0 / rate
+        raise AssertionError("the last piece ends at infinity")     # checked in _pieces
+
+    def message_seconds(self, nbytes: int) -> float:
+        """L_l + n g_l(n): one message of ``nbytes`` between two children of this level."""
+        return self.latency_s + nbytes * self.seconds_per_byte(nbytes)
+
+
+def _pieces(pieces, what: str) -> tuple:
+    """The bandwidth pieces as a tuple of (float max_bytes, float bytes_per_s), checked: at least
+    one, max_bytes strictly increasing, the last one infinite, every rate > 0."""
+    if isinstance(pieces, (str, bytes)) or not hasattr(pieces, "__iter__"):
+        raise ValueError(f"{what} = {pieces!r}: expected a list of [max_bytes, bytes_per_s]")
+    out = []
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, (str, bytes)) or not hasattr(piece, "__len__") or len(piece) != 2:
+            raise ValueError(f"{what}[{i}] = {piece!r}: expected [max_bytes, bytes_per_s]")
+        top = _positive(piece[0], f"{what}[{i}] max_bytes")
+        if out and top <= out[-1][0]:
+            raise ValueError(f"{what}[{i}] max_bytes = {piece[0]!r}: the pieces' max_bytes must "
+                             f"increase (previous {out[-1][0]!r})")
+        rate = _positive(piece[1], f"{what}[{i}] bytes_per_s")
+        if math.isinf(rate):
+            raise ValueError(f"{what}[{i}] bytes_per_s = inf: expected a finite rate")
+        out.append((top, rate))
+    if not out or not math.isinf(out[-1][0]):
+        raise ValueError(f"{what} = {pieces!r}: the last piece's max_bytes must be inf")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device (a core, a GPU): compute rate per dtype name (FLOP/s), memory bandwidth
+    (bytes/s) and memory capacity (bytes)."""
+    name: str
+    flops: dict = field(hash=False)
+    memory_bandwidth: float
+    memory_bytes: float
+
+    def __post_init__(self):
+        if not isinstance(self.flops, dict) or not self.flops:
+            raise ValueError(f"device {self.name!r}: flops = {self.flops!r}: expected a table "
+                             "dtype name -> FLOP/s")
+        object.__setattr__(self, "flops", {str(k): _positive(v, f"device flops.{k}")
+                                           for k, v in self.flops.items()})
+        object.__setattr__(self, "memory_bandwidth",
+                           _positive(self.memory_bandwidth, "device memory_bandwidth"))
+        object.__setattr__(self, "memory_bytes",
+                           _positive(self.memory_bytes, "device memory_bytes"))
+
+    def compute_seconds(self, flops: float, dtype: str = "float32") -> float:
+        """Seconds for ``flops`` floating-point operations in ``dtype`` at the device's rate."""
+        rate = self.flops.get(str(dtype))
+        if rate is None:
+            raise ValueError(f"device {self.name!r} has no rate for dtype {dtype!r} "
+                             f"(has {', '.join(self.flops)})")
+        return flops / rate
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Devices at the leaves of ``levels`` (innermost first): p = product of the fan-outs."""
+    name: str
+    levels: tuple
+    device: Device
+    source: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "levels", tuple(self.levels))
+        if not all(isinstance(lv, Level) for lv in self.levels):
+            raise ValueError(f"machine {self.name!r}: levels must be Level objects")
+        names = [lv.name for lv in self.levels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"machine {self.name!r}: level names repeat: {names}")
+
+    @property
+    def p(self) -> int:
+        return math.prod(lv.fanout for lv in self.levels)
+
+    def _spans(self) -> list:
+        """Devices under each level, innermost first (level l holds prod_{i<=l} p_i devices)."""
+        spans, n = [], 1
+        for lv in self.levels:
+            n *= lv.fanout
+            spans.append(n)
+        return spans
+
+    def bisection_level(self, k: int) -> Level:
+        """The level whose fan-out the k-th bisection of the p devices splits: k = 0 is the first
+        (outermost) cut, k = log2(p) - 1 the last (innermost). A level of fan-out 2^a takes a
+        consecutive bisections; levels of fan-out 1 take none. Needs p a power of two."""
+        p = self.p
+        if p & (p - 1):
+            raise ValueError(f"machine {self.name!r}: p = {p} is not a power of two: it cannot "
+                             "be bisected (fan-outs " + "x".join(
+                                 str(lv.fanout) for lv in self.levels) + ")")
+        cuts = [lv for lv in reversed(self.levels) for _ in range(lv.fanout.bit_length() - 1)]
+        if not 0 <= k < len(cuts):
+            raise ValueError(f"machine {self.name!r}: bisection k = {k} out of range "
+                             f"0..{len(cuts) - 1} (p = {p})")
+        return cuts[k]
+
+    def level_for_group(self, size: int) -> Level:
+        """The innermost level holding a group of ``size`` consecutive devices that starts at a
+        multiple of ``size``: the first level whose span is a multiple of ``size`` (the whole
+        machine's outermost level if none is). A group of one is in the innermost level."""
+        if not self.levels:
+            raise ValueError(f"machine {self.name!r} has no levels: one device, no groups")
+        if not 1 <= size <= self.p:
+            raise ValueError(f"machine {self.name!r}: group size {size} out of range 1..{self.p}")
+        for lv, span in zip(self.levels, self._spans()):
+            if span % size == 0:
+                return lv
+        return self.levels[-1]
+
+    def with_devices(self, p: int) -> "Machine":
+        """The same machine cut to ``p`` devices: inner levels kept whole, the outermost level in
+        use reduced to what remains, the levels outside it reduced to fan-out 1. ValueError if p
+        is not a whole number of inner groups or exceeds the machine."""
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= self.p:
+            raise ValueError(f"machine {self.name!r}: devices = {p!r}: expected 1..{self.p}")
+        levels, below = [], 1
+        for lv in self.levels:
+            if p <= below * lv.fanout:
+                if p % below:
+                    raise ValueError(
+                        f"machine {self.name!r}: {p} devices do not fit: the children of level "
+                        f"{lv.name!r} hold {below} devices each ({p} is not a multiple of "
+                        f"{below})")
+                levels.append(replace(lv, fanout=p // below))
+                below = p
+            else:
+                levels.append(lv)
+                below *= lv.fanout
+        return replace(self, levels=tuple(levels))
+
+    def to_toml(self) -> str:
+        """The machine as a TOML file that :func:`load` reads back equal."""
+        lines = [f"name = {_toml_str(self.name)}", f"source = {_toml_str(self.source)}", "",
+                 "[device]", f"name = {_toml_str(self.device.name)}",
+                 f"memory_bandwidth = {_toml_num(self.device.memory_bandwidth)}   # bytes/s",
+                 f"memory_bytes = {_toml_num(self.device.memory_bytes)}", "",
+                 "[device.flops]                  # FLOP/s per dtype"]
+        lines += [f"{_toml_str(k)} = {_toml_num(v)}" for k, v in self.device.flops.items()]
+        if not self.levels:
+            lines.insert(2, "levels = []                     # one device, no network")
+        for lv in self.levels:
+            pieces = ", ".join(f"[{_toml_num(m)}, {_toml_num(r)}]" for m, r in lv.bandwidth)
+            lines += ["", "[[levels]]                      # innermost first",
+                      f"name = {_toml_str(lv.name)}", f"fanout = {lv.fanout}",
+                      f"latency_s = {_toml_num(lv.latency_s)}",
+                      f"bandwidth = [{pieces}]   # [max_bytes, bytes_per_s]"]
+        return "\n".join(lines) + "\n"
+
+
+def _toml_str(s: str) -> str:
+    """A TOML basic string (JSON's escapes are TOML's for the characters that matter here)."""
+    import json
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _toml_num(x: float) -> str:
+    """A float written so it reads back identical: inf as TOML's inf, whole numbers short."""
+    if math.isinf(x):
+        return "inf"
+    if x == int(x) and abs(x) < 2**53:
+        return str(int(x))
+    return repr(float(x))
+
+
+def _get(table: dict, key: str, where: str, kind=None):
+    """table[key], ValueError naming ``where`` and the key if it is missing or not a ``kind``."""
+    if key not in table:
+        raise ValueError(f"{where}: missing key {key!r}")
+    if kind is not None and not isinstance(table[key], kind):
+        raise ValueError(f"{where}: {key} = {table[key]!r}: expected a "
+                         f"{'table' if kind is dict else 'list'}")
+    return table[key]
+
+
+@contextlib.contextmanager
+def _named(where: str):
+    """Prefix a ValueError raised inside with ``where`` (the file and the table it is about)."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+
+
+def loads(text: str, where: str = "<string>") -> Machine:
+    """A machine from TOML text; ValueError naming ``where`` and the key on bad input."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{where}: not valid TOML: {e}") from None
+    at = f"{where} [device]"
+    dev = _get(doc, "device", where, dict)
+    with _named(at):
+        device = Device(name=str(_get(dev, "name", at)), flops=_get(dev, "flops", at, dict),
+                        memory_bandwidth=_get(dev, "memory_bandwidth", at),
+                        memory_bytes=_get(dev, "memory_bytes", at))
+    levels = []
+    for i, lv in enumerate(_get(doc, "levels", where, list)):
+        at = f"{where} levels[{i}]"
+        if not isinstance(lv, dict):
+            raise ValueError(f"{at} = {lv!r}: expected a table ([[levels]])")
+        with _named(at):
+            levels.append(Level(name=_get(lv, "name", at), fanout=_get(lv, "fanout", at),
+                                latency_s=_get(lv, "latency_s", at),
+                                bandwidth=_get(lv, "bandwidth", at, list)))
+    with _named(where):
+        return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
+                       source=str(doc.get("source", "")))
+
+
+def load(path) -> Machine:
+    """The machine described by the TOML file ``path`` (ValueError naming the file and key)."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the machine file: {e.strerror}") from None
+    return loads(text, where=path)
+
+
+def this_machine() -> Machine:
+    """The machine these ranks run on: the file named by $HPCNN_MACHINE, else
+    ``machines/local.toml`` (what ``hpcnn calibrate --write machines/local.toml`` measured here),
+    else ``machines/local-2vcpu.toml`` (the defaults measured on this kind of 2-vCPU machine)."""
+    named = os.environ.get(ENV)
+    if named:
+        return load(named)                   # a missing file named on purpose is an error
+    for path in (os.path.join(MACHINES, "local.toml"), os.path.join(MACHINES, "local-2vcpu.toml")):
+        if os.path.exists(path):
+            return load(path)
+    raise ValueError(f"no machine file: set ${ENV} or run `hpcnn calibrate --write "
+                     f"{os.path.join(MACHINES, 'local.toml')}`")

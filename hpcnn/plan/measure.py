@@ -1,0 +1,177 @@
+"""What ``hpcnn calibrate --write machines/NAME.toml`` measures on the ranks at hand.
+
+- **Network level**: the ranks pair up (0-1, 2-3, ...) and every pair ping-pongs at once, so each
+  size is timed while every device communicates (the BSP h-relation a symmetric level stands
+  for); a size's one-way time is the median over repeats of the slowest pair. The 8-byte time is
+  the latency L; each larger size s gives a bandwidth piece ending at s with
+  bytes_per_s = s / (t(s) - L) (:func:`fit_level`). All ranks form one level "node" whose fan-out
+  is the number of ranks: with the ranks at hand nothing finer or coarser can be told apart.
+- **Device**: the matmul rate per dtype and a large copy's memory bandwidth, timed on rank 0 alone
+  and then on all ranks at once. The machine file records the all-at-once rates (what each rank
+  gets in a step when ranks share cores); the alone rates go in its header comments.
+
+Every rank calls every function here (they contain collectives); medians keep one slow repeat
+on a shared machine from deciding the figure. """
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import numpy as np
+
+from hpcnn.plan.machine import Device, Level, Machine
+
+SIZES = (8, 1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26)     # ping-pong bytes: 8 B .. 64 MiB
+DTYPES = ("float32", "float64")
+MATMUL_N = 768                  # 2 n^3 = 0.9 GFLOP: ~10 ms fp32 on one core
+COPY_BYTES = 64 << 20           # 64 MiB: well past the caches
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _repeats(nbytes: int) -> int:
+    """More repeats for small messages (microseconds each), a few for 64 MiB."""
+    return 200 if nbytes <= 1 << 10 else 50 if nbytes <= 1 << 16 else 10 if nbytes <= 1 << 20 else 5
+
+
+def pingpong(comm, sizes=SIZES) -> list:
+    """One-way seconds per size: all pairs (2i, 2i+1) at once, the slowest pair's median; an odd
+    last rank waits. Needs at least two ranks."""
+    from mpi4py import MPI
+    rank, size = comm.Get_rank(), comm.Get_size()
+    peer = rank ^ 1 if (rank ^ 1) < size else None
+    out = []
+    for n in sizes:
+        buf = np.zeros(n, dtype=np.uint8)
+        reps = _repeats(n)
+        times = []
+        comm.Barrier()
+        for _ in range(reps + 1):                    # the first round trip warms the path
+            t0 = time.perf_counter()
+            if peer is not None and rank < peer:
+                comm.Send(buf, dest=peer, tag=7)
+                comm.Recv(buf, source=peer, tag=7)
+            elif peer is not None:
+                comm.Recv(buf, source=peer, tag=7)
+                comm.Send(buf, dest=peer, tag=7)
+            times.append((time.perf_counter() - t0) / 2)
+        mine = float(np.median(times[1:])) if peer is not None else 0.0
+        out.append(comm.allreduce(mine, op=MPI.MAX))
+    return out
+
+
+def fit_level(sizes, seconds, fanout: int, name: str = "node") -> Level:
+    """A level from one-way times ``seconds`` at message ``sizes`` (the smallest first): L = the
+    smallest size's time; a piece per larger size s ending at s (the largest at inf) with
+    bytes_per_s = s / (t(s) - L), t(s) - L kept >= t(s) / 10 so noise near the latency cannot
+    give an absurd rate; pieces' max_bytes increase as the sizes do."""
+    if len(sizes) < 2 or len(sizes) != len(seconds) or list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"fit_level: sizes {list(sizes)} must be >= 2 increasing sizes, one "
+                         f"time each (got {len(seconds)})")
+    latency = float(seconds[0])
+    pieces = [[float(s), s / max(t - latency, t / 10)] for s, t in zip(sizes[1:], seconds[1:])]
+    pieces[-1][0] = float("inf")
+    return Level(name=name, fanout=fanout, latency_s=latency, bandwidth=tuple(map(tuple, pieces)))
+
+
+def matmul_rate(dtype: str, n: int = MATMUL_N, repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul in ``dtype`` in this process (median of ``repeats``)."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
+    c = np.empty((n, n), dtype=dtype)
+    np.matmul(a, b, out=c)                                   # warm-up
+    return 2.0 * n ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), repeats)
+
+
+def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
+    """Bytes/s of a large copy counted as STREAM does: read + written bytes over the time."""
+    src = np.ones(nbytes // 8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)                                      # touch the pages first
+    return 2.0 * src.nbytes / _median_seconds(lambda: np.copyto(dst, src), repeats)
+
+
+def memory_bytes(ranks_here: int = 1) -> float:
+    """Physical memory of this node shared by the ``ranks_here`` ranks on it."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / ranks_here
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu: " + (platform.processor() or platform.machine())
+
+
+def device_rates() -> dict:
+    """Matmul FLOP/s per dtype and copy bytes/s of this process: {"float32": .., "copy": ..}."""
+    rates = {dt: matmul_rate(dt) for dt in DTYPES}
+    rates["copy"] = copy_bandwidth()
+    return rates
+
+
+def _quiet_barrier(comm) -> None:
+    """A barrier that sleeps while it waits: MPICH's blocking Barrier spins, and a spinning rank
+    would take the core from rank 0 while it is timed alone."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+def measure(comm) -> dict:
+    """Everything ``calibrate --write`` records, the same dict on every rank: "alone" and
+    "together" device rates (the latter the slowest rank's), "sizes" and one-way "seconds"
+    (None on one rank), "ranks_here" (ranks sharing this node's memory), "cpu"."""
+    from mpi4py import MPI
+    rank, size = comm.Get_rank(), comm.Get_size()
+    alone = device_rates() if rank == 0 else None
+    _quiet_barrier(comm)
+    mine = device_rates()                                    # every rank at once
+    together = {k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()}
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
+    local.Free()
+    seconds = pingpong(comm) if size > 1 else None
+    return {"alone": comm.bcast(alone, root=0), "together": together, "sizes": list(SIZES),
+            "seconds": seconds, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0)}
+
+
+def machine_text(meas: dict, name: str, size: int) -> str:
+    """The machine file for what :func:`measure` returned on ``size`` ranks: header comments with
+    the raw figures, then :meth:`Machine.to_toml` of one level "node" of fan-out ``size`` (none
+    on one rank) over the all-at-once device."""
+    tog, alone = meas["together"], meas["alone"]
+    device = Device(name=meas["cpu"], flops={dt: tog[dt] for dt in DTYPES},
+                    memory_bandwidth=tog["copy"],
+                    memory_bytes=memory_bytes(meas["ranks_here"]))
+    levels = (fit_level(meas["sizes"], meas["seconds"], size),) if size > 1 else ()
+    source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
+              f"{time.strftime('%Y-%m-%d %H:%M')}")
+    head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
+            f"({meas['ranks_here']} sharing this node's memory).",
+            "# Device: the rates each rank got while all ranks computed at once (slowest rank).",
+            "# Alone (rank 0 by itself): " + ", ".join(
+                f"matmul {dt} {alone[dt] / 1e9:.1f} GFLOP/s" for dt in DTYPES)
+            + f", copy {alone['copy'] / 1e9:.1f} GB/s; all at once: " + ", ".join(
+                f"{dt} {tog[dt] / 1e9:.1f}" for dt in DTYPES)
+            + f", copy {tog['copy'] / 1e9:.1f}."]
+    if meas["seconds"]:
+        head.append("# Ping-pong, all pairs at once, one-way median of the slowest pair: "
+                    + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
+                                zip(meas["sizes"], meas["seconds"])) + ".")
+    else:
+        head.append("# One rank: no network level was measured.")
+    return "\n".join(head) + "\n\n" + Machine(name=name, levels=levels, device=device,
+                                              source=source).to_toml()

@@ -1,0 +1,38 @@
+"""``hpcnn calibrate --write`` on the ranks of this job: every rank returns 0, rank 0 writes the
+file, and the file read back has one level "node" of fan-out = ranks with sane positive figures.
+
+    mpiexec -n 2 python -m mpi4py tests/mpi/machine_calibration.py TMPDIR
+"""
+import math
+import os
+import sys
+
+from mpi4py import MPI
+
+from hpcnn.cli_tools import cmd_calibrate
+from hpcnn.plan import machine
+
+world = MPI.COMM_WORLD
+r, p = world.Get_rank(), world.Get_size()
+path = os.path.join(sys.argv[1], "here.toml")
+
+assert cmd_calibrate(["--write", path]) == 0
+world.Barrier()                                    # rank 0 has written the file
+m = machine.load(path)
+assert m.name == "here" and m.p == p, m
+(node,) = m.levels
+assert node.name == "node" and node.fanout == p
+assert 0 < node.latency_s < 1e-2, node.latency_s           # seconds: microseconds expected
+sizes = [b for b, _ in node.bandwidth]
+assert sizes == [1 << 10, 1 << 16, 1 << 20, 1 << 24, math.inf], sizes
+assert all(1e6 < rate < 1e12 for _, rate in node.bandwidth), node.bandwidth
+assert node.message_seconds(1 << 20) > node.message_seconds(8) > 0
+assert all(1e8 < v < 1e14 for v in m.device.flops.values()) and len(m.device.flops) == 2
+assert 1e8 < m.device.memory_bandwidth < 1e13 and m.device.memory_bytes > 1e8
+with open(path) as f:
+    assert "Ping-pong, all pairs at once" in f.read()
+# a directory that does not exist: refused on every rank, before any collective
+assert cmd_calibrate([f"--write={os.path.join(sys.argv[1], 'no', 'x.toml')}"]) == 2
+world.Barrier()
+if r == 0:
+    print(f"machine_calibration OK on {p} ranks")

@@ -1,0 +1,200 @@
+"""The machine files and the hierarchical symmetric machine (hpcnn/plan/machine.py); the level fit
+of ``hpcnn calibrate --write`` (hpcnn/plan/measure.py) and the command itself, on one rank and
+(tests/mpi/machine_calibration.py) on two."""
+import glob
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hpcnn.plan import machine as hm
+from hpcnn.plan.measure import fit_level
+from mpi_util import ROOT, run_mpi
+
+FILES = sorted(glob.glob(os.path.join(ROOT, "machines", "*.toml")))
+GPU = os.path.join(ROOT, "machines", "dgx-a100-cluster.toml")
+
+
+def small():
+    """Two levels: 4 devices a node (1 us, 10 GB/s up to 1 MiB then 20), 8 nodes (5 us, 1 GB/s)."""
+    dev = hm.Device("d", {"float32": 1e12, "float64": 5e11}, 1e11, 16e9)
+    return hm.Machine("m", (hm.Level("node", 4, 1e-6, ((2**20, 1e10), (math.inf, 2e10))),
+                            hm.Level("cluster", 8, 5e-6, ((math.inf, 1e9),))), dev)
+
+
+def test_every_machine_file_loads_and_reads_back_equal():
+    names = {os.path.basename(f) for f in FILES}
+    assert {"local-2vcpu.toml", "dgx-a100-cluster.toml", "archer2.toml"} <= names
+    for f in FILES:
+        m = hm.load(f)
+        assert m.p == math.prod(lv.fanout for lv in m.levels) and m.p >= 2, f
+        assert m.source and m.device.flops["float32"] > 0 and m.device.memory_bytes > 0, f
+        for lv in m.levels:
+            assert lv.fanout & (lv.fanout - 1) == 0, (f, lv)        # powers of two in the files
+            assert math.isinf(lv.bandwidth[-1][0])
+        assert hm.loads(m.to_toml()) == m, f
+    local = hm.load(os.path.join(ROOT, "machines", "local-2vcpu.toml"))
+    assert [(lv.name, lv.fanout) for lv in local.levels] == [("node", 2)]
+    assert local.levels[0].latency_s == 1.9e-6 and local.device.flops["float64"] == 50e9
+    gpu = hm.load(GPU)
+    assert [(lv.name, lv.fanout) for lv in gpu.levels] == [("node", 8), ("cluster", 512)]
+    assert gpu.p == 4096 and gpu.device.flops["bfloat16"] == 312e12
+    assert gpu.device.compute_seconds(312e12, "bfloat16") == 1.0
+
+
+def test_bisections_outermost_first():
+    gpu = hm.load(GPU)
+    at8 = gpu.with_devices(8)                        # one node: every cut inside it
+    assert [lv.fanout for lv in at8.levels] == [8, 1] and at8.p == 8
+    assert [at8.bisection_level(k).name for k in range(3)] == ["node"] * 3
+    at32 = gpu.with_devices(32)                      # 4 nodes: the first two cuts between nodes
+    assert [at32.bisection_level(k).name for k in range(5)] == ["cluster"] * 2 + ["node"] * 3
+    assert [gpu.bisection_level(k).name for k in (0, 8, 9, 11)] == ["cluster"] * 2 + ["node"] * 2
+    with pytest.raises(ValueError, match=r"bisection k = 5 out of range 0..4 \(p = 32\)"):
+        at32.bisection_level(5)
+    with pytest.raises(ValueError, match="p = 24 is not a power of two"):
+        gpu.with_devices(24).bisection_level(0)
+    arch = hm.load(os.path.join(ROOT, "machines", "archer2.toml")).with_devices(512)
+    assert [arch.bisection_level(k).name for k in range(9)] == \
+        ["cluster"] * 2 + ["node"] + ["socket"] * 6
+
+
+def test_level_for_group_and_with_devices():
+    m = small()
+    assert m.p == 32
+    assert [m.level_for_group(s).name for s in (1, 2, 4, 8, 16, 32)] == \
+        ["node"] * 3 + ["cluster"] * 3
+    assert m.level_for_group(3).name == "cluster"    # 3 consecutive devices straddle nodes
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match=f"group size {bad} out of range 1..32"):
+            m.level_for_group(bad)
+    assert [lv.fanout for lv in m.with_devices(2).levels] == [2, 1]
+    assert [lv.fanout for lv in m.with_devices(12).levels] == [4, 3]
+    assert m.with_devices(32) == m
+    cut = m.with_devices(8)
+    assert cut.levels[0] == m.levels[0] and cut.levels[1].latency_s == 5e-6 and cut.p == 8
+    with pytest.raises(ValueError, match="6 devices do not fit: the children of level 'cluster' hold 4 "):
+        m.with_devices(6)
+    with pytest.raises(ValueError, match=r"devices = 64: expected 1..32"):
+        m.with_devices(64)
+
+
+def test_message_seconds_piecewise():
+    node, cluster = small().levels
+    assert node.seconds_per_byte(0) == node.seconds_per_byte(2**20) == 1e-10
+    assert node.seconds_per_byte(2**20 + 1) == 5e-11
+    assert node.message_seconds(2**20) == pytest.approx(1e-6 + 2**20 / 1e10, rel=1e-15)
+    assert node.message_seconds(2**24) == pytest.approx(1e-6 + 2**24 / 2e10, rel=1e-15)
+    assert cluster.message_seconds(8) == pytest.approx(5e-6 + 8e-9, rel=1e-15)
+    with pytest.raises(ValueError, match="nbytes = -1"):
+        node.message_seconds(-1)
+    dev = small().device
+    assert dev.compute_seconds(1e12) == 1.0 and dev.compute_seconds(1e12, "float64") == 2.0
+    with pytest.raises(ValueError, match="no rate for dtype 'bfloat16' \\(has float32, float64\\)"):
+        dev.compute_seconds(1.0, "bfloat16")
+
+
+def test_round_trip_through_a_file(tmp_path):
+    m = small()
+    path = tmp_path / "m.toml"
+    path.write_text(m.to_toml())
+    back = hm.load(path)
+    assert back == m and back.levels[0].bandwidth == ((2.0**20, 1e10), (math.inf, 2e10))
+    odd = hm.Machine('a "quoted" name', (), hm.Device("x", {"f": 1 / 3}, 0.1, 3.5), source="s\\t")
+    assert hm.loads(odd.to_toml()) == odd and odd.p == 1
+
+
+GOOD = small().to_toml()
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ('fanout = 4\n', '', r"levels\[0\]: missing key 'fanout'"),
+    ('fanout = 8\n', 'fanout = 0\n', r"levels\[1\]: level 'cluster': fanout = 0: expected an "
+                                     r"integer >= 1"),
+    ('latency_s = 5e-06', 'latency_s = -5e-06', r"level 'cluster': latency_s = -5e-06: "
+                                                r"expected a number >= 0"),
+    ('[1048576, 10000000000], [inf', '[1048576, 10000000000], [1024, 1], [inf',
+     r"bandwidth\[1\] max_bytes = 1024: the pieces' max_bytes must increase"),
+    ('[inf, 20000000000]', '[4194304, 20000000000]', "the last piece's max_bytes must be inf"),
+    ('[inf, 1000000000]', '[inf, -1]', r"bandwidth\[0\] bytes_per_s = -1"),
+    ('memory_bytes = 16000000000', 'memory_bytes = -1', r"\[device\]: device memory_bytes = -1"),
+    ('memory_bytes = 16000000000\n', '', r"\[device\]: missing key 'memory_bytes'"),
+    ('"float64" = 500000000000', '"float64" = "fast"', r"device flops.float64 = 'fast'"),
+    ('name = "m"\n', '', "missing key 'name'"),
+    ('name = "cluster"', 'name = "node"', "level names repeat"),
+    ('fanout = 4', 'fanout = [4', "not valid TOML"),
+    ('[device.flops]', '[device.flops.x]', r"device flops.x = \{"),
+    ('[[levels]]', '[[level]]', "missing key 'levels'"),
+    ('bandwidth = [[1048576', 'bandwidth = 3 #', r"levels\[0\]: bandwidth = 3: expected a list"),
+])
+def test_bad_files_name_the_file_and_key(tmp_path, old, new, message):
+    assert old in GOOD
+    path = tmp_path / "bad.toml"
+    path.write_text(GOOD.replace(old, new))
+    with pytest.raises(ValueError, match=message) as e:
+        hm.load(path)
+    assert str(e.value).startswith(str(path)), e.value
+    with pytest.raises(ValueError, match="cannot read the machine file"):
+        hm.load(tmp_path / "absent.toml")
+
+
+def test_levels_that_are_not_tables():
+    text = GOOD.split("[[levels]]")[0].replace('name = "m"', 'name = "m"\nlevels = [1]')
+    with pytest.raises(ValueError, match=r"<string> levels\[0\] = 1: expected a table"):
+        hm.loads(text)
+
+
+def test_this_machine_prefers_the_named_file(tmp_path, monkeypatch):
+    path = tmp_path / "here.toml"
+    path.write_text(GOOD)
+    monkeypatch.setenv(hm.ENV, str(path))
+    assert hm.this_machine() == small()
+    monkeypatch.setenv(hm.ENV, str(tmp_path / "none.toml"))
+    with pytest.raises(ValueError, match="none.toml: cannot read"):
+        hm.this_machine()
+    monkeypatch.delenv(hm.ENV)
+    local = os.path.join(hm.MACHINES, "local.toml")
+    expected = local if os.path.exists(local) else os.path.join(hm.MACHINES, "local-2vcpu.toml")
+    assert hm.this_machine() == hm.load(expected)
+
+
+def test_fit_level_from_measured_times():
+    sizes = [8, 1024, 2**20, 2**26]
+    # one-way times of a link with 2 us latency, 1 GB/s to 1 KiB, 4 GB/s to 1 MiB, 10 GB/s beyond
+    seconds = [2e-6, 2e-6 + 1024 / 1e9, 2e-6 + 2**20 / 4e9, 2e-6 + 2**26 / 1e10]
+    lv = fit_level(sizes, seconds, fanout=4)
+    assert lv.name == "node" and lv.fanout == 4 and lv.latency_s == 2e-6
+    assert [m for m, _ in lv.bandwidth] == [1024, 2**20, math.inf]
+    assert [r for _, r in lv.bandwidth] == pytest.approx([1e9, 4e9, 1e10], rel=1e-9)
+    for n, t in zip(sizes[1:], seconds[1:]):
+        assert lv.message_seconds(n) == pytest.approx(t, rel=1e-9)
+    noisy = fit_level([8, 1024], [3e-6, 2.9e-6], fanout=2)   # no time above the latency
+    assert noisy.bandwidth == ((math.inf, pytest.approx(1024 / 2.9e-7, rel=1e-12)),)
+    with pytest.raises(ValueError, match="increasing sizes"):
+        fit_level([1024, 8], [1e-6, 2e-6], fanout=2)
+
+
+def test_calibrate_write_on_one_rank(tmp_path):
+    path = tmp_path / "one.toml"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate", "--write", str(path)],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == f"wrote {path}"
+    m = hm.load(path)
+    assert m.name == "one" and m.levels == () and m.p == 1
+    assert set(m.device.flops) == {"float32", "float64"}
+    assert all(0 < v < 1e14 for v in m.device.flops.values())
+    assert 1e8 < m.device.memory_bandwidth < 1e13 and m.device.memory_bytes > 1e8
+    assert "One rank: no network level" in path.read_text()
+    bad = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate",
+                          f"--write={tmp_path / 'no' / 'x.toml'}"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "no such directory" in bad.stderr
+
+
+def test_calibrate_write_on_two_ranks(tmp_path):
+    out = run_mpi("machine_calibration", 2, tmp_path)
+    assert "machine_calibration OK on 2 ranks" in out
