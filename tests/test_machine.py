@@ -198,3 +198,15 @@ def test_calibrate_write_on_one_rank(tmp_path):
 def test_calibrate_write_on_two_ranks(tmp_path):
     out = run_mpi("machine_calibration", 2, tmp_path)
     assert "machine_calibration OK on 2 ranks" in out
+
+
+def test_a_machine_is_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    from hpcnn.plan.machine import MACHINES, load, resolve
+    monkeypatch.chdir(tmp_path)                       # not the repository
+    want = load(os.path.join(MACHINES, "archer2.toml"))
+    for name in ("machines/archer2.toml", "archer2.toml", "archer2"):
+        assert load(name) == want, name
+    (tmp_path / "archer2.toml").write_text(want.to_toml().replace("archer2", "mine", 1))
+    assert resolve("archer2.toml") == "archer2.toml"  # a file here wins
+    with pytest.raises(ValueError, match="nope.toml: cannot read the machine file"):
+        load("nope.toml")

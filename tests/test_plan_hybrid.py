@@ -106,3 +106,26 @@ def test_bad_input_is_named():
         plan(SMALL, Machine(), 64)
     with pytest.raises(ValueError, match="no layout"):
         plan(Transformer(n_layers=3, dim=64, n_heads=1, batch=1), Machine(), 32)
+
+
+def test_hpcnn_plan_on_the_gpu_cluster_file(capsys):
+    import json
+
+    from hpcnn.cli_tools import cmd_plan
+    from mpi_util import ROOT
+    gpu = f"{ROOT}/machines/dgx-a100-cluster.toml"
+    args = [f"--machine={gpu}", "--devices=1024", "--n_layers=96", "--dim=12288",
+            "--n_heads=96", "--seq=2048", "--batch=1536"]
+    assert cmd_plan(args + ["--json=true", "--top=3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["devices"] == 1024 and 170e9 < out["params"] < 180e9 and len(out["ranked"]) == 3
+    best = out["ranked"][0]
+    assert best["feasible"] and best["memory_gb"] <= 80.0
+    steps = [r["step_s"] for r in out["ranked"]]
+    assert steps == sorted(steps)
+    assert cmd_plan(args + ["--top=2"]) == 0
+    text = capsys.readouterr().out
+    assert "layouts priced in" in text and "winner:" in text and "against #2" in text
+    assert cmd_plan(args[1:]) == 2 and "--machine=FILE is required" in capsys.readouterr().err
+    assert cmd_plan(args + ["--n_heads=7"]) == 2 and "n_heads dividing dim" in \
+        capsys.readouterr().err

@@ -12,8 +12,9 @@ transformer block, built without storage: ``keep=()``) and the machine's rates:
   2(n-1)/n x bytes x g + 2(n-1) L at the level that holds tp consecutive devices;
 - **pipeline**: the schedule's makespan in stage passes (:func:`hpcnn.parallel.schedules.
   formula_makespan` with the slowest stage's times; :func:`hpcnn.parallel.schedules.simulate`
-  where no formula applies), plus one activation message per boundary each way on the critical
-  path, at the level of the pp neighbours (tp x dp devices apart);
+  where no formula applies; ZB-H1's weight half is taken as half the backward), plus one
+  activation message per boundary each way on the critical path, at the level of the pp
+  neighbours (tp x dp devices apart); ZB-H1's memory is taken as 1F1B's;
 - **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
   overlapped: pipelines reduce after their list), at the level holding tp x dp devices;
 - **memory per rank**: parameters, gradients and two AdamW slots of its share (4 words per
@@ -130,10 +131,12 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     t_b = (per_stage * b + 2 * head) / (tp * rate) + tp_s
     if layout.remat == "full":
         t_b += t_f
-    span = schedules.formula_makespan(layout.schedule, pp, m_count, t_f, t_b)
+    # zero bubble splits B into its input and weight halves (equal FLOPs: dx and dW products)
+    t_w = t_b / 2 if layout.schedule == "zb_h1" else 0.0
+    span = schedules.formula_makespan(layout.schedule, pp, m_count, t_f, t_b - t_w, t_w)
     if span is None:
         lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
-        span = schedules.simulate(lists, t_f, t_b).makespan
+        span = schedules.simulate(lists, t_f, t_b - t_w, t_w).makespan
     msg = machine.level_for_group(min(machine.p, 2 * tp * dp)).message_seconds(act) if pp > 1 else 0
     pp_s = 2 * (pp - 1) * msg
     local_params = (per_stage * pbytes / model.word + model.vocab * model.dim) / tp
@@ -159,7 +162,8 @@ def _divisors(n: int) -> list[int]:
 def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT):
     """Every layout of ``model`` on ``devices``: dp x tp x pp = devices, tp dividing the heads,
     pp dividing the layers, micro-batches M a power of two with dp x M dividing the batch (and
-    M >= pp for the pipelined schedules' steady state), each schedule and remat choice."""
+    M >= pp for the pipelined schedules' steady state), each schedule and remat choice (no
+    rematerialized zero-bubble schedule: their split backward is not rematerialized)."""
     for tp in _divisors(devices):
         if model.n_heads % tp:
             continue
@@ -174,7 +178,8 @@ def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMA
                 if pp == 1 or m_count >= pp:
                     for s in (("1f1b",) if pp == 1 else schedules):
                         for r in remat:
-                            yield Layout(dp, tp, pp, m_count, s, r)
+                            if not (r != "none" and s.startswith("zb")):  # as hpcnn train refuses
+                                yield Layout(dp, tp, pp, m_count, s, r)
                 m_count *= 2
 
 

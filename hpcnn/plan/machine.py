@@ -287,9 +287,24 @@ def loads(text: str, where: str = "<string>") -> Machine:
                        source=str(doc.get("source", "")))
 
 
-def load(path) -> Machine:
-    """The machine described by the TOML file ``path`` (ValueError naming the file and key)."""
+def resolve(path) -> str:
+    """``path`` itself if it exists; else a relative path or bare name looked up in the
+    repository's ``machines/`` folder: ``machines/archer2.toml``, ``archer2.toml`` and
+    ``archer2`` all name that file from any working directory."""
     path = os.fspath(path)
+    if os.path.exists(path) or os.path.isabs(path):
+        return path
+    name = path if path.endswith(".toml") else path + ".toml"
+    for candidate in (os.path.join(os.path.dirname(MACHINES), name), os.path.join(MACHINES, name)):
+        if os.path.exists(candidate):
+            return candidate
+    return path
+
+
+def load(path) -> Machine:
+    """The machine described by the TOML file ``path`` (:func:`resolve`; ValueError naming the
+    file and key)."""
+    path = resolve(path)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
