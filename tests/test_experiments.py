@@ -29,3 +29,22 @@ def test_hetero_weighting_experiment_and_figure(tmp_path):
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
     assert np.isfinite(runs["epoch_time_s"]).all()
+
+
+def test_plan_scale_experiment_and_figure(tmp_path):
+    out = tmp_path / "ps"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plan_scale.py"),
+                        "--models=1.7B,145B", f"--out={out}"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    t, attrs = load_table(out / "results.h5", "scale")
+    assert list(t["model"]) == ["1.7B", "145B"] and attrs["machine"] == "dgx-a100-cluster"
+    assert (t["dp"] * t["tp"] * t["pp"] == t["devices"]).all()
+    assert t["feasible"].all() and (t["memory_gb"] <= 80).all()
+    assert t["tp"][1] > 1 and t["pp"][1] > 1             # 146 B parameters must be sharded
+    assert (0 < t["fraction_of_peak"]).all() and (t["fraction_of_peak"] < 1).all()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "analysis", "plan_scale.py"),
+                        str(out / "results.h5"), str(tmp_path / "fig.png")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
