@@ -191,22 +191,23 @@ def test_crossover_data_parallel_versus_operator_cuts():
     assert all(c.batch == 1 for c in dra(wide, 4096)[0])
 
 
-def _best_of_3(fn):
-    best = math.inf
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def test_dra_time_grows_about_linearly_in_the_operators():
+    """2000 against 8000 operators on 64 devices: linear would be ~4x, quadratic ~16x.
+
+    CPU time of this process (other processes' load does not count), the two sizes measured in
+    alternation, the best of 3 each.
+    """
     rng = random.Random(5)
     dims = [2 ** rng.randint(6, 12) for _ in range(8001)]
     small = chain([Matmul(1024, dims[t], dims[t + 1]) for t in range(2000)])
     large = chain([Matmul(1024, dims[t], dims[t + 1]) for t in range(8000)])
-    ratio = _best_of_3(lambda: dra(large, 64)) / _best_of_3(lambda: dra(small, 64))
-    assert ratio < 8, ratio                              # linear: ~4; quadratic: ~16
+    best = {"small": math.inf, "large": math.inf}
+    for _ in range(3):
+        for name, g in (("small", small), ("large", large)):
+            t = time.process_time()
+            dra(g, 64)
+            best[name] = min(best[name], time.process_time() - t)
+    assert best["large"] / best["small"] < 8, best
 
 
 # ---------------------------------------------------------------------------- the BSP price

@@ -26,7 +26,8 @@ Two costs, the first to search with, the second to price a finished strategy:
    A cut needs an even local extent >= 2. Between a producer ``a`` and a consumer ``b`` the
    shared tensor is ``a``'s output ``y[i, j_a]`` = ``b``'s input ``x[i, k_b]``. At one bisection
    ``a`` splits it by rows (cut ``i``), by columns (cut ``j``) or not at all (``k``: reduced,
-   ``r``: replicated); ``b`` needs it split by rows (``i``), columns (``k``) or whole (``j``, ``r``).
+   ``r``: replicated); ``b`` needs it split by rows (``i``), columns (``k``) or whole (``j``,
+   ``r``).
    The redistribution cost is ``rho * |x|_local`` (the consumer's local input before the
    bisection) when the two splits differ, except (our choice, the thesis is silent) when the
    producer's halves each hold the whole tensor: then each consumer half slices what it needs
@@ -95,7 +96,8 @@ def chain(nodes) -> Graph:
         if not isinstance(node, Matmul):
             raise ValueError(f"node {n}: {node!r} is neither Matmul nor Elementwise")
         if min(node.i, node.k, node.j) < 1:
-            raise ValueError(f"node {n}: extents must be >= 1, got i={node.i} k={node.k} j={node.j}")
+            raise ValueError(f"node {n}: extents must be >= 1, "
+                             f"got i={node.i} k={node.k} j={node.j}")
         if last is not None:
             prev = ops[last]
             if (prev.i, prev.j) != (node.i, node.k):
@@ -125,7 +127,7 @@ def cut_costs(i: int, k: int, j: int, mu: float = MU) -> tuple:
 
 def redistribution_cost(producer_cut: str, consumer_cut: str, local_input: float,
                         rho: float = RHO) -> float:
-    """rho * |x| when the producer's split of the shared tensor is not the one the consumer needs."""
+    """rho * |x| when the producer's split of the shared tensor is not the consumer's."""
     have = PRODUCER_SPLIT[producer_cut]
     if have is None or have == CONSUMER_SPLIT[consumer_cut]:
         return 0.0
@@ -155,7 +157,8 @@ def sapp_cost(graph: Graph, sequences, mu: float = MU, rho: float = RHO) -> floa
         for c in seq:
             sizes.append(i * k)
             total += cut_costs(i, k, j, mu)[CUTS.index(c)]
-            i, k, j = (i // 2 if c == "i" else i, k // 2 if c == "k" else k, j // 2 if c == "j" else j)
+            i, k, j = (i // 2 if c == "i" else i, k // 2 if c == "k" else k,
+                       j // 2 if c == "j" else j)
         inputs.append(sizes)
     for a, b in graph.edges:
         for t, (ca, cb) in enumerate(zip(sequences[a], sequences[b])):
@@ -197,7 +200,7 @@ def _level(machine, span: int):
 
 
 def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term | None:
-    """Ring allreduce of nbytes over n devices spaced ``stride`` apart: 2(n-1) messages of nbytes/n."""
+    """Ring allreduce of nbytes over n devices ``stride`` apart: 2(n-1) messages of nbytes/n."""
     if n == 1 or nbytes == 0:
         return None
     lvl = _level(machine, n * stride)
@@ -228,8 +231,9 @@ def _matches(p: int, a: Cut, b: Cut) -> bool:
 def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32") -> StrategyCost:
     """BSP seconds of one training step of ``graph`` with one Cut per operator on ``machine``.
 
-    Supersteps per operator with Cut(nb, nk, nj), c = nb*nk*nj, r = p/c replicas, s bytes an element:
-      - compute: forward, input gradient and weight gradient, 3 * 2*i*j*k/c FLOPs at the device rate;
+    Supersteps per operator with Cut(nb, nk, nj), c = nb*nk*nj, r = p/c replicas:
+      - compute: forward, input gradient and weight gradient, 3 * 2*i*j*k/c FLOPs at the
+        device rate;
       - forward reduction of the partial y[i/nb, j/nj] over the nk group (stride nj);
       - backward reduction of the partial dx[i/nb, k/nk] over the nj group (stride 1);
       - gradient allreduce of the weight part W[k/nk, j/nj] over the nb*r devices holding it
@@ -252,7 +256,8 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32") -> Strate
     for n, (op, c) in enumerate(zip(graph.ops, cuts)):
         width = c.batch * c.reduce * c.out
         if p % width:
-            raise ValueError(f"operator {n}: {c} uses {width} devices, which does not divide p = {p}")
+            raise ValueError(f"operator {n}: {c} uses {width} devices, "
+                             f"which does not divide p = {p}")
         flops = 3 * 2 * op.i * op.j * op.k / width
         terms.append(Term(f"op{n} compute", f"3*2*{op.i}*{op.j}*{op.k}/{width}/F_{dtype}",
                           machine.device.compute_seconds(flops, dtype)))

@@ -42,6 +42,23 @@ def _cut_cost_table(ext: np.ndarray, mu: float) -> np.ndarray:
                      i * j * k / 2], axis=1)
 
 
+def _adjacency(n: int, pairs):
+    """CSR lists (start, index) of each operator's neighbours in ``pairs`` (x, y): y's of every x.
+
+    Flat lists of ints keep the search free of per-operator Python lists, which the garbage
+    collector would walk again and again on large graphs.
+    """
+    counts = [0] * (n + 1)
+    for x, _ in pairs:
+        counts[x + 1] += 1
+    start = list(itertools.accumulate(counts))
+    index, fill = [0] * len(pairs), start[:-1]
+    for x, y in pairs:
+        index[fill[x]] = y
+        fill[x] += 1
+    return start, index
+
+
 def dra_sequences(graph: Graph, p: int, mu: float = MU, rho: float = RHO) -> list:
     """The double recursive algorithm's cut sequence per operator.
 
@@ -50,47 +67,53 @@ def dra_sequences(graph: Graph, p: int, mu: float = MU, rho: float = RHO) -> lis
     legal; the thesis says "largest candidate cost", we leave replicate out because it is the
     largest whenever a cut exists and would only repeat the compute volume); each takes the
     choice of least intra cost + redistribution with the neighbours already decided at this
-    bisection (ties: the order of CUTS). Neighbour lists make a visit O(degree).
+    bisection (ties: the order of CUTS). A visit costs O(its degree).
     """
     L = log2_devices(p)
     n = len(graph.ops)
-    producers = [[] for _ in range(n)]
-    consumers = [[] for _ in range(n)]
-    for a, b in graph.edges:
-        producers[b].append(a)
-        consumers[a].append(b)
-    moves = MOVES.tolist()
+    p_start, p_index = _adjacency(n, [(b, a) for a, b in graph.edges])      # producers of b
+    c_start, c_index = _adjacency(n, list(graph.edges))                    # consumers of a
+    from_producer = [tuple(row) for row in MOVES.tolist()]       # [producer cut][consumer cut]
+    to_consumer = [tuple(col) for col in MOVES.T.tolist()]       # [consumer cut][producer cut]
     ext = np.array([[op.i, op.k, op.j] for op in graph.ops], dtype=np.int64).reshape(n, 3)
-    sequences = [[] for _ in range(n)]
-    for _ in range(L):
+    picked = np.zeros((L, n), dtype=np.int64)
+    for t in range(L):
         costs = _cut_cost_table(ext, mu)
         cut_part = costs[:, :3]
         weight = np.where(np.isfinite(cut_part), cut_part, -np.inf).max(axis=1)
         weight = np.where(np.isfinite(weight), weight, costs[:, 3])
         order = np.argsort(-weight, kind="stable").tolist()
-        rows = costs.tolist()
-        inputs = (ext[:, 0] * ext[:, 1]).tolist()     # local input i*k of each operator
+        flat = costs.ravel().tolist()
+        inputs = (rho * ext[:, 0] * ext[:, 1]).tolist()    # rho * local input i*k per operator
         choice = [-1] * n
         for b in order:
-            row = rows[b]
-            for a in producers[b]:
-                ca = choice[a]
+            c0, c1, c2, c3 = flat[4 * b], flat[4 * b + 1], flat[4 * b + 2], flat[4 * b + 3]
+            for e in range(p_start[b], p_start[b + 1]):
+                ca = choice[p_index[e]]
                 if ca >= 0:
-                    move, w = moves[ca], rho * inputs[b]
-                    row = [row[c] + w * move[c] for c in range(4)]
-            for d in consumers[b]:
-                cd = choice[d]
-                if cd >= 0:
-                    w = rho * inputs[d]
-                    row = [row[c] + w * moves[c][cd] for c in range(4)]
-            choice[b] = row.index(min(row))
-        picked = np.array(choice)
-        ext[:, 0] >>= picked == 0
-        ext[:, 2] >>= picked == 1
-        ext[:, 1] >>= picked == 2
-        for s, c in zip(sequences, choice):
-            s.append(CUTS[c])
-    return ["".join(s) for s in sequences]
+                    w = inputs[b]
+                    m0, m1, m2, m3 = from_producer[ca]
+                    c0, c1, c2, c3 = c0 + w * m0, c1 + w * m1, c2 + w * m2, c3 + w * m3
+            for e in range(c_start[b], c_start[b + 1]):
+                d = c_index[e]
+                if choice[d] >= 0:
+                    w = inputs[d]
+                    m0, m1, m2, m3 = to_consumer[choice[d]]
+                    c0, c1, c2, c3 = c0 + w * m0, c1 + w * m1, c2 + w * m2, c3 + w * m3
+            best, low = 0, c0
+            if c1 < low:
+                best, low = 1, c1
+            if c2 < low:
+                best, low = 2, c2
+            if c3 < low:
+                best = 3
+            choice[b] = best
+        picked[t] = choice
+        ext[:, 0] >>= picked[t] == 0
+        ext[:, 2] >>= picked[t] == 1
+        ext[:, 1] >>= picked[t] == 2
+    letters = np.array(list(CUTS))[picked.T]                            # (n, L)
+    return ["".join(row) for row in letters.tolist()]
 
 
 def dra(graph: Graph, p: int, mu: float = MU, rho: float = RHO):
@@ -176,7 +199,8 @@ def exhaustive_sequences(graph: Graph, p: int, mu: float = MU, rho: float = RHO,
     legal = []
     for op in graph.ops:
         cost, _ = _sequence_tables(op, L, mu)
-        legal.append(["".join(CUTS[c] for c in _digits(L)[s]) for s in np.flatnonzero(np.isfinite(cost))])
+        names = ["".join(CUTS[c] for c in row) for row in _digits(L)]
+        legal.append([names[s] for s in np.flatnonzero(np.isfinite(cost))])
     count = math.prod(len(x) for x in legal)
     if count > max_plans:
         raise ValueError(f"exhaustive search over {count} plans > max_plans ({max_plans})")
