@@ -88,6 +88,12 @@ def test_chain_rejects_mismatched_shapes():
         chain([Matmul(8, 4, 2), Matmul(8, 4, 4)])
     with pytest.raises(ValueError, match="power of two"):
         dra(chain([Matmul(8, 4, 2)]), 6)
+    two = (Matmul(8, 4, 2), Matmul(8, 4, 4))
+    for search in (dra, chain_dp, exhaustive):
+        with pytest.raises(ValueError, match=r"edge \(0, 1\): output \(i=8, j=2\)"):
+            search(Graph(two, ((0, 1),)), 2)
+    with pytest.raises(ValueError, match="does not join"):
+        dra(Graph(two, ((0, 2),)), 2)
 
 
 # ------------------------------------------------------------------------------------ searches

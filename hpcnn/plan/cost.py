@@ -109,6 +109,18 @@ def chain(nodes) -> Graph:
     return Graph(tuple(ops), tuple(edges))
 
 
+def check_graph(graph: Graph) -> None:
+    """ValueError naming the edge when an edge leaves the operators or joins unequal shapes."""
+    n = len(graph.ops)
+    for a, b in graph.edges:
+        if not (0 <= a < n and 0 <= b < n and a != b):
+            raise ValueError(f"edge ({a}, {b}) does not join two of the {n} operators")
+        pa, pb = graph.ops[a], graph.ops[b]
+        if (pa.i, pa.j) != (pb.i, pb.k):
+            raise ValueError(f"edge ({a}, {b}): output (i={pa.i}, j={pa.j}) is not the "
+                             f"consumer's input (i={pb.i}, k={pb.k})")
+
+
 def log2_devices(p: int) -> int:
     """L with p = 2**L; ValueError unless p is a power of two >= 1."""
     if p < 1 or p & (p - 1):

@@ -20,8 +20,8 @@ import math
 
 import numpy as np
 
-from hpcnn.plan.cost import (CONSUMER_SPLIT, CUTS, MU, PRODUCER_SPLIT, RHO, Graph, log2_devices,
-                             sapp_cost, to_cut)
+from hpcnn.plan.cost import (CONSUMER_SPLIT, CUTS, MU, PRODUCER_SPLIT, RHO, Graph, check_graph,
+                             log2_devices, sapp_cost, to_cut)
 
 # MOVES[a][b] = 1 when a producer cutting ``a`` and a consumer cutting ``b`` at one bisection
 # must redistribute the shared tensor (the rule of hpcnn.plan.cost.redistribution_cost).
@@ -70,6 +70,7 @@ def dra_sequences(graph: Graph, p: int, mu: float = MU, rho: float = RHO) -> lis
     bisection (ties: the order of CUTS). A visit costs O(its degree).
     """
     L = log2_devices(p)
+    check_graph(graph)
     n = len(graph.ops)
     p_start, p_index = _adjacency(n, [(b, a) for a, b in graph.edges])      # producers of b
     c_start, c_index = _adjacency(n, list(graph.edges))                    # consumers of a
@@ -166,6 +167,7 @@ def chain_dp_sequences(graph: Graph, p: int, mu: float = MU, rho: float = RHO) -
     if list(graph.edges) != [(t, t + 1) for t in range(n - 1)]:
         raise ValueError(f"chain_dp needs a chain's edges (t, t+1), got {list(graph.edges)[:6]}")
     L = log2_devices(p)
+    check_graph(graph)
     values, all_inputs = [], []
     for n_op, op in enumerate(graph.ops):
         intra, inputs = _sequence_tables(op, L, mu)
@@ -196,6 +198,7 @@ def exhaustive_sequences(graph: Graph, p: int, mu: float = MU, rho: float = RHO,
     ValueError when there are more than ``max_plans`` combinations of legal sequences.
     """
     L = log2_devices(p)
+    check_graph(graph)
     legal = []
     for op in graph.ops:
         cost, _ = _sequence_tables(op, L, mu)
