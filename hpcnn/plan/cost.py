@@ -1,0 +1,293 @@
+"""Operator-level costs of the hybrid-parallel planner (H. Wang's HSM2DL, MindSpore's SAPP).
+
+A model is a graph of matmul-like operators ``y[i, j] = sum_k x[i, k] W[k, j]`` (``i`` batch rows,
+``k`` reduction, ``j`` output features); elementwise operators have no cut of their own and follow
+their producer (:func:`chain` folds them into the edge that passes through them).
+
+Two costs, the first to search with, the second to price a finished strategy:
+
+1. **SAPP cut costs**, in tensor elements, one bisection at a time (docs/REFERENCES section 3). An
+   operator's plan over ``p = 2**L`` devices is a *cut sequence*, a string of ``L`` letters from
+   ``"ijkr"``: at bisection ``t`` it halves its local extent ``i``, ``j`` or ``k``, or replicates
+   (``r``). With the local extents before the bisection:
+
+   ====== ================= ===================================================
+   cut    intra cost        why
+   ====== ================= ===================================================
+   ``i``  mu * j * k / 2    the halves hold the same weights: gradient sync
+   ``j``  i * k / 2         both halves need the whole input
+   ``k``  i * j / 2         partial sums to reduce
+   ``r``  i * j * k / 2     (the thesis is silent) the multiply-adds each half repeats, one
+                            element a multiply-add: replicating always loses to a legal cut
+                            unless redistribution pays for it, and is the only way out when no
+                            extent can be cut
+   ====== ================= ===================================================
+
+   A cut needs an even local extent >= 2. Between a producer ``a`` and a consumer ``b`` the
+   shared tensor is ``a``'s output ``y[i, j_a]`` = ``b``'s input ``x[i, k_b]``. At one bisection
+   ``a`` splits it by rows (cut ``i``), by columns (cut ``j``) or not at all (``k``: reduced,
+   ``r``: replicated); ``b`` needs it split by rows (``i``), columns (``k``) or whole (``j``,
+   ``r``).
+   The redistribution cost is ``rho * |x|_local`` (the consumer's local input before the
+   bisection) when the two splits differ, except (our choice, the thesis is silent) when the
+   producer's halves each hold the whole tensor: then each consumer half slices what it needs
+   and nothing moves. The SAPP total of a plan is the sum over bisections of all intra costs
+   and all redistribution costs. ``mu = 0.25``, ``rho = 16`` (SAPP's early values).
+
+2. **A BSP price** in seconds of a strategy of :class:`Cut` per operator on a machine
+   (PLAN_API.md's Machine: ``p``, ``bisection_level(k).message_seconds(nbytes)``,
+   ``device.compute_seconds(flops, dtype)``), as supersteps of one training step, see
+   :func:`strategy_cost`.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+MU = 0.25      # SAPP's weight of a batch cut (the gradient sync happens once per step)
+RHO = 16.0     # SAPP's weight of a redistribution between neighbours
+CUTS = "ijkr"  # the four choices at one bisection; this order breaks ties
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+# How each choice lays out the shared tensor at one bisection: "row", "col" or None (whole).
+PRODUCER_SPLIT = {"i": "row", "j": "col", "k": None, "r": None}   # of its output y[i, j]
+CONSUMER_SPLIT = {"i": "row", "k": "col", "j": None, "r": None}   # of its input x[i, k]
+
+
+class Matmul(NamedTuple):
+    """y[i, j] = x[i, k] @ W[k, j]: i batch rows, k reduction, j output features."""
+    i: int
+    k: int
+    j: int
+    name: str = ""
+
+
+class Elementwise(NamedTuple):
+    """An operator with no cut of its own (activation, bias, dropout): it follows its producer."""
+    name: str = ""
+
+
+class Cut(NamedTuple):
+    """PLAN_API.md's layout of one Linear over p devices; p / (batch*reduce*out) replicas."""
+    batch: int
+    reduce: int
+    out: int
+
+
+class Graph(NamedTuple):
+    """Matmul operators and the edges (producer, consumer) of the tensors they share."""
+    ops: tuple
+    edges: tuple
+
+
+def chain(nodes) -> Graph:
+    """The graph of a chain of Matmul and Elementwise nodes; elementwise ones are folded away.
+
+    An elementwise node passes its producer's output on unchanged in shape, so the next matmul
+    reads its producer's tensor: the edge goes from that producer. Raises ValueError when a
+    consumer's reduction extent or batch does not match its producer's output.
+    """
+    ops, edges, last = [], [], None
+    for n, node in enumerate(nodes):
+        if isinstance(node, Elementwise):
+            continue
+        if not isinstance(node, Matmul):
+            raise ValueError(f"node {n}: {node!r} is neither Matmul nor Elementwise")
+        if min(node.i, node.k, node.j) < 1:
+            raise ValueError(f"node {n}: extents must be >= 1, "
+                             f"got i={node.i} k={node.k} j={node.j}")
+        if last is not None:
+            prev = ops[last]
+            if (prev.i, prev.j) != (node.i, node.k):
+                raise ValueError(f"node {n}: input (i={node.i}, k={node.k}) does not match the "
+                                 f"producer's output (i={prev.i}, j={prev.j})")
+            edges.append((last, len(ops)))
+        last = len(ops)
+        ops.append(node)
+    return Graph(tuple(ops), tuple(edges))
+
+
+def check_graph(graph: Graph) -> None:
+    """ValueError naming the edge when an edge leaves the operators or joins unequal shapes."""
+    n = len(graph.ops)
+    for a, b in graph.edges:
+        if not (0 <= a < n and 0 <= b < n and a != b):
+            raise ValueError(f"edge ({a}, {b}) does not join two of the {n} operators")
+        pa, pb = graph.ops[a], graph.ops[b]
+        if (pa.i, pa.j) != (pb.i, pb.k):
+            raise ValueError(f"edge ({a}, {b}): output (i={pa.i}, j={pa.j}) is not the "
+                             f"consumer's input (i={pb.i}, k={pb.k})")
+
+
+def log2_devices(p: int) -> int:
+    """L with p = 2**L; ValueError unless p is a power of two >= 1."""
+    if p < 1 or p & (p - 1):
+        raise ValueError(f"the planner bisects the devices: p ({p}) must be a power of two")
+    return p.bit_length() - 1
+
+
+def cut_costs(i: int, k: int, j: int, mu: float = MU) -> tuple:
+    """SAPP intra costs of cutting local extents (i, k, j) in two, in CUTS order; inf if illegal."""
+    inf = math.inf
+    return (mu * j * k / 2 if i % 2 == 0 else inf,
+            i * k / 2 if j % 2 == 0 else inf,
+            i * j / 2 if k % 2 == 0 else inf,
+            i * j * k / 2)
+
+
+def redistribution_cost(producer_cut: str, consumer_cut: str, local_input: float,
+                        rho: float = RHO) -> float:
+    """rho * |x| when the producer's split of the shared tensor is not the consumer's."""
+    have = PRODUCER_SPLIT[producer_cut]
+    if have is None or have == CONSUMER_SPLIT[consumer_cut]:
+        return 0.0
+    return rho * local_input
+
+
+def local_extents(op: Matmul, prefix: str) -> tuple:
+    """(i, k, j) of one device's part after the cuts of ``prefix``."""
+    return (op.i >> prefix.count("i"), op.k >> prefix.count("k"), op.j >> prefix.count("j"))
+
+
+def sapp_cost(graph: Graph, sequences, mu: float = MU, rho: float = RHO) -> float:
+    """The SAPP total of a plan: one cut sequence per operator, all of the same length L.
+
+    inf when a sequence cuts an odd extent or an extent of 1.
+    """
+    if len(sequences) != len(graph.ops):
+        raise ValueError(f"{len(sequences)} sequences for {len(graph.ops)} operators")
+    lengths = {len(s) for s in sequences}
+    if len(lengths) > 1:
+        raise ValueError(f"cut sequences of different lengths {sorted(lengths)}")
+    total = 0.0
+    inputs = []                       # per operator, its local input size before each bisection
+    for op, seq in zip(graph.ops, sequences):
+        i, k, j = op.i, op.k, op.j
+        sizes = []
+        for c in seq:
+            sizes.append(i * k)
+            total += cut_costs(i, k, j, mu)[CUTS.index(c)]
+            i, k, j = (i // 2 if c == "i" else i, k // 2 if c == "k" else k,
+                       j // 2 if c == "j" else j)
+        inputs.append(sizes)
+    for a, b in graph.edges:
+        for t, (ca, cb) in enumerate(zip(sequences[a], sequences[b])):
+            total += redistribution_cost(ca, cb, inputs[b][t], rho)
+    return total
+
+
+def to_cut(sequence: str, p: int) -> Cut:
+    """The product of a cut sequence's halvings: Cut(batch=2**#i, reduce=2**#k, out=2**#j)."""
+    if 2 ** len(sequence) != p:
+        raise ValueError(f"sequence {sequence!r} has {len(sequence)} bisections, p = {p}")
+    return Cut(2 ** sequence.count("i"), 2 ** sequence.count("k"), 2 ** sequence.count("j"))
+
+
+# ---------------------------------------------------------------- the BSP price of a strategy
+
+class Term(NamedTuple):
+    """One superstep's contribution: what it is, its formula in the machine's symbols, seconds."""
+    what: str
+    formula: str
+    seconds: float
+
+
+class StrategyCost(NamedTuple):
+    terms: tuple
+
+    @property
+    def seconds(self) -> float:
+        return float(sum(t.seconds for t in self.terms))
+
+    def formula(self) -> str:
+        return " + ".join(t.formula for t in self.terms)
+
+
+def _level(machine, span: int):
+    """The level of the outermost bisection a group of ``span`` consecutive devices crosses."""
+    L = log2_devices(machine.p)
+    return machine.bisection_level(L - log2_devices(span))
+
+
+def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term | None:
+    """Ring allreduce of nbytes over n devices ``stride`` apart: 2(n-1) messages of nbytes/n."""
+    if n == 1 or nbytes == 0:
+        return None
+    lvl = _level(machine, n * stride)
+    piece = nbytes / n
+    return Term(what, f"2*({n}-1)*(L_{lvl.name} + {piece:g}*g_{lvl.name})",
+                2 * (n - 1) * lvl.message_seconds(piece))
+
+
+def _matches(p: int, a: Cut, b: Cut) -> bool:
+    """True when every device already holds the part of a's output that b's input needs there.
+
+    Device d's coordinates are numpy.unravel_index(d, (r, nb, nk, nj)) (PLAN_API.md); after the
+    reduction over nk a device holds y[b-part of nb, j-part of nj] of its producer and needs
+    x[b-part of nb', k-part of nk'] as the consumer. Parts nest when the finer count is a
+    multiple of the coarser one and the fine index falls inside the coarse one.
+    """
+    d = np.arange(p)
+    have_row = d // (a.reduce * a.out) % a.batch
+    have_col = d % a.out
+    need_row = d // (b.reduce * b.out) % b.batch
+    need_col = d // b.out % b.reduce
+    if b.batch % a.batch or b.reduce % a.out:
+        return False
+    return bool(np.all(need_row // (b.batch // a.batch) == have_row)
+                and np.all(need_col // (b.reduce // a.out) == have_col))
+
+
+def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32") -> StrategyCost:
+    """BSP seconds of one training step of ``graph`` with one Cut per operator on ``machine``.
+
+    Supersteps per operator with Cut(nb, nk, nj), c = nb*nk*nj, r = p/c replicas:
+      - compute: forward, input gradient and weight gradient, 3 * 2*i*j*k/c FLOPs at the
+        device rate;
+      - forward reduction of the partial y[i/nb, j/nj] over the nk group (stride nj);
+      - backward reduction of the partial dx[i/nb, k/nk] over the nj group (stride 1);
+      - gradient allreduce of the weight part W[k/nk, j/nj] over the nb*r devices holding it
+        (stride nk*nj): the replicas and the batch group;
+    and per edge whose layouts differ (:func:`_matches` false), a redistribution of the consumer's
+    local input x[i/nb', k/nk'] in the forward and of its gradient in the backward, one message
+    each at the level of the larger of the two operators' partition groups (our choice: the
+    thesis prices redistribution by volume only; we charge the consumer's whole local input as one
+    message, an upper bound for allgather/alltoall/slicing).
+
+    A group of n devices spaced ``stride`` apart spans n*stride consecutive devices; its level is
+    the one of the outermost bisection it crosses, machine.bisection_level(log2 p - log2 span).
+    Allreduces are rings, 2(n-1) messages of bytes/n. Supersteps add (no overlap).
+    """
+    p = machine.p
+    size = DTYPE_BYTES[dtype]
+    if len(cuts) != len(graph.ops):
+        raise ValueError(f"{len(cuts)} cuts for {len(graph.ops)} operators")
+    terms = []
+    for n, (op, c) in enumerate(zip(graph.ops, cuts)):
+        width = c.batch * c.reduce * c.out
+        if p % width:
+            raise ValueError(f"operator {n}: {c} uses {width} devices, "
+                             f"which does not divide p = {p}")
+        flops = 3 * 2 * op.i * op.j * op.k / width
+        terms.append(Term(f"op{n} compute", f"3*2*{op.i}*{op.j}*{op.k}/{width}/F_{dtype}",
+                          machine.device.compute_seconds(flops, dtype)))
+        rows = op.i / c.batch
+        for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out,
+                             rows * op.j / c.out * size),
+                  _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size),
+                  _allreduce(machine, f"op{n} grad allreduce", c.batch * (p // width),
+                             c.reduce * c.out, op.k / c.reduce * op.j / c.out * size)):
+            if t is not None:
+                terms.append(t)
+    for a, b in graph.edges:
+        ca, cb = cuts[a], cuts[b]
+        if _matches(p, ca, cb):
+            continue
+        span = max(x.batch * x.reduce * x.out for x in (ca, cb))
+        lvl = _level(machine, span)
+        nbytes = graph.ops[b].i / cb.batch * graph.ops[b].k / cb.reduce * size
+        terms.append(Term(f"redistribute {a}->{b}", f"2*(L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
+                          2 * lvl.message_seconds(nbytes)))
+    return StrategyCost(tuple(terms))
