@@ -67,6 +67,9 @@ def test_read_plan(tmp_path):
         bad.write_text(json.dumps(plan))
         with pytest.raises(ValueError, match=msg):
             read_plan(bad)
+    with pytest.raises(ValueError, match="a plan for 4 devices, run on 2"):
+        read_plan(good, devices=2)
+    assert read_plan(good, devices=4)[0] == Cut(2, 1, 2)
     bad = tmp_path / "notjson.json"
     bad.write_text("{devices: 2")
     with pytest.raises(ValueError, match="not JSON"):

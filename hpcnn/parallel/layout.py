@@ -2,7 +2,7 @@
 redistributions between neighbours whose layouts differ.
 
 A layout of one Linear y[b, j] = sum_k x[b, k] W[k, j] is ``Cut(batch=nb, reduce=nk, out=nj)``
-(docs: notes PLAN_API, "Layouts of a chain"): nb * nk * nj divides p, the remaining factor
+(the planner's convention, docs/architecture.md): nb * nk * nj divides p, the remaining factor
 r = p / (nb nk nj) replicates. Device d has coordinates ``(r_, b, k, j) =
 numpy.unravel_index(d, (r, nb, nk, nj))``; it holds W[k-part, j-part] and the bias j-part, reads
 x[b-part, k-part] and computes y[b-part, j-part], the partial products summed over the nk devices
@@ -94,10 +94,11 @@ class Cut:
         return f"Cut(batch={self.batch}, reduce={self.reduce}, out={self.out})"
 
 
-def read_plan(path) -> list:
+def read_plan(path, devices: int | None = None) -> list:
     """The list of :class:`Cut` (one per Linear, chain order) of a JSON plan file
     ``{"devices": p, "layers": [{"batch": nb, "reduce": nk, "out": nj}, ...]}``; ValueError
-    naming the file and the values on bad input (every cut must fit ``devices``)."""
+    naming the file and the values on bad input (every cut must fit ``devices``; with
+    ``devices`` given, e.g. the communicator's size, the file's must equal it)."""
     with open(path) as f:
         try:
             plan = json.load(f)
@@ -109,6 +110,8 @@ def read_plan(path) -> list:
     p = plan["devices"]
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise ValueError(f"{path}: devices must be an integer >= 1, got {p!r}")
+    if devices is not None and p != devices:
+        raise ValueError(f"{path}: a plan for {p} devices, run on {devices}")
     layers = plan["layers"]
     if not isinstance(layers, list) or not layers:
         raise ValueError(f"{path}: layers must be a non-empty list, got {layers!r}")
@@ -298,15 +301,18 @@ class Redistribute(Block):
         self.dtype, self.name = backend.dtype_of(dtype), name
         self._plans = {}                 # (n_rows, forward?) -> _Move: a pure memo of plan_move
 
+    def _exchanges_rows(self) -> bool:
+        """True when the full batch size is not known locally (see :meth:`_rows`)."""
+        return self.src.rows > 1 and not self.src.same_rows(self.dst)
+
     def _rows(self, x) -> int:
         """The full batch size, from this device's rows (one scalar all-gather when the source
         cuts the batch differently from the target)."""
         local = int(x.shape[0])
-        if self.src.rows == 1:
-            return local
-        if self.src.same_rows(self.dst):
-            # only devices holding the same row part exchange data: a batch of equal parts of
-            # this size puts every piece at the same local rows
+        if not self._exchanges_rows():
+            # src.rows == 1: this device holds the whole batch. Same row parts: only devices
+            # holding the same row part exchange data, so a batch of equal parts of this size
+            # puts every piece at the same local rows
             return local * self.src.rows
         counts = self.comm.allgather_scalars([local])[:, 0]
         first = {}
@@ -314,7 +320,8 @@ class Redistribute(Block):
             first.setdefault(i, d)
         return int(sum(counts[d] for d in first.values()))
 
-    def _move(self, x, n_rows, forward: bool):
+    def _plan(self, n_rows: int, forward: bool):
+        """(whether any piece crosses devices, this device's :class:`_Move`), memoised."""
         key = (n_rows, forward)
         if key not in self._plans:
             a, b = (self.src, self.dst) if forward else (self.dst, self.src)
@@ -323,7 +330,10 @@ class Redistribute(Block):
             rows_seen = max(n_rows, a.rows * b.rows)
             self._plans[key] = (crosses(a, b, rows_seen, self.features),
                                 plan_move(a, b, n_rows, self.features, self.comm.rank))
-        comm_needed, move = self._plans[key]
+        return self._plans[key]
+
+    def _move(self, x, n_rows, forward: bool):
+        comm_needed, move = self._plan(n_rows, forward)
         if not comm_needed:                          # a sub-part of what this device holds
             return backend.xp.ascontiguousarray(x[_local(move.need, move.have)])
         return run_move(self.comm, move, x)
@@ -345,16 +355,25 @@ class Redistribute(Block):
                                       + sum(moved_elements(self.dst, self.src, n_rows, f)))
 
     def spec(self, x_shape):
-        n_rows = int(x_shape[0]) * self.src.rows      # exact for a batch of equal parts
+        """Shapes for a batch of equal parts (x_shape[0] rows per part); ``comm_bytes``: what
+        this rank's alltoallv calls send forward and backward (plus the batch-size all-gather
+        where there is one), as counted."""
+        n_rows = int(x_shape[0]) * self.src.rows
         me = self.comm.rank
         (r0, r1), (c0, c1) = self.dst.block(me, n_rows, self.features)
         out = (r1 - r0, c1 - c0)
-        got = (moved_elements(self.src, self.dst, n_rows, self.features)[me]
-               + moved_elements(self.dst, self.src, n_rows, self.features)[me])
+        sent = 0
+        for forward in (True, False):
+            comm_needed, move = self._plan(n_rows, forward)
+            if comm_needed:
+                sent += sum(_size(r) for q, rects in enumerate(move.sends) if q != me
+                            for r in rects) * self.dtype.itemsize
+        if self._exchanges_rows():
+            sent += 8 * (self.comm.size - 1)         # allgather_scalars of one float64
         nx, ny = backend.nbytes(x_shape, self.dtype), backend.nbytes(out, self.dtype)
         return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=out, flops_fwd=0,
                          flops_bwd=0, bytes_x=nx, bytes_y=ny, bytes_cache=0, bytes_params=0,
-                         comm_bytes=got * self.dtype.itemsize)
+                         comm_bytes=sent)
 
 
 def part_size(placement: Placement, d: int, features: int) -> int:
@@ -365,16 +384,17 @@ def part_size(placement: Placement, d: int, features: int) -> int:
 # -- the Linear ------------------------------------------------------------------------------------
 class LayoutParameter(Parameter):
     """A Parameter holding the block ``rows`` x ``cols`` ([start, stop) pairs; ``cols`` None for
-    a vector) of the full array ``full_shape``. ``tp_axis`` is None: the checkpoint and
-    grad-norm code of tensor parallelism do not read two-axis blocks (see :func:`gather_full`)."""
+    a vector) of the full array ``full_shape``; ``owner`` marks the one copy of each block that
+    :func:`gather_full` counts. It has no ``tp_axis``: the tensor-parallel checkpoint and
+    gradient-norm code, which read one cut axis, do not apply to two-axis blocks (layouts are not
+    wired into ``hpcnn train``)."""
 
-    __slots__ = ("rows", "cols", "full_shape", "owner", "tp_axis")
+    __slots__ = ("rows", "cols", "full_shape", "owner")
 
     def __init__(self, data, name, rows, cols, full_shape, owner):
         super().__init__(data, name)
         self.rows, self.cols, self.full_shape = rows, cols, tuple(full_shape)
-        self.owner = bool(owner)       # the one copy that counts when gathering the full array
-        self.tp_axis = None
+        self.owner = bool(owner)
 
 
 class LayoutLinearCache(NamedTuple):
@@ -404,6 +424,13 @@ class _Groups:
                                  stats=comm.stats, name=f"{name}.{label}")
             setattr(self, label, g)
 
+    def free(self) -> None:
+        """Free the MPI sub-communicators (collective over the parent, like their Split)."""
+        for label in ("batch", "reduce", "out"):
+            g = getattr(self, label)
+            if g.size > 1:
+                g.comm.Free()
+
 
 class LayoutLinear(Block):
     """A Linear (n_in -> n_out) laid out by ``cut`` over the ranks of ``comm``.
@@ -424,10 +451,9 @@ class LayoutLinear(Block):
         for what, n, parts in (("input", n_in, cut.reduce), ("output", n_out, cut.out)):
             if parts > n:
                 raise ValueError(f"{name}: {cut} cuts {n} {what} features in {parts} parts")
-        self.name, self.n_in, self.n_out, self.cut, self.comm = name, int(n_in), int(n_out), cut, comm
-        self.dtype = backend.dtype_of(dtype)
-        _, b, k, j = cut.coords(comm.rank, comm.size)
-        rep = cut.coords(comm.rank, comm.size)[0]
+        self.name, self.n_in, self.n_out = name, int(n_in), int(n_out)
+        self.cut, self.comm, self.dtype = cut, comm, backend.dtype_of(dtype)
+        rep, b, k, j = cut.coords(comm.rank, comm.size)
         full = Linear(n_in, n_out, seed=seed, index=index, init_std=init_std, dtype=dtype,
                       name=name, keep=keep)              # the serial initialisation
         self.rows, self.cols = part_range(n_in, cut.reduce, k), part_range(n_out, cut.out, j)
@@ -450,6 +476,9 @@ class LayoutLinear(Block):
         return y, LayoutLinearCache(x=x)
 
     def backward(self, dy, cache):
+        """From y = x W + b, y summed over the reduce group: dW = x^T dy and db = sum_rows dy,
+        summed over the batch group (the batch parts); dx = dy W^T, summed over the out group
+        (x was read by every j part)."""
         xp = backend.xp
         nw = self.weight.size
         flat = xp.empty(nw + self.bias.size, dtype=dy.dtype)   # [dW | db] partial over batch
@@ -477,6 +506,14 @@ class LayoutLinear(Block):
                          flops_fwd=mm + n * jw, flops_bwd=2 * mm + n * jw,
                          bytes_x=n * kw * it, bytes_y=n * jw * it, bytes_cache=n * kw * it,
                          bytes_params=(kw * jw + jw) * it, comm_bytes=comm, cache_has_x=True)
+
+
+def free_layout(model) -> None:
+    """Free the sub-communicators of every :class:`LayoutLinear` of ``model`` (a Chain): call
+    on every rank when the model is no longer used."""
+    for block in model.blocks:
+        if isinstance(block, LayoutLinear):
+            block.groups.free()
 
 
 def _block(full, index):
