@@ -32,7 +32,11 @@ it does not hold itself (from a device that holds it; ties spread over the repli
     itemsize * sum_t (|need_t| - |need_t intersect have_t|)        (elements of rectangles)
 
 whatever replica each piece comes from; rank t *receives* its own term. A backward moves the
-gradient with source and target swapped. When the source cuts the batch into parts that the
+gradient with source and target swapped. For a (B, F) activation and parts that divide evenly:
+batch rows over p -> every device the whole: each rank receives (B - B/p) F elements forward, 0
+backward (a slice; the all-gather's (p-1)/p of the full size); data parallel output Cut(p, 1, 1)
+-> Megatron row input Cut(1, p, 1): each rank needs B x F/p and holds B/p x F/p, so receives
+(1 - 1/p) B F/p each way (an all-to-all). When the source cuts the batch into parts that the
 target does not cut the same way, the full batch size is not known locally: one
 ``allgather_scalars`` of one float64 per rank (8 (p-1) bytes counted) finds it first.
 
