@@ -15,6 +15,7 @@ from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowPa
                                    ShardDropout)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
 from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
+from hpcnn.parallel.layout import Cut, LayoutLinear, Placement, Redistribute
 from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 from cachecheck import block_kinds, grads_accumulate, spec_matches_cache
@@ -70,7 +71,11 @@ def cases():
            ("pembedding-sp", VocabParallelEmbedding(comm, V, C, T, sequence_parallel=True, **kw),
             tok),
            ("shard-dropout", ShardDropout(0.3, axis=1, rank=0, size=1, **kw), seq),
-           ("pconv", ChannelParallelConv2d(comm, 3, 4, 3, padding=1, **kw), img)]
+           ("pconv", ChannelParallelConv2d(comm, 3, 4, 3, padding=1, **kw), img),
+           # per-layer layouts on one rank (multi-rank: tests/mpi/layout_chain.py)
+           ("layout-linear", LayoutLinear(C, 8, Cut(), comm, **kw), seq.reshape(-1, C)),
+           ("redistribute", Redistribute(Placement.full(1), Placement.full(1), C, comm, **kw),
+            seq.reshape(-1, C))]
     out = [(name, block, x, None) for name, block, x in out]
     out += [("xent", SoftmaxCrossEntropy(), logits, targets),
             ("xent-sum", SoftmaxCrossEntropy(reduction="sum"), logits, targets),
@@ -227,7 +232,7 @@ def test_no_module_level_switch_in_the_blocks():
     import weakref
     names = [f"hpcnn.nn.{m.name}" for m in pkgutil.iter_modules(hpcnn.nn.__path__)]
     names += [f"hpcnn.parallel.{m}" for m in ("tensor", "tensor_attn", "tensor_conv",
-                                              "tensor_vocab", "tp_comm", "tp_models")]
+                                              "tensor_vocab", "tp_comm", "tp_models", "layout")]
     allowed = {("hpcnn.nn.layers", "_FILLED")}
     mutable = (dict, list, set, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
     for name in names:

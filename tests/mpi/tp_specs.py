@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import hpcnn.parallel
 from hpcnn.parallel.collectives import CommStats, Communicator
+from hpcnn.parallel.layout import Cut, LayoutLinear, Placement, Redistribute
 from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
                                    ShardDropout, replicated_layernorm)
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
@@ -74,6 +75,15 @@ for sp in (False, True):
         check(f"sp={sp} xent-{reduction}", VocabParallelCrossEntropy(comm, reduction=reduction),
               logits, targets)
 check("conv", ChannelParallelConv2d(comm, 3, 4 * P, 3, padding=1, **kw), img)
+# per-layer layouts (the serial equivalence and byte counts: tests/mpi/layout_chain.py)
+rows = full.reshape(-1, C)                            # (B T, C), every rank
+check("layout-col", LayoutLinear(C, H, Cut(1, 1, P), comm, name="lc", **kw), rows)
+check("layout-row", LayoutLinear(C, H, Cut(1, P, 1), comm, name="lr", **kw),
+      rows[:, C // P * r:C // P * (r + 1)].copy())
+own_rows = rows[B * T // P * r:B * T // P * (r + 1)].copy()
+check("redistribute", Redistribute(Placement.output_of(Cut(P, 1, 1), P),
+                                   Placement.input_of(Cut(1, P, 1), P), C, comm,
+                                   dtype=np.float64), own_rows)
 missing = block_kinds(hpcnn.parallel) - covered
 assert not missing, f"sharded kinds not checked: {sorted(k.__name__ for k in missing)}"
 assert not failures, "\n".join(failures)

@@ -238,6 +238,35 @@ class Communicator:
                         lambda: self.comm.Allgather(s, r))
         return recvbuf
 
+    def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        """Personalised all-to-all: this rank sends ``sendcounts[q]`` elements to rank q and
+        receives ``recvcounts[q]`` from it, each block contiguous in rank order in the flat,
+        contiguous ``sendbuf``/``recvbuf`` (``MPI_Alltoallv``; the two count lists of a pair of
+        ranks must agree). Counted under ``alltoallv`` as the bytes sent to the other ranks
+        (point-to-point convention: the block a rank keeps for itself leaves nothing).
+        One rank: ``recvbuf`` = its own block."""
+        sendcounts = [int(c) for c in sendcounts]
+        recvcounts = [int(c) for c in recvcounts]
+        if len(sendcounts) != self.size or len(recvcounts) != self.size:
+            raise ValueError(f"alltoallv: {len(sendcounts)} send and {len(recvcounts)} receive "
+                             f"counts on {self.size} ranks")
+        if sum(sendcounts) > sendbuf.size or sum(recvcounts) > recvbuf.size:
+            raise ValueError(f"alltoallv: counts sum to {sum(sendcounts)} sent, "
+                             f"{sum(recvcounts)} received; buffers hold {sendbuf.size}, "
+                             f"{recvbuf.size}")
+        if self.size == 1:
+            t = _perf()
+            recvbuf.reshape(-1)[:recvcounts[0]] = sendbuf.reshape(-1)[:sendcounts[0]]
+            self.stats.add("alltoallv", 0, _perf() - t)
+            return recvbuf
+        sdispl = numpy.concatenate([[0], numpy.cumsum(sendcounts)[:-1]]).astype(int).tolist()
+        rdispl = numpy.concatenate([[0], numpy.cumsum(recvcounts)[:-1]]).astype(int).tolist()
+        nbytes = (sum(sendcounts) - sendcounts[self.rank]) * sendbuf.dtype.itemsize
+        with host_buffers(sendbuf, recvbuf, writeback=(1,)) as (s, r):
+            self._timed("alltoallv", nbytes, lambda: self.comm.Alltoallv(
+                [s, (sendcounts, sdispl)], [r, (recvcounts, rdispl)]))
+        return recvbuf
+
     def allgather_scalars(self, values) -> numpy.ndarray:
         """(p, k) float64 array of every rank's k numbers (speeds, timings)."""
         a = numpy.ascontiguousarray(values, dtype=numpy.float64).reshape(-1)
