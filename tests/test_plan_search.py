@@ -14,7 +14,7 @@ from hpcnn.plan.search import (chain_dp, chain_dp_sequences, dra, dra_sequences,
                                exhaustive_sequences)
 
 
-# ----------------------------------------------------------- a machine with PLAN_API.md's interface
+# ------------------------------------ a stand-in with the interface of hpcnn.plan.machine.Machine
 
 class _Level:
     def __init__(self, name, latency_s, seconds_per_byte):

@@ -35,7 +35,7 @@ Two costs, the first to search with, the second to price a finished strategy:
    and all redistribution costs. ``mu = 0.25``, ``rho = 16`` (SAPP's early values).
 
 2. **A BSP price** in seconds of a strategy of :class:`Cut` per operator on a machine
-   (PLAN_API.md's Machine: ``p``, ``bisection_level(k).message_seconds(nbytes)``,
+   (:class:`hpcnn.plan.machine.Machine`: ``p``, ``bisection_level(k).message_seconds(nbytes)``,
    ``device.compute_seconds(flops, dtype)``), as supersteps of one training step, see
    :func:`strategy_cost`.
 """
@@ -45,6 +45,8 @@ import math
 from typing import NamedTuple
 
 import numpy as np
+
+from hpcnn.parallel.layout import Cut   # the layout the executor runs (one definition)
 
 MU = 0.25      # SAPP's weight of a batch cut (the gradient sync happens once per step)
 RHO = 16.0     # SAPP's weight of a redistribution between neighbours
@@ -67,13 +69,6 @@ class Matmul(NamedTuple):
 class Elementwise(NamedTuple):
     """An operator with no cut of its own (activation, bias, dropout): it follows its producer."""
     name: str = ""
-
-
-class Cut(NamedTuple):
-    """PLAN_API.md's layout of one Linear over p devices; p / (batch*reduce*out) replicas."""
-    batch: int
-    reduce: int
-    out: int
 
 
 class Graph(NamedTuple):
@@ -224,7 +219,7 @@ def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term |
 def _matches(p: int, a: Cut, b: Cut) -> bool:
     """True when every device already holds the part of a's output that b's input needs there.
 
-    Device d's coordinates are numpy.unravel_index(d, (r, nb, nk, nj)) (PLAN_API.md); after the
+    Device d's coordinates are numpy.unravel_index(d, (r, nb, nk, nj)) (:meth:`hpcnn.parallel.layout.Cut.coords`); after the
     reduction over nk a device holds y[b-part of nb, j-part of nj] of its producer and needs
     x[b-part of nb', k-part of nk'] as the consumer. Parts nest when the finer count is a
     multiple of the coarser one and the fine index falls inside the coarse one.
