@@ -103,6 +103,7 @@ class TrainConfig:
     resume: str = ""                    # checkpoint to start from (any dp/tp/pp layout)
     progress: bool = True               # print a progress line on rank 0
     show_schedule: bool = False         # print (and log) each rank's first step as the schedule it ran
+    plan: str = ""                      # MLP: per-Linear layouts over the --tp ranks: a JSON plan file, or auto (the planner's search)
 
     def resolved(self) -> "TrainConfig":
         """A copy with derived defaults filled in (dataset, log path), validated."""
@@ -189,7 +190,7 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
 # options with any value of their type: switches and paths; layout, speeds and slowdown are
 # parsed by _syntax_errors
 FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "progress", "show_schedule",
-        "log", "checkpoint", "resume", "layout", "speeds", "slowdown")
+        "log", "checkpoint", "resume", "layout", "speeds", "slowdown", "plan")
 
 
 def option_errors(c: TrainConfig) -> list[str]:
@@ -270,8 +271,21 @@ def combination_errors(c: TrainConfig) -> list[str]:
 
 def _tensor_parallel_errors(c: TrainConfig, need) -> None:
     """What the shards need: ``need(ok, message)`` for each tensor-parallel combination."""
-    need(not (c.tp > 1 and c.model == "mlp"),
-         f"tp={c.tp} with model='mlp': tensor parallelism is built for gpt and cnn")
+    need(not (c.tp > 1 and c.model == "mlp" and not c.plan),
+         f"tp={c.tp} with model='mlp': tensor parallelism is built for gpt and cnn (an MLP "
+         f"is laid out over tp ranks by --plan)")
+    if c.plan:
+        need(c.model == "mlp" and c.dp == 1 and c.pp == 1,
+             f"plan={c.plan!r}: per-layer layouts are built for model='mlp' over the --tp ranks "
+             f"with dp=1 and pp=1 (batch cuts are part of the plan), got model={c.model!r}, "
+             f"dp={c.dp}, pp={c.pp}")
+        need(c.plan != "auto" or c.tp & (c.tp - 1) == 0,
+             f"plan='auto' with tp={c.tp}: the search bisects the devices, tp must be a power "
+             f"of two (or give a plan file)")
+        need(not (c.clip > 0 or c.checkpoint or c.resume or c.remat != "none"),
+             f"plan={c.plan!r} with clip={c.clip}, checkpoint={c.checkpoint!r}, "
+             f"resume={c.resume!r}, remat={c.remat!r}: laid-out layers run without clipping, "
+             f"checkpoints and remat for now")
     if c.tp > 1 and c.model == "gpt":
         need(c.n_heads % c.tp == 0, f"n_heads={c.n_heads} with tp={c.tp}: attention heads "
                                     f"({c.n_heads}) is not divisible by tp ({c.tp})")

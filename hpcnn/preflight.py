@@ -59,9 +59,26 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     errs = datasets.misfits(cfg, data)
     if not errs and cfg.pp > 1:
         errs += _stage_errors(cfg, data)
+    if cfg.plan and cfg.plan != "auto":
+        errs += _plan_errors(cfg)
     if errs:
         raise ConfigError("invalid configuration: " + "; ".join(errs))
     return data
+
+
+def _plan_errors(cfg: TrainConfig) -> list[str]:
+    """--plan=FILE: the file reads and its layouts fit the --tp ranks (every rank reads it)."""
+    from hpcnn.parallel.layout import read_plan
+    try:
+        cuts = read_plan(cfg.plan, devices=cfg.tp)
+    except OSError as e:
+        return [f"plan={cfg.plan!r}: cannot read the plan file ({e.strerror})"]
+    except ValueError as e:
+        return [str(e)]
+    n_layers = len(cfg.hidden) + 1
+    return [] if len(cuts) == n_layers else [
+        f"plan={cfg.plan!r}: {len(cuts)} layouts for the MLP's {n_layers} Linear layers "
+        f"(hidden={','.join(map(str, cfg.hidden))})"]
 
 
 def _stage_errors(cfg: TrainConfig, data) -> list[str]:

@@ -32,6 +32,7 @@ class Task:
     data: object
     model: object
     steps: int
+    layout: list | None = None        # --plan: the Cut of each Linear
 
     @property
     def is_text(self) -> bool:
@@ -107,6 +108,26 @@ def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
     return -(-vocab // m) * m
 
 
+def _laid_out_mlp(cfg, data, comm, dtype, keep):
+    """--plan: the MLP with each Linear laid out as the plan file says, or as the planner's
+    double recursive algorithm chooses for this batch and these widths (``auto``)."""
+    from hpcnn.parallel import layout
+    from hpcnn.parallel.collectives import Communicator
+    comm = comm if comm is not None else Communicator.single("tp")
+    dims = [data.x_train.shape[1], *cfg.hidden, data.n_classes]
+    if cfg.plan == "auto":
+        from hpcnn.plan import cost, search
+        nodes = []
+        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+            nodes += [cost.Matmul(cfg.batch_size, a, b, f"fc{i}"), cost.Elementwise(f"relu{i}")]
+        cuts = search.dra(cost.chain(nodes[:-1]), comm.size)[0]
+    else:
+        cuts = layout.read_plan(cfg.plan, devices=comm.size)
+    model = layout.layout_mlp(dims[0], cfg.hidden, dims[-1], cuts, comm, seed=cfg.seed,
+                              dtype=dtype, keep=keep)
+    return model, cuts
+
+
 def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None) -> Task:
     """Load the data (unless given) and build the model named by a resolved config (sharded
     over ``tp_comm``). ``keep``: the names of the parameters given storage (None: all; the
@@ -115,6 +136,11 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None) -> Task:
     tp = tp_comm is not None and tp_comm.size > 1
     data = data if data is not None else datasets.for_config(cfg)
     if cfg.dataset == "digits":
+        if cfg.model == "mlp" and cfg.plan:
+            model, cuts = _laid_out_mlp(cfg, data, tp_comm, dtype, keep)
+            spe = datasets.steps_per_epoch(len(data.y_train), cfg.batch_size)
+            return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)),
+                        layout=cuts)
         if cfg.model == "mlp":
             model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed,
                                dtype=dtype, keep=keep)

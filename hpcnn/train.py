@@ -12,6 +12,7 @@ the log. Only rank 0 writes the log and prints::
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -27,9 +28,12 @@ from hpcnn.task import build_task, metrics_from_sums
 
 def whole_model_params(model, tp: int = 1) -> int:
     """Parameters of the whole model, whatever this rank stores: a tensor-parallel shard (one of
-    ``tp``) counts for all of them, a pipeline rank's placeholders for the stages they stand for."""
-    return sum(p.size * (tp if getattr(p, "tp_axis", None) is not None else 1)
-               for p in model.params)
+    ``tp``) counts for all of them, a laid-out block (``full_shape``) for its whole array, a
+    pipeline rank's placeholders for the stages they stand for."""
+    seen = {p.name: (math.prod(p.full_shape) if hasattr(p, "full_shape") else
+                     p.size * (tp if getattr(p, "tp_axis", None) is not None else 1))
+            for p in model.params}
+    return sum(seen.values())
 
 
 def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -> str:
@@ -126,13 +130,13 @@ def _open_log(cfg, ctx, task, start: int, command_line):
                   # overlap as run: off with rd, cma and pipelines, whatever --overlap says
                   "overlap": ctx.engine.overlap if ctx.grid is not None else cfg.overlap,
                   "allreduce_calibration": ctx.calibration,
+                  "operator_layout": [[c.batch, c.reduce, c.out] for c in task.layout or ()],
                   "resumed_from": cfg.resume, "start_step": start})
     return log
 
 
 def _flush_ranks(ctx, log, rows, events) -> None:
-    """Every rank's per-step rows and timeline events to rank 0's log (small metadata: one
-    pickled gather per log interval)."""
+    """Every rank's per-step rows and timeline events to rank 0's log (one pickled gather)."""
     gathered = ctx.world.gather_objects((rows, events), root=0)
     if log is not None:
         by_step: dict = {}

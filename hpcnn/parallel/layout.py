@@ -390,8 +390,8 @@ class LayoutParameter(Parameter):
     """A Parameter holding the block ``rows`` x ``cols`` ([start, stop) pairs; ``cols`` None for
     a vector) of the full array ``full_shape``; ``owner`` marks the one copy of each block that
     :func:`gather_full` counts. It has no ``tp_axis``: the tensor-parallel checkpoint and
-    gradient-norm code, which read one cut axis, do not apply to two-axis blocks (layouts are not
-    wired into ``hpcnn train``)."""
+    gradient-norm code, which read one cut axis, do not apply to two-axis blocks (``hpcnn train
+    --plan`` refuses --clip, --checkpoint and --resume for now)."""
 
     __slots__ = ("rows", "cols", "full_shape", "owner")
 
