@@ -1,6 +1,6 @@
 """``hpcnn simulate`` (a pipeline schedule's predicted timeline, no MPI) and ``hpcnn calibrate``
 (the allreduce table ``--allreduce=auto`` would use on these ranks, saved for them; with
-``--write=FILE`` the machine file of these ranks instead, :mod:`hpcnn.plan.measure`)."""
+``--write=FILE`` the machine file of these ranks instead, :mod:`hpcnn.parallel.collectives.measure`)."""
 from __future__ import annotations
 
 import difflib
@@ -199,7 +199,8 @@ def calibrate_machine(path: str) -> int:
     machine file PATH, named after the file."""
     from mpi4py import MPI
 
-    from hpcnn.plan import machine, measure
+    from hpcnn.parallel.collectives import measure
+    from hpcnn.plan import machine
     comm = MPI.COMM_WORLD
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):                  # every rank sees it, before any collective
@@ -233,7 +234,7 @@ def cmd_calibrate(args) -> int:
               "(delete the file it names to measure again).\n"
               "With --write: times ping-pong per size (all rank pairs at once), matmul and copy "
               "rates (rank 0 alone, then all ranks at once) and writes the machine file the "
-              "planner reads (hpcnn/plan/measure.py).\n\n"
+              "planner reads (hpcnn/parallel/collectives/measure.py).\n\n"
               + _help("calibrate", CALIBRATE))
         return 0
     args = list(args)

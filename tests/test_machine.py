@@ -1,5 +1,5 @@
 """The machine files and the hierarchical symmetric machine (hpcnn/plan/machine.py); the level fit
-of ``hpcnn calibrate --write`` (hpcnn/plan/measure.py) and the command itself, on one rank and
+of ``hpcnn calibrate --write`` (hpcnn/parallel/collectives/measure.py) and the command itself, on one rank and
 (tests/mpi/machine_calibration.py) on two."""
 import glob
 import math
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hpcnn.plan import machine as hm
-from hpcnn.plan.measure import fit_level
+from hpcnn.parallel.collectives.measure import fit_level
 from mpi_util import ROOT, run_mpi
 
 FILES = sorted(glob.glob(os.path.join(ROOT, "machines", "*.toml")))
