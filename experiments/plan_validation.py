@@ -25,12 +25,15 @@ What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet
    :func:`hpcnn.plan.cost.strategy_cost` (MLP) on the calibrated machine;
 4. per model: Kendall tau (scipy.stats.kendalltau) and MAPE of predicted against measured, the
    MAPE again after one constant scale per model (the geometric mean of measured / predicted:
-   what is left is ranking error, not a uniform offset), and the planner's choice (the best
-   priced of the enumerated layouts: ``hybrid.plan``; ``search.dra``) against the best measured.
+   what is left is ranking error, not a uniform offset), and the planner's choice against the
+   best measured: for the GPT the least priced layout (what ``hybrid.plan`` ranks first among
+   these), for the MLP the DRA's cuts (``search.dra``, what ``--plan=auto`` runs; SAPP's costs,
+   not the BSP price) and, apart, the layout of least BSP price.
 
 Memory: the GPT rows also hold the planner's memory per rank (``hybrid.price().memory_bytes``)
-and what the run logged: the largest ``peak_activation_bytes_per_rank`` + ``param_bytes_per_rank``
-of ``/plan`` (pipeline runs log them) and the largest resident set size (``/ranks``
+and what the run logged: the largest ``peak_activation_bytes_per_rank`` and
+``param_bytes_per_rank`` of ``/plan`` (pipeline runs log them; ``meas_memory_bytes`` = activations
++ 4 x parameters, see :func:`memory_from_log`) and the largest resident set size (``/ranks``
 peak_mem_bytes, which includes the interpreter and the data); -1 where not logged.
 
     python experiments/plan_validation.py [--machine=FILE] [--out=runs/plan_validation]
@@ -106,7 +109,7 @@ def gpt_cases(shape, ranks: int, microbatches, mach) -> list:
         # hpcnn train pads the vocabulary to a multiple of tp: price the model it runs
         model = hybrid.Transformer(n_layers, dim, heads, seq, -(-vocab // lay.tp) * lay.tp,
                                    batch, "float32")
-        args = [f"--model=gpt", "--dataset=sonnet", f"--n_layers={n_layers}", f"--dim={dim}",
+        args = ["--model=gpt", "--dataset=sonnet", f"--n_layers={n_layers}", f"--dim={dim}",
                 f"--n_heads={heads}", f"--block_size={seq}", f"--batch_size={batch}",
                 f"--dp={lay.dp}", f"--tp={lay.tp}", f"--pp={lay.pp}",
                 f"--schedule={lay.schedule}", f"--microbatches={lay.microbatches}",
@@ -200,6 +203,15 @@ def measure(cases, ranks: int, steps: int, folder: str, tag: str) -> dict:
     return out
 
 
+def memory_from_log(got: list) -> float:
+    """The planner's memory per rank as the runs logged it: the largest peak activation bytes
+    plus 4 x the parameter bytes (weights, gradients and AdamW's two moments: the factor is the
+    planner's assumption, the bytes are measured); -1 where the run logged neither."""
+    act = max(g["act_bytes"] for g in got)
+    par = max(g["param_bytes"] for g in got)
+    return float(act + 4 * par) if act >= 0 and par >= 0 else -1.0
+
+
 def mape(pred, meas) -> float:
     pred, meas = np.asarray(pred, float), np.asarray(meas, float)
     return float(np.mean(np.abs(pred - meas) / meas))
@@ -217,11 +229,18 @@ def summarize(model: str, rows: list, choice: str) -> dict:
     scale = float(np.exp(np.mean(np.log(meas / pred))))
     best = rows[int(np.argmin(meas))]
     chosen = next(r for r in rows if r["layout"] == choice)
+    priced = rows[int(np.argmin(pred))]
+    mem = [(r["pred_memory_bytes"], r["meas_memory_bytes"]) for r in rows
+           if r["pred_memory_bytes"] > 0 and r["meas_memory_bytes"] > 0]
     return {"model": model, "layouts": len(rows), "kendall_tau": float(tau),
             "tau_pvalue": float(pvalue), "mape": mape(pred, meas),
             "scale": scale, "mape_scaled": mape(scale * pred, meas),
             "choice": choice, "choice_meas_s": chosen["meas_s"], "best": best["layout"],
-            "best_meas_s": best["meas_s"], "choice_over_best": chosen["meas_s"] / best["meas_s"]}
+            "best_meas_s": best["meas_s"], "choice_over_best": chosen["meas_s"] / best["meas_s"],
+            "priced_best": priced["layout"],
+            "priced_best_over_best": priced["meas_s"] / best["meas_s"],
+            "memory_rows": len(mem),
+            "memory_max_error": max((abs(p / m - 1) for p, m in mem), default=math.nan)}
 
 
 def main(argv=None) -> int:
@@ -294,6 +313,7 @@ def main(argv=None) -> int:
                 "meas_act_bytes": max(g["act_bytes"] for g in got),
                 "meas_param_bytes": max(g["param_bytes"] for g in got),
                 "meas_rss_bytes": max(g["rss_bytes"] for g in got),
+                "meas_memory_bytes": memory_from_log(got),
                 "planner_choice": int(name == choices[m])})
         if mrows:
             s = summarize(m, mrows, choices[m])
@@ -302,7 +322,10 @@ def main(argv=None) -> int:
                   f"(p {s['tau_pvalue']:.2g}), MAPE {s['mape']:.1%} (after scale "
                   f"{s['scale']:.3g}: {s['mape_scaled']:.1%}); choice {s['choice']} "
                   f"{s['choice_meas_s'] * 1e3:.1f} ms, best {s['best']} "
-                  f"{s['best_meas_s'] * 1e3:.1f} ms ({s['choice_over_best'] - 1:+.1%})", flush=True)
+                  f"{s['best_meas_s'] * 1e3:.1f} ms ({s['choice_over_best'] - 1:+.1%}); "
+                  f"least priced {s['priced_best']} ({s['priced_best_over_best'] - 1:+.1%}); "
+                  f"memory within {s['memory_max_error']:.1%} on {s['memory_rows']} layouts",
+                  flush=True)
         rows += mrows
     load_after = os.getloadavg()[0]
     for s in summary:

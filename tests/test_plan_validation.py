@@ -18,10 +18,11 @@ import plan_validation  # noqa: E402
 LAYOUT_COLUMNS = {"model", "layout", "dp", "tp", "pp", "schedule", "microbatches", "remat",
                   "pred_s", "meas_s", "meas_min_s", "meas_max_s", "rounds", "steps", "load1",
                   "pred_memory_bytes", "meas_act_bytes", "meas_param_bytes", "meas_rss_bytes",
-                  "planner_choice"}
+                  "meas_memory_bytes", "planner_choice"}
 SUMMARY_COLUMNS = {"model", "layouts", "kendall_tau", "tau_pvalue", "mape", "scale",
                    "mape_scaled", "choice", "choice_meas_s", "best", "best_meas_s",
-                   "choice_over_best", "rounds", "load_before", "load_after"}
+                   "choice_over_best", "priced_best", "priced_best_over_best", "memory_rows",
+                   "memory_max_error", "rounds", "load_before", "load_after"}
 
 
 def test_mlp_layouts_cover_the_uniform_and_the_planners_choice():
@@ -53,6 +54,10 @@ def test_experiment_and_figure(tmp_path):
     assert (t["dp"] * t["tp"] * t["pp"] == 2).all()
     gpt = t["model"] == "gpt"
     assert (t["pred_memory_bytes"][gpt] > 0).all() and (t["pred_memory_bytes"][~gpt] == -1).all()
+    # pipeline runs log their peak activations and parameters: the memory comparison is made
+    piped = gpt & (t["pp"] > 1)
+    assert piped.any() and (t["meas_memory_bytes"][piped] > 0).all()
+    assert s["memory_rows"][0] == piped.sum() and np.isfinite(s["memory_max_error"][0])
     # one planner's choice per model, and the summary's figures recomputed from the rows
     for i, model in enumerate(s["model"]):
         mine = t["model"] == model
