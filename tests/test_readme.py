@@ -40,6 +40,9 @@ SCRIPT_SHORTEN = {
     "experiments/pipeline_bubble.py": ["--width=64", "--pairs=4", "--micro-batches=1,8",
                                        "--steps=1", "--warmup=0"],
     "experiments/remat_tradeoff.py": ["--quick"],
+    "experiments/plan_validation.py": ["--machine=local-2vcpu", "--rounds=1", "--gpt_steps=2",
+                                       "--mlp_steps=2", "--gpt_layouts=2", "--mlp_layouts=2",
+                                       "--hidden=16,16", "--gpt=2,16,2,8,4", "--mlp_batch=32"],
 }
 SKIP = {"make": "runs the whole test suite or demo", "pip": "changes the environment",
         "module": "changes the environment (cluster modules)"}

@@ -1,0 +1,344 @@
+"""Does the planner's cost model rank the layouts this machine runs? Predicted against measured.
+
+What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet),
+
+1. **calibrate**: ``hpcnn calibrate --write OUT/machine.toml`` on those ranks (or ``--machine=FILE``)
+   and load it: the only figures the predictions use;
+2. **enumerate** the layouts ``hpcnn train`` runs:
+
+   - a GPT (``--gpt=L,D,H,T,B``: layers, width, heads, context, global batch; sonnet, float32):
+     every dp x tp x pp of :func:`hpcnn.plan.hybrid.layouts` with one micro-batch when pp = 1 and
+     ``--microbatches`` (2, 4) with each schedule (1f1b, gpipe, zb_h1) when pp > 1, remat none
+     only: the planner's ``remat="full"`` (keep each block's input, recompute the whole block)
+     is not what ``hpcnn train --remat=sqrt`` runs (uniform checkpoints every sqrt(L) blocks), so
+     pricing one for the other would compare different programs;
+   - an MLP on digits (``--hidden``, float32, ``--mlp_batch``): per Linear one of data
+     parallel Cut(p,1,1), row Cut(1,p,1), column Cut(1,1,p) or replicated Cut(1,1,1), written as
+     plan files for ``hpcnn train --model=mlp --tp=p --plan=FILE``: all 4**n combinations
+     (``--mlp_layouts=all``) or N of them (always the uniform ones and the planner's DRA choice,
+     the rest a seeded sample);
+
+3. **measure** each with ``mpiexec -n p python -m mpi4py -m hpcnn train ... --log=``, the
+   layouts' order reversed every other round (``--rounds``), the run's figure the median
+   ``step_time`` after its first 20 % of steps (as benchmarks/loop_ab.py), the layout's figure
+   the median over rounds; **predict** with :func:`hpcnn.plan.hybrid.price` (GPT) and
+   :func:`hpcnn.plan.cost.strategy_cost` (MLP) on the calibrated machine;
+4. per model: Kendall tau (scipy.stats.kendalltau) and MAPE of predicted against measured, the
+   MAPE again after one constant scale per model (the geometric mean of measured / predicted:
+   what is left is ranking error, not a uniform offset), and the planner's choice against the
+   best measured: for the GPT the least priced layout (what ``hybrid.plan`` ranks first among
+   these), for the MLP the DRA's cuts (``search.dra``, what ``--plan=auto`` runs; SAPP's costs,
+   not the BSP price) and, apart, the layout of least BSP price.
+
+Memory: the GPT rows also hold the planner's memory per rank (``hybrid.price().memory_bytes``)
+and what the run logged: the largest ``peak_activation_bytes_per_rank`` and
+``param_bytes_per_rank`` of ``/plan`` (pipeline runs log them; ``meas_memory_bytes`` = activations
++ 4 x parameters, see :func:`memory_from_log`) and the largest resident set size (``/ranks``
+peak_mem_bytes, which includes the interpreter and the data); -1 where not logged.
+
+    python experiments/plan_validation.py [--machine=FILE] [--out=runs/plan_validation]
+        [--rounds=3] [--gpt_steps=12] [--mlp_steps=40] [--mlp_layouts=16]
+    python analysis/plan_validation.py runs/plan_validation/results.h5 docs/figures/plan_validation.png
+
+Output: OUT/results.h5, tables ``layouts`` (one row per layout) and ``summary`` (one per model),
+the machine file OUT/machine.toml when calibrated here, the plan files and run logs under OUT/runs.
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import h5py  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hpcnn.log.results import save_table  # noqa: E402
+from hpcnn.parallel.layout import Cut  # noqa: E402
+from hpcnn.plan import cost, hybrid, machine, search  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+MPIEXEC = os.path.join(BIN, "mpiexec") if os.path.exists(os.path.join(BIN, "mpiexec")) \
+    else "mpiexec"
+TRAIN = ["-m", "hpcnn", "train", "--progress=false", "--eval_interval=0", "--allreduce=mpi",
+         "--dtype=float32"]
+DIGITS = (64, 10)            # features and classes of the digits data set the MLP trains on
+
+
+def mpi_command(ranks: int, args: list) -> list:
+    return [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py"] + args
+
+
+def run_env() -> dict:
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+
+
+def calibrate(ranks: int, out: str) -> str:
+    """``hpcnn calibrate --write OUT/machine.toml`` on ``ranks`` ranks; returns the path."""
+    path = os.path.join(out, "machine.toml")
+    subprocess.run(mpi_command(ranks, ["-m", "hpcnn", "calibrate", f"--write={path}"]),
+                   cwd=ROOT, env=run_env(), check=True, stdout=subprocess.DEVNULL, timeout=900)
+    return path
+
+
+# ---------------------------------------------------------------- the layouts
+
+def gpt_vocab(dataset: str = "sonnet") -> int:
+    """The character vocabulary of the GPT's data set (what ``hpcnn train`` builds the model on)."""
+    from hpcnn.config import TrainConfig
+    from hpcnn import data
+    return data.for_config(TrainConfig(model="gpt", dataset=dataset).resolved()).vocab
+
+
+def gpt_cases(shape, ranks: int, microbatches, mach) -> list:
+    """(name, train arguments, Priced) of every GPT layout run here (see the module docstring)."""
+    n_layers, dim, heads, seq, batch = shape
+    vocab = gpt_vocab()
+    cases = []
+    for lay in hybrid.layouts(hybrid.Transformer(n_layers, dim, heads, seq, vocab, batch,
+                                                 "float32"), ranks, remat=("none",)):
+        if (lay.pp == 1 and lay.microbatches != 1) or (
+                lay.pp > 1 and lay.microbatches not in microbatches):
+            continue
+        # hpcnn train pads the vocabulary to a multiple of tp: price the model it runs
+        model = hybrid.Transformer(n_layers, dim, heads, seq, -(-vocab // lay.tp) * lay.tp,
+                                   batch, "float32")
+        args = ["--model=gpt", "--dataset=sonnet", f"--n_layers={n_layers}", f"--dim={dim}",
+                f"--n_heads={heads}", f"--block_size={seq}", f"--batch_size={batch}",
+                f"--dp={lay.dp}", f"--tp={lay.tp}", f"--pp={lay.pp}",
+                f"--schedule={lay.schedule}", f"--microbatches={lay.microbatches}",
+                f"--remat={lay.remat}"]
+        cases.append((str(lay), args, hybrid.price(model, lay, mach)))
+    return cases
+
+
+CHOICES = {"dp": lambda p: Cut(p, 1, 1), "row": lambda p: Cut(1, p, 1),
+           "col": lambda p: Cut(1, 1, p), "rep": lambda p: Cut(1, 1, 1)}
+
+
+def mlp_graph(hidden, batch: int) -> cost.Graph:
+    """The MLP's chain of Linear layers (ReLU between them) as the planner sees it."""
+    dims = [DIGITS[0], *hidden, DIGITS[1]]
+    nodes = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        nodes += [cost.Matmul(batch, a, b, f"fc{i}"), cost.Elementwise(f"relu{i}")]
+    return cost.chain(nodes[:-1])
+
+
+def cut_name(cut: Cut, p: int) -> str:
+    for name, make in CHOICES.items():
+        if make(p) == cut:
+            return name
+    return str(cut)
+
+
+def mlp_layouts(graph: cost.Graph, ranks: int, count, seed: int = 0) -> list:
+    """Tuples of choice names, one per Linear: all 4**n, or ``count`` of them including the
+    uniform ones and the DRA's choice (when it is made of these cuts), the rest sampled."""
+    n = len(graph.ops)
+    every = list(itertools.product(CHOICES, repeat=n))
+    if count == "all" or int(count) >= len(every):
+        return every
+    dra = tuple(cut_name(c, ranks) for c in search.dra(graph, ranks)[0])
+    chosen = [tuple([c] * n) for c in CHOICES]
+    if dra in every and dra not in chosen:
+        chosen.append(dra)
+    rest = [lay for lay in every if lay not in chosen]
+    random.Random(seed).shuffle(rest)
+    return (chosen + rest)[:max(int(count), 1)]
+
+
+def mlp_cases(hidden, batch: int, ranks: int, count, mach, folder: str) -> list:
+    """(name, train arguments, StrategyCost) per MLP layout; writes each plan file."""
+    graph = mlp_graph(hidden, batch)
+    cases = []
+    for names in mlp_layouts(graph, ranks, count):
+        cuts = [CHOICES[c](ranks) for c in names]
+        name = "-".join(names)
+        path = os.path.join(folder, f"plan-{name}.json")
+        with open(path, "w") as f:
+            json.dump({"devices": ranks, "layers": [
+                {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
+        args = ["--model=mlp", "--dataset=digits", f"--hidden={','.join(map(str, hidden))}",
+                f"--batch_size={batch}", f"--tp={ranks}", f"--plan={path}"]
+        cases.append((name, args, cost.strategy_cost(graph, cuts, mach, "float32")))
+    return cases
+
+
+# ---------------------------------------------------------------- measuring
+
+def read_log(path: str) -> dict:
+    """The run's median step time after its first 20 % of steps and its logged peaks."""
+    with h5py.File(path, "r") as f:
+        t = f["metrics/step_time"][...]
+        rss = f["ranks"]["peak_mem_bytes"] if "ranks" in f else np.array([-1])
+        plan = dict(f["plan"].attrs) if "plan" in f else {}
+    act = json.loads(plan["peak_activation_bytes_per_rank"]) \
+        if "peak_activation_bytes_per_rank" in plan else None
+    par = json.loads(plan["param_bytes_per_rank"]) if "param_bytes_per_rank" in plan else None
+    return {"step_s": float(np.median(t[len(t) // 5:])),
+            "rss_bytes": int(np.max(rss)) if len(rss) else -1,
+            "act_bytes": int(max(act)) if act else -1,
+            "param_bytes": int(max(par)) if par else -1}
+
+
+def measure(cases, ranks: int, steps: int, folder: str, tag: str) -> dict:
+    """One run of every case in the given order; name -> read_log dict plus the load average."""
+    out = {}
+    for i, (name, args, _) in enumerate(cases):
+        log = os.path.join(folder, f"{tag}-{i}.h5")
+        load = os.getloadavg()[0]
+        p = subprocess.run(mpi_command(ranks, TRAIN + args + [f"--steps={steps}", f"--log={log}"]),
+                           cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"{name}: hpcnn train failed ({p.returncode}): {p.stderr[-2000:]}")
+        out[name] = dict(read_log(log), load1=load)
+    return out
+
+
+def memory_from_log(got: list) -> float:
+    """The planner's memory per rank as the runs logged it: the largest peak activation bytes
+    plus 4 x the parameter bytes (weights, gradients and AdamW's two moments: the factor is the
+    planner's assumption, the bytes are measured); -1 where the run logged neither."""
+    act = max(g["act_bytes"] for g in got)
+    par = max(g["param_bytes"] for g in got)
+    return float(act + 4 * par) if act >= 0 and par >= 0 else -1.0
+
+
+def mape(pred, meas) -> float:
+    pred, meas = np.asarray(pred, float), np.asarray(meas, float)
+    return float(np.mean(np.abs(pred - meas) / meas))
+
+
+def summarize(model: str, rows: list, choice: str) -> dict:
+    """Kendall tau, MAPE (raw and after one scale), the planner's choice against the best."""
+    from scipy.stats import kendalltau
+    pred = np.array([r["pred_s"] for r in rows])
+    meas = np.array([r["meas_s"] for r in rows])
+    if len(rows) >= 2:
+        tau, pvalue = kendalltau(pred, meas)
+    else:
+        tau, pvalue = math.nan, math.nan
+    scale = float(np.exp(np.mean(np.log(meas / pred))))
+    best = rows[int(np.argmin(meas))]
+    chosen = next(r for r in rows if r["layout"] == choice)
+    priced = rows[int(np.argmin(pred))]
+    mem = [(r["pred_memory_bytes"], r["meas_memory_bytes"]) for r in rows
+           if r["pred_memory_bytes"] > 0 and r["meas_memory_bytes"] > 0]
+    return {"model": model, "layouts": len(rows), "kendall_tau": float(tau),
+            "tau_pvalue": float(pvalue), "mape": mape(pred, meas),
+            "scale": scale, "mape_scaled": mape(scale * pred, meas),
+            "choice": choice, "choice_meas_s": chosen["meas_s"], "best": best["layout"],
+            "best_meas_s": best["meas_s"], "choice_over_best": chosen["meas_s"] / best["meas_s"],
+            "priced_best": priced["layout"],
+            "priced_best_over_best": priced["meas_s"] / best["meas_s"],
+            "memory_rows": len(mem),
+            "memory_max_error": max((abs(p / m - 1) for p, m in mem), default=math.nan)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--machine", default="", help="machine file; default: calibrate here")
+    ap.add_argument("--out", default="runs/plan_validation")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gpt", default="4,128,4,64,32", help="layers,dim,heads,context,batch")
+    ap.add_argument("--microbatches", default="2,4", help="micro-batch counts when pp > 1")
+    ap.add_argument("--gpt_steps", type=int, default=12)
+    ap.add_argument("--gpt_layouts", default="all", help="all, or the first N")
+    ap.add_argument("--hidden", default="1024,1024")
+    ap.add_argument("--mlp_batch", type=int, default=256)
+    ap.add_argument("--mlp_steps", type=int, default=40)
+    ap.add_argument("--mlp_layouts", default="16", help="all (4**layers), or N")
+    a = ap.parse_args(argv)
+    folder = os.path.join(os.path.abspath(a.out), "runs")
+    os.makedirs(folder, exist_ok=True)
+    t0 = time.time()
+    load_before = os.getloadavg()[0]
+    path = machine.resolve(a.machine) if a.machine else calibrate(a.ranks, os.path.abspath(a.out))
+    mach = machine.load(path)
+    if mach.p != a.ranks:
+        mach = mach.with_devices(a.ranks)
+    print(f"machine {mach.name} ({path}), {mach.p} devices", flush=True)
+
+    gpt = [int(v) for v in a.gpt.split(",")]
+    gcases = gpt_cases(gpt, a.ranks, [int(m) for m in a.microbatches.split(",")], mach)
+    if a.gpt_layouts != "all":
+        gcases = gcases[:int(a.gpt_layouts)]
+    hidden = [int(v) for v in a.hidden.split(",")]
+    mcases = mlp_cases(hidden, a.mlp_batch, a.ranks, a.mlp_layouts, mach, folder)
+    models = {"gpt": (gcases, a.gpt_steps), "mlp": (mcases, a.mlp_steps)}
+    print(f"{len(gcases)} GPT and {len(mcases)} MLP layouts, {a.rounds} rounds", flush=True)
+
+    runs = {m: {name: [] for name, _, _ in cases} for m, (cases, _) in models.items()}
+    for r in range(a.rounds):
+        for m, (cases, steps) in models.items():
+            order = cases if r % 2 == 0 else cases[::-1]
+            for name, got in measure(order, a.ranks, steps, folder, f"{m}-r{r}").items():
+                runs[m][name].append(got)
+        print(f"round {r + 1}/{a.rounds} done ({time.time() - t0:.0f} s)", flush=True)
+
+    # the planner's choice among the layouts run: the best priced one
+    choices = {"gpt": min(gcases, key=lambda c: c[2].step_s)[0] if gcases else None}
+    graph = mlp_graph(hidden, a.mlp_batch)
+    dra = "-".join(cut_name(c, a.ranks) for c in search.dra(graph, a.ranks)[0])
+    names = [n for n, _, _ in mcases]
+    choices["mlp"] = dra if dra in names else min(mcases, key=lambda c: c[2].seconds)[0]
+
+    rows, summary = [], []
+    for m, (cases, steps) in models.items():
+        mrows = []
+        for name, args, pred in cases:
+            got = runs[m][name]
+            meas = [g["step_s"] for g in got]
+            lay = pred.layout if m == "gpt" else None
+            mrows.append({
+                "model": m, "layout": name,
+                "dp": lay.dp if lay else 1, "tp": lay.tp if lay else a.ranks,
+                "pp": lay.pp if lay else 1, "schedule": lay.schedule if lay else "",
+                "microbatches": lay.microbatches if lay else 1,
+                "remat": lay.remat if lay else "none",
+                "pred_s": float(pred.step_s if m == "gpt" else pred.seconds),
+                "meas_s": statistics.median(meas), "meas_min_s": min(meas),
+                "meas_max_s": max(meas), "rounds": len(meas), "steps": steps,
+                "load1": statistics.mean(g["load1"] for g in got),
+                "pred_memory_bytes": float(pred.memory_bytes) if m == "gpt" else -1.0,
+                "meas_act_bytes": max(g["act_bytes"] for g in got),
+                "meas_param_bytes": max(g["param_bytes"] for g in got),
+                "meas_rss_bytes": max(g["rss_bytes"] for g in got),
+                "meas_memory_bytes": memory_from_log(got),
+                "planner_choice": int(name == choices[m])})
+        if mrows:
+            s = summarize(m, mrows, choices[m])
+            summary.append(s)
+            print(f"{m}: {s['layouts']} layouts, Kendall tau {s['kendall_tau']:.3f} "
+                  f"(p {s['tau_pvalue']:.2g}), MAPE {s['mape']:.1%} (after scale "
+                  f"{s['scale']:.3g}: {s['mape_scaled']:.1%}); choice {s['choice']} "
+                  f"{s['choice_meas_s'] * 1e3:.1f} ms, best {s['best']} "
+                  f"{s['best_meas_s'] * 1e3:.1f} ms ({s['choice_over_best'] - 1:+.1%}); "
+                  f"least priced {s['priced_best']} ({s['priced_best_over_best'] - 1:+.1%}); "
+                  f"memory within {s['memory_max_error']:.1%} on {s['memory_rows']} layouts",
+                  flush=True)
+        rows += mrows
+    load_after = os.getloadavg()[0]
+    for s in summary:
+        s.update(rounds=a.rounds, load_before=load_before, load_after=load_after)
+    attrs = {"machine": mach.name, "machine_file": path, "ranks": a.ranks,
+             "command_line": " ".join(sys.argv), "wall_s": time.time() - t0}
+    out = os.path.join(a.out, "results.h5")
+    save_table(out, "layouts", rows, attrs=attrs)
+    save_table(out, "summary", summary, attrs=attrs)
+    print(f"load average {load_before:.2f} before, {load_after:.2f} after; "
+          f"{time.time() - t0:.0f} s; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
