@@ -27,8 +27,9 @@ What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet
    MAPE again after one constant scale per model (the geometric mean of measured / predicted:
    what is left is ranking error, not a uniform offset), and the planner's choice against the
    best measured: for the GPT the least priced layout (what ``hybrid.plan`` ranks first among
-   these), for the MLP the DRA's cuts (``search.dra``, what ``--plan=auto`` runs; SAPP's costs,
-   not the BSP price) and, apart, the layout of least BSP price.
+   these), for the MLP the layout of least BSP price (what ``--plan=auto`` runs where the
+   machine file holds the ranks: ``search.least_price``); the DRA's cuts (SAPP's volumes, the
+   choice on larger machines) are recorded apart, in the summary's ``dra`` column.
 
 Memory: the GPT rows also hold the planner's memory per rank (``hybrid.price().memory_bytes``)
 and what the run logged: the largest ``peak_activation_bytes_per_rank`` and
@@ -289,8 +290,7 @@ def main(argv=None) -> int:
     choices = {"gpt": min(gcases, key=lambda c: c[2].step_s)[0] if gcases else None}
     graph = mlp_graph(hidden, a.mlp_batch)
     dra = "-".join(cut_name(c, a.ranks) for c in search.dra(graph, a.ranks)[0])
-    names = [n for n, _, _ in mcases]
-    choices["mlp"] = dra if dra in names else min(mcases, key=lambda c: c[2].seconds)[0]
+    choices["mlp"] = min(mcases, key=lambda c: c[2].seconds)[0] if mcases else None
 
     rows, summary = [], []
     for m, (cases, steps) in models.items():
@@ -329,7 +329,8 @@ def main(argv=None) -> int:
         rows += mrows
     load_after = os.getloadavg()[0]
     for s in summary:
-        s.update(rounds=a.rounds, load_before=load_before, load_after=load_after)
+        s.update(rounds=a.rounds, load_before=load_before, load_after=load_after,
+                 dra=dra if s["model"] == "mlp" else "")
     attrs = {"machine": mach.name, "machine_file": path, "ranks": a.ranks,
              "command_line": " ".join(sys.argv), "wall_s": time.time() - t0}
     out = os.path.join(a.out, "results.h5")

@@ -32,7 +32,7 @@ class Task:
     data: object
     model: object
     steps: int
-    layout: list | None = None        # --plan: the Cut of each Linear
+    layout: dict | None = None        # --plan: the cut of each Linear, who chose it, its price
 
     @property
     def is_text(self) -> bool:
@@ -109,23 +109,42 @@ def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
 
 
 def _laid_out_mlp(cfg, data, comm, dtype, keep):
-    """--plan: the MLP with each Linear laid out as the plan file says, or as the planner's
-    double recursive algorithm chooses for this batch and these widths (``auto``)."""
+    """--plan: the MLP with each Linear laid out as the plan file says, or as the planner chooses
+    for this batch and these widths (``auto``); returns the model and ``{"cuts", "chosen_by",
+    "predicted_step_s"}`` for the log's /plan."""
     from hpcnn.parallel import layout
     from hpcnn.parallel.collectives import Communicator
     comm = comm if comm is not None else Communicator.single("tp")
     dims = [data.x_train.shape[1], *cfg.hidden, data.n_classes]
+    info = {"chosen_by": f"plan file {cfg.plan}", "predicted_step_s": float("nan")}
     if cfg.plan == "auto":
-        from hpcnn.plan import cost, search
-        nodes = []
-        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
-            nodes += [cost.Matmul(cfg.batch_size, a, b, f"fc{i}"), cost.Elementwise(f"relu{i}")]
-        cuts = search.dra(cost.chain(nodes[:-1]), comm.size)[0]
+        cuts, info = _auto_cuts(cfg, dims, comm.size)
     else:
         cuts = layout.read_plan(cfg.plan, devices=comm.size)
     model = layout.layout_mlp(dims[0], cfg.hidden, dims[-1], cuts, comm, seed=cfg.seed,
                               dtype=dtype, keep=keep)
-    return model, cuts
+    return model, dict(info, cuts=[[c.batch, c.reduce, c.out] for c in cuts])
+
+
+def _auto_cuts(cfg, dims, p: int):
+    """The least BSP price on this machine's file (:func:`hpcnn.plan.machine.this_machine`) over
+    every per-Linear cut when the file holds p devices and the combinations are few; else the
+    double recursive algorithm's greedy choice (SAPP's volumes, no machine needed)."""
+    from hpcnn.plan import cost, machine, search
+    nodes = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        nodes += [cost.Matmul(cfg.batch_size, a, b, f"fc{i}"), cost.Elementwise(f"relu{i}")]
+    graph = cost.chain(nodes[:-1])
+    try:
+        here = machine.this_machine().with_devices(p)
+    except ValueError:
+        here = None
+    best = search.least_price(graph, p, here, cfg.dtype) if here is not None else None
+    if best is not None:
+        return best[0], {"chosen_by": f"least BSP price on {here.name}",
+                         "predicted_step_s": float(best[1])}
+    return search.dra(graph, p)[0], {"chosen_by": "double recursive algorithm (SAPP)",
+                                     "predicted_step_s": float("nan")}
 
 
 def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None) -> Task:
@@ -137,10 +156,10 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None) -> Task:
     data = data if data is not None else datasets.for_config(cfg)
     if cfg.dataset == "digits":
         if cfg.model == "mlp" and cfg.plan:
-            model, cuts = _laid_out_mlp(cfg, data, tp_comm, dtype, keep)
+            model, laid_out = _laid_out_mlp(cfg, data, tp_comm, dtype, keep)
             spe = datasets.steps_per_epoch(len(data.y_train), cfg.batch_size)
             return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)),
-                        layout=cuts)
+                        layout=laid_out)
         if cfg.model == "mlp":
             model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed,
                                dtype=dtype, keep=keep)

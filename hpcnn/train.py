@@ -130,7 +130,7 @@ def _open_log(cfg, ctx, task, start: int, command_line):
                   # overlap as run: off with rd, cma and pipelines, whatever --overlap says
                   "overlap": ctx.engine.overlap if ctx.grid is not None else cfg.overlap,
                   "allreduce_calibration": ctx.calibration,
-                  "operator_layout": [[c.batch, c.reduce, c.out] for c in task.layout or ()],
+                  "operator_layout": task.layout or {},
                   "resumed_from": cfg.resume, "start_step": start})
     return log
 

@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_plan_search.py
 """
+import itertools
 import math
 import random
 import time
@@ -287,3 +288,20 @@ def test_strategy_cost_redistributes_only_when_layouts_differ():
     (t,) = moved([Cut(2, 1, 1), Cut(1, 1, 2)])                  # rows into a whole-input layer
     assert t.seconds == pytest.approx(2 * (1e-5 + 8 * 4 * 4 * 1e-9), rel=1e-12)
     assert len(moved([Cut(1, 1, 2), Cut(2, 1, 1)])) == 1       # columns into rows
+
+
+def test_least_price_is_the_cheapest_strategy_and_knows_its_limit():
+    from hpcnn.plan.search import least_price
+    g = chain([Matmul(256, 64, 1024), Elementwise(), Matmul(256, 1024, 1024), Elementwise(),
+               Matmul(256, 1024, 16)])
+    for p in (2, 4):
+        m = _Machine(p)
+        cuts, seconds = least_price(g, p, m)
+        assert seconds == pytest.approx(strategy_cost(g, cuts, m).seconds)
+        options = {to_cut("".join(s), p) for s in itertools.product("ijkr",
+                                                                   repeat=p.bit_length() - 1)}
+        every = [strategy_cost(g, list(c), m).seconds
+                 for c in itertools.product(sorted(options, key=str), repeat=3)]
+        assert seconds == pytest.approx(min(every))                 # none cheaper
+        assert seconds <= strategy_cost(g, dra(g, p)[0], m).seconds  # no worse than the greedy
+    assert least_price(g, 16, _Machine(16), limit=100) is None       # too many: the DRA decides

@@ -22,7 +22,7 @@ LAYOUT_COLUMNS = {"model", "layout", "dp", "tp", "pp", "schedule", "microbatches
 SUMMARY_COLUMNS = {"model", "layouts", "kendall_tau", "tau_pvalue", "mape", "scale",
                    "mape_scaled", "choice", "choice_meas_s", "best", "best_meas_s",
                    "choice_over_best", "priced_best", "priced_best_over_best", "memory_rows",
-                   "memory_max_error", "rounds", "load_before", "load_after"}
+                   "memory_max_error", "rounds", "load_before", "load_after", "dra"}
 
 
 def test_mlp_layouts_cover_the_uniform_and_the_planners_choice():

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from hpcnn.plan.cost import (CONSUMER_SPLIT, CUTS, MU, PRODUCER_SPLIT, RHO, Graph, check_graph,
-                             log2_devices, sapp_cost, to_cut)
+                             log2_devices, sapp_cost, strategy_cost, to_cut)
 
 # MOVES[a][b] = 1 when a producer cutting ``a`` and a consumer cutting ``b`` at one bisection
 # must redistribute the shared tensor (the rule of hpcnn.plan.cost.redistribution_cost).
@@ -218,3 +218,32 @@ def exhaustive_sequences(graph: Graph, p: int, mu: float = MU, rho: float = RHO,
 def exhaustive(graph: Graph, p: int, mu: float = MU, rho: float = RHO, max_plans: int = 100_000):
     """(list of Cut, SAPP cost) of the exhaustive search."""
     return _plan(graph, p, exhaustive_sequences(graph, p, mu, rho, max_plans), mu, rho)
+
+
+def least_price(graph: Graph, p: int, machine, dtype: str = "float32", limit: int = 20_000):
+    """(list of Cut, seconds) of the strategy of least BSP price
+    (:func:`hpcnn.plan.cost.strategy_cost` on ``machine``, p devices) among every combination
+    of one Cut per Matmul whose parts are powers of two dividing p; None when there are more
+    than ``limit`` combinations (then the DRA's greedy choice is the planner's).
+
+    The SAPP total the three searches minimise weighs volumes only; the BSP price adds the
+    machine's rates and the gradient reductions, and on the measured MLPs of
+    experiments/plan_validation.py it ranked the layouts better: the choice small device counts
+    can afford."""
+    L = log2_devices(p)
+    options = [to_cut("i" * a + "k" * b + "j" * c + "r" * (L - a - b - c), p)
+               for a in range(L + 1) for b in range(L + 1 - a) for c in range(L + 1 - a - b)]
+    check_graph(graph)
+    n = len(graph.ops)
+    if len(options) ** n > limit:
+        return None
+    best = None
+    for combo in itertools.product(options, repeat=n):
+        try:
+            seconds = strategy_cost(graph, list(combo), machine, dtype).seconds
+        except ValueError:                  # a cut the extents do not allow
+            continue
+        if best is None or seconds < best[1]:
+            best = (list(combo), seconds)
+    return best
+

@@ -17,6 +17,7 @@ from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
 from hpcnn.parallel.collectives import Communicator
 from hpcnn.parallel.layout import gather_full
+from hpcnn.plan import machine
 from hpcnn.train import train
 
 world = MPI.COMM_WORLD
@@ -54,10 +55,15 @@ for name, extra in cases:
         a, b = read_run(os.path.join(tmp, f"{name}.h5")), read_run(os.path.join(tmp, "serial-r0.h5"))
         for key in ("loss", "test_loss", "test_acc"):
             np.testing.assert_allclose(a.metrics[key], b.metrics[key], rtol=0, atol=1e-10)
-        cuts = a.plan["operator_layout"]
+        laid = a.plan["operator_layout"]
+        cuts = laid["cuts"]
         assert len(cuts) == 3 and all(x * y * z <= p and p % (x * y * z) == 0 for x, y, z in cuts)
         if name in plans:
-            assert cuts == plans[name], (cuts, plans[name])
+            assert cuts == plans[name] and laid["chosen_by"].startswith("plan file"), laid
+        else:                     # auto: the machine file's least price where it holds p devices
+            fits = p <= machine.this_machine().p
+            assert laid["chosen_by"].startswith("least BSP price" if fits else "double"), laid
+            assert np.isfinite(laid["predicted_step_s"]) == fits, laid
         assert a.attrs["model_params"] == b.attrs["model_params"]        # the whole model's
     world.Barrier()
 if rank == 0:
