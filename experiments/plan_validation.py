@@ -125,11 +125,7 @@ CHOICES = {"dp": lambda p: Cut(p, 1, 1), "row": lambda p: Cut(1, p, 1),
 
 def mlp_graph(hidden, batch: int) -> cost.Graph:
     """The MLP's chain of Linear layers (ReLU between them) as the planner sees it."""
-    dims = [DIGITS[0], *hidden, DIGITS[1]]
-    nodes = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
-        nodes += [cost.Matmul(batch, a, b, f"fc{i}"), cost.Elementwise(f"relu{i}")]
-    return cost.chain(nodes[:-1])
+    return cost.mlp_graph([DIGITS[0], *hidden, DIGITS[1]], batch)
 
 
 def cut_name(cut: Cut, p: int) -> str:

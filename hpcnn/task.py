@@ -131,10 +131,7 @@ def _auto_cuts(cfg, dims, p: int):
     every per-Linear cut when the file holds p devices and the combinations are few; else the
     double recursive algorithm's greedy choice (SAPP's volumes, no machine needed)."""
     from hpcnn.plan import cost, machine, search
-    nodes = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
-        nodes += [cost.Matmul(cfg.batch_size, a, b, f"fc{i}"), cost.Elementwise(f"relu{i}")]
-    graph = cost.chain(nodes[:-1])
+    graph = cost.mlp_graph(dims, cfg.batch_size)
     try:
         here = machine.this_machine().with_devices(p)
     except ValueError:

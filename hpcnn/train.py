@@ -30,10 +30,9 @@ def whole_model_params(model, tp: int = 1) -> int:
     """Parameters of the whole model, whatever this rank stores: a tensor-parallel shard (one of
     ``tp``) counts for all of them, a laid-out block (``full_shape``) for its whole array, a
     pipeline rank's placeholders for the stages they stand for."""
-    seen = {p.name: (math.prod(p.full_shape) if hasattr(p, "full_shape") else
-                     p.size * (tp if getattr(p, "tp_axis", None) is not None else 1))
-            for p in model.params}
-    return sum(seen.values())
+    return sum(math.prod(p.full_shape) if hasattr(p, "full_shape") else
+               p.size * (tp if getattr(p, "tp_axis", None) is not None else 1)
+               for p in model.params)
 
 
 def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -> str:

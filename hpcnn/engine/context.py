@@ -59,9 +59,9 @@ class ParallelContext:
 
     # -- set-up -----------------------------------------------------------------------------------
     def build(self, build_task, data=None):
-        """The task (``build_task(cfg, tp, data=..., keep=...)``); with pp > 1 its model holds storage for
-        this rank's stages only: a first build without any (shapes, for the stage cut), then one
-        keeping the local stages' parameters."""
+        """The task (``build_task(cfg, tp, data=..., keep=...)``); with pp > 1 its model holds
+        storage for this rank's stages only: a first build without any (shapes, for the stage
+        cut), then one keeping the local stages' parameters."""
         if not self.pipelined:
             return build_task(self.cfg, self.tp, data=data)
         shapes = build_task(self.cfg, self.tp, data=data, keep=())

@@ -34,6 +34,16 @@ def split_batch(x, y, n_micro: int):
     return ([x[a:b] for a, b in zip(cuts, cuts[1:])], [y[a:b] for a, b in zip(cuts, cuts[1:])])
 
 
+def micro_draws(step: int, row0: int, sizes) -> list:
+    """Per micro-batch of ``sizes`` rows, starting at global row ``row0`` of ``step``'s batch:
+    the (step, first global row) its dropouts draw at, so that masks are the serial step's."""
+    draws, row = [], int(row0)
+    for m in sizes:
+        draws.append((int(step), row))
+        row += int(m)
+    return draws
+
+
 def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: float, trace=None):
     """This rank's forward and backward of its rows ``x, y`` (rows ``row0 ..`` of the step's
     global batch) as its schedule says; returns (loss sum over its rows, events). The loss sum
@@ -44,10 +54,7 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
     sizes = [int(a.shape[0]) for a in xs]
     # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
     dloss = [dloss_for(cfg.combine, m, shares, local=len(x)) for m in sizes]
-    draws, row = [], row0                                # the serial step's dropout masks
-    for m in sizes:
-        draws.append((step, row))
-        row += m
+    draws = micro_draws(step, row0, sizes)
     hook = ctx.engine.hook                               # buckets launched as blocks finish
     last = len(xs) - 1
     out = run(ctx.schedule(len(xs)), ctx.stages, ctx.pp, xs, ys, dloss=dloss,

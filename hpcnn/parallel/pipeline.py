@@ -19,12 +19,10 @@ own, for experiments and tests, and :func:`forward_only` the evaluation forward.
 """
 from __future__ import annotations
 
-import numpy
-
 from hpcnn import backend
 from hpcnn.engine.execute import run
 from hpcnn.engine.stage import attach_remat, boundary_shapes, build_stages
-from hpcnn.engine.step import split_batch
+from hpcnn.engine.step import micro_draws, split_batch
 from hpcnn.parallel import partition, schedules
 
 
@@ -121,8 +119,7 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     for st in stages:
         st.chain.zero_grad()
     dloss = [dloss_scale * a.shape[0] / x.shape[0] for a in xs]
-    starts = numpy.cumsum([int(row0)] + [a.shape[0] for a in xs])
-    draws = None if draw is None else [(int(draw), int(a)) for a in starts[:-1]]
+    draws = None if draw is None else micro_draws(draw, row0, [a.shape[0] for a in xs])
     out = run(lists[pp.rank], stages, pp, xs, ys, dloss=dloss, shapes=shapes, dtype=dtype,
               clock=clock, t0=t0, rank=rank, draws=draws)
     # -- the loss lives on the last stage's rank (owner[S-1]: p-1, or 0 for zb_v); a caller that

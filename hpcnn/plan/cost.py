@@ -104,6 +104,15 @@ def chain(nodes) -> Graph:
     return Graph(tuple(ops), tuple(edges))
 
 
+def mlp_graph(dims, batch: int) -> Graph:
+    """An MLP of widths ``dims`` (input, hidden..., output) on ``batch`` rows as the planner sees
+    it: a chain of Matmuls with a ReLU between neighbours."""
+    nodes = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        nodes += [Matmul(batch, a, b, f"fc{i}"), Elementwise(f"relu{i}")]
+    return chain(nodes[:-1])
+
+
 def check_graph(graph: Graph) -> None:
     """ValueError naming the edge when an edge leaves the operators or joins unequal shapes."""
     n = len(graph.ops)

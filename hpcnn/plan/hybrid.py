@@ -29,7 +29,6 @@ communication with compute, the slowest stage setting the pipeline's pace.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
