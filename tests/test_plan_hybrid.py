@@ -1,44 +1,20 @@
-"""The transformer layout search (hpcnn.plan.hybrid): closed-form prices on a stub machine that
-follows the Machine interface (levels with latency and per-byte cost, a device with rates and
-memory)."""
-from dataclasses import dataclass
+"""The transformer layout search (hpcnn.plan.hybrid): closed-form prices on a machine of two
+levels (GPUs of a node, nodes of a cluster) built from the planner's own machine classes."""
+import math
 
 import pytest
 
-from hpcnn.plan.hybrid import Layout, Transformer, flops_per_step, layouts, plan, price
+from hpcnn.plan.hybrid import (Layout, Transformer, _block, flops_per_step, layouts, plan, price,
+                               update_seconds)
+from hpcnn.plan.machine import Device, Level, Machine as Hsm
 
 
-@dataclass(frozen=True)
-class Level:
-    name: str
-    fanout: int
-    latency_s: float
-    bytes_per_s: float
-
-    def seconds_per_byte(self, nbytes):
-        return 1.0 / self.bytes_per_s
-
-    def message_seconds(self, nbytes):
-        return self.latency_s + nbytes / self.bytes_per_s
-
-
-@dataclass(frozen=True)
-class Device:
-    flops: dict
-    memory_bytes: float
-
-
-class Machine:
-    """gpus_per_node GPUs on NVLink-like links, nodes on a slower network."""
-
-    def __init__(self, per_node=8, nodes=4, inter=25e9, memory=80e9):
-        self.name = "stub"
-        self.levels = (Level("node", per_node, 2e-6, 300e9), Level("cluster", nodes, 5e-6, inter))
-        self.device = Device({"bfloat16": 150e12, "float32": 19.5e12}, memory)
-        self.p = per_node * nodes
-
-    def level_for_group(self, size):
-        return self.levels[0] if size <= self.levels[0].fanout else self.levels[1]
+def Machine(per_node=8, nodes=4, inter=25e9, memory=80e9, efficiency=None):
+    """per_node GPUs on NVLink-like links, nodes on a slower network."""
+    return Hsm(name="stub", levels=(Level("node", per_node, 2e-6, ((math.inf, 300e9),)),
+                                    Level("cluster", nodes, 5e-6, ((math.inf, inter),))),
+               device=Device("gpu", {"bfloat16": 150e12, "float32": 19.5e12}, 2e12, memory,
+                             efficiency or {}))
 
 
 SMALL = Transformer(n_layers=8, dim=512, n_heads=8, seq=256, vocab=1024, batch=64)
@@ -52,10 +28,32 @@ def test_parts_add_up_and_one_device_is_the_compute():
         assert (q.layout.dp, q.layout.tp, q.layout.pp) == (1, 1, 1)
         assert q.step_s == pytest.approx(sum(q.parts.values()), rel=1e-12)
         assert q.parts["tp_comm"] == q.parts["dp_comm"] == q.parts["pp_comm"] == 0
-    # one micro-batch of the whole batch: the model's FLOPs at the device's rate
+    # one micro-batch of the whole batch: the model's FLOPs at the device's rate, then the update
     one = price(SMALL, Layout(1, 1, 1, 1), m)
-    assert one.step_s == pytest.approx(flops_per_step(SMALL) / 150e12, rel=1e-9)
-    assert "dp allreduce" in one.formula
+    assert one.parts["optimizer"] == pytest.approx(update_seconds(
+        SMALL.params() - SMALL.seq * SMALL.dim - SMALL.vocab * SMALL.dim, 2, m.device), rel=1e-9)
+    assert one.step_s - one.parts["optimizer"] == pytest.approx(flops_per_step(SMALL) / 150e12,
+                                                                rel=1e-9)
+    assert "dp allreduce" in one.formula and "adamw update" in one.formula
+    # a block kind's efficiency slows exactly its FLOPs
+    slow = Machine(per_node=1, nodes=1, efficiency={"transformer": 0.5})
+    half = price(SMALL, Layout(1, 1, 1, 1), slow)
+    f, b, *_ = _block(SMALL.dim, SMALL.n_heads, SMALL.seq, SMALL.batch, SMALL.word)
+    assert half.step_s - one.step_s == pytest.approx(SMALL.n_layers * (f + b) / 150e12, rel=1e-9)
+
+
+def test_tensor_parallel_memory_is_the_sharded_blocks_spec():
+    """Under tp the LayerNorms and the column-parallel inputs stay whole on every rank: the cache
+    per rank is the Megatron block's spec, more than the serial cache / tp."""
+    from hpcnn.nn.transformer import TransformerBlock
+    from hpcnn.parallel.tensor_attn import ParallelTransformerBlock
+    from hpcnn.plan.hybrid import _ShapeComm
+    serial = TransformerBlock(64, 4, dtype="float32", keep=()).spec((2, 16, 64))
+    for tp in (2, 4):
+        cache = _block(64, 4, 16, 2, 4, tp)[2]
+        sharded = ParallelTransformerBlock(_ShapeComm(tp), 64, 4, dtype="float32", keep=())
+        assert cache == sharded.spec((2, 16, 64)).bytes_cache
+        assert serial.bytes_cache / tp < cache < serial.bytes_cache
 
 
 def test_every_layout_respects_the_divisibility_rules():

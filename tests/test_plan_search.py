@@ -26,11 +26,21 @@ class _Level:
 
 
 class _Device:
+    memory_bandwidth = 1e12
+
     def __init__(self, flops):
         self.flops = flops
 
-    def compute_seconds(self, flops, dtype="float32"):
+    def compute_seconds(self, flops, dtype="float32", kind=None, calls=0):
         return flops / self.flops[dtype]
+
+    def stream_seconds(self, nbytes):
+        return nbytes / self.memory_bandwidth
+
+
+def _update(params, word):
+    """AdamW's update of ``params`` parameters: 12 passes of 3 words at the stub's bandwidth."""
+    return 12 * 3 * params * word / 1e12
 
 
 class _Machine:
@@ -259,18 +269,21 @@ def test_strategy_cost_by_hand():
     g = chain([Matmul(8, 4, 2)])
     # pure data parallelism: 3*2*8*4*2/4 FLOPs; gradient allreduce of W (4*2 floats = 32 B)
     # over 4 devices: 2*3 messages of 8 B at the node level
+    # then AdamW's update of the whole W and bias (4*2 + 2 parameters)
     dp = strategy_cost(g, [Cut(4, 1, 1)], m)
-    assert dp.seconds == pytest.approx(96 / 1e9 + 6 * (1e-5 + 8e-9), rel=1e-12)
-    assert "L_node" in dp.formula() and "F_float32" in dp.formula()
+    assert dp.seconds == pytest.approx(96 / 1e9 + 6 * (1e-5 + 8e-9) + _update(10, 4), rel=1e-12)
+    assert "L_node" in dp.formula() and "F_float32" in dp.formula() and "B_mem" in dp.formula()
     # Cut(1, 2, 2): y (8*1 floats = 32 B) reduced over nk=2 at stride 2 (span 4: node);
-    # dx (8*2 floats = 64 B) reduced over nj=2 at stride 1 (span 2: socket); no weight replica
+    # dx (8*2 floats = 64 B) reduced over nj=2 at stride 1 (span 2: socket); no weight replica;
+    # the update of W[2 x 1] and one bias entry
     tp = strategy_cost(g, [Cut(1, 2, 2)], m)
-    assert tp.seconds == pytest.approx(96 / 1e9 + 2 * (1e-5 + 16e-9) + 2 * (1e-6 + 32e-10),
-                                       rel=1e-12)
-    assert [t.what for t in tp.terms] == ["op0 compute", "op0 reduce y", "op0 reduce dx"]
+    assert tp.seconds == pytest.approx(96 / 1e9 + 2 * (1e-5 + 16e-9) + 2 * (1e-6 + 32e-10)
+                                       + _update(3, 4), rel=1e-12)
+    assert [t.what for t in tp.terms] == ["op0 compute", "op0 update", "op0 reduce y",
+                                          "op0 reduce dx"]
     # float64: twice the bytes, half the rate
     assert strategy_cost(g, [Cut(4, 1, 1)], m, "float64").seconds == pytest.approx(
-        96 / 5e8 + 6 * (1e-5 + 16e-9), rel=1e-12)
+        96 / 5e8 + 6 * (1e-5 + 16e-9) + _update(10, 8), rel=1e-12)
     with pytest.raises(ValueError, match="does not divide"):
         strategy_cost(g, [Cut(3, 1, 1)], m)
 

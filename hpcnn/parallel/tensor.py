@@ -77,9 +77,10 @@ def _sharded(param, axis, comm, parts=1):
 
 
 def _local_linear(weight, bias, dtype, name):
-    """A Linear computing with the given (sharded) parameters (its own draw is discarded)."""
+    """A Linear computing with the given (sharded) parameters (built without storage of its own:
+    its parameters are replaced at once)."""
     lin = Linear(weight.shape[0], weight.shape[1], bias=bias is not None, init_std=0.0,
-                 dtype=dtype, name=name)
+                 dtype=dtype, name=name, keep=())
     lin.weight, lin.bias = weight, bias
     lin.params = [weight] + ([bias] if bias is not None else [])
     return lin

@@ -47,11 +47,11 @@ from typing import NamedTuple
 import numpy as np
 
 from hpcnn.parallel.layout import Cut   # the layout the executor runs (one definition)
+from hpcnn.plan.hybrid import DTYPE_BYTES, UPDATE_PASSES, update_seconds
 
 MU = 0.25      # SAPP's weight of a batch cut (the gradient sync happens once per step)
 RHO = 16.0     # SAPP's weight of a redistribution between neighbours
 CUTS = "ijkr"  # the four choices at one bisection; this order breaks ties
-DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 # How each choice lays out the shared tensor at one bisection: "row", "col" or None (whole).
 PRODUCER_SPLIT = {"i": "row", "j": "col", "k": None, "r": None}   # of its output y[i, j]
@@ -244,16 +244,20 @@ def _matches(p: int, a: Cut, b: Cut) -> bool:
                 and np.all(need_col // (b.reduce // a.out) == have_col))
 
 
-def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32") -> StrategyCost:
+def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
+                  optimizer: str = "adamw") -> StrategyCost:
     """BSP seconds of one training step of ``graph`` with one Cut per operator on ``machine``.
 
     Supersteps per operator with Cut(nb, nk, nj), c = nb*nk*nj, r = p/c replicas:
       - compute: forward, input gradient and weight gradient, 3 * 2*i*j*k/c FLOPs at the
-        device rate;
+        device rate times its "linear" efficiency, plus the fixed cost of one "linear" block
+        call (:class:`hpcnn.plan.machine.Device` efficiency and overhead);
       - forward reduction of the partial y[i/nb, j/nj] over the nk group (stride nj);
       - backward reduction of the partial dx[i/nb, k/nk] over the nj group (stride 1);
       - gradient allreduce of the weight part W[k/nk, j/nj] over the nb*r devices holding it
         (stride nk*nj): the replicas and the batch group;
+      - the optimizer's update of the local weight part W[k/nk, j/nj] and bias part b[j/nj]
+        (:func:`hpcnn.plan.hybrid.update_seconds`: passes over memory at its bandwidth);
     and per edge whose layouts differ (:func:`_matches` false), a redistribution of the consumer's
     local input x[i/nb', k/nk'] in the forward and of its gradient in the backward, one message
     each at the level of the larger of the two operators' partition groups (our choice: the
@@ -275,8 +279,12 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32") -> Strate
             raise ValueError(f"operator {n}: {c} uses {width} devices, "
                              f"which does not divide p = {p}")
         flops = 3 * 2 * op.i * op.j * op.k / width
-        terms.append(Term(f"op{n} compute", f"3*2*{op.i}*{op.j}*{op.k}/{width}/F_{dtype}",
-                          machine.device.compute_seconds(flops, dtype)))
+        terms.append(Term(f"op{n} compute",
+                          f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear",
+                          machine.device.compute_seconds(flops, dtype, "linear", 1)))
+        local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
+        terms.append(Term(f"op{n} update", f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
+                          update_seconds(local, size, machine.device, optimizer)))
         rows = op.i / c.batch
         for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out,
                              rows * op.j / c.out * size),

@@ -2,11 +2,16 @@
 
 Every candidate layout of a GPT over ``devices`` devices of a machine (:mod:`.machine`) is priced
 in closed form, without profiling, from the blocks' own ``spec()`` (FLOPs and bytes of one
-transformer block, built without storage: ``keep=()``) and the machine's rates:
+transformer block as one rank of the tp group runs it: :class:`~hpcnn.parallel.tensor_attn.
+ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's rates:
 
 - **compute** of a stage and micro-batch of m rows: (L/pp) x the block's forward (backward) FLOPs
-  / (tp x the device's rate), the LM head on the last stage; ``remat="full"`` keeps only each
-  block's input and runs its forward again in the backward (t_b += t_f);
+  per rank at the device's rate times its "transformer" efficiency (the share of the matmul rate
+  the block attains with its element-wise passes, :class:`~hpcnn.plan.machine.Device`) plus
+  (L/pp) x its fixed cost per call (``overhead``, 1/3 in the forward, 2/3 in the backward, as
+  the FLOPs), the LM head (vocab-parallel over tp) on the last stage as a "linear" block;
+  ``remat="full"`` keeps only each block's input and runs its forward again in the backward
+  (t_b += t_f);
 - **tensor parallelism** (Megatron): two allreduces of the block's activation (m x T x d) per block
   in the forward and two in the backward, each a ring over the tp group:
   2(n-1)/n x bytes x g + 2(n-1) L at the level that holds tp consecutive devices;
@@ -17,10 +22,15 @@ transformer block, built without storage: ``keep=()``) and the machine's rates:
   neighbours (tp x dp devices apart); ZB-H1's memory is taken as 1F1B's;
 - **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
   overlapped: pipelines reduce after their list), at the level holding tp x dp devices;
+- **optimizer**: the update streams the rank's parameters, gradients and optimizer state through
+  memory, :data:`UPDATE_PASSES` passes of 3 words per parameter (two read, one written) at the
+  device's memory bandwidth;
 - **memory per rank**: parameters, gradients and two AdamW slots of its share (4 words per
-  parameter), plus the activations its first stage holds: one cache per micro-batch in flight
-  (1F1B and ZB-H1: pp; GPipe: M), ``spec().bytes_cache`` per block / tp (``remat="full"``: the
-  block inputs only, and one block's cache for the recomputation).
+  parameter; the replicated LayerNorms count whole on every tp rank), plus the activations its
+  first stage holds: one cache per micro-batch in flight (1F1B and ZB-H1: pp; GPipe: M), the tp
+  block's ``spec().bytes_cache`` per block (what stays whole under tp, the LayerNorms and the
+  column-parallel inputs, counts whole) (``remat="full"``: the block inputs only, and one
+  block's cache for the recomputation).
 
 Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid` orders them (tp fastest, then dp,
 then pp). The thesis prices operator cuts (:mod:`.cost`, :mod:`.search`); for the transformer's
@@ -31,10 +41,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
 REMAT = ("none", "full")
+# Passes over parameter-sized arrays per optimizer step (hpcnn.nn.optim): AdamW's 10, its
+# decoupled decay and zero_grad; SGD's momentum (2), its update, the L2 decay and zero_grad.
+UPDATE_PASSES = {"adamw": 12, "sgd": 5}
+
+
+def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw") -> float:
+    """One optimizer step over ``n_params`` parameters of ``word`` bytes: UPDATE_PASSES passes
+    of 3 words each (two read, one written) at the device's memory bandwidth."""
+    return device.stream_seconds(UPDATE_PASSES[optimizer] * 3 * word * n_params)
 
 
 @dataclass(frozen=True)
@@ -67,13 +87,23 @@ class Transformer:
             self.word + (2 * self.vocab + self.seq) * self.dim
 
 
+class _ShapeComm(NamedTuple):
+    """All a tensor-parallel block built without storage reads of its communicator."""
+    size: int
+    rank: int = 0
+    name: str = "tp"
+
+
 @lru_cache(maxsize=4096)
-def _block(dim: int, heads: int, seq: int, rows: int, word: int) -> tuple:
+def _block(dim: int, heads: int, seq: int, rows: int, word: int, tp: int = 1) -> tuple:
     """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
-    transformer block on ``rows`` sequences, from its ``spec()`` (built without storage)."""
+    transformer block on ``rows`` sequences as one of ``tp`` ranks runs it, from its ``spec()``
+    (built without storage: the serial block, or the Megatron block over a tp group)."""
     from hpcnn.nn.transformer import TransformerBlock
+    from hpcnn.parallel.tensor_attn import ParallelTransformerBlock
     dtype = {2: "float32", 4: "float32", 8: "float64"}[word]     # spec's shapes, then rescaled
-    blk = TransformerBlock(dim, heads, dtype=dtype, keep=())
+    blk = (ParallelTransformerBlock(_ShapeComm(tp), dim, heads, dtype=dtype, keep=()) if tp > 1
+           else TransformerBlock(dim, heads, dtype=dtype, keep=()))
     s = blk.spec((rows, seq, dim))
     scale = word / (4 if word <= 4 else 8)
     return (s.flops_fwd, s.flops_bwd, int(s.bytes_cache * scale), int(s.bytes_params * scale),
@@ -115,19 +145,25 @@ def ring_allreduce_s(nbytes: float, n: int, level) -> float:
     return 2 * (n - 1) * (level.latency_s + part * level.seconds_per_byte(int(part)))
 
 
-def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None) -> Priced:
+def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None,
+          optimizer: str = "adamw") -> Priced:
     """The predicted step time and memory per rank of ``layout`` (see the module docstring)."""
     from hpcnn.parallel import schedules
     dp, tp, pp, m_count = layout.dp, layout.tp, layout.pp, layout.microbatches
     rows = model.batch // (dp * m_count)                    # sequences per micro-batch
-    f, b, cache, pbytes, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word)
-    rate = machine.device.flops.get(model.dtype) or max(machine.device.flops.values())
+    f, b, cache, pbytes, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
+                                         tp)
+    dev = machine.device
+    dtype = model.dtype if model.dtype in dev.flops else max(dev.flops, key=dev.flops.get)
     per_stage = model.n_layers / pp
-    head = 2.0 * rows * model.seq * model.dim * model.vocab          # LM head forward FLOPs
+    head = 2.0 * rows * model.seq * model.dim * model.vocab / tp     # LM head forward FLOPs
     act = rows * model.seq * model.dim * model.word                  # one activation
     tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp)) * per_stage
-    t_f = (per_stage * f + head) / (tp * rate) + tp_s
-    t_b = (per_stage * b + 2 * head) / (tp * rate) + tp_s
+    # a block's fixed cost (Device.overhead) is split as its FLOPs are: 1/3 forward, 2/3 back
+    t_f = dev.compute_seconds(per_stage * f, dtype, "transformer", per_stage / 3) + \
+        dev.compute_seconds(head, dtype, "linear", 1 / 3) + tp_s
+    t_b = dev.compute_seconds(per_stage * b, dtype, "transformer", 2 * per_stage / 3) + \
+        dev.compute_seconds(2 * head, dtype, "linear", 2 / 3) + tp_s
     if layout.remat == "full":
         t_b += t_f
     # zero bubble splits B into its input and weight halves (equal FLOPs: dx and dW products)
@@ -138,19 +174,22 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
         span = schedules.simulate(lists, t_f, t_b - t_w, t_w).makespan
     msg = machine.level_for_group(min(machine.p, 2 * tp * dp)).message_seconds(act) if pp > 1 else 0
     pp_s = 2 * (pp - 1) * msg
-    local_params = (per_stage * pbytes / model.word + model.vocab * model.dim) / tp
+    local_params = per_stage * pbytes / model.word + model.vocab * model.dim / tp
     dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp))
+    opt_s = update_seconds(local_params, model.word, dev, optimizer)
     inflight = m_count if layout.schedule == "gpipe" else min(pp, m_count)
     held = (xbytes * per_stage + cache) if layout.remat == "full" else cache * per_stage
-    memory = 4 * local_params * model.word + inflight * held / tp
-    cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
+    memory = 4 * local_params * model.word + inflight * held
+    cap = dev.memory_bytes if memory_bytes is None else memory_bytes
     compute = m_count * (t_f + t_b - 2 * tp_s)
     parts = {"compute": compute, "tp_comm": 2 * m_count * tp_s,
-             "bubble": span - m_count * (t_f + t_b), "pp_comm": pp_s, "dp_comm": dp_s}
-    step = span + pp_s + dp_s
+             "bubble": span - m_count * (t_f + t_b), "pp_comm": pp_s, "dp_comm": dp_s,
+             "optimizer": opt_s}
+    step = span + pp_s + dp_s + opt_s
     formula = (f"({m_count} micro-batches, {pp} stages) {layout.schedule} span {span:.4g} s "
                f"[t_f {t_f:.3g} + t_b {t_b:.3g} per stage pass, of which tp {tp_s:.3g}] "
-               f"+ pp messages {pp_s:.3g} + dp allreduce {dp_s:.3g} = {step:.4g} s")
+               f"+ pp messages {pp_s:.3g} + dp allreduce {dp_s:.3g} "
+               f"+ {optimizer} update {opt_s:.3g} = {step:.4g} s")
     return Priced(layout, step, parts, memory, memory <= cap, formula)
 
 
@@ -197,10 +236,10 @@ def plan(model: Transformer, machine, devices: int | None = None, *,
 
 def flops_per_step(model: Transformer) -> float:
     """Model FLOPs of one step (forward + backward, no recomputation): for throughput."""
-    f, b, *_ = _block(model.dim, model.n_heads, model.seq, model.batch, model.word)
+    f, b, *_ = _block(model.dim, model.n_heads, model.seq, model.batch, model.word, 1)
     head = 2.0 * model.batch * model.seq * model.dim * model.vocab
     return model.n_layers * (f + b) + 3 * head
 
 
 __all__ = ["Layout", "Priced", "Transformer", "flops_per_step", "layouts", "plan", "price",
-           "ring_allreduce_s"]
+           "ring_allreduce_s", "update_seconds"]

@@ -20,6 +20,14 @@ thesis leaves open, and what is chosen here:
   the innermost level.
 - **The device** has a compute rate per dtype (FLOP/s), a memory bandwidth and a capacity; when
   several ranks share cores, calibration records the rate each gets while all compute at once.
+- **Efficiency per block kind.** The rate is a matmul's; a framework's block also runs element-wise
+  passes (LayerNorm, GELU, softmax, the residual adds), which NumPy does not fuse into the
+  matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the
+  rate its forward + backward FLOPs (``spec()``) attain; calibration measures it on one reference
+  size per kind, public-specification files take it from published model-FLOP utilisations.
+  A kind not listed runs at the full rate. ``overhead`` maps a kind to the fixed seconds of one
+  block's forward + backward whatever its size (the interpreter's and the kernel launches'
+  share: what makes many tiny micro-batches slow); calibration times a tiny block of the kind.
 
 Files are TOML (read with :mod:`tomllib`, written by :meth:`Machine.to_toml`); see
 ``machines/*.toml`` for examples with the sources of their numbers.
@@ -105,11 +113,15 @@ def _pieces(pieces, what: str) -> tuple:
 @dataclass(frozen=True)
 class Device:
     """One device (a core, a GPU): compute rate per dtype name (FLOP/s), memory bandwidth
-    (bytes/s) and memory capacity (bytes)."""
+    (bytes/s), memory capacity (bytes), the fraction of the rate each block kind attains
+    (``efficiency``, kind -> (0, 1]; missing kinds 1) and each kind's fixed seconds per forward +
+    backward (``overhead``, kind -> seconds >= 0; missing kinds 0)."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
     memory_bytes: float
+    efficiency: dict = field(default_factory=dict, hash=False)
+    overhead: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -121,14 +133,39 @@ class Device:
                            _positive(self.memory_bandwidth, "device memory_bandwidth"))
         object.__setattr__(self, "memory_bytes",
                            _positive(self.memory_bytes, "device memory_bytes"))
+        if not isinstance(self.efficiency, dict):
+            raise ValueError(f"device {self.name!r}: efficiency = {self.efficiency!r}: expected "
+                             "a table block kind -> fraction of the rate")
+        eff = {str(k): _positive(v, f"device efficiency.{k}") for k, v in self.efficiency.items()}
+        if any(v > 1 for v in eff.values()):
+            raise ValueError(f"device {self.name!r}: efficiency = {eff}: a fraction of the "
+                             "rate is at most 1")
+        object.__setattr__(self, "efficiency", eff)
+        if not isinstance(self.overhead, dict):
+            raise ValueError(f"device {self.name!r}: overhead = {self.overhead!r}: expected a "
+                             "table block kind -> seconds")
+        object.__setattr__(self, "overhead", {
+            str(k): _positive(v, f"device overhead.{k}", allow_zero=True)
+            for k, v in self.overhead.items()})
 
-    def compute_seconds(self, flops: float, dtype: str = "float32") -> float:
-        """Seconds for ``flops`` floating-point operations in ``dtype`` at the device's rate."""
+    def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
+        """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
+        efficiency (1 for a kind not listed, or None)."""
         rate = self.flops.get(str(dtype))
         if rate is None:
             raise ValueError(f"device {self.name!r} has no rate for dtype {dtype!r} "
                              f"(has {', '.join(self.flops)})")
-        return flops / rate
+        return rate * self.efficiency.get(kind, 1.0)
+
+    def compute_seconds(self, flops: float, dtype: str = "float32", kind: str | None = None,
+                        calls: float = 0) -> float:
+        """Seconds for ``flops`` floating-point operations of ``kind`` blocks in ``dtype``, plus
+        ``calls`` times the kind's fixed cost of one block's forward + backward."""
+        return flops / self.rate(dtype, kind) + calls * self.overhead.get(kind, 0.0)
+
+    def stream_seconds(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` through memory (read + written bytes, as STREAM counts)."""
+        return nbytes / self.memory_bandwidth
 
 
 @dataclass(frozen=True)
@@ -216,6 +253,12 @@ class Machine:
                  f"memory_bytes = {_toml_num(self.device.memory_bytes)}", "",
                  "[device.flops]                  # FLOP/s per dtype"]
         lines += [f"{_toml_str(k)} = {_toml_num(v)}" for k, v in self.device.flops.items()]
+        for table, what in (("efficiency", "fraction of the rate per block kind"),
+                            ("overhead", "seconds per forward + backward of one block")):
+            if getattr(self.device, table):
+                lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
+                lines += [f"{_toml_str(k)} = {_toml_num(v)}"
+                          for k, v in getattr(self.device, table).items()]
         if not self.levels:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
@@ -272,7 +315,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
     with _named(at):
         device = Device(name=str(_get(dev, "name", at)), flops=_get(dev, "flops", at, dict),
                         memory_bandwidth=_get(dev, "memory_bandwidth", at),
-                        memory_bytes=_get(dev, "memory_bytes", at))
+                        memory_bytes=_get(dev, "memory_bytes", at),
+                        efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"

@@ -9,6 +9,13 @@
 - **Device**: the matmul rate per dtype and a large copy's memory bandwidth, timed on rank 0 alone
   and then on all ranks at once. The machine file records the all-at-once rates (what each rank
   gets in a step when ranks share cores); the alone rates go in its header comments.
+- **Per block kind** (:func:`block_costs`): hpcnn's own blocks, forward and backward, at a tiny
+  size (their fixed cost: ``overhead``) and at one reference size per kind
+  (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): ``efficiency`` is the
+  FLOPs of their ``spec()`` per second, the fixed cost taken off, over the matmul rate timed in
+  alternation with them. These are the machine's figures for the framework's element-wise
+  passes and per-call cost, not a profile of the model being planned: re-planning another width
+  or batch reruns nothing.
 
 Every rank calls every function here (they contain collectives); medians keep one slow repeat
 on a shared machine from deciding the figure. """
@@ -26,6 +33,11 @@ SIZES = (8, 1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26)     # ping-pong bytes: 
 DTYPES = ("float32", "float64")
 MATMUL_N = 768                  # 2 n^3 = 0.9 GFLOP: ~10 ms fp32 on one core
 COPY_BYTES = 64 << 20           # 64 MiB: well past the caches
+# Reference blocks of the efficiency figures: a GPT block of width 256, 4 heads on 8 sequences
+# of 64 tokens; a Linear 512 -> 512 and its ReLU on 256 rows (an MLP layer). The overhead
+# figures time the same kinds at a tiny size: width 8, 2 heads, one sequence of 4; 8 -> 8 on 1.
+EFFICIENCY_SHAPES = {"transformer": (256, 4, (8, 64, 256)), "linear": (512, 512, (256, 512))}
+OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -91,6 +103,53 @@ def matmul_rate(dtype: str, n: int = MATMUL_N, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), repeats)
 
 
+def _blocks_step(kind: str, size: tuple, dtype: str):
+    """(step, FLOPs): one forward + backward of ``kind``'s blocks at ``size`` (a
+    :data:`EFFICIENCY_SHAPES` entry) as a function of no argument, and its spec() FLOPs."""
+    from hpcnn.nn.layers import Linear, ReLU
+    from hpcnn.nn.transformer import TransformerBlock
+    a, b, shape = size
+    blocks = ([TransformerBlock(a, b, dtype=dtype)] if kind == "transformer" else
+              [Linear(a, b, dtype=dtype), ReLU(dtype=dtype)])
+    x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    flops = 0.0
+    for blk in blocks:
+        s = blk.spec(shape)
+        flops += s.flops_fwd + s.flops_bwd
+        shape = s.out_shape
+
+    def step():
+        y, caches = x, []
+        for blk in blocks:
+            y, cache = blk.forward(y)
+            caches.append(cache)
+        dy = np.ones_like(y)
+        for blk, cache in zip(reversed(blocks), reversed(caches)):
+            dy = blk.backward(dy, cache)
+    step()                                                   # warm-up
+    return step, flops
+
+
+def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
+    """(efficiency, overhead seconds) of ``kind``'s blocks in this process. The overhead is the
+    median forward + backward of the tiny blocks (:data:`OVERHEAD_SHAPES`); the efficiency the
+    median over rounds of (reference FLOPs / (its time - overhead)) / the n x n matmul's rate,
+    the matmul and the reference timed in alternation, so a change of load during the
+    calibration moves both sides of a ratio alike; capped at 1."""
+    tiny, _ = _blocks_step(kind, OVERHEAD_SHAPES[kind], dtype)
+    overhead = _median_seconds(tiny, 10 * repeats)
+    step, flops = _blocks_step(kind, EFFICIENCY_SHAPES[kind], dtype)
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype) for _ in range(2))
+    c = np.empty_like(a)
+    ratios = []
+    for _ in range(repeats):
+        t_mm = _median_seconds(lambda: np.matmul(a, b, out=c), 1)
+        t_blk = _median_seconds(step, 1)
+        ratios.append(flops / max(t_blk - overhead, t_blk / 10) / (2.0 * MATMUL_N ** 3 / t_mm))
+    return min(1.0, float(np.median(ratios))), overhead
+
+
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
     """Bytes/s of a large copy counted as STREAM does: read + written bytes over the time."""
     src = np.ones(nbytes // 8)
@@ -116,9 +175,12 @@ def cpu_name() -> str:
 
 
 def device_rates() -> dict:
-    """Matmul FLOP/s per dtype and copy bytes/s of this process: {"float32": .., "copy": ..}."""
+    """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
+    {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
+    for kind in EFFICIENCY_SHAPES:
+        rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"] = block_costs(kind, "float32")
     return rates
 
 
@@ -139,13 +201,20 @@ def measure(comm) -> dict:
     alone = device_rates() if rank == 0 else None
     _quiet_barrier(comm)
     mine = device_rates()                                    # every rank at once
-    together = {k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()}
+    together = {k: comm.allreduce(v, op=MPI.MAX if k.startswith("overhead.") else MPI.MIN)
+                for k, v in mine.items()}                    # the slowest rank's figures
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
     local.Free()
     seconds = pingpong(comm) if size > 1 else None
     return {"alone": comm.bcast(alone, root=0), "together": together, "sizes": list(SIZES),
             "seconds": seconds, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0)}
+
+
+def _kinds(rates: dict, table: str) -> dict:
+    """{kind: figure} of the ``table`` ("efficiency", "overhead") entries of device_rates()."""
+    return {k.split(".", 1)[1]: float(f"{v:.4g}") for k, v in rates.items()
+            if k.startswith(table + ".")}
 
 
 def machine_text(meas: dict, name: str, size: int) -> str:
@@ -155,7 +224,8 @@ def machine_text(meas: dict, name: str, size: int) -> str:
     tog, alone = meas["together"], meas["alone"]
     device = Device(name=meas["cpu"], flops={dt: tog[dt] for dt in DTYPES},
                     memory_bandwidth=tog["copy"],
-                    memory_bytes=memory_bytes(meas["ranks_here"]))
+                    memory_bytes=memory_bytes(meas["ranks_here"]),
+                    efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"))
     levels = (fit_level(meas["sizes"], meas["seconds"], size),) if size > 1 else ()
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
@@ -166,7 +236,10 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                 f"matmul {dt} {alone[dt] / 1e9:.1f} GFLOP/s" for dt in DTYPES)
             + f", copy {alone['copy'] / 1e9:.1f} GB/s; all at once: " + ", ".join(
                 f"{dt} {tog[dt] / 1e9:.1f}" for dt in DTYPES)
-            + f", copy {tog['copy'] / 1e9:.1f}."]
+            + f", copy {tog['copy'] / 1e9:.1f}.",
+            "# Blocks (float32, sizes in hpcnn/parallel/collectives/measure.py): efficiency "
+            f"alone {_kinds(alone, 'efficiency')}, all at once {_kinds(tog, 'efficiency')}; "
+            f"overhead alone {_kinds(alone, 'overhead')}, all at once {_kinds(tog, 'overhead')}."]
     if meas["seconds"]:
         head.append("# Ping-pong, all pairs at once, one-way median of the slowest pair: "
                     + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
