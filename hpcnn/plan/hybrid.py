@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
@@ -115,8 +116,31 @@ def ring_allreduce_s(nbytes: float, n: int, level) -> float:
     return 2 * (n - 1) * (level.latency_s + part * level.seconds_per_byte(int(part)))
 
 
-def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None) -> Priced:
-    """The predicted step time and memory per rank of ``layout`` (see the module docstring)."""
+class StageTimes(NamedTuple):
+    """What one layout's step is made of (seconds): a stage pass's forward ``t_f``, whole backward
+    ``t_b`` (input and weight gradients) and the part of it ``t_w`` zero bubble splits off (else
+    0), each including ``tp_s``, the pass's tensor-parallel allreduces; ``span`` the schedule's
+    makespan in such passes (messages free), ``msg`` one activation message between stages,
+    ``pp_s`` the 2(pp - 1) of them on the critical path, ``dp_s`` the data-parallel allreduce."""
+    t_f: float
+    t_b: float
+    t_w: float
+    tp_s: float
+    span: float
+    msg: float
+    pp_s: float
+    dp_s: float
+
+
+def stage_times(model: Transformer, layout: Layout, machine) -> StageTimes:
+    """The times :func:`price` adds up (see the module docstring); :mod:`.timeline` lays them
+    out as a predicted run's events."""
+    return _priced_parts(model, layout, machine)[0]
+
+
+def _priced_parts(model: Transformer, layout: Layout, machine):
+    """(StageTimes, per-block bytes, local parameter count) of ``layout``: the one place the
+    formulas live, for :func:`price` and :func:`stage_times`."""
     from hpcnn.parallel import schedules
     dp, tp, pp, m_count = layout.dp, layout.tp, layout.pp, layout.microbatches
     rows = model.batch // (dp * m_count)                    # sequences per micro-batch
@@ -140,6 +164,16 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     pp_s = 2 * (pp - 1) * msg
     local_params = (per_stage * pbytes / model.word + model.vocab * model.dim) / tp
     dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp))
+    return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s), (cache, xbytes),
+            local_params)
+
+
+def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None) -> Priced:
+    """The predicted step time and memory per rank of ``layout`` (see the module docstring)."""
+    st, (cache, xbytes), local_params = _priced_parts(model, layout, machine)
+    t_f, t_b, tp_s, span, pp_s, dp_s = st.t_f, st.t_b, st.tp_s, st.span, st.pp_s, st.dp_s
+    tp, pp, m_count = layout.tp, layout.pp, layout.microbatches
+    per_stage = model.n_layers / pp
     inflight = m_count if layout.schedule == "gpipe" else min(pp, m_count)
     held = (xbytes * per_stage + cache) if layout.remat == "full" else cache * per_stage
     memory = 4 * local_params * model.word + inflight * held / tp
@@ -202,5 +236,5 @@ def flops_per_step(model: Transformer) -> float:
     return model.n_layers * (f + b) + 3 * head
 
 
-__all__ = ["Layout", "Priced", "Transformer", "flops_per_step", "layouts", "plan", "price",
-           "ring_allreduce_s"]
+__all__ = ["Layout", "Priced", "StageTimes", "Transformer", "flops_per_step", "layouts", "plan", "price",
+           "ring_allreduce_s", "stage_times"]
