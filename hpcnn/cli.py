@@ -201,10 +201,14 @@ def cmd_report(args) -> int:
     if not args or args[0] in ("-h", "--help"):
         print("usage: hpcnn report RUN.h5 [OUT.png]     figure, headline and summary of one run\n"
               "       hpcnn report --headline RUN.h5 ...  one line of figures per run\n"
-              "       hpcnn report RUN.h5 --trace OUT.json  the timeline as a Chrome trace (Perfetto)")
+              "       hpcnn report RUN.h5 --trace OUT.json  the timeline as a Chrome trace (Perfetto)\n"
+              "       hpcnn report MEASURED.h5 --predicted=PRED.h5 --gantt=OUT.png [--step=-1]\n"
+              "           predicted (hpcnn simulate --model=... --log) and measured step side by side")
         return 0 if args else 2
     if "--trace" in args:
         return _report_trace(args)
+    if any(a.startswith(("--predicted", "--gantt")) for a in args):
+        return _report_gantt(args)
     from hpcnn.log.report import headline, make_report, summary
     if args[0] == "--headline":
         missing = [p for p in args[1:] if not os.path.exists(p)]
@@ -244,6 +248,40 @@ def _report_trace(args) -> int:
         print(f"hpcnn report: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args[k + 1]} ({n} events; open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def _report_gantt(args) -> int:
+    """``hpcnn report MEASURED.h5 --predicted=PRED.h5 --gantt=OUT.png [--step=K]``: the two
+    Gantt charts side by side (:func:`hpcnn.log.report.gantt_report`)."""
+    from hpcnn.log.report import gantt_report
+    opts, files = {}, []
+    for a in args:
+        key, eq, value = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        if key in ("predicted", "gantt", "step") and eq:
+            opts[key] = value
+        elif a.startswith("--"):
+            print(f"hpcnn report: unknown option {a!r} with --gantt (--predicted=, --gantt=, "
+                  f"--step=)", file=sys.stderr)
+            return 2
+        else:
+            files.append(a)
+    usage = "hpcnn report MEASURED.h5 --predicted=PRED.h5 --gantt=OUT.png [--step=-1]"
+    if len(files) != 1 or not opts.get("predicted") or not opts.get("gantt"):
+        print(f"hpcnn report: {usage}", file=sys.stderr)
+        return 2
+    missing = [p for p in (files[0], opts["predicted"]) if not os.path.exists(p)]
+    if missing:
+        print(f"hpcnn report: no such file: {' '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        drawn = gantt_report(files[0], opts["predicted"], opts["gantt"],
+                             int(opts.get("step", -1)))
+    except ValueError as e:
+        print(f"hpcnn report: {e}", file=sys.stderr)
+        return 2
+    print(", ".join(f"{t} {s * 1e3:.4g} ms" for t, s in zip(drawn["titles"], drawn["span_s"])))
+    print(f"wrote {drawn['path']}")
     return 0
 
 

@@ -16,7 +16,20 @@ SIMULATE = {"schedule": ("1f1b", str, "gpipe | 1f1b | interleaved | zb_h1 | zb_v
             "t_w": (0.0, float, "of which weight gradients, split off by zb_h1 and zb_v"),
             "t_comm": (0.0, float, "time a message takes between stages"),
             "width": (72, int, "columns of the chart"),
-            "log": ("", str, "also write the predicted timeline as a run log (hpcnn report, --trace)")}
+            "log": ("", str, "also write the predicted timeline as a run log (hpcnn report, --trace)"),
+            "model": ("", str, "gpt | mlp: a planned step's timeline on --machine instead "
+                               "(hpcnn/plan/timeline.py; t_f, t_b, t_w, ranks unused)"),
+            "machine": ("local-2vcpu", str, "machine file (machines/*.toml) for --model"),
+            "dp": (1, int, "gpt: data-parallel ranks"), "tp": (1, int, "gpt: tensor-parallel ranks"),
+            "pp": (1, int, "gpt: pipeline stages (--schedule, --microbatches as above)"),
+            "remat": ("none", str, "gpt: none | full"),
+            "n_layers": (2, int, "gpt: blocks"), "dim": (64, int, "gpt: width"),
+            "n_heads": (4, int, "gpt: heads"), "seq": (64, int, "gpt: context length"),
+            "vocab": (65, int, "gpt: vocabulary"),
+            "batch": (16, int, "gpt, mlp: global batch (sequences, rows)"),
+            "dtype": ("float32", str, "gpt, mlp: bfloat16 | float16 | float32 | float64"),
+            "plan": ("", str, "mlp: plan file ({\"devices\": p, \"layers\": [...]})"),
+            "widths": ("64,256,256,10", str, "mlp: input, hidden..., output widths")}
 
 
 def _options(args, spec, command):
@@ -65,6 +78,8 @@ def cmd_simulate(args) -> int:
     if err:
         print(err, file=sys.stderr)
         return 2
+    if o["model"]:
+        return simulate_planned(o, "hpcnn simulate " + " ".join(args))
     from hpcnn.parallel import schedules
     if o["schedule"] not in schedules.SCHEDULES:
         print(f"hpcnn simulate: --schedule={o['schedule']!r}: one of "
@@ -109,17 +124,84 @@ def predicted_log(path, sim, options: dict, command_line: str) -> None:
     ``/timeline`` event in the format a measured run writes (times in the units given), so the
     tools that read measured logs (``hpcnn report``, ``--trace``, analysis/pipeline_gantt.py)
     read it too; the root attribute ``predicted`` says it was not measured."""
-    import os
+    write_predicted(path, [(r, ins.kind, ins.mb, t0, t1) for r, line in enumerate(sim.timelines)
+                           for ins, t0, t1 in line], sim.makespan, options, command_line,
+                    len(sim.timelines), {"pp": len(sim.timelines), "schedule": options["schedule"],
+                                         "microbatches": options["microbatches"],
+                                         "virtual": options["virtual"]},
+                    {"bubble": sim.bubble})
 
+def simulate_planned(o: dict, command_line: str) -> int:
+    """``hpcnn simulate --model=gpt|mlp``: a planned step's predicted timeline on ``--machine``
+    (:mod:`hpcnn.plan.timeline`): a GPT layout priced by :func:`hpcnn.plan.hybrid.price`, or an
+    MLP cut plan priced by :func:`hpcnn.plan.cost.strategy_cost`; printed, and with ``--log``
+    written as a predicted run log."""
+    from hpcnn.plan import cost, hybrid, machine as machines, timeline
+    try:
+        mach = machines.load(o["machine"])
+        if o["model"] == "gpt":
+            model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"],
+                                       o["vocab"], o["batch"], o["dtype"])
+            lay = hybrid.Layout(o["dp"], o["tp"], o["pp"], o["microbatches"], o["schedule"],
+                                o["remat"])
+            bad = [k for k, ok in (("schedule", lay.schedule in hybrid.SCHEDULES),
+                                   ("remat", lay.remat in hybrid.REMAT),
+                                   ("dp x tp x pp x microbatches", min(
+                                       lay.dp, lay.tp, lay.pp, lay.microbatches) >= 1 and
+                                    model.batch % (lay.dp * lay.microbatches) == 0 and
+                                    model.n_layers % lay.pp == 0)) if not ok]
+            if bad:
+                raise ValueError(f"{lay}: bad {', '.join(bad)} (schedule one of "
+                                 f"{', '.join(hybrid.SCHEDULES)}, remat one of "
+                                 f"{', '.join(hybrid.REMAT)}, dp x microbatches dividing the "
+                                 f"batch {model.batch}, pp dividing the {model.n_layers} layers)")
+            mach = mach.with_devices(lay.dp * lay.tp * lay.pp)
+            priced = hybrid.price(model, lay, mach)
+            events, step, what = timeline.gpt_events(model, lay, mach), priced.step_s, priced.formula
+            plan = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "schedule": lay.schedule,
+                    "microbatches": lay.microbatches, "remat": lay.remat}
+        elif o["model"] == "mlp":
+            import json
+
+            from hpcnn.parallel import layout
+            if not o["plan"]:
+                raise ValueError("--model=mlp needs --plan=FILE (the cuts, as hpcnn train reads)")
+            widths = [int(w) for w in o["widths"].split(",")]
+            cuts = layout.read_plan(o["plan"])
+            with open(o["plan"]) as f:
+                mach = mach.with_devices(json.load(f)["devices"])
+            graph = cost.mlp_graph(widths, o["batch"])
+            events = timeline.mlp_events(graph, cuts, mach, o["dtype"])
+            priced = cost.strategy_cost(graph, cuts, mach, o["dtype"])
+            step, what = priced.seconds, priced.formula()
+            plan = {"operator_layout": {"cuts": [[c.batch, c.reduce, c.out] for c in cuts],
+                                        "chosen_by": f"plan file {o['plan']}",
+                                        "predicted_step_s": step}}
+        else:
+            raise ValueError(f"--model={o['model']!r}: gpt or mlp")
+    except (ValueError, OSError, KeyError) as e:
+        print(f"hpcnn simulate: {e}", file=sys.stderr)
+        return 2
+    ranks = 1 + max(e[0] for e in events)
+    print(f"{o['model']} on {ranks} ranks of {mach.name}: predicted step {step:.4g} s = {what}")
+    if o["log"]:
+        write_predicted(o["log"], events, step, o, command_line, ranks, plan)
+        print(f"wrote {o['log']} (hpcnn report MEASURED.h5 --predicted={o['log']} --gantt=OUT.png)")
+    return 0
+
+
+def write_predicted(path, events, step_s: float, options: dict, command_line: str,
+                    world_size: int, plan: dict, metrics: dict | None = None) -> None:
+    """A run log holding predicted ``events`` (``/timeline``, as a measured run writes them), the
+    options as its config, ``plan`` as its ``/plan`` and the predicted step time (and
+    ``metrics``) as step 0's metrics; the root attribute ``predicted`` says it was not measured."""
     from hpcnn.log import RunLog
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    log = RunLog(path, options, command_line=command_line, world_size=len(sim.timelines),
+    log = RunLog(path, options, command_line=command_line, world_size=world_size,
                  extra_attrs={"predicted": True}, overwrite=True)
-    log.set_plan({"pp": len(sim.timelines), "schedule": options["schedule"],
-                  "microbatches": options["microbatches"], "virtual": options["virtual"]})
-    log.log_events([(r, ins.kind, ins.mb, t0, t1) for r, line in enumerate(sim.timelines)
-                    for ins, t0, t1 in line])
-    log.log_metrics(0, step_time=sim.makespan, bubble=sim.bubble)
+    log.set_plan(plan)
+    log.log_events(events)
+    log.log_metrics(0, step_time=step_s, **(metrics or {}))
     log.close(status="finished")
 
 

@@ -232,3 +232,91 @@ def save_figure(fig, path, *, rect=None, dpi: int = 110) -> str:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+GANTT_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "compute": "tab:blue",
+                "optimizer": "tab:gray", "allreduce": "tab:purple", "allreduce_wait": "tab:purple",
+                "alltoall": "tab:red"}
+
+
+def step_events(run: RunData, step: int = -1) -> dict:
+    """One step of a run's ``/timeline``: ``{rank: [(kind, microbatch, t_start, t_end), ...]}``,
+    each rank's times from its own first event of that step (a measured run logs each rank's
+    own clock: the clocks of two ranks are not aligned; a rank whose step begins by waiting
+    starts with that wait, a RECV); a predicted log's times as they are (one clock). A measured run's ranks each end a step with their
+    ``optimizer`` event: step ``step`` (Python index: -1 the last, 0 the first, which includes
+    warm-up) is what lies between two of them; a log without such events (a predicted one) is
+    one step."""
+    t = run.timeline
+    if not t or len(t.get("rank", ())) == 0:
+        raise ValueError(f"{run.path}: the run log has no timeline events")
+    per_rank = {}
+    for r in sorted(set(t["rank"].tolist())):
+        rows = np.flatnonzero(t["rank"] == r)
+        rows = rows[np.argsort(t["t_start"][rows], kind="stable")]
+        steps, cur = [], []
+        for i in rows:
+            cur.append((str(t["kind"][i]), int(t["microbatch"][i]), float(t["t_start"][i]),
+                        float(t["t_end"][i])))
+            if cur[-1][0] == "optimizer":
+                steps, cur = steps + [cur], []
+        steps += [cur] if cur else []
+        try:
+            per_rank[r] = steps[step]
+        except IndexError:
+            raise ValueError(f"{run.path}: rank {r} logged {len(steps)} steps, no step {step}") \
+                from None
+    if run.attrs.get("predicted"):          # one clock: the prediction's, from 0
+        return per_rank
+    return {r: [(k, mb, a - evs[0][2], b - evs[0][2]) for k, mb, a, b in evs]
+            for r, evs in per_rank.items()}
+
+
+def _draw_gantt(ax, events: dict, title: str) -> float:
+    """Rank r's events as bars on row r (colour by kind, communication hatched); returns the
+    step's span in seconds."""
+    from hpcnn.log.trace import category
+    end = max(e[3] for evs in events.values() for e in evs)
+    seen = set()
+    for r, evs in events.items():
+        for kind, mb, a, b in evs:
+            comm = category(kind) == "communication"
+            color = GANTT_COLORS.get(kind, "tab:red" if comm else "tab:cyan")
+            label = kind if kind not in seen else None
+            seen.add(kind)
+            ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (r - 0.4, 0.8), facecolors=color,
+                           edgecolor="k", linewidth=0.3, hatch="//" if comm else None,
+                           label=label)
+            if kind in ("F", "B", "W") and (b - a) > end / 60 and mb >= 0:
+                ax.text((a + b) / 2 * 1e3, r, str(mb), ha="center", va="center", fontsize=6)
+    ax.set_yticks(sorted(events))
+    ax.set_yticklabels([f"rank {r}" for r in sorted(events)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end * 1e3 * 1.01)
+    ax.set_xlabel("ms")
+    ax.set_title(f"{title}: {end * 1e3:.3g} ms")
+    return end
+
+
+def gantt_report(measured_path, predicted_path, png_path, step: int = -1) -> dict:
+    """The predicted and the measured step drawn side by side as two Gantt charts in one PNG
+    (matplotlib, Agg): the predicted log's timeline (``hpcnn simulate --model=... --log``) on
+    the left, step ``step`` of the measured run (:func:`step_events`) on the right, each on its
+    own time axis. Returns ``{"path", "titles", "ranks", "span_s"}``: what was drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("predicted", step_events(read_run(predicted_path))),
+              (f"measured (step {step})", step_events(read_run(measured_path), step))]
+    n_ranks = max(len(ev) for _, ev in panels)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 2.4 + 0.45 * n_ranks), squeeze=False)
+    spans = [_draw_gantt(ax, ev, title) for ax, (title, ev) in zip(axes.flat, panels)]
+    fig.suptitle(f"{os.path.basename(str(predicted_path))} vs {os.path.basename(str(measured_path))}")
+    legend = {}
+    for ax in axes.flat:
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=10, fontsize="small")
+    save_figure(fig, png_path, rect=(0, 0.1 + 0.1 / n_ranks, 1, 0.93))
+    return {"path": os.fspath(png_path), "titles": [t for t, _ in panels],
+            "ranks": [sorted(ev) for _, ev in panels], "span_s": spans}

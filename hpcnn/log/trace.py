@@ -24,7 +24,7 @@ from hpcnn.log.runlog import read_run
 
 COMPUTE = ("F", "B", "W", "F_ck", "F_n", "F_all", "forward", "backward", "optimizer")
 COMMUNICATION = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD", "allreduce_wait", "AR",
-                 "AR_WAIT", "allreduce", "allgather", "reduce_scatter", "bcast")
+                 "AR_WAIT", "allreduce", "allgather", "reduce_scatter", "bcast", "alltoall")
 
 
 def category(kind: str) -> str:

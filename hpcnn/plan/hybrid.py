@@ -145,9 +145,33 @@ def ring_allreduce_s(nbytes: float, n: int, level) -> float:
     return 2 * (n - 1) * (level.latency_s + part * level.seconds_per_byte(int(part)))
 
 
-def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None,
-          optimizer: str = "adamw") -> Priced:
-    """The predicted step time and memory per rank of ``layout`` (see the module docstring)."""
+class StageTimes(NamedTuple):
+    """What one layout's step is made of (seconds): a stage pass's forward ``t_f``, whole backward
+    ``t_b`` (input and weight gradients) and the part of it ``t_w`` zero bubble splits off (else
+    0), each including ``tp_s``, the pass's tensor-parallel allreduces; ``span`` the schedule's
+    makespan in such passes (messages free), ``msg`` one activation message between stages,
+    ``pp_s`` the 2(pp - 1) of them on the critical path, ``dp_s`` the data-parallel allreduce,
+    ``opt_s`` the optimizer's update."""
+    t_f: float
+    t_b: float
+    t_w: float
+    tp_s: float
+    span: float
+    msg: float
+    pp_s: float
+    dp_s: float
+    opt_s: float
+
+
+def stage_times(model: Transformer, layout: Layout, machine, optimizer: str = "adamw") -> StageTimes:
+    """The times :func:`price` adds up (see the module docstring); :mod:`.timeline` lays them
+    out as a predicted run's events."""
+    return _priced_parts(model, layout, machine, optimizer)[0]
+
+
+def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
+    """(StageTimes, (cache bytes, input bytes) per block and rank, local parameter count) of
+    ``layout``: the one place the formulas live, for :func:`price` and :func:`stage_times`."""
     from hpcnn.parallel import schedules
     dp, tp, pp, m_count = layout.dp, layout.tp, layout.pp, layout.microbatches
     rows = model.batch // (dp * m_count)                    # sequences per micro-batch
@@ -177,19 +201,29 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     local_params = per_stage * pbytes / model.word + model.vocab * model.dim / tp
     dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp))
     opt_s = update_seconds(local_params, model.word, dev, optimizer)
+    return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s), (cache, xbytes),
+            local_params)
+
+
+def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None,
+          optimizer: str = "adamw") -> Priced:
+    """The predicted step time and memory per rank of ``layout`` (see the module docstring)."""
+    st, (cache, xbytes), local_params = _priced_parts(model, layout, machine, optimizer)
+    pp, m_count = layout.pp, layout.microbatches
+    per_stage = model.n_layers / pp
     inflight = m_count if layout.schedule == "gpipe" else min(pp, m_count)
     held = (xbytes * per_stage + cache) if layout.remat == "full" else cache * per_stage
     memory = 4 * local_params * model.word + inflight * held
-    cap = dev.memory_bytes if memory_bytes is None else memory_bytes
-    compute = m_count * (t_f + t_b - 2 * tp_s)
-    parts = {"compute": compute, "tp_comm": 2 * m_count * tp_s,
-             "bubble": span - m_count * (t_f + t_b), "pp_comm": pp_s, "dp_comm": dp_s,
-             "optimizer": opt_s}
-    step = span + pp_s + dp_s + opt_s
-    formula = (f"({m_count} micro-batches, {pp} stages) {layout.schedule} span {span:.4g} s "
-               f"[t_f {t_f:.3g} + t_b {t_b:.3g} per stage pass, of which tp {tp_s:.3g}] "
-               f"+ pp messages {pp_s:.3g} + dp allreduce {dp_s:.3g} "
-               f"+ {optimizer} update {opt_s:.3g} = {step:.4g} s")
+    cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
+    compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
+    parts = {"compute": compute, "tp_comm": 2 * m_count * st.tp_s,
+             "bubble": st.span - m_count * (st.t_f + st.t_b), "pp_comm": st.pp_s,
+             "dp_comm": st.dp_s, "optimizer": st.opt_s}
+    step = st.span + st.pp_s + st.dp_s + st.opt_s
+    formula = (f"({m_count} micro-batches, {pp} stages) {layout.schedule} span {st.span:.4g} s "
+               f"[t_f {st.t_f:.3g} + t_b {st.t_b:.3g} per stage pass, of which tp "
+               f"{st.tp_s:.3g}] + pp messages {st.pp_s:.3g} + dp allreduce {st.dp_s:.3g} "
+               f"+ {optimizer} update {st.opt_s:.3g} = {step:.4g} s")
     return Priced(layout, step, parts, memory, memory <= cap, formula)
 
 
@@ -241,5 +275,5 @@ def flops_per_step(model: Transformer) -> float:
     return model.n_layers * (f + b) + 3 * head
 
 
-__all__ = ["Layout", "Priced", "Transformer", "flops_per_step", "layouts", "plan", "price",
-           "ring_allreduce_s", "update_seconds"]
+__all__ = ["Layout", "Priced", "StageTimes", "Transformer", "flops_per_step", "layouts", "plan",
+           "price", "ring_allreduce_s", "stage_times", "update_seconds"]

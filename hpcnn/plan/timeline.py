@@ -1,0 +1,89 @@
+"""Predicted timelines: a planned step as the per-rank events a measured run logs in ``/timeline``.
+
+A predicted run log holds the same table as a measured one (rank, kind, micro-batch, t_start,
+t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts side by side and
+``hpcnn report --trace`` exports either. Two planners' predictions are laid out:
+
+- **a GPT layout** (:func:`gpt_events`, :mod:`.hybrid`): the schedule's per-rank instruction lists
+  simulated (:func:`hpcnn.parallel.schedules.simulate`, messages free) with the stage pass times
+  ``t_f``, ``t_b``, ``t_w`` that :func:`.hybrid.price` uses (:func:`.hybrid.stage_times`). The
+  tensor-parallel allreduces stay inside the passes (as in a measured run, where they happen
+  inside F and B). The price adds 2(pp - 1) activation messages on the critical path, not a
+  causal simulation of every message (a simulation with the messages costs more in the 1F1B
+  steady state, where each backward waits for its gradient); the timeline draws them as the
+  price counts them: the first micro-batch's activation relayed down the pipeline before the
+  passes (SEND_ACT on each rank but the last), the last gradient relayed up after them
+  (SEND_GRAD on each rank but the first). Then every rank runs the data-parallel allreduce
+  (``allreduce``) and the optimizer's update (``optimizer``). Every rank of dp x tp x pp gets its track, ranked as
+  :class:`hpcnn.parallel.grid.ProcessGrid` ranks them (tp fastest, then dp, then pp); the ranks
+  of one pipeline stage run the same events.
+- **an MLP cut plan** (:func:`mlp_events`, :mod:`.cost`): :func:`.cost.strategy_cost`'s terms as
+  consecutive supersteps, the same on every rank (BSP: no overlap): ``compute`` for an operator's
+  forward and backward, ``optimizer`` for its update, ``allreduce`` for its reductions and
+  gradient allreduce, ``alltoall`` for a redistribution between neighbours.
+
+Either way the last event ends at the predicted step time (:func:`makespan`; tests/test_plan_timeline.py).
+"""
+from __future__ import annotations
+
+from hpcnn.parallel import schedules
+
+Event = tuple     # (rank, kind, microbatch, t_start, t_end), as RunLog.log_events takes them
+
+
+def makespan(events) -> float:
+    """The end of the last event (the predicted step time of a timeline starting at 0)."""
+    return max((e[4] for e in events), default=0.0)
+
+
+def gpt_events(model, layout, machine) -> list[Event]:
+    """The predicted events of one step of ``layout`` (a :class:`.hybrid.Layout`) of ``model`` on
+    ``machine``, every rank of dp x tp x pp (see the module docstring)."""
+    from hpcnn.plan import hybrid
+    st = hybrid.stage_times(model, layout, machine)
+    pp, m_count = layout.pp, layout.microbatches
+    lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
+    sim = schedules.simulate(lists, st.t_f, st.t_b - st.t_w, st.t_w)
+    fill = (pp - 1) * st.msg                       # activation of micro-batch 0, relayed down
+    per_stage = []
+    for s in range(pp):
+        evs = [("SEND_ACT", 0, s * st.msg, (s + 1) * st.msg)] if s < pp - 1 else []
+        evs += [(ins.kind, ins.mb, fill + t0, fill + t1) for ins, t0, t1 in sim.timelines[s]]
+        end = fill + sim.makespan                  # the last gradient, relayed up
+        if s > 0:
+            k = pp - 1 - s
+            evs.append(("SEND_GRAD", m_count - 1, end + k * st.msg, end + (k + 1) * st.msg))
+        end += st.pp_s - fill
+        if st.dp_s > 0:
+            evs.append(("allreduce", -1, end, end + st.dp_s))
+        evs.append(("optimizer", -1, end + st.dp_s, end + st.dp_s + st.opt_s))
+        per_stage.append(evs)
+    n_group = layout.dp * layout.tp                # ranks per stage: tp fastest, then dp
+    return [(s * n_group + g, kind, mb, t0, t1) for s, evs in enumerate(per_stage)
+            for g in range(n_group) for kind, mb, t0, t1 in evs]
+
+
+def term_kind(term) -> str:
+    """The event kind of a :class:`.cost.Term`: compute, optimizer, allreduce or alltoall."""
+    if term.what.endswith("compute"):
+        return "compute"
+    if term.what.endswith("update"):
+        return "optimizer"
+    return "alltoall" if term.what.startswith("redistribute") else "allreduce"
+
+
+def mlp_events(graph, cuts, machine, dtype: str = "float32") -> list[Event]:
+    """The predicted events of one step of the cut plan ``cuts`` (one :class:`.cost.Cut` per
+    operator of ``graph``) on ``machine``: :func:`.cost.strategy_cost`'s terms back to back,
+    the same on each of the machine's ranks; the micro-batch column holds the operator's index
+    (-1 for a redistribution)."""
+    from hpcnn.plan import cost
+    t, steps = 0.0, []
+    for term in cost.strategy_cost(graph, cuts, machine, dtype).terms:
+        op = int(term.what[2:].split()[0]) if term.what.startswith("op") else -1
+        steps.append((term_kind(term), op, t, t + term.seconds))
+        t += term.seconds
+    return [(r, *step) for r in range(machine.p) for step in steps]
+
+
+__all__ = ["gpt_events", "makespan", "mlp_events", "term_kind"]
