@@ -111,3 +111,14 @@ def test_a_machine_smaller_than_the_world_is_refused(tmp_path):
     cfg = parse_overrides(GPT + [f"--machine={path}", f"--log={tmp_path / 'x.h5'}"]).resolved()
     with pytest.raises(ConfigError, match="holds 4 device.*--machine=FILE.*at least 8"):
         preflight.check(cfg, world_size=8)
+
+
+def test_a_serial_planned_run_says_so_and_logs_the_choice(tmp_path):
+    path = write_machine(tmp_path, "m", *CHEAP)
+    code, out, err = run_cli(GPT + [f"--machine={path}", "--steps=1", "--progress=true",
+                                    "--eval_batches=1"], tmp_path)
+    assert code == 0, err
+    assert "dp=1 x tp=1 x pp=1 on 1 rank(s) (planned: least predicted step on pairs)" in out
+    from hpcnn.log import read_run
+    rec = read_run(str(tmp_path / "run.h5")).plan["hybrid_layout"]
+    assert rec["layouts_considered"] == 1 and rec["machine"] == path, rec
