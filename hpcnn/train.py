@@ -44,8 +44,9 @@ def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -
         layout += f" and {cfg.virtual} stages per rank" if cfg.virtual > 1 else ""
     if cfg.tp > 1 and cfg.sequence_parallel:
         layout += ", sequence parallel"
-    if task.hybrid:
-        layout += f" (planned: {task.hybrid['chosen_by']})"
+    planned = getattr(task, "hybrid", None)            # GPT --plan=auto: who chose it
+    if planned:
+        layout += f" (planned: {planned['chosen_by']})"
     line = (f"hpcnn: {model.name} ({whole_model_params(model, cfg.tp):,} parameters) on "
             f"{task.data.name}, {task.steps} steps of {cfg.batch_size}, {cfg.dtype}, {layout}")
     if cfg.remat != "none":
