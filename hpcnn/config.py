@@ -103,7 +103,8 @@ class TrainConfig:
     resume: str = ""                    # checkpoint to start from (any dp/tp/pp layout)
     progress: bool = True               # print a progress line on rank 0
     show_schedule: bool = False         # print (and log) each rank's first step as the schedule it ran
-    plan: str = ""                      # MLP: per-Linear layouts over the --tp ranks: a JSON plan file, or auto (the planner's search)
+    plan: str = ""                      # MLP: per-Linear layouts over the --tp ranks: a JSON plan file, or auto (the planner's search); GPT: auto (dp x tp x pp, schedule, micro-batches of least predicted step)
+    machine: str = ""                   # --plan=auto for the GPT: machine file (machines/*.toml); "" = this machine's (as hpcnn.plan.machine.this_machine)
 
     def resolved(self) -> "TrainConfig":
         """A copy with derived defaults filled in (dataset, log path), validated."""
@@ -190,7 +191,7 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
 # options with any value of their type: switches and paths; layout, speeds and slowdown are
 # parsed by _syntax_errors
 FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "progress", "show_schedule",
-        "log", "checkpoint", "resume", "layout", "speeds", "slowdown", "plan")
+        "log", "checkpoint", "resume", "layout", "speeds", "slowdown", "plan", "machine")
 
 
 def option_errors(c: TrainConfig) -> list[str]:
@@ -274,11 +275,18 @@ def _tensor_parallel_errors(c: TrainConfig, need) -> None:
     need(not (c.tp > 1 and c.model == "mlp" and not c.plan),
          f"tp={c.tp} with model='mlp': tensor parallelism is built for gpt and cnn (an MLP "
          f"is laid out over tp ranks by --plan)")
-    if c.plan:
+    gpt_auto = c.model == "gpt" and c.plan == "auto"
+    need(not (c.machine and not gpt_auto), f"machine={c.machine!r} is read by --plan=auto for "
+                                           f"model='gpt' (got model={c.model!r}, plan={c.plan!r})")
+    if gpt_auto:          # the layout options are chosen (or constrained): hpcnn.plan.auto
+        need(c.remat == "none" and c.virtual == 1 and not c.layout,
+             f"plan='auto' with model='gpt' prices remat none, one stage per rank and stages "
+             f"by cost: got remat={c.remat!r}, virtual={c.virtual}, layout={c.layout!r}")
+    elif c.plan:
         need(c.model == "mlp" and c.dp == 1 and c.pp == 1,
              f"plan={c.plan!r}: per-layer layouts are built for model='mlp' over the --tp ranks "
-             f"with dp=1 and pp=1 (batch cuts are part of the plan), got model={c.model!r}, "
-             f"dp={c.dp}, pp={c.pp}")
+             f"with dp=1 and pp=1 (batch cuts are part of the plan; model='gpt' takes "
+             f"plan='auto'), got model={c.model!r}, dp={c.dp}, pp={c.pp}")
         need(c.plan != "auto" or c.tp & (c.tp - 1) == 0,
              f"plan='auto' with tp={c.tp}: the search bisects the devices, tp must be a power "
              f"of two (or give a plan file)")

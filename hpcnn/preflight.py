@@ -49,6 +49,8 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     """
     from hpcnn import data as datasets
     from hpcnn.parallel.grid import GridError, check_layout
+    if world_size is not None:     # --model=gpt --plan=auto: check the layout it chooses
+        cfg, _, data = planned(cfg, world_size, data)
     if world_size is not None:     # refused without loading the data
         try:
             check_layout(world_size, cfg.dp, cfg.tp, cfg.pp)     # ProcessGrid's own check
@@ -64,6 +66,21 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     if errs:
         raise ConfigError("invalid configuration: " + "; ".join(errs))
     return data
+
+
+def planned(cfg: TrainConfig, world_size: int, data=None):
+    """(the config with its layout chosen, the choice's record for the run log, the data):
+    ``--model=gpt --plan=auto`` takes dp, tp, pp, schedule and micro-batches from
+    :func:`hpcnn.plan.auto.choose_gpt_layout` (a pure function of the config, the vocabulary, the
+    machine file and ``world_size``: every rank takes the same, before any collective); any
+    other run is returned as it is, with no record. ConfigError when no layout can be chosen."""
+    if not (cfg.model == "gpt" and cfg.plan == "auto"):
+        return cfg, None, data
+    from hpcnn import data as datasets
+    from hpcnn.plan.auto import choose_gpt_layout
+    data = data if data is not None else datasets.for_config(cfg)
+    chosen, record = choose_gpt_layout(cfg, world_size, data.vocab)
+    return chosen, record, data
 
 
 def _plan_errors(cfg: TrainConfig) -> list[str]:

@@ -33,6 +33,7 @@ class Task:
     model: object
     steps: int
     layout: dict | None = None        # --plan: the cut of each Linear, who chose it, its price
+    hybrid: dict | None = None        # GPT --plan=auto: the chosen layout, who chose it, its price
 
     @property
     def is_text(self) -> bool:

@@ -44,6 +44,9 @@ def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -
         layout += f" and {cfg.virtual} stages per rank" if cfg.virtual > 1 else ""
     if cfg.tp > 1 and cfg.sequence_parallel:
         layout += ", sequence parallel"
+    planned = getattr(task, "hybrid", None)            # GPT --plan=auto: who chose it
+    if planned:
+        layout += f" (planned: {planned['chosen_by']})"
     line = (f"hpcnn: {model.name} ({whole_model_params(model, cfg.tp):,} parameters) on "
             f"{task.data.name}, {task.steps} steps of {cfg.batch_size}, {cfg.dtype}, {layout}")
     if cfg.remat != "none":
@@ -64,7 +67,9 @@ def _setup(cfg: TrainConfig, world, data):
     """Checks (no collective), then the context, the task, the optimizer and the resumed step;
     the context is freed if any of it fails."""
     from hpcnn import preflight
-    data = preflight.check(cfg, world.Get_size() if world is not None else 1, data)
+    size = world.Get_size() if world is not None else 1
+    cfg, planned, data = preflight.planned(cfg, size, data)     # --model=gpt --plan=auto
+    data = preflight.check(cfg, size, data)
     backend.set_device(cfg.device)
     backend.tune_allocator()
     ctx = ParallelContext(cfg, world)
@@ -73,6 +78,7 @@ def _setup(cfg: TrainConfig, world, data):
             task = ctx.build(build_task, data)
         except ValueError as e:     # dimensions the layout does not divide, and the like
             raise ConfigError(str(e)) from e
+        task.hybrid = planned
         ctx.attach(task)
         opt = make_optimizer(cfg.optimizer, ctx.local.params, momentum=cfg.momentum,
                              weight_decay=cfg.weight_decay)
@@ -80,7 +86,7 @@ def _setup(cfg: TrainConfig, world, data):
     except Exception:
         ctx.free()
         raise
-    return ctx, task, opt, start
+    return cfg, ctx, task, opt, start
 
 
 def _resume(cfg, ctx, task, opt) -> int:
@@ -129,7 +135,7 @@ def _open_log(cfg, ctx, task, start: int, command_line):
                   # overlap as run: off with rd, cma and pipelines, whatever --overlap says
                   "overlap": ctx.engine.overlap if ctx.grid is not None else cfg.overlap,
                   "allreduce_calibration": ctx.calibration,
-                  "operator_layout": task.layout or {},
+                  "operator_layout": task.layout or {}, "hybrid_layout": task.hybrid or {},
                   "resumed_from": cfg.resume, "start_step": start})
     return log
 
@@ -174,7 +180,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     names, already loaded.
     """
     cfg = cfg.resolved()
-    ctx, task, opt, start = _setup(cfg, comm, data)
+    cfg, ctx, task, opt, start = _setup(cfg, comm, data)
     log = _open_log(cfg, ctx, task, start, command_line) if ctx.rank == 0 else None
     say = (lambda s: print(s, flush=True)) if (ctx.rank == 0 and cfg.progress) else (lambda s: None)
     say(run_header(cfg, task.model, task, ctx.world.size, start))

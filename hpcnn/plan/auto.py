@@ -1,0 +1,128 @@
+"""``hpcnn train --model=gpt --plan=auto``: the hybrid layout of the run, chosen by the planner.
+
+:func:`choose_gpt_layout` prices every dp x tp x pp x schedule x micro-batches layout of the GPT
+the run builds (:mod:`.hybrid`: its width, heads, layers, context ``block_size``, global
+``batch_size``, ``--dtype``, and the vocabulary as :func:`hpcnn.task.padded_vocab` pads it for each
+candidate's tp) over the run's world size on the machine file (``--machine``, default
+:func:`.machine.this_machine`, the file ``hpcnn plan --machine`` would read), and returns the
+configuration with the least predicted step that fits the device memory. It is a pure function of
+the configuration, the vocabulary, the machine file and the world size: every rank computes it,
+identically, before the process grid exists.
+
+What it offers is what ``hpcnn train`` runs as priced:
+
+- **remat none only.** The planner's ``remat="full"`` keeps each block's input and recomputes
+  every block; ``hpcnn train`` offers ``--remat=sqrt`` (a checkpoint every ~sqrt(n) blocks) and
+  ``optimal`` (rotor within a budget), neither of which is that program, so ``--plan=auto`` needs
+  ``--remat=none`` (:mod:`hpcnn.config` refuses the others).
+- **One micro-batch without a pipeline.** With pp = 1 ``hpcnn train`` ignores ``--microbatches``
+  and runs the whole local batch at once, so only M = 1 is offered there (as the planner's
+  validation experiment does); ``--grad_accum`` is left as given.
+- **Schedules 1f1b, gpipe, zb_h1** (the planner's), one stage per rank, stage sizes by cost; each
+  candidate must also pass the run's own option checks (:func:`hpcnn.config.combination_errors`).
+- **The machine must hold the ranks.** A machine file with fewer devices than the world size is
+  refused (no extrapolation); with more, the ranks are its first ``world_size`` devices, as
+  ``hpcnn plan --devices=N`` prices them.
+
+Options the user set constrain the search instead of being overwritten: ``--dp``, ``--tp``,
+``--pp`` and ``--microbatches`` other than 1 and ``--schedule`` other than 1f1b (for pipelined
+layouts; pp = 1 has no schedule) keep only the layouts that have them. Their defaults mean "free":
+the configuration cannot tell ``--tp=1`` from no ``--tp``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+FREE_DEFAULTS = {"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b"}
+
+
+def load_machine(cfg):
+    """The machine file ``--machine`` names, else this machine's; ConfigError naming it."""
+    from hpcnn.config import ConfigError
+    from hpcnn.plan import machine
+    try:
+        return machine.load(cfg.machine) if cfg.machine else machine.this_machine()
+    except ValueError as e:
+        raise ConfigError(f"invalid configuration: plan='auto' machine={cfg.machine!r}: "
+                          f"{e}") from None
+
+
+def _given(cfg) -> dict:
+    """The layout options the user set (those not at their default, which means free)."""
+    return {k: getattr(cfg, k) for k, v in FREE_DEFAULTS.items() if getattr(cfg, k) != v}
+
+
+def _matches(lay, given: dict) -> bool:
+    for k, v in given.items():
+        if k == "schedule":
+            if lay.pp > 1 and lay.schedule != v:
+                return False
+        elif getattr(lay, k) != v:
+            return False
+    return True
+
+
+def candidates(cfg, world_size: int, vocab: int):
+    """(layout, the run's config with it, the Transformer priced for it) for every layout of the
+    GPT on ``world_size`` devices that ``hpcnn train`` runs as the planner prices it and that
+    matches the options the user set (module docstring)."""
+    from hpcnn.config import combination_errors, option_errors
+    from hpcnn.plan import hybrid
+    from hpcnn.task import padded_vocab
+    shape = dict(n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, seq=cfg.block_size,
+                 batch=cfg.batch_size, dtype=cfg.dtype)
+    given = _given(cfg)
+    for lay in hybrid.layouts(hybrid.Transformer(vocab=vocab, **shape), world_size,
+                              remat=("none",)):
+        if (lay.pp == 1 and lay.microbatches != 1) or not _matches(lay, given):
+            continue
+        run = dataclasses.replace(cfg, dp=lay.dp, tp=lay.tp, pp=lay.pp)
+        if lay.pp > 1:
+            run = dataclasses.replace(run, schedule=lay.schedule, microbatches=lay.microbatches)
+        if option_errors(run) or combination_errors(run):
+            continue
+        yield lay, run, hybrid.Transformer(vocab=padded_vocab(vocab, run), **shape)
+
+
+def choose_gpt_layout(cfg, world_size: int, vocab: int, machine=None):
+    """(the config with the chosen dp, tp, pp, schedule and micro-batches, the record for the
+    run log's ``/plan/hybrid_layout``); ConfigError with one line when the machine file cannot be
+    read, holds fewer devices than ``world_size``, or no layout fits (module docstring)."""
+    from hpcnn.config import ConfigError
+    from hpcnn.plan import hybrid
+    mach = machine if machine is not None else load_machine(cfg)
+    where = f"plan='auto' on {world_size} rank(s)"
+    if world_size > mach.p:
+        raise ConfigError(f"invalid configuration: {where}: the machine file {mach.name!r} holds "
+                          f"{mach.p} device(s); pass --machine=FILE describing at least "
+                          f"{world_size} (see machines/)")
+    priced = [(hybrid.price(model, lay, mach), run)
+              for lay, run, model in candidates(cfg, world_size, vocab)]
+    shape = (f"the gpt (n_layers={cfg.n_layers}, n_heads={cfg.n_heads}, "
+             f"batch_size={cfg.batch_size})")
+    if not priced:
+        given = ", ".join(f"{k}={v}" for k, v in _given(cfg).items()) or "none"
+        raise ConfigError(f"invalid configuration: {where}: no layout of {shape} that hpcnn "
+                          f"train runs (tp dividing n_heads, pp dividing n_layers, dp x "
+                          f"microbatches dividing batch_size, remat none) matches the options "
+                          f"given ({given})")
+    feasible = [q for q in priced if q[0].feasible]
+    if not feasible:
+        least = min(q.memory_bytes for q, _ in priced)
+        raise ConfigError(f"invalid configuration: {where}: none of the {len(priced)} layouts "
+                          f"of {shape} fits the {mach.device.memory_bytes / 2**20:.4g} MiB per "
+                          f"device of {mach.name!r} (the least needs {least / 2**20:.4g} MiB "
+                          f"per rank)")
+    best, run = min(feasible, key=lambda q: q[0].step_s)      # the first of equals: stable
+    lay = best.layout
+    record = {"layout": str(lay), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+              "schedule": lay.schedule, "microbatches": lay.microbatches, "remat": lay.remat,
+              "chosen_by": f"least predicted step on {mach.name}",
+              "predicted_step_s": float(best.step_s),
+              "predicted_memory_bytes_per_rank": float(best.memory_bytes),
+              "layouts_considered": len(priced), "layouts_feasible": len(feasible),
+              "machine": cfg.machine or mach.name}
+    return run, record
+
+
+__all__ = ["candidates", "choose_gpt_layout", "load_machine"]

@@ -1,0 +1,124 @@
+"""hpcnn train --model=gpt --plan=auto: the hybrid layout chosen by the planner
+(:mod:`hpcnn.plan.auto`), its record in the run log, the same losses as that layout given
+explicitly at 2 and 4 ranks, and its refusals."""
+import pytest
+
+from hpcnn import preflight
+from hpcnn.config import ConfigError, parse_overrides
+from hpcnn.data import for_config
+from hpcnn.plan import hybrid, machine
+from hpcnn.plan.auto import choose_gpt_layout
+from mpi_util import run_mpi
+from test_refusals import assert_refused, run_cli
+
+GPT = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=4", "--n_layers=2",
+       "--block_size=8", "--batch_size=8", "--plan=auto"]
+
+
+def machine_text(pair_latency_s: float, pair_bytes_per_s: float, memory_bytes: float = 1e9,
+                 pairs: int = 2) -> str:
+    """A machine of ``pairs`` x 2 devices: pairs talking at the given cost, a slow network
+    between the pairs, 1 GFLOP/s devices."""
+    return f"""name = "pairs"
+[device]
+name = "test device"
+memory_bandwidth = 1e10
+memory_bytes = {memory_bytes}
+[device.flops]
+float32 = 1e9
+float64 = 1e9
+[[levels]]
+name = "pair"
+fanout = 2
+latency_s = {pair_latency_s}
+bandwidth = [[inf, {pair_bytes_per_s}]]
+[[levels]]
+name = "network"
+fanout = {pairs}
+latency_s = 1e-3
+bandwidth = [[inf, 1e6]]
+"""
+
+
+def write_machine(tmp_path, name, *args, **kw):
+    path = tmp_path / f"{name}.toml"
+    path.write_text(machine_text(*args, **kw))
+    return str(path)
+
+
+CHEAP, DEAR = (1e-9, 1e15), (1e-1, 1e3)     # the pair's latency and bandwidth
+
+
+@pytest.mark.parametrize("cost,tp_used", [(CHEAP, True), (DEAR, False)])
+def test_the_choice_follows_the_cost_of_tensor_parallel_traffic(tmp_path, cost, tp_used):
+    path = write_machine(tmp_path, "m", *cost)
+    cfg = parse_overrides(GPT + ["--pad_vocab=4", f"--machine={path}"]).resolved()
+    vocab = for_config(cfg).vocab
+    run, rec = choose_gpt_layout(cfg, 4, vocab)
+    assert (run.tp > 1) == tp_used, rec
+    # the planner's own ranking, restricted to what hpcnn train runs (remat none, one
+    # micro-batch without a pipeline); the vocabulary padded to 4 is the same for every tp
+    model = hybrid.Transformer(2, 16, 4, 8, -(-vocab // 4) * 4, 8, "float32")
+    ranked = [q for q in hybrid.plan(model, machine.load(path), 4)
+              if q.layout.remat == "none" and (q.layout.pp > 1 or q.layout.microbatches == 1)]
+    first = next(q for q in ranked if q.feasible)
+    assert rec["layout"] == str(first.layout) and rec["predicted_step_s"] == first.step_s
+    assert (run.dp, run.tp, run.pp) == (first.layout.dp, first.layout.tp, first.layout.pp)
+    if run.pp > 1:
+        assert (run.schedule, run.microbatches) == (first.layout.schedule,
+                                                     first.layout.microbatches)
+    assert rec["layouts_considered"] == len(ranked)
+    assert rec["predicted_memory_bytes_per_rank"] == first.memory_bytes
+    assert rec["chosen_by"] == "least predicted step on pairs"
+
+
+def test_options_given_constrain_the_search(tmp_path):
+    path = write_machine(tmp_path, "m", *CHEAP)
+    free = parse_overrides(GPT + [f"--machine={path}"]).resolved()
+    vocab = for_config(free).vocab
+    best, rec = choose_gpt_layout(free, 4, vocab)
+    assert best.tp == 2 and best.pp == 2, rec
+    run, fixed = choose_gpt_layout(parse_overrides(GPT + [f"--machine={path}", "--dp=4"]).resolved(), 4, vocab)
+    assert (run.dp, run.tp, run.pp) == (4, 1, 1) and fixed["layouts_considered"] < rec["layouts_considered"]
+    run, _ = choose_gpt_layout(parse_overrides(GPT + [f"--machine={path}", "--schedule=gpipe"]).resolved(), 4, vocab)
+    assert run.pp == 1 or run.schedule == "gpipe"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_planned_run_equals_the_layout_given_explicitly(tmp_path, n):
+    path = write_machine(tmp_path, "m", *CHEAP, pairs=n // 2)
+    out = run_mpi("train_gpt_plan", n, str(tmp_path), path, timeout=120)
+    assert f"train_gpt_plan OK on {n} ranks" in out
+
+
+def test_refusals(tmp_path):
+    tight = write_machine(tmp_path, "tight", *CHEAP, memory_bytes=1000)
+    code, _, err = run_cli(GPT + [f"--machine={tight}"], tmp_path)
+    assert_refused(code, err, "plan='auto'", "fits the", "'pairs'")
+    code, _, err = run_cli(GPT + [f"--machine={tmp_path / 'nope.toml'}"], tmp_path)
+    assert_refused(code, err, "nope.toml", "cannot read the machine file")
+    code, _, err = run_cli(GPT + ["--remat=sqrt"], tmp_path)
+    assert_refused(code, err, "remat='sqrt'")
+    code, _, err = run_cli(GPT + ["--dp=2"], tmp_path)          # one rank here
+    assert_refused(code, err, "no layout", "on 1 rank(s)", "dp=2")
+    code, _, err = run_cli(["--model=mlp", "--machine=x.toml"], tmp_path)
+    assert_refused(code, err, "machine='x.toml'")
+    assert not (tmp_path / "run.h5").exists()
+
+
+def test_a_machine_smaller_than_the_world_is_refused(tmp_path):
+    path = write_machine(tmp_path, "m", *CHEAP)            # 4 devices
+    cfg = parse_overrides(GPT + [f"--machine={path}", f"--log={tmp_path / 'x.h5'}"]).resolved()
+    with pytest.raises(ConfigError, match="holds 4 device.*--machine=FILE.*at least 8"):
+        preflight.check(cfg, world_size=8)
+
+
+def test_a_serial_planned_run_says_so_and_logs_the_choice(tmp_path):
+    path = write_machine(tmp_path, "m", *CHEAP)
+    code, out, err = run_cli(GPT + [f"--machine={path}", "--steps=1", "--progress=true",
+                                    "--eval_batches=1"], tmp_path)
+    assert code == 0, err
+    assert "dp=1 x tp=1 x pp=1 on 1 rank(s) (planned: least predicted step on pairs)" in out
+    from hpcnn.log import read_run
+    rec = read_run(str(tmp_path / "run.h5")).plan["hybrid_layout"]
+    assert rec["layouts_considered"] == 1 and rec["machine"] == path, rec
