@@ -213,3 +213,64 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypat
         np.testing.assert_array_equal(a.data, b.data)
     for k, v in ref_opt.state.items():
         np.testing.assert_array_equal(v, opt.state[k])
+
+
+def _cli_mpi(n, *args):
+    """``mpiexec -n n python -m mpi4py -m hpcnn train ARGS``: the completed process."""
+    import subprocess
+    import sys
+    from mpi_util import ROOT, mpiexec
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcnn",
+                           "train", *args], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT)
+
+
+def test_a_damaged_checkpoint_stops_every_rank_with_one_line(tmp_path):
+    """pp=2: only rank 1 reads lm_head.weight, finds it corrupt, and both ranks stop, exit 2."""
+    ck = str(tmp_path / "ck.h5")
+    _run(tmp_path, "a.h5", *GPT, "--steps=2", f"--checkpoint={ck}")
+    _flip(ck, "/params/lm_head.weight", 3, 0x08)
+    p = _cli_mpi(2, *GPT, "--pp=2", f"--resume={ck}", f"--log={tmp_path / 'b.h5'}")
+    assert p.returncode == 2, p.stderr
+    with h5py.File(ck, "r") as f:
+        ds = f["params/lm_head.weight"]
+        got, want = checkpoint.checksum(ds[...]), int(ds.attrs["crc32"])
+    assert p.stderr.splitlines() == [f"hpcnn train: --resume={ck}: dataset /params/lm_head.weight "
+                                     f"is corrupt: its CRC-32 is {got:08x}, the checkpoint "
+                                     f"recorded {want:08x} (on rank(s) [1] of 2)"], p.stderr
+
+
+def test_a_full_disk_stops_every_rank_and_keeps_the_previous_checkpoint(tmp_path):
+    """A real full file system (a 600 KB tmpfs, mounted when this runs as root): the second save
+    of a ~330 KB checkpoint does not fit beside the first. Every rank stops with exit 2 and one
+    line, no temporary file is left, the first checkpoint is whole and the log says why."""
+    import subprocess
+    from hpcnn.log import read_run
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        log = tmp_path / "run.h5"
+        p = _cli_mpi(2, "--dp=2", "--allreduce=mpi", "--hidden=128,128", "--steps=3",
+                     "--checkpoint_every=1", "--eval_interval=0",
+                     f"--checkpoint={disk / 'ck.h5'}", f"--log={log}", "--progress=false")
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.splitlines()
+        assert len(lines) == 1 and "No space left on device writing" in lines[0], p.stderr
+        assert lines[0].endswith("(the previous checkpoint is unchanged)"), lines
+        assert os.listdir(disk) == ["ck.h5"]
+        assert checkpoint.summary(str(disk / "ck.h5"))["step"] == 1
+        run = read_run(log)
+        assert run.attrs["status"] == "failed" and "No space left" in run.plan["failure"]
+        cfg = parse_overrides(["--hidden=128,128", "--steps=3"]).resolved()   # restores whole
+        from hpcnn.nn.optim import make_optimizer
+        from hpcnn.task import build_task
+        task = build_task(cfg)
+        opt = make_optimizer(cfg.optimizer, task.model.params)
+        assert checkpoint.restore(str(disk / "ck.h5"), cfg, task.model, task.model.params, opt,
+                                  steps=3) == 1
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
