@@ -274,3 +274,28 @@ def test_a_full_disk_stops_every_rank_and_keeps_the_previous_checkpoint(tmp_path
                                   steps=3) == 1
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_format_1_is_resumed_unverified_with_a_note(tmp_path, capsys):
+    """A file from before checksums (format 1) resumes exactly, with a note; a format 2 file
+    whose array lost its checksum is refused."""
+    ck = str(tmp_path / "ck.h5")
+    whole = _run(tmp_path, "a.h5", *GPT, f"--checkpoint={tmp_path / 'ck-{step}.h5'}",
+                 "--checkpoint_every=2")
+    import shutil
+    shutil.copy(tmp_path / "ck-2.h5", ck)
+    with h5py.File(ck, "r+") as f:
+        f.attrs["format"] = 1
+        def strip(name, obj):                             # (a value returned stops the visit)
+            if "crc32" in obj.attrs:
+                del obj.attrs["crc32"]
+        f.visititems(strip)
+        assert not [n for n in f["params"] if "crc32" in f["params"][n].attrs]
+    rest = _run(tmp_path, "b.h5", *GPT, f"--resume={ck}")
+    assert "format 1 checkpoint, without checksums" in capsys.readouterr().err
+    for a, b in zip(whole["model"].params, rest["model"].params):
+        np.testing.assert_array_equal(a.data, b.data, err_msg=a.name)
+    with h5py.File(ck, "r+") as f:
+        f.attrs["format"] = 2
+    with pytest.raises(ConfigError, match="dataset /(params|optim)/.* has no checksum"):
+        _run(tmp_path, "b.h5", *GPT, f"--resume={ck}")
