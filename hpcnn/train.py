@@ -190,6 +190,10 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
         last = _loop(cfg, ctx, task, opt, start, log, say, t_start)
         _record_memory(ctx, task, log)
         status = "finished"
+    except BaseException as e:       # why the run failed, next to its status in the log
+        if log is not None:
+            log.set_plan({"failure": f"{type(e).__name__}: {' '.join(str(e).split())}"})
+        raise
     finally:
         if log is not None:
             log.set_plan({"shares_history": [[int(s), [int(v) for v in sh]]
