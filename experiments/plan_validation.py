@@ -2,8 +2,11 @@
 
 What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet),
 
-1. **calibrate**: ``hpcnn calibrate --write OUT/machine.toml`` on those ranks (or ``--machine=FILE``)
-   and load it: the only figures the predictions use;
+1. **calibrate**: ``hpcnn calibrate --write OUT/machine-rR.toml`` on those ranks at the start of
+   every round R (or ``--machine=FILE`` for all): the only figures the predictions use. A round's
+   layouts are predicted on that round's machine and a layout's prediction is the median over
+   rounds, as its measurement is: on a shared machine the rates drift between rounds, and a
+   calibration taken once would price every round with one moment's load;
 2. **enumerate** the layouts ``hpcnn train`` runs:
 
    - a GPT (``--gpt=L,D,H,T,B``: layers, width, heads, context, global batch; sonnet, float32):
@@ -22,7 +25,7 @@ What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet
    layouts' order reversed every other round (``--rounds``), the run's figure the median
    ``step_time`` after its first 20 % of steps (as benchmarks/loop_ab.py), the layout's figure
    the median over rounds; **predict** with :func:`hpcnn.plan.hybrid.price` (GPT) and
-   :func:`hpcnn.plan.cost.strategy_cost` (MLP) on the calibrated machine;
+   :func:`hpcnn.plan.cost.strategy_cost` (MLP) on each round's calibrated machine;
 4. per model: Kendall tau (scipy.stats.kendalltau) and MAPE of predicted against measured, the
    MAPE again after one constant scale per model (the geometric mean of measured / predicted:
    what is left is ranking error, not a uniform offset), and the planner's choice against the
@@ -41,8 +44,9 @@ peak_mem_bytes, which includes the interpreter and the data); -1 where not logge
         [--rounds=3] [--gpt_steps=12] [--mlp_steps=40] [--mlp_layouts=16]
     python analysis/plan_validation.py runs/plan_validation/results.h5 docs/figures/plan_validation.png
 
-Output: OUT/results.h5, tables ``layouts`` (one row per layout) and ``summary`` (one per model),
-the machine file OUT/machine.toml when calibrated here, the plan files and run logs under OUT/runs.
+Output: OUT/results.h5, tables ``layouts`` (one row per layout: ``pred_s`` the median prediction,
+``pred_min_s``/``pred_max_s`` its range over rounds) and ``summary`` (one per model), the machine
+files OUT/machine-rR.toml when calibrated here, the plan files and run logs under OUT/runs.
 """
 import argparse
 import itertools
@@ -80,9 +84,9 @@ def run_env() -> dict:
     return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
 
-def calibrate(ranks: int, out: str) -> str:
-    """``hpcnn calibrate --write OUT/machine.toml`` on ``ranks`` ranks; returns the path."""
-    path = os.path.join(out, "machine.toml")
+def calibrate(ranks: int, out: str, name: str = "machine.toml") -> str:
+    """``hpcnn calibrate --write OUT/NAME`` on ``ranks`` ranks; returns the path."""
+    path = os.path.join(out, name)
     subprocess.run(mpi_command(ranks, ["-m", "hpcnn", "calibrate", f"--write={path}"]),
                    cwd=ROOT, env=run_env(), check=True, stdout=subprocess.DEVNULL, timeout=900)
     return path
@@ -97,8 +101,9 @@ def gpt_vocab(dataset: str = "sonnet") -> int:
     return data.for_config(TrainConfig(model="gpt", dataset=dataset).resolved()).vocab
 
 
-def gpt_cases(shape, ranks: int, microbatches, mach) -> list:
-    """(name, train arguments, Priced) of every GPT layout run here (see the module docstring)."""
+def gpt_cases(shape, ranks: int, microbatches) -> list:
+    """(name, train arguments, predictor: machine -> Priced) of every GPT layout run here (see the
+    module docstring)."""
     n_layers, dim, heads, seq, batch = shape
     vocab = gpt_vocab()
     cases = []
@@ -115,7 +120,7 @@ def gpt_cases(shape, ranks: int, microbatches, mach) -> list:
                 f"--dp={lay.dp}", f"--tp={lay.tp}", f"--pp={lay.pp}",
                 f"--schedule={lay.schedule}", f"--microbatches={lay.microbatches}",
                 f"--remat={lay.remat}"]
-        cases.append((str(lay), args, hybrid.price(model, lay, mach)))
+        cases.append((str(lay), args, lambda m, model=model, lay=lay: hybrid.price(model, lay, m)))
     return cases
 
 
@@ -151,8 +156,9 @@ def mlp_layouts(graph: cost.Graph, ranks: int, count, seed: int = 0) -> list:
     return (chosen + rest)[:max(int(count), 1)]
 
 
-def mlp_cases(hidden, batch: int, ranks: int, count, mach, folder: str) -> list:
-    """(name, train arguments, StrategyCost) per MLP layout; writes each plan file."""
+def mlp_cases(hidden, batch: int, ranks: int, count, folder: str) -> list:
+    """(name, train arguments, predictor: machine -> StrategyCost) per MLP layout; writes each
+    plan file."""
     graph = mlp_graph(hidden, batch)
     cases = []
     for names in mlp_layouts(graph, ranks, count):
@@ -164,7 +170,8 @@ def mlp_cases(hidden, batch: int, ranks: int, count, mach, folder: str) -> list:
                 {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
         args = ["--model=mlp", "--dataset=digits", f"--hidden={','.join(map(str, hidden))}",
                 f"--batch_size={batch}", f"--tp={ranks}", f"--plan={path}"]
-        cases.append((name, args, cost.strategy_cost(graph, cuts, mach, "float32")))
+        cases.append((name, args, lambda m, cuts=cuts: cost.strategy_cost(graph, cuts, m,
+                                                                         "float32")))
     return cases
 
 
@@ -240,9 +247,21 @@ def summarize(model: str, rows: list, choice: str) -> dict:
             "memory_max_error": max((abs(p / m - 1) for p, m in mem), default=math.nan)}
 
 
+def machine_for(path: str, ranks: int):
+    """The machine file at ``path`` cut to ``ranks`` devices."""
+    mach = machine.load(path)
+    return mach if mach.p == ranks else mach.with_devices(ranks)
+
+
+def value(pred) -> float:
+    """A prediction's step time: Priced.step_s (GPT) or StrategyCost.seconds (MLP)."""
+    return float(pred.step_s if hasattr(pred, "step_s") else pred.seconds)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--machine", default="", help="machine file; default: calibrate here")
+    ap.add_argument("--machine", default="", help="machine file; default: calibrate here, "
+                    "once per round")
     ap.add_argument("--out", default="runs/plan_validation")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -255,57 +274,72 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp_steps", type=int, default=40)
     ap.add_argument("--mlp_layouts", default="16", help="all (4**layers), or N")
     a = ap.parse_args(argv)
-    folder = os.path.join(os.path.abspath(a.out), "runs")
+    out_dir = os.path.abspath(a.out)
+    folder = os.path.join(out_dir, "runs")
     os.makedirs(folder, exist_ok=True)
     t0 = time.time()
     load_before = os.getloadavg()[0]
-    path = machine.resolve(a.machine) if a.machine else calibrate(a.ranks, os.path.abspath(a.out))
-    mach = machine.load(path)
-    if mach.p != a.ranks:
-        mach = mach.with_devices(a.ranks)
-    print(f"machine {mach.name} ({path}), {mach.p} devices", flush=True)
 
     gpt = [int(v) for v in a.gpt.split(",")]
-    gcases = gpt_cases(gpt, a.ranks, [int(m) for m in a.microbatches.split(",")], mach)
+    gcases = gpt_cases(gpt, a.ranks, [int(m) for m in a.microbatches.split(",")])
     if a.gpt_layouts != "all":
         gcases = gcases[:int(a.gpt_layouts)]
     hidden = [int(v) for v in a.hidden.split(",")]
-    mcases = mlp_cases(hidden, a.mlp_batch, a.ranks, a.mlp_layouts, mach, folder)
+    mcases = mlp_cases(hidden, a.mlp_batch, a.ranks, a.mlp_layouts, folder)
     models = {"gpt": (gcases, a.gpt_steps), "mlp": (mcases, a.mlp_steps)}
     print(f"{len(gcases)} GPT and {len(mcases)} MLP layouts, {a.rounds} rounds", flush=True)
 
+    # each round: calibrate (unless --machine), predict every layout on that round's machine,
+    # run every layout; a layout's prediction is the median over rounds, as its measurement is
     runs = {m: {name: [] for name, _, _ in cases} for m, (cases, _) in models.items()}
+    preds = {m: {name: [] for name, _, _ in cases} for m, (cases, _) in models.items()}
+    paths = []
     for r in range(a.rounds):
+        path = machine.resolve(a.machine) if a.machine else calibrate(
+            a.ranks, out_dir, f"machine-r{r}.toml")
+        mach = machine_for(path, a.ranks)
+        paths.append(path)
+        print(f"round {r + 1}: machine {mach.name} ({path}), {mach.p} devices, "
+              f"float32 {mach.device.flops['float32'] / 1e9:.0f} GFLOP/s, efficiency "
+              f"{mach.device.efficiency}", flush=True)
         for m, (cases, steps) in models.items():
+            for name, _, predict in cases:
+                preds[m][name].append(predict(mach))
             order = cases if r % 2 == 0 else cases[::-1]
             for name, got in measure(order, a.ranks, steps, folder, f"{m}-r{r}").items():
                 runs[m][name].append(got)
         print(f"round {r + 1}/{a.rounds} done ({time.time() - t0:.0f} s)", flush=True)
 
-    # the planner's choice among the layouts run: the best priced one
-    choices = {"gpt": min(gcases, key=lambda c: c[2].step_s)[0] if gcases else None}
+    def pred_s(m, name):
+        return statistics.median(value(p) for p in preds[m][name])
+
+    # the planner's choice among the layouts run: the least priced one (median prediction)
+    choices = {m: min((name for name, _, _ in cases), key=lambda n, m=m: pred_s(m, n))
+               if cases else None for m, (cases, _) in models.items()}
     graph = mlp_graph(hidden, a.mlp_batch)
     dra = "-".join(cut_name(c, a.ranks) for c in search.dra(graph, a.ranks)[0])
-    choices["mlp"] = min(mcases, key=lambda c: c[2].seconds)[0] if mcases else None
 
     rows, summary = [], []
     for m, (cases, steps) in models.items():
         mrows = []
-        for name, args, pred in cases:
+        for name, args, _ in cases:
             got = runs[m][name]
             meas = [g["step_s"] for g in got]
-            lay = pred.layout if m == "gpt" else None
+            first = preds[m][name][0]
+            lay = first.layout if m == "gpt" else None
             mrows.append({
                 "model": m, "layout": name,
                 "dp": lay.dp if lay else 1, "tp": lay.tp if lay else a.ranks,
                 "pp": lay.pp if lay else 1, "schedule": lay.schedule if lay else "",
                 "microbatches": lay.microbatches if lay else 1,
                 "remat": lay.remat if lay else "none",
-                "pred_s": float(pred.step_s if m == "gpt" else pred.seconds),
+                "pred_s": pred_s(m, name),
+                "pred_min_s": min(value(p) for p in preds[m][name]),
+                "pred_max_s": max(value(p) for p in preds[m][name]),
                 "meas_s": statistics.median(meas), "meas_min_s": min(meas),
                 "meas_max_s": max(meas), "rounds": len(meas), "steps": steps,
                 "load1": statistics.mean(g["load1"] for g in got),
-                "pred_memory_bytes": float(pred.memory_bytes) if m == "gpt" else -1.0,
+                "pred_memory_bytes": float(first.memory_bytes) if m == "gpt" else -1.0,
                 "meas_act_bytes": max(g["act_bytes"] for g in got),
                 "meas_param_bytes": max(g["param_bytes"] for g in got),
                 "meas_rss_bytes": max(g["rss_bytes"] for g in got),
@@ -319,7 +353,6 @@ def main(argv=None) -> int:
                   f"{s['scale']:.3g}: {s['mape_scaled']:.1%}); choice {s['choice']} "
                   f"{s['choice_meas_s'] * 1e3:.1f} ms, best {s['best']} "
                   f"{s['best_meas_s'] * 1e3:.1f} ms ({s['choice_over_best'] - 1:+.1%}); "
-                  f"least priced {s['priced_best']} ({s['priced_best_over_best'] - 1:+.1%}); "
                   f"memory within {s['memory_max_error']:.1%} on {s['memory_rows']} layouts",
                   flush=True)
         rows += mrows
@@ -327,8 +360,8 @@ def main(argv=None) -> int:
     for s in summary:
         s.update(rounds=a.rounds, load_before=load_before, load_after=load_after,
                  dra=dra if s["model"] == "mlp" else "")
-    attrs = {"machine": mach.name, "machine_file": path, "ranks": a.ranks,
-             "command_line": " ".join(sys.argv), "wall_s": time.time() - t0}
+    attrs = {"machine": machine.load(paths[0]).name, "machine_file": ",".join(paths),
+             "ranks": a.ranks, "command_line": " ".join(sys.argv), "wall_s": time.time() - t0}
     out = os.path.join(a.out, "results.h5")
     save_table(out, "layouts", rows, attrs=attrs)
     save_table(out, "summary", summary, attrs=attrs)

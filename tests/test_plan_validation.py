@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import plan_validation  # noqa: E402
 
 LAYOUT_COLUMNS = {"model", "layout", "dp", "tp", "pp", "schedule", "microbatches", "remat",
-                  "pred_s", "meas_s", "meas_min_s", "meas_max_s", "rounds", "steps", "load1",
+                  "pred_s", "pred_min_s", "pred_max_s", "meas_s", "meas_min_s", "meas_max_s", "rounds", "steps", "load1",
                   "pred_memory_bytes", "meas_act_bytes", "meas_param_bytes", "meas_rss_bytes",
                   "meas_memory_bytes", "planner_choice"}
 SUMMARY_COLUMNS = {"model", "layouts", "kendall_tau", "tau_pvalue", "mape", "scale",
