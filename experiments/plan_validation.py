@@ -154,18 +154,22 @@ def mlp_layouts(graph: cost.Graph, ranks: int, count, seed: int = 0) -> list:
 def mlp_cases(hidden, batch: int, ranks: int, count, mach, folder: str) -> list:
     """(name, train arguments, StrategyCost) per MLP layout; writes each plan file."""
     graph = mlp_graph(hidden, batch)
-    cases = []
-    for names in mlp_layouts(graph, ranks, count):
-        cuts = [CHOICES[c](ranks) for c in names]
-        name = "-".join(names)
-        path = os.path.join(folder, f"plan-{name}.json")
-        with open(path, "w") as f:
-            json.dump({"devices": ranks, "layers": [
-                {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
-        args = ["--model=mlp", "--dataset=digits", f"--hidden={','.join(map(str, hidden))}",
-                f"--batch_size={batch}", f"--tp={ranks}", f"--plan={path}"]
-        cases.append((name, args, cost.strategy_cost(graph, cuts, mach, "float32")))
-    return cases
+    return [mlp_case(hidden, batch, ranks, names, mach, folder)
+            for names in mlp_layouts(graph, ranks, count)]
+
+
+def mlp_case(hidden, batch: int, ranks: int, names, mach, folder: str, tag: str = "") -> tuple:
+    """(name, train arguments, StrategyCost) of one MLP layout (choice names, one per Linear);
+    writes its plan file ``folder/plan-{tag}{name}.json``."""
+    cuts = [CHOICES[c](ranks) for c in names]
+    name = "-".join(names)
+    path = os.path.join(folder, f"plan-{tag}{name}.json")
+    with open(path, "w") as f:
+        json.dump({"devices": ranks, "layers": [
+            {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
+    args = ["--model=mlp", "--dataset=digits", f"--hidden={','.join(map(str, hidden))}",
+            f"--batch_size={batch}", f"--tp={ranks}", f"--plan={path}"]
+    return name, args, cost.strategy_cost(mlp_graph(hidden, batch), cuts, mach, "float32")
 
 
 # ---------------------------------------------------------------- measuring

@@ -192,10 +192,14 @@ def to_cut(sequence: str, p: int) -> Cut:
 # ---------------------------------------------------------------- the BSP price of a strategy
 
 class Term(NamedTuple):
-    """One superstep's contribution: what it is, its formula in the machine's symbols, seconds."""
+    """One superstep's contribution: what it is, its formula in the machine's symbols, seconds;
+    for a communication, the bytes of its buffer and the devices it joins (a profiling planner
+    runs the same message, experiments/plan_portability.py)."""
     what: str
     formula: str
     seconds: float
+    nbytes: float = 0.0
+    devices: int = 1
 
 
 class StrategyCost(NamedTuple):
@@ -222,7 +226,7 @@ def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term |
     lvl = _level(machine, n * stride)
     piece = nbytes / n
     return Term(what, f"2*({n}-1)*(L_{lvl.name} + {piece:g}*g_{lvl.name})",
-                2 * (n - 1) * lvl.message_seconds(piece))
+                2 * (n - 1) * lvl.message_seconds(piece), nbytes, n)
 
 
 def _matches(p: int, a: Cut, b: Cut) -> bool:
@@ -293,5 +297,5 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32") -> Strate
         lvl = _level(machine, span)
         nbytes = graph.ops[b].i / cb.batch * graph.ops[b].k / cb.reduce * size
         terms.append(Term(f"redistribute {a}->{b}", f"2*(L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
-                          2 * lvl.message_seconds(nbytes)))
+                          2 * lvl.message_seconds(nbytes), nbytes, span))
     return StrategyCost(tuple(terms))
