@@ -76,12 +76,13 @@ def main(argv) -> int:
         im = ax.imshow(m, origin="lower", cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
         for r in range(len(widths)):
             for c in range(len(batches)):
-                ax.text(c, r, f"{10 ** m[r, c]:.2f}", ha="center", va="center", fontsize=7)
+                ax.text(c, r, f"{10 ** m[r, c]:.2f}", ha="center", va="center", fontsize=7,
+                        color="w" if abs(m[r, c]) > 0.6 * lim else "k")
         ax.plot(*boundary_line(lines[title], len(batches), batches), "k-", lw=2)
         if title.startswith("measured"):
             ax.plot(*boundary_line(e["pred_boundary_batch"], len(batches), batches), "k--", lw=1)
             rr, cc = np.nonzero(agree == 0)
-            ax.plot(cc, rr, "x", color="k", ms=16, mew=0.8)
+            ax.plot(cc + 0.3, rr + 0.3, "x", color="k", ms=7, mew=1.2)
         ax.set(xticks=range(len(batches)), xticklabels=batches, yticks=range(len(widths)),
                yticklabels=widths, xlabel="global batch", title=title,
                xlim=(-0.5, len(batches) - 0.5), ylim=(-0.5, len(widths) - 0.5))

@@ -22,7 +22,7 @@ crossover boundary: the least batch from which dp wins at every larger batch of 
 grid points where the predicted winner is the measured one.
 
     python experiments/plan_crossover.py [--machine=local-2vcpu] [--out=runs/plan_crossover]
-        [--batches=16,64,256,1024] [--widths=64,256,1024,2048] [--rounds=3] [--steps=15]
+        [--batches=16,64,256,512,1024] [--widths=64,256,512,1024,2048] [--rounds=3] [--steps=15]
     python analysis/plan_crossover.py runs/plan_crossover/results.h5 docs/figures/plan_crossover.png
 
 Output: OUT/results.h5, tables ``points`` (one row per grid point), ``boundary`` (one per width)
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--machine", default="local-2vcpu", help="machine file or name")
     ap.add_argument("--out", default="runs/plan_crossover")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--batches", default="16,64,256,1024")
-    ap.add_argument("--widths", default="64,256,1024,2048")
+    ap.add_argument("--batches", default="16,64,256,512,1024")
+    ap.add_argument("--widths", default="64,256,512,1024,2048")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15)
     a = ap.parse_args(argv)
