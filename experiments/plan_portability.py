@@ -132,18 +132,22 @@ class Profiler:
         return self.allreduce(t.nbytes)
 
 
+def divides(op: cost.Matmul, cut) -> bool:
+    """True when the cut's parts divide the operator's extents (the runs need whole parts)."""
+    return op.i % cut.batch == 0 and op.k % cut.reduce == 0 and op.j % cut.out == 0
+
+
 def profile_plan(graph: cost.Graph, prof: Profiler, mach) -> tuple:
     """(cuts of least profiled time, its profiled seconds) over every combination of
     :func:`search.cut_options`; each operator and each neighbours' pair of cuts profiled once."""
     p = prof.comm.size
     options = search.cut_options(p)
-    legal = lambda op, c: op.i % c.batch == 0 and op.k % c.reduce == 0 and op.j % c.out == 0  # noqa: E731
     op_s = []
     for op in graph.ops:
         single = cost.Graph((op,), ())
         op_s.append({c: sum(prof.term(t, op, c)
                             for t in cost.strategy_cost(single, [c], mach).terms)
-                     for c in options if legal(op, c)})
+                     for c in options if divides(op, c)})
     edge_s = {}
     for a, b in graph.edges:
         pair = cost.Graph((graph.ops[a], graph.ops[b]), ((0, 1),))
@@ -175,7 +179,10 @@ def worker(a) -> int:
         prof = Profiler(comm, a.reps)                    # a new model: nothing cached from before
         cuts, seconds = profile_plan(graph, prof, mach)
         elapsed = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
-        least, _ = search.least_price(graph, comm.size, mach)
+        least = search.least_price(graph, comm.size, mach)
+        if least is None:
+            raise SystemExit(f"{name}: too many combinations for search.least_price")
+        least = least[0]
         # the cost model's choice as the profiles price it (from the same cache)
         model_s, _ = profile_plan_of(graph, least, prof, mach)
         out.append({"change": name, "profile_s": elapsed, "profile_plan": names(cuts, comm.size),
