@@ -160,19 +160,23 @@ def mlp_cases(hidden, batch: int, ranks: int, count, folder: str) -> list:
     """(name, train arguments, predictor: machine -> StrategyCost) per MLP layout; writes each
     plan file."""
     graph = mlp_graph(hidden, batch)
-    cases = []
-    for names in mlp_layouts(graph, ranks, count):
-        cuts = [CHOICES[c](ranks) for c in names]
-        name = "-".join(names)
-        path = os.path.join(folder, f"plan-{name}.json")
-        with open(path, "w") as f:
-            json.dump({"devices": ranks, "layers": [
-                {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
-        args = ["--model=mlp", "--dataset=digits", f"--hidden={','.join(map(str, hidden))}",
-                f"--batch_size={batch}", f"--tp={ranks}", f"--plan={path}"]
-        cases.append((name, args, lambda m, cuts=cuts: cost.strategy_cost(graph, cuts, m,
-                                                                         "float32")))
-    return cases
+    return [mlp_case(hidden, batch, ranks, names, folder)
+            for names in mlp_layouts(graph, ranks, count)]
+
+
+def mlp_case(hidden, batch: int, ranks: int, names, folder: str, tag: str = "") -> tuple:
+    """(name, train arguments, predictor: machine -> StrategyCost) of one MLP layout (choice
+    names, one per Linear); writes its plan file ``folder/plan-{tag}{name}.json``."""
+    cuts = [CHOICES[c](ranks) for c in names]
+    name = "-".join(names)
+    path = os.path.join(folder, f"plan-{tag}{name}.json")
+    with open(path, "w") as f:
+        json.dump({"devices": ranks, "layers": [
+            {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
+    args = ["--model=mlp", "--dataset=digits", f"--hidden={','.join(map(str, hidden))}",
+            f"--batch_size={batch}", f"--tp={ranks}", f"--plan={path}"]
+    graph = mlp_graph(hidden, batch)
+    return name, args, lambda m: cost.strategy_cost(graph, cuts, m, "float32")
 
 
 # ---------------------------------------------------------------- measuring

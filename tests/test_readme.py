@@ -43,6 +43,8 @@ SCRIPT_SHORTEN = {
     "experiments/plan_validation.py": ["--machine=local-2vcpu", "--rounds=1", "--gpt_steps=2",
                                        "--mlp_steps=2", "--gpt_layouts=2", "--mlp_layouts=2",
                                        "--hidden=16,16", "--gpt=2,16,2,8,4", "--mlp_batch=32"],
+    "experiments/plan_crossover.py": ["--batches=32", "--widths=8", "--rounds=1", "--steps=2"],
+    "experiments/plan_portability.py": ["--changes=5,6", "--reps=1", "--replans=1"],
 }
 SKIP = {"make": "runs the whole test suite or demo", "pip": "changes the environment",
         "module": "changes the environment (cluster modules)"}

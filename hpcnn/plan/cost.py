@@ -192,10 +192,15 @@ def to_cut(sequence: str, p: int) -> Cut:
 # ---------------------------------------------------------------- the BSP price of a strategy
 
 class Term(NamedTuple):
-    """One superstep's contribution: what it is, its formula in the machine's symbols, seconds."""
+    """One superstep's contribution: what it is, its formula in the machine's symbols, seconds;
+    for a communication, the bytes of its buffer and the devices it joins, for an update the
+    bytes of the parameters it updates (a profiling planner runs the same message or update,
+    experiments/plan_portability.py)."""
     what: str
     formula: str
     seconds: float
+    nbytes: float = 0.0
+    devices: int = 1
 
 
 class StrategyCost(NamedTuple):
@@ -222,7 +227,7 @@ def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term |
     lvl = _level(machine, n * stride)
     piece = nbytes / n
     return Term(what, f"2*({n}-1)*(L_{lvl.name} + {piece:g}*g_{lvl.name})",
-                2 * (n - 1) * lvl.message_seconds(piece))
+                2 * (n - 1) * lvl.message_seconds(piece), nbytes, n)
 
 
 def _matches(p: int, a: Cut, b: Cut) -> bool:
@@ -284,7 +289,7 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
                           machine.device.compute_seconds(flops, dtype, "linear", 1)))
         local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
         terms.append(Term(f"op{n} update", f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
-                          update_seconds(local, size, machine.device, optimizer)))
+                          update_seconds(local, size, machine.device, optimizer), local * size))
         rows = op.i / c.batch
         for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out,
                              rows * op.j / c.out * size),
@@ -301,5 +306,5 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
         lvl = _level(machine, span)
         nbytes = graph.ops[b].i / cb.batch * graph.ops[b].k / cb.reduce * size
         terms.append(Term(f"redistribute {a}->{b}", f"2*(L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
-                          2 * lvl.message_seconds(nbytes)))
+                          2 * lvl.message_seconds(nbytes), nbytes, span))
     return StrategyCost(tuple(terms))

@@ -46,9 +46,9 @@ from typing import NamedTuple
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
 REMAT = ("none", "full")
-# Passes over parameter-sized arrays per optimizer step (hpcnn.nn.optim): AdamW's 10, its
-# decoupled decay and zero_grad; SGD's momentum (2), its update, the L2 decay and zero_grad.
-UPDATE_PASSES = {"adamw": 12, "sgd": 5}
+# Passes over parameter-sized arrays per optimizer step (hpcnn.nn.optim): AdamW's 10 and its
+# decoupled decay; SGD's momentum (2), its update and the L2 decay (zero_grad is lazy: no pass).
+UPDATE_PASSES = {"adamw": 11, "sgd": 4}
 
 
 def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw") -> float:

@@ -220,6 +220,14 @@ def exhaustive(graph: Graph, p: int, mu: float = MU, rho: float = RHO, max_plans
     return _plan(graph, p, exhaustive_sequences(graph, p, mu, rho, max_plans), mu, rho)
 
 
+def cut_options(p: int) -> list:
+    """Every Cut of one Matmul over p = 2**L devices whose parts are powers of two dividing p
+    (the rest replicated): the choices :func:`least_price` combines."""
+    L = log2_devices(p)
+    return [to_cut("i" * a + "k" * b + "j" * c + "r" * (L - a - b - c), p)
+            for a in range(L + 1) for b in range(L + 1 - a) for c in range(L + 1 - a - b)]
+
+
 def least_price(graph: Graph, p: int, machine, dtype: str = "float32", limit: int = 20_000):
     """(list of Cut, seconds) of the strategy of least BSP price
     (:func:`hpcnn.plan.cost.strategy_cost` on ``machine``, p devices) among every combination
@@ -230,9 +238,7 @@ def least_price(graph: Graph, p: int, machine, dtype: str = "float32", limit: in
     machine's rates and the gradient reductions, and on the measured MLPs of
     experiments/plan_validation.py it ranked the layouts better: the choice small device counts
     can afford."""
-    L = log2_devices(p)
-    options = [to_cut("i" * a + "k" * b + "j" * c + "r" * (L - a - b - c), p)
-               for a in range(L + 1) for b in range(L + 1 - a) for c in range(L + 1 - a - b)]
+    options = cut_options(p)
     check_graph(graph)
     n = len(graph.ops)
     if len(options) ** n > limit:
