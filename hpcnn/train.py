@@ -175,7 +175,16 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     """
     cfg = cfg.resolved()
     ctx, task, opt, start = _setup(cfg, comm, data)
-    log = _open_log(cfg, ctx, task, start, command_line) if ctx.rank == 0 else None
+    log, err = None, ""
+    if ctx.rank == 0:
+        try:
+            log = _open_log(cfg, ctx, task, start, command_line)
+        except FileExistsError as e:     # another run took the log since the checks (its lock)
+            err = str(e)
+    err = ctx.world.allgather_objects(err)[0]   # every rank stops alike, before any step
+    if err:
+        ctx.free()
+        raise ConfigError(err)
     say = (lambda s: print(s, flush=True)) if (ctx.rank == 0 and cfg.progress) else (lambda s: None)
     say(run_header(cfg, task.model, task, ctx.world.size, start))
     t_start = time.perf_counter()
