@@ -3,7 +3,8 @@
 Schema (``schema_version`` 1)::
 
     /           attrs: hpcnn_version, command_line, start_time, end_time, mpi_library, backend,
-                       world_size, schema_version, status ("running" | "finished" | "failed"), extras
+                       world_size, schema_version, status ("running" | "finished" | "failed"),
+                       log_error (only if the file could not be written: why rows are missing), extras
     /config     attrs: json (the whole config, sort_keys) + every top-level str/int/float/bool key
     /plan       attrs: one per key; non-scalars as JSON strings, their names listed in attr json_keys
     /metrics    step (int64) and one float64 dataset per metric, all of length n_steps; NaN = not logged
@@ -22,17 +23,36 @@ Only rank 0 makes a :class:`RunLog`; this module never imports MPI::
     ...
     log.log_metrics(step, loss=loss, lr=lr, step_time=dt)        # test_acc only on eval steps
 
-Crash safety: rows are buffered in memory; each flush opens the file in append mode, appends and
-closes it, so between flushes the file on disk is closed and complete. A SIGKILL between flushes
-leaves a valid file with every flushed row and ``status == "running"``. A kill *during* a flush is
-not guaranteed safe by HDF5 (the window is the flush time), but in 190 SIGKILLs at random times of a
-writer flushing back to back, every file opened and held whole flushes only. Nothing is fsync'ed:
-a node losing power may lose what the OS had not yet written.
+Files next to the log: ``<log>.lock`` while a run writes it (:mod:`hpcnn.log.lock`: host, pid,
+start time; a second run on the same path is refused, a dead run's lock on this host taken over),
+and ``<log>-journal`` (:mod:`hpcnn.log.journal`), empty or absent unless an update was cut short.
+Neither is part of the schema; a log without them (any written before them) reads the same.
 
-Flush cost (measured with ``last_flush_s``; h5py 3.16, HDF5 2.0, ext4, 2 shared cores): one flush of
-10 steps costs ~2.5 ms with 6 metrics, ~3 ms adding 8 rank rows and 32 events per step, ~4-8 ms with
-64 rank rows and 256 events per step; it does not grow with the file (10k steps tested). With the
-default ``flush_every=10`` that is 0.25-0.8 ms per step, mostly fixed HDF5 cost per touched dataset.
+Crash safety: rows are buffered in memory; each flush (and :meth:`RunLog.set_plan`,
+:meth:`RunLog.close`) is one all-or-nothing update: h5py works on the file through a Python file
+object that holds every write in memory; at the end the original bytes of what changes go to the
+journal, then the changes to the file, then the journal is emptied. Whatever stops an update
+(ENOSPC, SIGKILL at any byte, a failing disk) the file reads as after the last completed update:
+:func:`read_run` overlays a hot journal in memory (it modifies nothing), the writer rolls it back on
+disk before its next update. Before the first update the file is written under a temporary name
+and renamed. On ENOSPC (any ``OSError``) at a flush the run goes on: one warning names the path
+and the error, later rows are dropped, and :meth:`RunLog.close` tries to set ``status="failed"``
+and ``log_error`` (if even that does not fit, the file stays at its last commit, ``"running"``).
+Power loss is covered only with ``durable=True`` (fsync of the journal, then of the file); then
+at most the last completed flush may be rolled back, since emptying the journal is not synced.
+Checked by tests/test_runlog_faults.py: 150 updates cut at random bytes (as a kill, as a power loss
+undoing unsynced writes, as ENOSPC), a real 400 KB tmpfs filling up, two processes on one log.
+
+Flush cost (``benchmarks/runlog_ab.py /tmp/old . --rounds=200``: the copy before the journal and
+this one alternating, medians; h5py 3.16, HDF5 2.0, ext4, 2 shared cores at load ~2.7): one flush
+of 10 steps costs 2.0 ms with 6 metrics (before: 1.4 ms, x1.4), 2.9 ms adding 8 rank rows and 32
+events per step (2.3 ms, x1.26), 3.6 ms with 64 rank rows and 256 events (2.9 ms, x1.25): with
+the default ``flush_every=10``, 0.06-0.07 ms more per step, mostly h5py calling Python for each
+read and write. ``durable=True`` adds the two fsyncs: 2.6, 3.5 and 4.4 ms (x1.5-1.8) at that
+load, but 16-35 ms per flush in a run at load ~6, hence off by default. The
+chunks of ``/ranks`` and ``/timeline`` are 45 and 53 KB (1024 and 2048 rows): HDF5 rewrites the
+last, partly filled chunk whole at each append, and the journal compares it with the file so that
+only its new rows are written and journaled.
 """
 from __future__ import annotations
 
@@ -149,11 +169,18 @@ class RunLog:
         Write buffered rows to disk every ``flush_every`` calls of :meth:`log_metrics`.
     overwrite : bool
         Replace an existing file.
+    durable : bool
+        fsync the journal and the file at every update (two per flush), so that a power loss
+        too leaves the last committed file; off by default, since it costs several times a
+        flush (see the module docstring). A SIGKILL or a full disk are covered either way.
+
+    The run's lock ``<path>.lock`` (:mod:`hpcnn.log.lock`) is taken here and released by
+    :meth:`close`: another live run writing ``path`` raises :class:`~hpcnn.log.lock.LogLockedError`.
     """
 
     def __init__(self, path, config, *, command_line: str, world_size: int = 1,
                  mpi_library: str = "", backend: str = "cpu", extra_attrs: dict | None = None,
-                 flush_every: int = 10, overwrite: bool = False, durable: bool = True):
+                 flush_every: int = 10, overwrite: bool = False, durable: bool = False):
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
         self.path = os.fspath(path)
