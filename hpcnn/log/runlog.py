@@ -50,7 +50,7 @@ events per step (2.3 ms, x1.26), 3.6 ms with 64 rank rows and 256 events (2.9 ms
 the default ``flush_every=10``, 0.06-0.07 ms more per step, mostly h5py calling Python for each
 read and write. ``durable=True`` adds the two fsyncs: 2.6, 3.5 and 4.4 ms (x1.5-1.8) at that
 load, but 16-35 ms per flush in a run at load ~6, hence off by default. The
-chunks of ``/ranks`` and ``/timeline`` are 45 and 53 KB (1024 and 2048 rows): HDF5 rewrites the
+chunks of ``/ranks`` and ``/timeline`` are 90 and 106 KB (2048 and 4096 rows): HDF5 rewrites the
 last, partly filled chunk whole at each append, and the journal compares it with the file so that
 only its new rows are written and journaled.
 """
@@ -76,7 +76,7 @@ RANK_DTYPE = np.dtype([("step", "i8"), ("rank", "i4"), ("compute_s", "f8"), ("co
                        ("idle_s", "f8"), ("bytes_sent", "i8"), ("peak_mem_bytes", "i8")])
 EVENT_DTYPE = np.dtype([("rank", "i4"), ("kind", "i2"), ("microbatch", "i4"), ("t_start", "f8"),
                         ("t_end", "f8")])
-_CHUNK = {"metrics": 1024, "ranks": 1024, "timeline": 2048}   # 8, 45 and 53 KB
+_CHUNK = {"metrics": 1024, "ranks": 2048, "timeline": 4096}   # 8, 90 and 106 KB
 _MAX_BUFFERED = 200_000          # rank rows + events held before a forced flush (bounded memory)
 
 
