@@ -2,10 +2,11 @@
 
 :meth:`hpcnn.config.TrainConfig.validate` checks each option's range and the combinations the
 engine cannot run from the options alone. :func:`check` adds what needs the world size (dp·tp·pp
-must equal it), the loaded data (a context window longer than the validation text, a batch
-larger than the training set), the model's length (a ``--layout`` that does not sum to it, more
-pipeline stages than blocks) and the ``--log`` path (another live run writing it: its lock). It communicates with no one: every rank loads the same data and
-builds the same shapes, so every rank takes the same decision, before the first collective.
+must equal it), the loaded data (a context window longer than the validation text, a batch larger
+than the training set), the model's length (a ``--layout`` that does not sum to it, more pipeline
+stages than blocks) and the ``--log`` path (another live run writing it: its lock). It communicates
+with no one: every rank loads the same data and builds the same shapes, so every rank takes the
+same decision, before the first collective.
 ``hpcnn train`` runs it before MPI is even initialised, with the world size the launcher announces
 (:func:`world_size_from_env`), so that a refused run prints one line and starts no MPI at all.
 """

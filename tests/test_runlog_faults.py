@@ -323,3 +323,15 @@ def test_lock_taken_after_the_checks_stops_every_rank(tmp_path):
     out = run_mpi("log_lock", 2, path, timeout=120)
     assert sorted(re.findall(r"rank \d refused", out)) == ["rank 0 refused", "rank 1 refused"], out
     assert not path.exists()
+
+
+def test_existing_log_refused_without_overwrite(tmp_path, capsys):
+    """--overwrite=false and a log at the path: refused by the checks (before: a traceback)."""
+    from hpcnn.cli import main
+    path = tmp_path / "done.h5"
+    RunLog(path, {}, command_line="x").close()
+    assert main(["train", "--model=mlp", "--steps=1", "--progress=false", "--overwrite=false",
+                 f"--log={path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"log='{path}' already exists" in err and "--overwrite=true" in err
+    assert read_run(path).config == {}

@@ -43,13 +43,13 @@ at most the last completed flush may be rolled back, since emptying the journal 
 Checked by tests/test_runlog_faults.py: 150 updates cut at random bytes (as a kill, as a power loss
 undoing unsynced writes, as ENOSPC), a real 400 KB tmpfs filling up, two processes on one log.
 
-Flush cost (``benchmarks/runlog_ab.py /tmp/old . --rounds=200``: the copy before the journal and
-this one alternating, medians; h5py 3.16, HDF5 2.0, ext4, 2 shared cores at load ~2.7): one flush
-of 10 steps costs 2.0 ms with 6 metrics (before: 1.4 ms, x1.4), 2.9 ms adding 8 rank rows and 32
-events per step (2.3 ms, x1.26), 3.6 ms with 64 rank rows and 256 events (2.9 ms, x1.25): with
-the default ``flush_every=10``, 0.06-0.07 ms more per step, mostly h5py calling Python for each
-read and write. ``durable=True`` adds the two fsyncs: 2.6, 3.5 and 4.4 ms (x1.5-1.8) at that
-load, but 16-35 ms per flush in a run at load ~6, hence off by default. The
+Flush cost, new / before the journal (``benchmarks/runlog_ab.py /tmp/old . --rounds=200``: both
+copies alternating in one process, median of per-round ratios; h5py 3.16, HDF5 2.0, ext4, 2 cores
+shared with other jobs at load 5.6-8.8, three runs): a flush of 10 steps with 6 metrics x0.94-1.31
+(1.7-9.2 ms before), adding 8 rank rows and 32 events per step x1.02-1.18 (10.6-15.2 ms), 64 rank
+rows and 256 events x1.32-1.36 (11.2-16.3 ms): h5py calling Python for each read and write, and
+comparing the rewritten chunk with the file. ``durable=True`` adds two fsyncs: x2.3-4.8, i.e. 12-40
+ms per flush at that load (x1.5-1.8 at load 2.7 with smaller chunks), hence off by default. The
 chunks of ``/ranks`` and ``/timeline`` are 90 and 106 KB (2048 and 4096 rows): HDF5 rewrites the
 last, partly filled chunk whole at each append, and the journal compares it with the file so that
 only its new rows are written and journaled.
