@@ -2,10 +2,11 @@
 
 :meth:`hpcnn.config.TrainConfig.validate` checks each option's range and the combinations the
 engine cannot run from the options alone. :func:`check` adds what needs the world size (dp·tp·pp
-must equal it), the loaded data (a context window longer than the validation text, a batch
-larger than the training set) and the model's length (a ``--layout`` that does not sum to it, more
-pipeline stages than blocks). It communicates with no one: every rank loads the same data and
-builds the same shapes, so every rank takes the same decision, before the first collective.
+must equal it), the loaded data (a context window longer than the validation text, a batch larger
+than the training set), the model's length (a ``--layout`` that does not sum to it, more pipeline
+stages than blocks) and the ``--log`` path (another live run writing it: its lock). It communicates
+with no one: every rank loads the same data and builds the same shapes, so every rank takes the
+same decision, before the first collective.
 ``hpcnn train`` runs it before MPI is even initialised, with the world size the launcher announces
 (:func:`world_size_from_env`), so that a refused run prints one line and starts no MPI at all.
 """
@@ -63,6 +64,7 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
         errs += _stage_errors(cfg, data)
     if cfg.plan and cfg.plan != "auto":
         errs += _plan_errors(cfg)
+    errs += _log_errors(cfg)
     if errs:
         raise ConfigError("invalid configuration: " + "; ".join(errs))
     return data
@@ -81,6 +83,16 @@ def planned(cfg: TrainConfig, world_size: int, data=None):
     data = data if data is not None else datasets.for_config(cfg)
     chosen, record = choose_gpt_layout(cfg, world_size, data.vocab)
     return chosen, record, data
+
+
+def _log_errors(cfg: TrainConfig) -> list[str]:
+    """--log: no live run holds its lock (:mod:`hpcnn.log.lock`; rank 0 takes it after these
+    checks, when it creates the file) and, with --overwrite=false, no file is there yet."""
+    from hpcnn.log.lock import refusal
+    if os.path.exists(cfg.log) and not cfg.overwrite:
+        return [f"log={cfg.log!r} already exists (pass --overwrite=true to replace it)"]
+    why = refusal(cfg.log)
+    return [why] if why else []
 
 
 def _plan_errors(cfg: TrainConfig) -> list[str]:

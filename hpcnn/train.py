@@ -171,6 +171,22 @@ def _record_memory(ctx, task, log) -> None:
                           "remat_recompute_s_per_rank": [t for _, _, t in recs]})
 
 
+def _claim_log(cfg, ctx, task, start, command_line):
+    """Rank 0 opens the run log (None on the other ranks); if another run took its lock since
+    the checks, every rank stops alike with the same ConfigError, before any step."""
+    log, err = None, ""
+    if ctx.rank == 0:
+        try:
+            log = _open_log(cfg, ctx, task, start, command_line)
+        except FileExistsError as e:
+            err = str(e)
+    err = ctx.world.allgather_objects(err)[0]
+    if err:
+        ctx.free()
+        raise ConfigError(err)
+    return log
+
+
 def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=None) -> dict:
     """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path, the model).
 
@@ -181,7 +197,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     """
     cfg = cfg.resolved()
     cfg, ctx, task, opt, start = _setup(cfg, comm, data)
-    log = _open_log(cfg, ctx, task, start, command_line) if ctx.rank == 0 else None
+    log = _claim_log(cfg, ctx, task, start, command_line)
     say = (lambda s: print(s, flush=True)) if (ctx.rank == 0 and cfg.progress) else (lambda s: None)
     say(run_header(cfg, task.model, task, ctx.world.size, start))
     t_start = time.perf_counter()
