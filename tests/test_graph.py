@@ -95,3 +95,8 @@ def test_lanczos_refuses_bad_sizes():
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_distributed_lanczos_matches_arpack(n):
     assert f"OK on {n} ranks" in run_mpi("graph_lanczos", n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_unite_and_conquer_matches_arpack(n):
+    assert f"OK on {n} ranks" in run_mpi("graph_unite", n)

@@ -115,6 +115,85 @@ def _orthogonalize(op: DistributedMatrix, basis: np.ndarray, w: np.ndarray):
     return w - basis @ h2, h + h2
 
 
+def basis_sizes(n: int, k: int, m: int | None, keep: int | None) -> tuple[int, int]:
+    """The basis size m (default ``max(2k + 1, 20)``, at most n - 1) and the Ritz vectors kept at a
+    restart (default ``(k + m) // 2``); a ValueError naming them unless 1 <= k <= keep < m < n."""
+    m = min(max(2 * k + 1, 20) if m is None else m, n - 1)
+    keep = (k + m) // 2 if keep is None else keep
+    if not (1 <= k < m <= n - 1 and k <= keep < m):
+        raise ValueError(f"lanczos: need 1 <= k={k} <= keep={keep} < m={m} <= n-1={n - 1}")
+    return m, keep
+
+
+class ThickRestartLanczos:
+    """The state of one thick-restart Lanczos iteration: basis V, projection T, last Ritz pairs.
+
+    :meth:`cycle` extends the basis to m vectors and computes the Ritz pairs; :meth:`restart`
+    keeps the best ``p`` Ritz vectors and the residual direction (own or, in unite and conquer,
+    another instance's: :meth:`restart_state` and :meth:`restart_from`).
+    """
+
+    def __init__(self, op: DistributedMatrix, k: int, m: int, keep: int, tol: float, seed: int):
+        self.op, self.k, self.m, self.keep, self.tol, self.seed = op, k, m, keep, tol, seed
+        self.V = np.zeros((op.n_local, m + 1))                   # (n_local, m+1) the basis
+        self.T = np.zeros((m, m))                                # Vᵀ A V
+        v = op.global_random(seed)
+        self.V[:, 0] = v / op.norm(v)
+        self.first, self.beta = 0, 0.0
+        self.theta = self.S = self.estimates = None
+
+    def cycle(self) -> None:
+        """Extend the basis from column ``first`` to m; the Ritz pairs, decreasing."""
+        op, V, T = self.op, self.V, self.T
+        for j in range(self.first, self.m):
+            w, h = _orthogonalize(op, V[:, : j + 1], op.matvec(V[:, j]))
+            T[: j + 1, j] = h
+            T[j, : j + 1] = h
+            self.beta = op.norm(w)
+            if self.beta <= 1e-12 * max(1.0, abs(h[j])):         # invariant subspace: a fresh direction
+                w, _ = _orthogonalize(op, V[:, : j + 1], op.global_random(self.seed + 1 + j))
+                w, _ = _orthogonalize(op, V[:, : j + 1], w)
+                V[:, j + 1] = w / op.norm(w)
+                self.beta = 0.0                                  # no coupling to the new direction
+                continue
+            V[:, j + 1] = w / self.beta
+        theta, S = np.linalg.eigh(T)
+        order = np.argsort(theta)[::-1]
+        self.theta, self.S = theta[order], S[:, order]
+        self.estimates = np.abs(self.beta * self.S[self.m - 1, :])   # ||A y_i - θ_i y_i||
+
+    def worst(self) -> float:
+        """The largest residual estimate of the k wanted pairs over max|θ| (converged: <= tol)."""
+        scale = max(np.abs(self.theta).max(), np.finfo(float).tiny)
+        return float(self.estimates[: self.k].max() / scale)
+
+    def restart_state(self, p: int | None = None):
+        """-> (Y (n_local, p) the best Ritz vectors, r (n_local,) the residual direction, θ (p,))."""
+        p = self.keep if p is None else p
+        return self.V[:, : self.m] @ self.S[:, :p], self.V[:, self.m].copy(), self.theta[:p].copy()
+
+    def restart_from(self, Y: np.ndarray, r: np.ndarray, theta: np.ndarray) -> None:
+        """Restart on Ritz vectors Y with values θ and residual direction r (A Y = Y diag θ + r sᵀ)."""
+        p = Y.shape[1]
+        self.V[:, :p] = Y
+        self.V[:, p] = r
+        self.T[:] = 0.0
+        self.T[np.arange(p), np.arange(p)] = theta
+        self.first = p
+
+    def restart(self) -> None:
+        self.restart_from(*self.restart_state())
+
+    def ritz_vectors(self) -> np.ndarray:
+        return self.V[:, : self.m] @ self.S[:, : self.k]           # (n_local, k)
+
+
+def true_residuals(op: DistributedMatrix, values: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """||A v_i - λ_i v_i|| for each column, one matvec each."""
+    return np.array([op.norm(op.matvec(vectors[:, i]) - values[i] * vectors[:, i])
+                     for i in range(values.size)])
+
+
 def lanczos(op: DistributedMatrix, k: int, m: int | None = None, tol: float = 1e-10,
             max_restarts: int = 1000, seed: int = 0, keep: int | None = None) -> LanczosResult:
     """The ``k`` largest algebraic eigenpairs of the symmetric matrix behind ``op``.
@@ -122,48 +201,20 @@ def lanczos(op: DistributedMatrix, k: int, m: int | None = None, tol: float = 1e
     ``m``: the basis size per cycle (default ``max(2k + 1, 20)``, at most n - 1); ``keep``: Ritz
     vectors kept at a restart (default ``(k + m) // 2``); ``tol``: residual over max|θ|; ``seed``:
     the start vector, the same global vector whatever the number of ranks. Every rank must call
-    it with the same arguments (checked before the first collective on each rank alike).
+    it with the same arguments (the sizes are checked before the first collective).
     """
-    n = op.n_global
-    m = min(max(2 * k + 1, 20) if m is None else m, n - 1)
-    keep = (k + m) // 2 if keep is None else keep
-    if not (1 <= k < m <= n - 1 and k <= keep < m):
-        raise ValueError(f"lanczos: need 1 <= k={k} <= keep={keep} < m={m} <= n-1={n - 1}")
+    m, keep = basis_sizes(op.n_global, k, m, keep)
     start_matvecs, start_bytes = op.matvecs, op.bytes_sent
-    V = np.zeros((op.n_local, m + 1))                        # (n_local, m+1) the basis
-    T = np.zeros((m, m))                                     # Vᵀ A V
-    v = op.global_random(seed)
-    V[:, 0] = v / op.norm(v)
-    first, beta, restarts, converged = 0, 0.0, 0, False
+    it = ThickRestartLanczos(op, k, m, keep, tol, seed)
+    restarts = 0
     while True:
-        for j in range(first, m):
-            w, h = _orthogonalize(op, V[:, : j + 1], op.matvec(V[:, j]))
-            T[: j + 1, j] = h
-            T[j, : j + 1] = h
-            beta = op.norm(w)
-            if beta <= 1e-12 * max(1.0, abs(h[j])):           # invariant subspace: a fresh direction
-                w, _ = _orthogonalize(op, V[:, : j + 1], op.global_random(seed + 1 + j))
-                w, _ = _orthogonalize(op, V[:, : j + 1], w)
-                V[:, j + 1] = w / op.norm(w)
-                beta = 0.0                                    # no coupling to the new direction
-                continue
-            V[:, j + 1] = w / beta
-        theta, S = np.linalg.eigh(T)
-        order = np.argsort(theta)[::-1]
-        theta, S = theta[order], S[:, order]
-        estimates = np.abs(beta * S[m - 1, :])
-        scale = max(np.abs(theta).max(), np.finfo(float).tiny)
-        converged = bool(np.all(estimates[:k] <= tol * scale))
+        it.cycle()
+        converged = it.worst() <= tol
         if converged or restarts == max_restarts:
             break
         restarts += 1
-        V[:, :keep] = V[:, :m] @ S[:, :keep]                 # thick restart: the best Ritz vectors
-        V[:, keep] = V[:, m]
-        T[:] = 0.0
-        T[np.arange(keep), np.arange(keep)] = theta[:keep]
-        first = keep
-    vectors = V[:, :m] @ S[:, :k]                            # (n_local, k)
+        it.restart()
+    values, vectors = it.theta[:k].copy(), it.ritz_vectors()
     matvecs, sent = op.matvecs - start_matvecs, op.bytes_sent - start_bytes
-    residuals = np.array([op.norm(op.matvec(vectors[:, i]) - theta[i] * vectors[:, i])
-                          for i in range(k)])
-    return LanczosResult(theta[:k].copy(), vectors, residuals, restarts, matvecs, converged, sent)
+    return LanczosResult(values, vectors, true_residuals(op, values, vectors), restarts, matvecs,
+                         converged, sent)
