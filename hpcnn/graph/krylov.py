@@ -14,7 +14,13 @@ column. The Ritz pairs (θ_i, V s_i) of T are accepted when the residual estimat
 from the ``keep`` best Ritz vectors plus the last basis vector: T restarts as diag(θ) bordered by
 ``β_m s_{m,i}`` (an arrowhead), which the next step recomputes exactly.
 
-    mpiexec -n 2 python -m mpi4py -c "..."     # see tests/mpi/graph_lanczos.py for a full use
+Example (``mpiexec -n 2 python -m mpi4py script.py``; without MPI pass ``comm=None``)::
+
+    from mpi4py import MPI
+    from hpcnn.graph import DistributedMatrix, karate_club, lanczos, normalized_adjacency
+    a = normalized_adjacency(karate_club().adjacency)            # the whole matrix on every rank
+    res = lanczos(DistributedMatrix.from_global(a, comm=MPI.COMM_WORLD), k=4)
+    res.values, res.vectors                                      # (4,), (rows held here, 4)
 """
 from __future__ import annotations
 
@@ -69,8 +75,8 @@ class DistributedMatrix:
     def exchange(self, x_local: np.ndarray) -> np.ndarray:
         """``[x_local, ghosts]``: this rank's entries then the halo received from the others."""
         h = self.halo
-        if h.ghosts.size == 0 and h.send_index.size == 0:
-            return x_local
+        if self.comm is None or self.comm.Get_size() == 1:
+            return x_local                      # every rank calls Alltoallv, even with nothing to move
         from mpi4py import MPI
         ext = np.empty(self.n_local + h.ghosts.size)
         ext[: self.n_local] = x_local
@@ -135,7 +141,8 @@ class ThickRestartLanczos:
 
     def __init__(self, op: DistributedMatrix, k: int, m: int, keep: int, tol: float, seed: int):
         self.op, self.k, self.m, self.keep, self.tol, self.seed = op, k, m, keep, tol, seed
-        self.V = np.zeros((op.n_local, m + 1))                   # (n_local, m+1) the basis
+        # (n_local, m+1) the basis, column-major: each basis vector is contiguous for the matvec
+        self.V = np.zeros((op.n_local, m + 1), order="F")
         self.T = np.zeros((m, m))                                # Vᵀ A V
         v = op.global_random(seed)
         self.V[:, 0] = v / op.norm(v)

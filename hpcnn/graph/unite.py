@@ -67,7 +67,7 @@ def unite_and_conquer(a: sp.spmatrix, comm, k: int, subspaces=(20, 30), tol: flo
             break
         cycles += 1
         p = sizes[best][1]
-        Y, r, theta = it.restart_state() if group == best else (
+        Y, r, theta = map(np.ascontiguousarray, it.restart_state()) if group == best else (
             np.empty((op.n_local, p)), np.empty(op.n_local), np.empty(p))
         for buf in (Y, r, theta):
             cross.Bcast(buf, root=best)
@@ -79,7 +79,7 @@ def unite_and_conquer(a: sp.spmatrix, comm, k: int, subspaces=(20, 30), tol: flo
             adopted[group] += 1
             received += Y.nbytes + r.nbytes + theta.nbytes
     values = it.theta[:k].copy() if group == best else np.empty(k)
-    vectors = it.ritz_vectors() if group == best else np.empty((op.n_local, k))
+    vectors = np.ascontiguousarray(it.ritz_vectors()) if group == best else np.empty((op.n_local, k))
     cross.Bcast(values, root=best)
     cross.Bcast(vectors, root=best)
     residuals = true_residuals(op, values, vectors)
