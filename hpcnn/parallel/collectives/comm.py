@@ -114,9 +114,9 @@ class Communicator:
         self._stats = stats
         self._ar = stats.counter("allreduce", 2 * (self.size - 1), self.size)
         self._iar = stats.counter("iallreduce", 2 * (self.size - 1), self.size)
-        if self._lean:                      # the hot path, bound to this counter, recorded
-            self.allreduce = recorded_allreduce(self.collectives.bind_allreduce(
-                Communicator.allreduce.__get__(self), self._ar), self.name)
+        if self._lean:                      # the hot path, bound to this counter; recorded
+            self.allreduce = self.collectives.bind_allreduce(recorded_allreduce(
+                Communicator.allreduce.__get__(self), self.name), self._ar, self.name)
 
     @property
     def allreduce_table(self):

@@ -3,17 +3,18 @@ stuck in one for longer than ``hpcnn train --hang_timeout`` and aborts the job.
 
 A rank that enters a different collective than its peers (or none) leaves them waiting forever.
 To say which rank waits where, each process keeps, in module state, its **current call**: a tuple
-(sequence number, kind, communicator name, peer, bytes, start time on ``time.monotonic``), set by
+(sequence number, kind, communicator name, peer, bytes), set by
 :func:`enter` and cleared by :func:`leave` at one choke point per kind (the
 :class:`~.comm.Communicator` methods, its allreduce hot path, the waits of the requests of
 :mod:`.mpi_base`, :mod:`.ring` and :mod:`.shm`), and its **last call**. Non-blocking starts
 (``isend``, ``irecv``, ``iallreduce``) are recorded by :func:`started` as a last call only: it is
-their ``wait`` that blocks. A record costs two tuple stores and a clock read (a few hundred ns,
-``benchmarks/watchdog_overhead.py``), so it is always on.
+their ``wait`` that blocks. A record costs a counter and two list stores, no clock read (a few
+hundred ns, ``benchmarks/watchdog_overhead.py``), so it is always on.
 
 The :class:`Watchdog` is a daemon thread (mpi4py releases the GIL inside blocking MPI calls). It
-polls the current call; only time spent *inside* a communication call counts, so a long compute
-step never fires it. When the call has lasted more than the timeout, or when it sees that another
+polls the current call and times it from when it first saw its sequence number (to within one
+poll interval); only time spent *inside* a communication call counts, so a long compute step
+never fires it. When the call has lasted more than the timeout, or when it sees that another
 rank has, it writes this rank's record (current call, or "not in a call" and the last one) as a
 small JSON file in a **side channel**: a directory whose job-unique name rank 0 chose at start
 (:func:`side_channel`, next to the run log) and broadcast before anything could hang, so that no
@@ -41,7 +42,7 @@ import time
 _now = time.monotonic
 
 # [sequence number of the last call, current call or None, last call or None]; a call is
-# (seq, kind, communicator, peer, bytes, start on time.monotonic)
+# (seq, kind, communicator, peer, bytes)
 _calls = [0, None, None]
 _fault = [None]             # the armed fault: {"rank", "step", "kind"}, once its step has come
 _pending = [None]           # the fault read from HPCNN_FAULT, waiting for its step
@@ -54,7 +55,7 @@ def enter(kind: str, comm: str, peer: int, nbytes: int):
     c = _calls
     prev = c[1]
     seq = c[0] = c[0] + 1
-    c[1] = (seq, kind, comm, peer, nbytes, _now())
+    c[1] = (seq, kind, comm, peer, nbytes)
     if _fault[0] is not None and _fires(kind):
         c[0], c[1] = seq - 1, prev          # as if the call were not in this rank's code
         return SKIP                         # (stall_collective does not return)
@@ -74,22 +75,31 @@ def started(kind: str, comm: str, peer: int, nbytes: int) -> bool:
         return True
     c = _calls
     seq = c[0] = c[0] + 1
-    c[2] = (seq, kind, comm, peer, nbytes, _now())
+    c[2] = (seq, kind, comm, peer, nbytes)
     return False
 
 
-def recorded_allreduce(fast, comm: str):
-    """``fast`` (an allreduce hot path, ``fast(buf, algorithm)``) with its calls recorded."""
+def recorded_allreduce(general, comm: str):
+    """``general(buf, algorithm)`` (``Communicator.allreduce``, what the hot path hands on)
+    with its calls recorded, and skipped by an armed fault. The hot path records its own calls
+    (:func:`record_in`; :func:`~.state._python_allreduce`), and hands every call to this one
+    while a fault is armed."""
     def allreduce(buf, algorithm: str = "mpi"):
         prev = enter("allreduce", comm, -1, buf.nbytes)
         if prev is SKIP:
             return buf
         try:
-            return fast(buf, algorithm)
+            return general(buf, algorithm)
         finally:
             leave(prev)
-    allreduce.__doc__ = getattr(fast, "__doc__", None)
+    allreduce.__doc__ = general.__doc__
     return allreduce
+
+
+def record_in(lean, comm: str) -> None:
+    """Let the C hot path ``lean`` (:mod:`.lean_build`) record its calls here, as made on
+    the communicator named ``comm``."""
+    lean.record, lean.fault, lean.name = _calls, _fault, comm
 
 
 def current_call():
@@ -161,15 +171,16 @@ def side_channel(log_path: str, world) -> str:
     return world.bcast_object(name, root=0)
 
 
-def _record(rank: int, in_call) -> dict:
-    """This rank's record: the current call (``in_call``) or the last one, with wall times."""
+def _record(rank: int, in_call, since: float | None) -> dict:
+    """This rank's record: the current call (``in_call``, waited in since the wall time
+    ``since``) or the last one."""
     call = in_call if in_call is not None else _calls[2]
     rec = {"rank": rank, "host": os.uname().nodename, "pid": os.getpid(),
            "in_call": in_call is not None, "written": time.time()}
     if call is not None:
-        seq, kind, comm, peer, nbytes, t = call
+        seq, kind, comm, peer, nbytes = call
         rec.update(seq=seq, kind=kind, comm=comm, peer=peer, nbytes=nbytes,
-                   since=time.time() - (_now() - t))
+                   since=since if in_call is not None else None)
     return rec
 
 
@@ -216,8 +227,9 @@ def table(records: dict, size: int, timeout: float, now: float | None = None) ->
         if "kind" not in rec:
             lines.append(f"{r:>4}  {state:<12} (no communication call yet)")
             continue
-        since = time.strftime("%H:%M:%S", time.localtime(rec["since"]))
-        waited = f"{now - rec['since']:.1f}s" if rec["in_call"] else "-"
+        t = rec.get("since")
+        since = time.strftime("%H:%M:%S", time.localtime(t)) if t is not None else "-"
+        waited = f"{now - t:.1f}s" if t is not None else "-"
         peer = str(rec["peer"]) if rec["peer"] >= 0 else "-"
         lines.append(f"{r:>4}  {state:<12} {rec['seq']:>7}  {rec['kind']:<18} "
                      f"{rec['comm']:<10} {peer:>4} {rec['nbytes']:>10}  {since:<8} {waited:>8}")
@@ -252,6 +264,7 @@ class Watchdog:
         self.poll = min(0.5, max(0.02, timeout / 8))
         self._stop = threading.Event()
         self._written = False
+        self._seen = None           # (seq, monotonic, wall time) of the call first seen current
         self.thread = threading.Thread(target=self._run, name="hpcnn-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -268,9 +281,20 @@ class Watchdog:
         return os.path.join(self.directory, name)
 
     def _write_mine(self) -> None:
+        call = _calls[1]
+        since = self._since(call)
         os.makedirs(self.directory, exist_ok=True)
-        _write_json(self._path(f"rank{self.rank}.json"), _record(self.rank, _calls[1]))
+        _write_json(self._path(f"rank{self.rank}.json"), _record(self.rank, call, since))
         self._written = True
+
+    def _since(self, call):
+        """Wall time at which this thread first saw ``call`` (None: not in a call)."""
+        if call is None:
+            self._seen = None
+            return None
+        if self._seen is None or self._seen[0] != call[0]:
+            self._seen = (call[0], _now(), time.time())
+        return self._seen[2]
 
     def _claim(self) -> bool:
         """True for the one rank that reports (an exclusive create of ``report``)."""
@@ -284,7 +308,8 @@ class Watchdog:
         hung_at = None              # when this rank wrote its record
         while not self._stop.wait(self.poll):
             call = _calls[1]
-            stuck = call is not None and _now() - call[5] > self.timeout
+            self._since(call)
+            stuck = call is not None and _now() - self._seen[1] > self.timeout
             seen = os.path.isdir(self.directory)
             if (stuck or seen) and not self._written:
                 self._write_mine()
