@@ -8,8 +8,9 @@ To say which rank waits where, each process keeps, in module state, its **curren
 :class:`~.comm.Communicator` methods, its allreduce hot path, the waits of the requests of
 :mod:`.mpi_base`, :mod:`.ring` and :mod:`.shm`), and its **last call**. Non-blocking starts
 (``isend``, ``irecv``, ``iallreduce``) are recorded by :func:`started` as a last call only: it is
-their ``wait`` that blocks. A record costs a counter and two list stores, no clock read (a few
-hundred ns, ``benchmarks/watchdog_overhead.py``), so it is always on.
+their ``wait`` that blocks. A record costs a counter, a tuple and two list stores, no clock read
+(~0.2 us in Python; on the C allreduce hot path, which records in C, nothing measurable:
+``benchmarks/watchdog_overhead.py``), so it is always on.
 
 The :class:`Watchdog` is a daemon thread (mpi4py releases the GIL inside blocking MPI calls). It
 polls the current call and times it from when it first saw its sequence number (to within one
@@ -253,8 +254,9 @@ class Watchdog:
     ``rank``/``size``: this process in ``MPI.COMM_WORLD``; ``directory``: the side channel
     (:func:`side_channel`); ``timeout``: seconds inside one call that make a hang; ``on_hang``:
     called with the reason on the reporting rank before the abort (at most ``2`` s); ``abort``:
-    ``abort(code)`` (default: ``MPI.COMM_WORLD.Abort``; :func:`for_run`: the run's world's); ``grace``: seconds the reporter waits
-    for the others' records (default: a quarter of the timeout, 1-5 s)."""
+    ``abort(code)`` (default: ``MPI.COMM_WORLD.Abort``; :func:`for_run`: the run's world's);
+    ``grace``: seconds the reporter waits for the others' records (default: a quarter of the
+    timeout, 1-5 s)."""
 
     def __init__(self, rank: int, size: int, directory: str, timeout: float, on_hang=None,
                  abort=None, grace: float | None = None, out=None):
@@ -263,7 +265,7 @@ class Watchdog:
         self.grace = grace if grace is not None else min(5.0, max(1.0, timeout / 4))
         self.poll = min(0.5, max(0.02, timeout / 8))
         self._stop = threading.Event()
-        self._written = False
+        self._written, self._written_seq = False, None   # the seq in this rank's file
         self._seen = None           # (seq, monotonic, wall time) of the call first seen current
         self.thread = threading.Thread(target=self._run, name="hpcnn-watchdog", daemon=True)
 
@@ -285,7 +287,7 @@ class Watchdog:
         since = self._since(call)
         os.makedirs(self.directory, exist_ok=True)
         _write_json(self._path(f"rank{self.rank}.json"), _record(self.rank, call, since))
-        self._written = True
+        self._written, self._written_seq = True, call[0] if call is not None else None
 
     def _since(self, call):
         """Wall time at which this thread first saw ``call`` (None: not in a call)."""
@@ -314,21 +316,14 @@ class Watchdog:
             if (stuck or seen) and not self._written:
                 self._write_mine()
                 hung_at = _now()
-            elif self._written and call is not None and not self._written_call_is(call):
-                self._write_mine()  # moved on to another call since: keep the record current
+            elif self._written and (call[0] if call is not None else None) != self._written_seq:
+                self._write_mine()  # moved on since: keep the record current
             if hung_at is None:
                 continue
             # rank 0 reports at once; another rank only if nobody did within the grace period
             if (self.rank == 0 or _now() - hung_at > 2 * self.grace) and self._claim():
                 self._report()
                 return
-
-    def _written_call_is(self, call) -> bool:
-        try:
-            with open(self._path(f"rank{self.rank}.json")) as f:
-                return json.load(f).get("seq") == call[0]
-        except (OSError, ValueError):
-            return False
 
     def _report(self) -> None:
         deadline = _now() + self.grace
