@@ -9,7 +9,7 @@ To say which rank waits where, each process keeps, in module state, its **curren
 :mod:`.mpi_base`, :mod:`.ring` and :mod:`.shm`), and its **last call**. Non-blocking starts
 (``isend``, ``irecv``, ``iallreduce``) are recorded by :func:`started` as a last call only: it is
 their ``wait`` that blocks. A record costs a counter, a tuple and two list stores, no clock read
-(~0.2 us in Python; on the C allreduce hot path, which records in C, nothing measurable:
+(~0.2 us in Python; on the C allreduce hot path, which records in C, less than the noise:
 ``benchmarks/watchdog_overhead.py``), so it is always on.
 
 The :class:`Watchdog` is a daemon thread (mpi4py releases the GIL inside blocking MPI calls). It
