@@ -102,6 +102,7 @@ class TrainConfig:
     checkpoint_every: int = 0           # steps between checkpoints; 0 = at the end only
     resume: str = ""                    # checkpoint to start from (any dp/tp/pp layout)
     progress: bool = True               # print a progress line on rank 0
+    hang_timeout: float = 300.0         # seconds one rank may wait inside one communication call before the job is reported as hung and aborted (0 = no watchdog)
     show_schedule: bool = False         # print (and log) each rank's first step as the schedule it ran
     plan: str = ""                      # MLP: per-Linear layouts over the --tp ranks: a JSON plan file, or auto (the planner's search); GPT: auto (dp x tp x pp, schedule, micro-batches of least predicted step)
     machine: str = ""                   # --plan=auto for the GPT: machine file (machines/*.toml); "" = this machine's (as hpcnn.plan.machine.this_machine)
@@ -186,7 +187,7 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
     "memory_budget": AT_LEAST_0, "offload_gbps": AT_LEAST_0,
     "seed": AT_LEAST_0,            # NumPy's generators take non-negative seeds only
     "eval_interval": AT_LEAST_0, "eval_batches": AT_LEAST_1, "log_interval": AT_LEAST_1,
-    "checkpoint_every": AT_LEAST_0,
+    "checkpoint_every": AT_LEAST_0, "hang_timeout": AT_LEAST_0,
 }
 # options with any value of their type: switches and paths; layout, speeds and slowdown are
 # parsed by _syntax_errors

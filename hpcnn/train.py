@@ -24,6 +24,7 @@ from hpcnn.engine.step import train_step
 from hpcnn.engine.trace import show as show_schedule
 from hpcnn.nn.core import is_placeholder
 from hpcnn.nn.optim import make_optimizer
+from hpcnn.parallel.collectives import watchdog
 from hpcnn.task import build_task, metrics_from_sums
 
 def whole_model_params(model, tp: int = 1) -> int:
@@ -202,6 +203,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     say(run_header(cfg, task.model, task, ctx.world.size, start))
     t_start = time.perf_counter()
     status, last = "failed", {}
+    watch = watchdog.for_run(cfg.hang_timeout, cfg.log, ctx.world, log)
     try:
         last = _loop(cfg, ctx, task, opt, start, log, say, t_start)
         _record_memory(ctx, task, log)
@@ -216,6 +218,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
                                              for s, sh, _ in ctx.balancer.history]})
             log.close(status=status)
         ctx.free()
+        if watch is not None:
+            watch.stop()
     return _summary(cfg, ctx, task, opt, last, time.perf_counter() - t_start)
 
 
@@ -224,6 +228,7 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start) -> dict:
     pending_rows, pending_events, last = [], [], {}
     task.model.train()
     for step in range(start, task.steps):
+        watchdog.at_step(step)          # HPCNN_FAULT, a test-only fault hook
         row, rank_row, events = train_step(ctx, task, opt, step, t_start)
         if ctx.traced is not None:                   # --show_schedule, after the first step
             show_schedule(ctx, log, say)

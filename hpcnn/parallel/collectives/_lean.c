@@ -12,6 +12,11 @@
  *   below lean.auto_below bytes, or below lean.private_below outside the address ranges of
  *   lean.shared), is summed in place by MPI_Allreduce with the GIL released;
  *   anything else is handed to general(buf, algorithm), the Python method.
+ *   lean.record, lean.fault, lean.name (optional; set by the watchdog, watchdog.py): the
+ *   watchdog's [seq, current call, last call] list, its [armed fault] list and the
+ *   communicator's name: each call on this path is recorded as the current call
+ *   (seq, "allreduce", name, -1, bytes) while MPI_Allreduce runs; while a fault is armed every
+ *   call goes to general (which records it and may skip it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -61,6 +66,7 @@ typedef struct {
     MPI_Comm comm;
     Counter *counter;
     PyObject *general, *ndarray, *s_mpi, *s_auto, *shared;
+    PyObject *record, *fault, *name, *s_kind, *minus_one;   /* the watchdog's (optional) */
     long long auto_below, private_below, sampled_below, sample_every;
     vectorcallfunc vectorcall;
 } Lean;
@@ -108,6 +114,37 @@ static PyObject *fallback(Lean *self, PyObject *buf, PyObject *alg) {
     return PyObject_CallFunctionObjArgs(self->general, buf, alg ? alg : self->s_mpi, NULL);
 }
 
+/* Record (seq + 1, "allreduce", name, -1, nbytes) as the current call in self->record; returns
+   the previous current call (a new reference) for end_record, or NULL (not recording, or an
+   error, cleared: recording never fails a call). */
+static PyObject *begin_record(Lean *self, Py_ssize_t nbytes) {
+    PyObject *rec = self->record;
+    if (rec == NULL || !PyList_CheckExact(rec) || PyList_GET_SIZE(rec) != 3) return NULL;
+    long long seq = PyLong_AsLongLong(PyList_GET_ITEM(rec, 0));
+    if (seq == -1 && PyErr_Occurred()) { PyErr_Clear(); return NULL; }
+    PyObject *seqo = PyLong_FromLongLong(seq + 1), *nb = PyLong_FromSsize_t(nbytes);
+    PyObject *call = (seqo && nb) ? PyTuple_Pack(5, seqo, self->s_kind,
+                                                 self->name ? self->name : Py_None,
+                                                 self->minus_one, nb) : NULL;
+    Py_XDECREF(nb);
+    if (call == NULL) { Py_XDECREF(seqo); PyErr_Clear(); return NULL; }
+    PyObject *prev = PyList_GET_ITEM(rec, 1);
+    Py_INCREF(prev);
+    PyList_SetItem(rec, 0, seqo);       /* steal seqo and call; prev keeps the reference */
+    PyList_SetItem(rec, 1, call);       /* taken above, the list's own is dropped */
+    return prev;
+}
+
+/* The call is over: it becomes the last call, prev (stolen) the current one again. */
+static void end_record(Lean *self, PyObject *prev) {
+    if (prev == NULL) return;
+    PyObject *rec = self->record;
+    PyObject *call = PyList_GET_ITEM(rec, 1);
+    Py_INCREF(call);
+    PyList_SetItem(rec, 2, call);
+    PyList_SetItem(rec, 1, prev);
+}
+
 static PyObject *Lean_vectorcall(PyObject *obj, PyObject *const *args, size_t nargsf,
                                  PyObject *kwnames) {
     Lean *self = (Lean *)obj;
@@ -129,6 +166,9 @@ static PyObject *Lean_vectorcall(PyObject *obj, PyObject *const *args, size_t na
         alg = args[1];
     }
     if ((PyObject *)Py_TYPE(buf) != self->ndarray) return fallback(self, buf, alg);
+    if (self->fault != NULL && PyList_CheckExact(self->fault) && PyList_GET_SIZE(self->fault) > 0
+        && PyList_GET_ITEM(self->fault, 0) != Py_None)
+        return fallback(self, buf, alg);           /* an armed test-only fault: general decides */
     int is_auto = 0;
     if (alg != NULL && alg != self->s_mpi) {
         if (alg == self->s_auto) is_auto = 1;
@@ -156,11 +196,13 @@ static PyObject *Lean_vectorcall(PyObject *obj, PyObject *const *args, size_t na
     c->raw += view.len;
     int timed = view.len >= self->sampled_below || (c->calls % self->sample_every) == 0;
     double t0 = timed ? now() : 0.0;
+    PyObject *prev = begin_record(self, view.len);
     int err;
     Py_BEGIN_ALLOW_THREADS
     err = MPI_Allreduce(MPI_IN_PLACE, view.buf, (int)(view.len / view.itemsize), dt, MPI_SUM,
                         self->comm);
     Py_END_ALLOW_THREADS
+    end_record(self, prev);
     if (timed)
         c->seconds += (now() - t0) * (view.len >= self->sampled_below ? 1 : self->sample_every);
     PyBuffer_Release(&view);
@@ -196,6 +238,8 @@ static int Lean_init(Lean *self, PyObject *args, PyObject *kw) {
     self->auto_below = 0;
     self->private_below = 0;
     Py_XSETREF(self->shared, PyList_New(0));
+    Py_XSETREF(self->s_kind, PyUnicode_InternFromString("allreduce"));
+    Py_XSETREF(self->minus_one, PyLong_FromLong(-1));
     self->sampled_below = sampled_below;
     self->sample_every = sample_every;
     self->vectorcall = Lean_vectorcall;
@@ -205,13 +249,16 @@ static int Lean_init(Lean *self, PyObject *args, PyObject *kw) {
 /* general is a method of the Communicator that holds this object: a cycle the GC must see. */
 static int Lean_traverse(Lean *self, visitproc visit, void *arg) {
     Py_VISIT(self->counter); Py_VISIT(self->general); Py_VISIT(self->ndarray);
-    Py_VISIT(self->shared);
+    Py_VISIT(self->shared); Py_VISIT(self->record); Py_VISIT(self->fault);
+    Py_VISIT(self->name);
     return 0;
 }
 
 static int Lean_clear(Lean *self) {
     Py_CLEAR(self->counter); Py_CLEAR(self->general); Py_CLEAR(self->ndarray);
     Py_CLEAR(self->shared); Py_CLEAR(self->s_mpi); Py_CLEAR(self->s_auto);
+    Py_CLEAR(self->record); Py_CLEAR(self->fault); Py_CLEAR(self->name);
+    Py_CLEAR(self->s_kind); Py_CLEAR(self->minus_one);
     return 0;
 }
 
@@ -229,6 +276,11 @@ static PyMemberDef Lean_members[] = {
     {"shared", T_OBJECT, offsetof(Lean, shared), 0,
      "list of (start, stop) addresses of the shared windows (zero-copy candidates)"},
     {"counter", T_OBJECT, offsetof(Lean, counter), READONLY, "the Counter bumped per call"},
+    {"record", T_OBJECT, offsetof(Lean, record), 0,
+     "the watchdog's [seq, current call, last call] list, or None: calls not recorded"},
+    {"fault", T_OBJECT, offsetof(Lean, fault), 0,
+     "the watchdog's [armed fault] list: while its item is not None, calls go to general"},
+    {"name", T_OBJECT, offsetof(Lean, name), 0, "the communicator's name, in the records"},
     {NULL}
 };
 

@@ -41,6 +41,7 @@ from hpcnn.parallel.collectives import algorithms      # the algorithms behind a
 from hpcnn.parallel.collectives.mpi_base import Request, _cuda_aware, _mpi, host_buffers
 from hpcnn.parallel.collectives.state import Collectives
 from hpcnn.parallel.collectives.stats import CommStats
+from hpcnn.parallel.collectives.watchdog import SKIP, enter, leave, recorded_allreduce, started
 
 _perf = time.perf_counter
 _ndarray = numpy.ndarray
@@ -69,8 +70,12 @@ class _LeanRequest(Request):
 
     def wait(self) -> None:
         if not self.done:
+            prev = enter("wait iallreduce", self.where, -1, self._nbytes)
             t = _perf()
-            self._req.Wait()
+            try:
+                self._req.Wait()
+            finally:
+                leave(prev)
             self._finish(_perf() - t)
 
 
@@ -109,9 +114,9 @@ class Communicator:
         self._stats = stats
         self._ar = stats.counter("allreduce", 2 * (self.size - 1), self.size)
         self._iar = stats.counter("iallreduce", 2 * (self.size - 1), self.size)
-        if self._lean:                      # the hot path, bound to this counter
-            self.allreduce = self.collectives.bind_allreduce(
-                Communicator.allreduce.__get__(self), self._ar)
+        if self._lean:                      # the hot path, bound to this counter; recorded
+            self.allreduce = self.collectives.bind_allreduce(recorded_allreduce(
+                Communicator.allreduce.__get__(self), self.name), self._ar, self.name)
 
     @property
     def allreduce_table(self):
@@ -123,9 +128,17 @@ class Communicator:
     def allreduce_table(self, table) -> None:
         self.collectives.table = table
 
-    def _timed(self, op, nbytes, fn):
+    def _timed(self, op, nbytes, fn, peer: int = -1, skipped=None):
+        """``fn()``, timed and counted under ``op``, recorded for the watchdog
+        (:mod:`.watchdog`; ``skipped`` is returned if its test-only fault hook skips it)."""
+        prev = enter(op, self.name, peer, nbytes)
+        if prev is SKIP:
+            return skipped
         t = _perf()
-        out = fn()
+        try:
+            out = fn()
+        finally:
+            leave(prev)
         self.stats.add(op, nbytes, _perf() - t)
         return out
 
@@ -159,11 +172,18 @@ class Communicator:
         if type(buf) is _ndarray and self._lean:
             n = buf.nbytes
             if algorithm == "mpi" or algorithm == "auto" and n < self.collectives.iauto_mpi_below:
-                return _LeanRequest(self._Iallreduce(self._IN_PLACE, buf, self._SUM), self._iar,
-                                    n, on_done)
+                if started("iallreduce", self.name, -1, n):     # test-only fault hook
+                    return self._skipped("iallreduce", on_done)
+                r = _LeanRequest(self._Iallreduce(self._IN_PLACE, buf, self._SUM), self._iar,
+                                 n, on_done)
+                r.where = self.name
+                return r
+        if self.size > 1 and started("iallreduce", self.name, -1, buf.nbytes):
+            return self._skipped("iallreduce", on_done)
         if self.size > 1 and algorithm != "mpi":
             return algorithms.iallreduce(self, buf, algorithm, on_done)
         r = Request([], self._stats, "iallreduce", 0, _perf(), on_done)
+        r.where = self.name
         backend.sync()
         # one rank, or CuPy without CUDA-aware MPI (staged through the host): blocking
         if self.size == 1 or backend.xp is not numpy and not _cuda_aware():
@@ -173,6 +193,12 @@ class Communicator:
         MPI = _mpi()
         r._reqs = [self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)]
         r._nbytes = 2 * (self.size - 1) * buf.nbytes // self.size
+        return r
+
+    def _skipped(self, op: str, on_done=None) -> Request:
+        """A request complete at once, for a start the watchdog's test-only fault hook skips."""
+        r = Request([], self._stats, op, 0, _perf(), on_done)
+        r._finish(0.0)
         return r
 
     def shared_zeros(self, shape, dtype=numpy.float32):
@@ -203,9 +229,15 @@ class Communicator:
             return buf
         MPI = _mpi()
         counter = self.stats.counter("allreduce_max", 2 * (self.size - 1), self.size)
+        prev = enter("allreduce_max", self.name, -1, buf.nbytes)
+        if prev is SKIP:
+            return buf
         t = _perf()
-        with host_buffers(buf, writeback=(0,)) as (h,):
-            self.comm.Allreduce(MPI.IN_PLACE, h, op=MPI.MAX)
+        try:
+            with host_buffers(buf, writeback=(0,)) as (h,):
+                self.comm.Allreduce(MPI.IN_PLACE, h, op=MPI.MAX)
+        finally:
+            leave(prev)
         counter.calls += 1
         counter.raw += buf.nbytes
         counter.seconds += _perf() - t
@@ -321,13 +353,17 @@ class Communicator:
         """Start sending ``obj`` (picklable) to rank ``dest``; ``wait()`` the returned request
         before reusing what ``obj`` holds. Counted under ``send_object``: the pickled size."""
         t0 = _perf()
+        if started("send_object", self.name, dest, 0):  # test-only fault hook
+            return self._skipped("send_object")
         req = self.comm.isend(obj, dest=dest, tag=tag)
-        return Request([req], self.stats, "send_object", _pickled_size(obj), t0)
+        return Request([req], self.stats, "send_object", _pickled_size(obj), t0).at(self.name,
+                                                                                    dest)
 
     def recv_object(self, source: int, tag: int = 0):
         """The object rank ``source`` sends with ``tag`` (blocking). Counted under
         ``recv_object`` with 0 bytes (the sender counts them)."""
-        return self._timed("recv_object", 0, lambda: self.comm.recv(source=source, tag=tag))
+        return self._timed("recv_object", 0, lambda: self.comm.recv(source=source, tag=tag),
+                           peer=source)
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -340,7 +376,8 @@ class Communicator:
         nbytes = 0 if dest == MPI.PROC_NULL else sendbuf.nbytes
         with host_buffers(sendbuf, recvbuf, writeback=(1,)) as (s, r):
             self._timed("sendrecv", nbytes, lambda: self.comm.Sendrecv(
-                s, dest=dest, sendtag=tag, recvbuf=r, source=source, recvtag=tag))
+                s, dest=dest, sendtag=tag, recvbuf=r, source=source, recvtag=tag),
+                peer=dest if dest >= 0 else source)
         return recvbuf
 
     def isend(self, buf, dest, tag: int = 0) -> Request:
@@ -348,11 +385,17 @@ class Communicator:
         backend.sync()
         t0 = time.perf_counter()
         nbytes = 0 if dest == MPI.PROC_NULL else buf.nbytes
-        return Request([self.comm.Isend(buf, dest=dest, tag=tag)], self.stats, "isend", nbytes, t0)
+        if started("isend", self.name, dest, nbytes):   # test-only fault hook
+            return self._skipped("isend")
+        return Request([self.comm.Isend(buf, dest=dest, tag=tag)], self.stats, "isend", nbytes,
+                       t0).at(self.name, dest)
 
     def irecv(self, buf, source, tag: int = 0) -> Request:
         t0 = time.perf_counter()
-        return Request([self.comm.Irecv(buf, source=source, tag=tag)], self.stats, "irecv", 0, t0)
+        if started("irecv", self.name, source, buf.nbytes):  # test-only fault hook
+            return self._skipped("irecv")
+        return Request([self.comm.Irecv(buf, source=source, tag=tag)], self.stats, "irecv", 0,
+                       t0).at(self.name, source, buf.nbytes)
 
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank}/{self.size})"

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import numpy
 
 from hpcnn import backend
+from hpcnn.parallel.collectives.watchdog import enter, leave
 
 _perf = time.perf_counter
 _MPI = None                 # mpi4py.MPI once imported (never at import: docs/architecture.md)
@@ -48,11 +49,28 @@ def host_buffers(*arrays, writeback=()):
 
 
 class Request:
-    """A pending non-blocking operation; ``wait()`` completes it and records its time."""
+    """A pending non-blocking operation; ``wait()`` completes it and records its time.
+
+    Its wait is recorded for the watchdog (:mod:`.watchdog`) as ``wait <op>`` on the
+    communicator ``where`` with ``peer`` (set by :meth:`at`; -1: a collective)."""
+
+    where, peer, _shown_bytes = "", -1, None
 
     def __init__(self, reqs, stats, op, nbytes, t0, on_done=None):
         self._reqs, self._counter, self._nbytes = reqs, stats.counter(op), nbytes
         self._on_done, self.done, self.wait_seconds = on_done, False, 0.0
+        self._op = op
+
+    def at(self, where: str, peer: int = -1, nbytes: int | None = None) -> "Request":
+        """Name the communicator and peer (and the bytes, if not those counted) its wait is
+        recorded with; returns the request."""
+        self.where, self.peer, self._shown_bytes = where, peer, nbytes
+        return self
+
+    def _enter_wait(self):
+        """Record the start of this request's blocking wait (see :func:`.watchdog.enter`)."""
+        n = self._nbytes if self._shown_bytes is None else self._shown_bytes
+        return enter("wait " + getattr(self, "_op", "request"), self.where, self.peer, n)
 
     def test(self) -> bool:
         if not self.done and (_MPI or _mpi()).Request.Testall(self._reqs):
@@ -61,8 +79,12 @@ class Request:
 
     def wait(self) -> None:
         if not self.done:
+            prev = self._enter_wait()
             t = _perf()
-            _mpi().Request.Waitall(self._reqs)
+            try:
+                _mpi().Request.Waitall(self._reqs)
+            finally:
+                leave(prev)
             self._finish(_perf() - t)
 
     def _finish(self, waited):

@@ -15,6 +15,7 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.parallel.collectives.mpi_base import Request, _mpi
+from hpcnn.parallel.collectives.watchdog import leave
 
 SEGMENT_BYTES = 1 << 20     # ring segment: 2 x 1 MiB of scratch stay in L2 (4 MiB); 256 KiB was slower
 ISEGMENT_BYTES = 8 << 20    # non-blocking ring: a test() call completes about one segment
@@ -47,6 +48,7 @@ class RingRequest(Request):
         p, r = comm.size, comm.rank
         nb = 2 * (p - 1) * buf.nbytes // p
         super().__init__([], comm.stats, "iallreduce", nb, time.perf_counter(), on_done)
+        self.where = comm.name
         self._blocking, self._busy = blocking, 0.0
         st = comm.collectives.get_workspace()
         self._st, self._pc, self._tag = st, st.pcomm, st.tag()
@@ -140,7 +142,11 @@ class RingRequest(Request):
         return self._run(block=False)
 
     def wait(self) -> None:
-        self._run(block=True)
+        prev = self._enter_wait()
+        try:
+            self._run(block=True)
+        finally:
+            leave(prev)
 
 
 def rd(comm, flat) -> None:

@@ -55,6 +55,7 @@ import numpy
 
 from hpcnn.parallel.collectives.mpi_base import Request, _mpi
 from hpcnn.parallel.collectives.ring import split
+from hpcnn.parallel.collectives.watchdog import leave
 
 PIECE_BYTES = 1 << 20       # per piece of a private buffer; the node's window is 2 pieces per rank
 MIN_HALF = 64 << 10         # smallest half-segment allocated
@@ -310,6 +311,7 @@ class ShmRequest(Request):
         p = comm.size
         super().__init__([], comm.stats, "iallreduce", 2 * (p - 1) * flat.nbytes // p,
                          time.perf_counter(), on_done)
+        self.where = comm.name
         self._node, self._ib, self._win, self._busy, self._done_syncs = node, None, None, 0.0, 0
         if flat.size == 0:
             self._nsyncs = 0
@@ -356,4 +358,8 @@ class ShmRequest(Request):
 
     def wait(self) -> None:
         if not self.done:
-            self._node.advance(until=self)
+            prev = self._enter_wait()
+            try:
+                self._node.advance(until=self)
+            finally:
+                leave(prev)

@@ -26,6 +26,7 @@ import numpy
 from hpcnn import backend
 from hpcnn.parallel.collectives.mpi_base import _mpi
 from hpcnn.parallel.collectives.stats import SAMPLE_EVERY, SAMPLED_BELOW, _c_lean
+from hpcnn.parallel.collectives.watchdog import _calls, _fault, record_in
 
 _TAGS = 30000               # MPI guarantees tags up to 32767
 _perf = time.perf_counter
@@ -130,7 +131,7 @@ class Collectives:
             self.workspace = None
 
     # -- the hot path ---------------------------------------------------------------------------
-    def bind_allreduce(self, general, counter):
+    def bind_allreduce(self, general, counter, name: str = ""):
         """The hot path of ``Communicator.allreduce``, bound to ``counter`` (the communicator's
         allreduce counter), kept as :attr:`fast` and returned; ``general`` (the method itself)
         handles every call the hot path does not.
@@ -141,36 +142,48 @@ class Collectives:
         The C module's ``Lean`` when built (and ``counter`` is its ``Counter``), else a closure
         over the bound ``Allreduce``, constants and counter (cell loads instead of attribute
         loads: about half the per-call cost of a method). The difference matters only next to
-        a bare ``Allreduce`` of a few KiB (~3-5 us here)."""
+        a bare ``Allreduce`` of a few KiB (~3-5 us here). Both record each call they make
+        for the hang watchdog (:mod:`.watchdog`) as made on the communicator ``name``, and
+        hand every call to ``general`` while its test-only fault is armed."""
         lean, mpi_comm = _c_lean(), self.comm.comm
         if lean is not None and type(counter) is lean.Counter:
             fast = lean.Lean(mpi_comm, counter, general, _ndarray, SAMPLED_BELOW, SAMPLE_EVERY)
+            record_in(fast, name)
         else:
-            fast = _python_allreduce(mpi_comm.Allreduce, counter, self._below, general)
+            fast = _python_allreduce(mpi_comm.Allreduce, counter, self._below, general, name)
         self.fast = fast
         self.set_auto_mpi_below(self._below[0])
         return fast
 
 
-def _python_allreduce(Allreduce, c, lim, general):
-    """The hot path written in Python (see :meth:`Collectives.bind_allreduce`)."""
+def _python_allreduce(Allreduce, c, lim, general, name=""):
+    """The hot path written in Python (see :meth:`Collectives.bind_allreduce`); the watchdog's
+    record written out (:func:`.watchdog.enter` and ``leave``: two calls fewer)."""
     MPI = _mpi()
     IN_PLACE, SUM, ndarray = MPI.IN_PLACE, MPI.SUM, _ndarray
     sampled, every = SAMPLED_BELOW, SAMPLE_EVERY - 1
+    rec, fault = _calls, _fault
 
     def allreduce(buf, algorithm: str = "mpi"):
-        if type(buf) is ndarray:
+        if type(buf) is ndarray and fault[0] is None:
             n = buf.nbytes
             if algorithm == "mpi" or algorithm == "auto" and n < lim[0]:
                 c.calls += 1
                 c.raw += n
-                if n < sampled and c.calls & every:
-                    Allreduce(IN_PLACE, buf, SUM)                  # untimed (sampled)
+                prev = rec[1]
+                seq = rec[0] = rec[0] + 1
+                rec[1] = (seq, "allreduce", name, -1, n)
+                try:
+                    if n < sampled and c.calls & every:
+                        Allreduce(IN_PLACE, buf, SUM)              # untimed (sampled)
+                        return buf
+                    t = _perf()
+                    Allreduce(IN_PLACE, buf, SUM)
+                    c.seconds += (_perf() - t) * (every + 1 if n < sampled else 1)
                     return buf
-                t = _perf()
-                Allreduce(IN_PLACE, buf, SUM)
-                c.seconds += (_perf() - t) * (every + 1 if n < sampled else 1)
-                return buf
+                finally:
+                    rec[2] = rec[1]
+                    rec[1] = prev
         return general(buf, algorithm)
     allreduce.__doc__ = general.__doc__
     return allreduce

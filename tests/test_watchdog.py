@@ -1,0 +1,170 @@
+"""The hang watchdog (hpcnn/parallel/collectives/watchdog.py): recording, the report, and whole
+runs where the test-only fault hook HPCNN_FAULT makes one rank skip or never reach a call.
+
+The MPI runs must end with a nonzero exit (MPI_Abort), so they call mpiexec directly rather than
+through ``mpi_util.run_mpi`` (which fails on a nonzero exit); each is bounded by a timeout far
+above the 2 s hang timeout, and the fault comes at step 1 so that little runs before it."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcnn.parallel.collectives import watchdog
+from mpi_util import ROOT, mpiexec
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    watchdog._calls[:] = [0, None, None]
+    watchdog._fault[0] = watchdog._pending[0] = None
+    yield
+    watchdog._calls[:] = [0, None, None]
+    watchdog._fault[0] = watchdog._pending[0] = None
+
+
+def test_enter_leave_nest_and_count():
+    outer = watchdog.enter("allreduce", "dp", -1, 64)
+    assert outer is None and watchdog.current_call()[:5] == (1, "allreduce", "dp", -1, 64)
+    inner = watchdog.enter("wait iallreduce", "dp", -1, 64)
+    assert watchdog.current_call()[:2] == (2, "wait iallreduce")
+    watchdog.leave(inner)
+    assert watchdog.current_call()[:2] == (1, "allreduce")       # back in the outer call
+    watchdog.leave(outer)
+    assert watchdog.current_call() is None and watchdog.last_call()[:2] == (1, "allreduce")
+    assert watchdog.started("isend", "pp", 1, 8) is False
+    assert watchdog.current_call() is None and watchdog.last_call()[:4] == (3, "isend", "pp", 1)
+
+
+def test_fault_hook_parses_arms_at_its_step_and_skips_once():
+    assert watchdog.parse_fault("") is None
+    assert watchdog.parse_fault("skip_collective:rank=1:step=2:kind=isend") == \
+        {"rank": 1, "step": 2, "kind": "isend", "stall": False}
+    for bad in ("skip:rank=1:step=2", "skip_collective:rank=1", "skip_collective:rank=x:step=2",
+                "skip_collective:rank=1:step=2:when=3"):
+        with pytest.raises(ValueError, match="HPCNN_FAULT"):
+            watchdog.parse_fault(bad)
+    watchdog.arm_fault(0, {"HPCNN_FAULT": "skip_collective:rank=1:step=2"})   # another rank
+    watchdog.at_step(5)
+    assert watchdog.enter("allreduce", "dp", -1, 8) is None
+    watchdog.leave(None)
+    watchdog.arm_fault(1, {"HPCNN_FAULT": "skip_collective:rank=1:step=2:kind=bcast"})
+    watchdog.at_step(1)
+    assert watchdog.enter("bcast", "pp", -1, 8) is None             # step 1: not yet
+    watchdog.leave(None)
+    watchdog.at_step(2)
+    assert watchdog.enter("allreduce", "dp", -1, 8) is None         # not its kind
+    watchdog.leave(None)
+    assert watchdog.enter("bcast", "pp", -1, 8) is watchdog.SKIP
+    assert watchdog.current_call() is None and watchdog._calls[0] == 3  # as if never called
+    assert watchdog.enter("bcast", "pp", -1, 8) is None             # once only
+    watchdog.leave(None)
+
+
+def test_table_names_waiting_and_idle_ranks():
+    now = time.time()
+    recs = {0: {"rank": 0, "in_call": True, "seq": 9, "kind": "wait irecv", "comm": "pp",
+                "peer": 1, "nbytes": 2048, "since": now - 3.0},
+            1: {"rank": 1, "in_call": False, "seq": 8, "kind": "allreduce", "comm": "dp",
+                "peer": -1, "nbytes": 64, "since": now - 4.0},
+            2: {"rank": 2, "in_call": True, "seq": 9, "kind": "bcast", "comm": "pp",
+                "peer": -1, "nbytes": 8, "since": now - 3.0}}
+    text = watchdog.table(recs, 4, 2.0, now=now)
+    rows = {int(m.group(1)): m.group(0) for m in re.finditer(r"^\s+(\d+)\s.*$", text, re.M)}
+    assert "waiting" in rows[0] and "wait irecv" in rows[0] and "3.0s" in rows[0]
+    assert "not in call" in rows[1] and "allreduce" in rows[1]
+    assert "no record" in rows[3]
+    assert "wait irecv on pp: ranks [0]; bcast on pp: ranks [2]" in text
+    assert "ranks [1, 3] are in no communication call" in text
+
+
+def _watch(tmp_path, timeout, **kw):
+    aborted, reasons = [], []
+    w = watchdog.Watchdog(0, 2, str(tmp_path / "side"), timeout, on_hang=reasons.append,
+                          abort=aborted.append, grace=0.2, out=open(os.devnull, "w"), **kw)
+    return w, aborted, reasons
+
+
+def test_watchdog_ignores_time_outside_calls(tmp_path):
+    """A long compute step (no current call) never fires it; stop() ends the thread."""
+    w, aborted, _ = _watch(tmp_path, 0.05)
+    watchdog.leave(watchdog.enter("allreduce", "dp", -1, 8))       # a finished call
+    w.start()
+    time.sleep(0.4)                                                 # 8 timeouts of "compute"
+    w.stop()
+    assert not w.thread.is_alive() and w.thread.daemon
+    assert aborted == [] and not os.path.exists(tmp_path / "side")
+
+
+def test_watchdog_reports_a_stuck_call_and_aborts(tmp_path):
+    w, aborted, reasons = _watch(tmp_path, 0.05)
+    watchdog.enter("allgather", "tp", -1, 96)                       # never left: stuck
+    w.start()
+    w.thread.join(timeout=10)
+    assert aborted == [3]
+    assert reasons and "ranks [0]" in reasons[0] and "allgather on tp" in reasons[0]
+    recs = watchdog.read_records(str(tmp_path / "side"))
+    assert list(recs) == [0] and recs[0]["kind"] == "allgather" and recs[0]["in_call"]
+
+
+# -- whole runs under MPI -----------------------------------------------------------------------
+GPT = ["--model=gpt", "--n_layers=1", "--dim=16", "--n_heads=2", "--block_size=8",
+       "--batch_size=4", "--max_plays=1"]
+
+
+def _hung_run(tmp_path, n, fault, args):
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcnn", "train",
+           *args, "--steps=6", "--eval_interval=0", "--hang_timeout=2",
+           f"--log={tmp_path / 'run.h5'}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCNN_FAULT=fault,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
+    assert p.returncode != 0, p.stdout + p.stderr
+    rows = {int(m.group(1)): m.group(2) for m in
+            re.finditer(r"^\s+(\d+)\s+(waiting .*|not in call .*|no record.*)$", p.stderr, re.M)}
+    assert p.stderr.count("hpcnn: hang:") == 1, p.stderr            # one table, printed once
+    assert sorted(rows) == list(range(n)), p.stderr
+    return rows, p.stderr
+
+
+def test_dp_rank_skipping_its_gradient_allreduce_is_named(tmp_path):
+    from hpcnn.log.runlog import read_run
+    rows, err = _hung_run(tmp_path, 2, "skip_collective:rank=1:step=1:kind=iallreduce",
+                          GPT + ["--dp=2", "--allreduce=mpi"])
+    assert rows[0].startswith("waiting") and "wait iallreduce" in rows[0] and " dp " in rows[0]
+    assert "wait iallreduce" not in rows[1], err           # rank 1 went on to the next call
+    run = read_run(str(tmp_path / "run.h5"))
+    assert run.status == "failed" and run.plan["failure"].startswith("hang: ranks [0")
+
+
+def test_tp_rank_that_never_enters_its_allreduce_is_named(tmp_path):
+    rows, err = _hung_run(tmp_path, 2, "stall_collective:rank=1:step=1", GPT + ["--tp=2"])
+    assert rows[0].startswith("waiting") and "allreduce" in rows[0] and " tp " in rows[0]
+    assert rows[1].startswith("not in call"), err
+    assert "ranks [1] are in no communication call" in err
+
+
+def test_pp_rank_skipping_its_send_leaves_its_peer_in_irecv(tmp_path):
+    rows, err = _hung_run(tmp_path, 4, "skip_collective:rank=1:step=1:kind=isend",
+                          GPT + ["--pp=2", "--dp=2", "--microbatches=2", "--n_layers=2",
+                                 "--allreduce=mpi"])
+    # rank 1 skipped a send: its pipeline peer waits for it in irecv, rank 1 in its own next
+    # irecv, and the other pipeline's ranks in the data-parallel allreduce that pairs them
+    assert {r for r in rows if re.match(r"waiting\s+\d+\s+wait irecv\s+pp ", rows[r])} == \
+        {1, 3}, err
+    assert {r for r in rows if re.match(r"waiting\s+\d+\s+allreduce\s+dp ", rows[r])} == \
+        {0, 2}, err
+
+
+def test_rank0_that_never_enters_a_call_still_reports(tmp_path):
+    rows, err = _hung_run(tmp_path, 4, "stall_collective:rank=0:step=1",
+                          GPT + ["--tp=2", "--dp=2"])
+    assert rows[0].startswith("not in call"), err
+    assert rows[1].startswith("waiting") and " tp " in rows[1], err   # rank 0's tp peer
+
+
+def test_hot_paths_record_and_skip_under_mpi():
+    from mpi_util import run_mpi
+    assert "watchdog_record OK on 2 ranks" in run_mpi("watchdog_record", 2, timeout=120)
