@@ -46,6 +46,7 @@ SCRIPT_SHORTEN = {
     "experiments/plan_crossover.py": ["--batches=32", "--widths=8", "--rounds=1", "--steps=2"],
     "experiments/plan_portability.py": ["--changes=5,6", "--reps=1", "--replans=1"],
     "benchmarks/graph_eigs.py": ["--nodes=3000", "--rounds=1"],
+    "experiments/graph_partition.py": ["--nodes=2000"],
 }
 SKIP = {"make": "runs the whole test suite or demo", "pip": "changes the environment",
         "module": "changes the environment (cluster modules)"}

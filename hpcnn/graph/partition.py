@@ -156,3 +156,27 @@ def build_halo(a: sp.spmatrix, part: RowPartition, rank: int, comm=None) -> Halo
     send_index = position[np.concatenate(wanted)] if wanted else np.zeros(0, dtype=np.int64)
     return Halo(rank, rows, local, ghosts, recv_counts.astype(np.int64),
                 send_index.astype(np.int64), send_counts)
+
+
+def halo_sizes(a: sp.spmatrix, part: RowPartition) -> np.ndarray:
+    """(size,) each rank's halo size: the distinct columns its rows reference that another rank
+    owns (``build_halo(a, part, r).ghosts.size`` for every r, in one pass over the entries)."""
+    coo = sp.coo_matrix(a)
+    own_row, own_col = part.owner[coo.row], part.owner[coo.col]
+    away = own_row != own_col
+    pairs = np.unique(own_row[away] * np.int64(part.n) + coo.col[away])      # (rank, column)
+    return np.bincount(pairs // part.n, minlength=part.size).astype(np.int64)
+
+
+def partition_stats(a: sp.spmatrix, part: RowPartition) -> dict:
+    """What a partition costs a distributed GCN layer, from the symmetric ``a`` (``A`` or ``Â``:
+    the same off-diagonal pattern): ``edge_cut`` (undirected edges between ranks),
+    ``halo_volume`` (rows received per layer by all ranks together, the sum of the halo sizes;
+    a layer of f features moves ``8 f halo_volume`` bytes in float64), ``max_halo``,
+    ``max_part``, ``min_part`` and ``imbalance`` (max part over the mean)."""
+    counts = part.counts()
+    halos = halo_sizes(a, part)
+    return {"parts": part.size, "edge_cut": part.edge_cut(a) // 2,
+            "halo_volume": int(halos.sum()), "max_halo": int(halos.max()),
+            "max_part": int(counts.max()), "min_part": int(counts.min()),
+            "imbalance": float(counts.max() / counts.mean())}
