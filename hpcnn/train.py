@@ -24,6 +24,9 @@ from hpcnn.engine.step import train_step
 from hpcnn.engine.trace import show as show_schedule
 from hpcnn.nn.core import is_placeholder
 from hpcnn.nn.optim import make_optimizer
+from hpcnn.signals import StopSignals
+
+EVERY_RANK_ALIKE = (ConfigError, checkpoint.CheckpointError, FloatingPointError)
 from hpcnn.task import build_task, metrics_from_sums
 
 def whole_model_params(model, tp: int = 1) -> int:
@@ -180,16 +183,24 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     names, already loaded.
     """
     cfg = cfg.resolved()
-    cfg, ctx, task, opt, start = _setup(cfg, comm, data)
+    signals = StopSignals(comm, cfg.stop_signal)      # from here a signal only sets a flag
+    try:
+        cfg, ctx, task, opt, start = _setup(cfg, comm, data)
+    except BaseException as e:         # _setup freed the context collectively on an Exception
+        signals.close(collective=isinstance(e, Exception))
+        raise
     log = _open_log(cfg, ctx, task, start, command_line) if ctx.rank == 0 else None
     say = (lambda s: print(s, flush=True)) if (ctx.rank == 0 and cfg.progress) else (lambda s: None)
     say(run_header(cfg, task.model, task, ctx.world.size, start))
     t_start = time.perf_counter()
-    status, last = "failed", {}
+    status, last, together = "failed", {}, False
     try:
-        last = _loop(cfg, ctx, task, opt, start, log, say, t_start)
+        last = _loop(cfg, ctx, task, opt, start, log, say, t_start, signals)
         _record_memory(ctx, task, log)
-        status = "finished"
+        status, together = signals.status or "finished", True
+    except EVERY_RANK_ALIKE:           # raised on every rank at the same point
+        together = True
+        raise
     except BaseException as e:       # why the run failed, next to its status in the log
         if log is not None:
             log.set_plan({"failure": f"{type(e).__name__}: {' '.join(str(e).split())}"})
@@ -199,15 +210,25 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
             log.set_plan({"shares_history": [[int(s), [int(v) for v in sh]]
                                              for s, sh, _ in ctx.balancer.history]})
             log.close(status=status)
-        ctx.free()
-    return _summary(cfg, ctx, task, opt, last, time.perf_counter() - t_start)
+        signals.close(collective=together)
+        if together:        # collective cleanup only when every rank is known to be here too
+            ctx.free()
+    out = _summary(cfg, ctx, task, opt, last, time.perf_counter() - t_start)
+    out.update(status=status, exit_code=signals.exit_code())
+    return out
 
 
-def _loop(cfg, ctx, task, opt, start, log, say, t_start) -> dict:
-    """The steps from ``start``: train, checkpoint, evaluate, log; returns the last row."""
-    pending_rows, pending_events, last = [], [], {}
+def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
+    """The steps from ``start``: train, checkpoint, evaluate, log; returns the last row. Ends
+    early at a boundary where every rank agrees a signal came (:mod:`hpcnn.signals`): the
+    pending rows flushed, and on the stop signal a checkpoint of the steps done."""
+    pending_rows, pending_events, last, saved_at = [], [], {}, -1
     task.model.train()
     for step in range(start, task.steps):
+        if signals.poll():
+            _flush_ranks(ctx, log, pending_rows, pending_events)
+            _stopped_at(cfg, ctx, opt, step, signals, say, saved=saved_at == step)
+            break
         row, rank_row, events = train_step(ctx, task, opt, step, t_start)
         if ctx.traced is not None:                   # --show_schedule, after the first step
             show_schedule(ctx, log, say)
@@ -218,6 +239,7 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start) -> dict:
                                                       done % cfg.checkpoint_every == 0)):
             checkpoint.save(cfg.checkpoint.replace("{step}", str(done)), done, cfg,
                             opt.params, opt, ctx)
+            saved_at = done
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
             row.update(_evaluate(ctx, task))
         last = dict(row, step=step)
@@ -233,6 +255,16 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start) -> dict:
             say(_progress(done, task.steps, row["loss"], row["samples_per_s"],
                           time.perf_counter() - t_start) + extra)
     return last
+
+
+def _stopped_at(cfg, ctx, opt, done: int, signals, say, saved: bool) -> None:
+    """A run stopped by a signal after ``done`` steps: on the stop signal, the checkpoint to
+    resume from (unless this step's was just written); a line saying so."""
+    path = cfg.checkpoint.replace("{step}", str(done))
+    if signals.status == "stopped" and cfg.checkpoint and not saved:
+        checkpoint.save(path, done, cfg, opt.params, opt, ctx)
+    say(f"{signals.status} by a signal after step {done}"
+        + (f", checkpoint {path}" if signals.status == "stopped" and cfg.checkpoint else ""))
 
 
 def _evaluate(ctx, task) -> dict:
