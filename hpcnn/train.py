@@ -181,6 +181,12 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     configuration, the layout, the data and the stage cut identically before the first
     collective (:func:`hpcnn.preflight.check`); ``data``, if given, is the data set the config
     names, already loaded.
+
+    SIGINT, SIGTERM and ``cfg.stop_signal`` end the run at a step every rank agrees on
+    (:mod:`hpcnn.signals`); the summary's ``status`` and ``exit_code`` say how it ended. The
+    context (shared windows, communicators) is freed collectively only when every rank is known
+    to be at the same point: the run ended normally, by a signal, or by an error raised on every
+    rank alike (:data:`EVERY_RANK_ALIKE`); after another error it is left to the process's end.
     """
     cfg = cfg.resolved()
     signals = StopSignals(comm, cfg.stop_signal)      # from here a signal only sets a flag
@@ -198,10 +204,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
         last = _loop(cfg, ctx, task, opt, start, log, say, t_start, signals)
         _record_memory(ctx, task, log)
         status, together = signals.status or "finished", True
-    except EVERY_RANK_ALIKE:           # raised on every rank at the same point
-        together = True
-        raise
     except BaseException as e:       # why the run failed, next to its status in the log
+        together = isinstance(e, EVERY_RANK_ALIKE)     # raised on every rank at the same point
         if log is not None:
             log.set_plan({"failure": f"{type(e).__name__}: {' '.join(str(e).split())}"})
         raise
