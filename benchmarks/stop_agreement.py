@@ -1,6 +1,6 @@
 """What the per-step stop agreement (:mod:`hpcnn.signals`) costs a training step.
 
-Runs a tiny GPT (``--dp`` = every rank) in-process, alternately with the agreement (a 1-byte
+Runs a tiny GPT (``--dp`` = every rank) in-process, alternately with the agreement (a 4-byte
 ``Iallreduce`` started at each step boundary, completed at the next) and without it
 (:meth:`StopSignals.poll` replaced by a no-op), ``--repeats`` times each, and prints the median
 loop seconds per step of each variant, their difference, and the median time spent inside

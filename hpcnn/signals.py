@@ -18,7 +18,7 @@ cleanup that is collective (freeing the shared-memory window, gathering the log 
 they wait for a rank still waiting in the step's allreduce: every rank spins until killed. Here
 the handler only records the signal; the step runs to its end on every rank, and at each step
 boundary :meth:`StopSignals.poll` learns whether any rank has seen one (MAX over the world of
-each rank's flag, a 1-byte ``Iallreduce`` on a communicator of its own, started at one boundary
+each rank's flag, a 4-byte ``Iallreduce`` on a communicator of its own, started at one boundary
 and completed at the next, so it overlaps a step and costs no synchronisation of its own). All
 ranks thus read the same answer at the same boundary, even when the signal reached only some of
 them or at different times, and stop together at most two steps after the signal.
@@ -56,7 +56,7 @@ class StopSignals:
         self.signum = 0                # the interrupt seen first (for the exit status)
         self.agreed = NONE             # what every rank agreed on at the last boundary
         self.comm = comm.Dup() if comm is not None and comm.Get_size() > 1 else None
-        self._send, self._recv = numpy.zeros(1, numpy.int8), numpy.zeros(1, numpy.int8)
+        self._send, self._recv = numpy.zeros(1, numpy.int32), numpy.zeros(1, numpy.int32)
         self._req, self._timer, self._saved = None, None, {}
         watched = list(INTERRUPTS)
         if stop_signal != "none":
@@ -92,10 +92,11 @@ class StopSignals:
             self.agreed = self.local
             return self.agreed
         from mpi4py import MPI
-        if self._req is not None:
+        if self._req is not None:       # flag * 256 + interrupt number: every rank exits alike
             self._req.Wait()
-            self.agreed = int(self._recv[0])
-        self._send[0] = self.local
+            self.agreed, signum = divmod(int(self._recv[0]), 256)
+            self.signum = signum if self.agreed == INTERRUPT else self.signum
+        self._send[0] = self.local * 256 + self.signum
         self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
         return self.agreed
 

@@ -122,3 +122,37 @@ def test_stop_signal_checkpoints_and_resumes_bit_for_bit(tmp_path):
     assert np.array_equal(second.metrics["step"], np.arange(k, 300))
     assert np.array_equal(first.metrics["loss"], whole["loss"][:k])
     assert np.array_equal(second.metrics["loss"], whole["loss"][k:])
+
+
+@pytest.mark.parametrize("sig,status,code", [(signal.SIGUSR1, "stopped", 0),
+                                             (signal.SIGTERM, "interrupted", 128 + 15)])
+def test_serial_run_stops_on_a_signal(tmp_path, sig, status, code):
+    """Without MPI: the signal (sent to this process while it trains) ends the run at the next
+    step with the log's status and the exit code; on the stop signal, a checkpoint of that step.
+    The handlers in place before the run are back after it."""
+    import threading
+    from hpcnn import checkpoint
+    from hpcnn.config import parse_overrides
+    from hpcnn.train import train
+    before = signal.getsignal(sig)
+    ck = str(tmp_path / "ck-{step}.h5")
+
+    def signal_when_training():          # once the step-5 checkpoint exists: past set-up
+        while not os.path.exists(ck.format(step=5)):
+            time.sleep(0.01)
+        os.kill(os.getpid(), sig)
+
+    cfg = parse_overrides(["--model=mlp", "--hidden=8", "--steps=1000000", "--eval_interval=0",
+                           "--progress=false", f"--log={tmp_path / 'run.h5'}",
+                           f"--checkpoint={ck}", "--checkpoint_every=5"])
+    threading.Thread(target=signal_when_training, daemon=True).start()
+    r = train(cfg)
+    assert (r["status"], r["exit_code"]) == (status, code)
+    run = read_run(str(tmp_path / "run.h5"))
+    k = len(run.metrics["step"])
+    assert run.attrs["status"] == status and 5 <= k < 1000000
+    assert np.array_equal(run.metrics["step"], np.arange(k))
+    assert os.path.exists(ck.format(step=k)) == (status == "stopped" or k % 5 == 0)
+    if status == "stopped":
+        assert checkpoint.summary(ck.format(step=k))["step"] == k
+    assert signal.getsignal(sig) is before
