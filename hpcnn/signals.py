@@ -23,7 +23,7 @@ and completed at the next, so it overlaps a step and costs no synchronisation of
 ranks thus read the same answer at the same boundary, even when the signal reached only some of
 them or at different times, and stop together at most two steps after the signal.
 
-A second interrupt ends the process at once (the signal's default action), and so does a first
+A second interrupt ends the process at once (exit status 128 + the signal), and so does a first
 one that is not honoured within :data:`GRACE_SECONDS` (a step that long, or a rank stuck in a
 collective because a peer is gone): the log then stays ``"running"`` with every flushed row,
 as after a kill.
@@ -70,19 +70,21 @@ class StopSignals:
             self.local = max(self.local, STOP)
             return
         if self.local == INTERRUPT:                      # the second one: end now
-            self._die(signum)
+            self._die(signum, "a second interrupt")
         self.local, self.signum = INTERRUPT, signum
-        self._timer = threading.Timer(GRACE_SECONDS, self._die, (signum,))
+        self._timer = threading.Timer(GRACE_SECONDS, self._die,
+                                      (signum, f"not honoured at a step boundary within "
+                                               f"{GRACE_SECONDS:g} s"))
         self._timer.daemon = True
         self._timer.start()
 
     @staticmethod
-    def _die(signum) -> None:
-        """The signal's default action: the process ends at once (no cleanup, no collective)."""
-        print(f"hpcnn: {signal.Signals(signum).name} not honoured at a step boundary: "
-              f"ending this rank now", file=sys.stderr, flush=True)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    def _die(signum, why: str) -> None:
+        """End the process at once with 128 + ``signum`` (no cleanup, no collective; from the
+        timer's thread too, where the signal's disposition cannot be changed)."""
+        print(f"hpcnn: {signal.Signals(signum).name}, {why}: ending this rank now",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     def poll(self) -> int:
         """At a step boundary, on every rank: the flag every rank agrees on (the MAX of all

@@ -156,3 +156,26 @@ def test_serial_run_stops_on_a_signal(tmp_path, sig, status, code):
     if status == "stopped":
         assert checkpoint.summary(ck.format(step=k))["step"] == k
     assert signal.getsignal(sig) is before
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["grace-expired", "second-interrupt"])
+def test_an_unhonoured_interrupt_ends_the_process(second):
+    """A rank that never reaches a step boundary (stuck, or a very long step) still ends: after
+    GRACE_SECONDS, or at once on a second interrupt, with 128 + the signal and one line."""
+    code = ("import os, signal, time\n"
+            "import hpcnn.signals as S\n"
+            "S.GRACE_SECONDS = 60.0 if TWICE else 0.2\n"
+            "s = S.StopSignals(None)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.05)\n"
+            "if TWICE:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "t0 = time.time()\n"
+            "while time.time() - t0 < 30:\n"       # no poll(): a step that never ends
+            "    time.sleep(0.01)\n").replace("TWICE", str(second))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == (130 if second else 143), p.stderr
+    assert p.stderr.strip() == ("hpcnn: SIGINT, a second interrupt: ending this rank now" if second
+                                else "hpcnn: SIGTERM, not honoured at a step boundary within "
+                                     "0.2 s: ending this rank now"), p.stderr
