@@ -70,8 +70,12 @@ def cmd_train(args) -> int:
     if comm is None or comm.Get_rank() == 0:
         keys = [k for k in ("loss", "test_acc", "test_loss", "val_loss", "unigram_entropy") if k in result]
         print("result: " + ", ".join(f"{k}={result[k]:.4f}" for k in keys)
-              + f", steps={result['steps']}, wall={result['wall_s']:.1f}s, log={result['log']}")
-    return 0
+              + f", steps={result['steps']}, wall={result['wall_s']:.1f}s, log={result['log']}"
+              + ("" if result["status"] == "finished" else f", {result['status']}"))
+    if result["exit_code"] and comm is not None:    # interrupted: 128 + signal, without the
+        from mpi4py import MPI                      # MPI_Abort mpi4py makes of a non-zero exit
+        MPI.Finalize()
+    return result["exit_code"]
 
 
 def merge_messages(messages: list[str]) -> list[str]:

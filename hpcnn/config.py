@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass
 
 from hpcnn.parallel.schedules import SCHEDULES
+from hpcnn.signals import STOP_SIGNALS
 
 MODELS = ("mlp", "cnn", "gpt")
 DATASETS = ("digits", "shakespeare", "sonnet")
@@ -101,6 +102,7 @@ class TrainConfig:
     checkpoint: str = ""                # HDF5 checkpoint to write ("{step}" in it: one file per save)
     checkpoint_every: int = 0           # steps between checkpoints; 0 = at the end only
     resume: str = ""                    # checkpoint to start from (any dp/tp/pp layout)
+    stop_signal: str = "USR1"           # on this signal: stop at a step all ranks agree on, checkpoint, log "stopped", exit 0 (none = ignore it)
     progress: bool = True               # print a progress line on rank 0
     hang_timeout: float = 300.0         # seconds one rank may wait inside one communication call before the job is reported as hung and aborted (0 = no watchdog)
     show_schedule: bool = False         # print (and log) each rank's first step as the schedule it ran
@@ -144,7 +146,7 @@ CHOICES = {            # option -> its allowed values
     "balance": ("equal", "proportional"), "combine": ("weighted", "uniform"),
     "slowdown_mode": ("sleep", "spin"), "shard": ("contiguous", "skewed"),
     "remat": ("none", "sqrt", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu"),
-    "schedule": tuple(SCHEDULES),
+    "schedule": tuple(SCHEDULES), "stop_signal": STOP_SIGNALS,
 }
 
 

@@ -4,7 +4,10 @@ Set-up builds the run's :class:`~hpcnn.engine.context.ParallelContext` (grid, co
 stages, data-parallel engine, balancer, remat policy; the 1 x 1 x 1 context for a serial run),
 the task (:mod:`hpcnn.task`) and the optimizer; the loop runs :func:`hpcnn.engine.step.train_step`
 per step, checkpoints, evaluates and logs; the finish records the plan's measured side and closes
-the log. Only rank 0 writes the log and prints::
+the log (:mod:`hpcnn.engine.record`). Around the loop, a signal only sets a flag that every rank
+agrees on at a step boundary (:mod:`hpcnn.signals`), and a watchdog reports a rank left waiting
+in a communication call (:mod:`hpcnn.parallel.collectives.watchdog`). Only rank 0 writes the log
+and prints::
 
     hpcnn train --model=mlp
     mpiexec -n 4 python -m mpi4py -m hpcnn train --model=mlp --dp=4
@@ -12,50 +15,20 @@ the log. Only rank 0 writes the log and prints::
 """
 from __future__ import annotations
 
-import math
-import os
-import sys
 import time
 
 from hpcnn import backend, checkpoint
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.engine.context import ParallelContext
+from hpcnn.engine.record import claim_log, flush_ranks, record_memory, run_header
 from hpcnn.engine.step import train_step
 from hpcnn.engine.trace import show as show_schedule
-from hpcnn.nn.core import is_placeholder
 from hpcnn.nn.optim import make_optimizer
 from hpcnn.parallel.collectives import watchdog
+from hpcnn.signals import StopSignals
 from hpcnn.task import build_task, metrics_from_sums
 
-def whole_model_params(model, tp: int = 1) -> int:
-    """Parameters of the whole model, whatever this rank stores: a tensor-parallel shard (one of
-    ``tp``) counts for all of them, a laid-out block (``full_shape``) for its whole array, a
-    pipeline rank's placeholders for the stages they stand for."""
-    return sum(math.prod(p.full_shape) if hasattr(p, "full_shape") else
-               p.size * (tp if getattr(p, "tp_axis", None) is not None else 1)
-               for p in model.params)
-
-
-def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -> str:
-    """The first line a run prints: model and its whole parameter count, data, steps, layout
-    (dp x tp x pp, the schedule and micro-batches when pipelined), and where it resumed from."""
-    layout = f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp} on {world_size} rank(s)"
-    if cfg.pp > 1:
-        layout += f", {cfg.schedule} with {cfg.microbatches} micro-batches"
-        layout += f" and {cfg.virtual} stages per rank" if cfg.virtual > 1 else ""
-    if cfg.tp > 1 and cfg.sequence_parallel:
-        layout += ", sequence parallel"
-    planned = getattr(task, "hybrid", None)            # GPT --plan=auto: who chose it
-    if planned:
-        layout += f" (planned: {planned['chosen_by']})"
-    line = (f"hpcnn: {model.name} ({whole_model_params(model, cfg.tp):,} parameters) on "
-            f"{task.data.name}, {task.steps} steps of {cfg.batch_size}, {cfg.dtype}, {layout}")
-    if cfg.remat != "none":
-        line += f", remat={cfg.remat}" + (f" within {cfg.memory_budget:g} MiB"
-                                          if cfg.remat == "optimal" else "")
-    if cfg.resume:
-        line += f", resumed from {cfg.resume} at step {start}"
-    return line + f", log {cfg.log}"
+EVERY_RANK_ALIKE = (ConfigError, checkpoint.CheckpointError, FloatingPointError)
 
 
 def _progress(step, steps, loss, sps, elapsed):
@@ -109,85 +82,6 @@ def _resume(cfg, ctx, task, opt) -> int:
     return start
 
 
-def _open_log(cfg, ctx, task, start: int, command_line):
-    """Rank 0's run log: the run's attributes, its config and its plan (layout, schedule,
-    memory, allreduce, where it resumed from)."""
-    from hpcnn.log import RunLog
-    from hpcnn.parallel.collectives import library_version
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)
-    extra = {"model_params": whole_model_params(task.model, cfg.tp), "dataset_name": task.data.name}
-    if task.is_text:
-        extra["unigram_entropy_nats"] = task.data.unigram_entropy()
-    if any(f != 1.0 for f in ctx.factors):
-        extra["emulated_slowdown"] = ",".join(f"{f:g}" for f in ctx.factors)
-        extra["emulated_slowdown_mode"] = cfg.slowdown_mode
-    log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
-                 world_size=ctx.world.size, backend=backend.device,
-                 mpi_library=library_version() if ctx.grid is not None else "",
-                 extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
-    log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
-                  "schedule": cfg.schedule if cfg.pp > 1 else "none",
-                  "microbatches": cfg.microbatches, "virtual": cfg.virtual,
-                  "stages": [list(r) for r in ctx.ranges] if ctx.pipelined else [],
-                  "sequence_parallel": cfg.sequence_parallel,
-                  "remat": cfg.remat, "memory_budget_bytes": cfg.memory_budget * 2**20,
-                  "offload_gbps": cfg.offload_gbps, "grad_accum": cfg.grad_accum, "balance": cfg.balance,
-                  "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
-                  # overlap as run: off with rd, cma and pipelines, whatever --overlap says
-                  "overlap": ctx.engine.overlap if ctx.grid is not None else cfg.overlap,
-                  "allreduce_calibration": ctx.calibration,
-                  "operator_layout": task.layout or {}, "hybrid_layout": task.hybrid or {},
-                  "resumed_from": cfg.resume, "start_step": start})
-    return log
-
-
-def _flush_ranks(ctx, log, rows, events) -> None:
-    """Every rank's per-step rows and timeline events to rank 0's log (one pickled gather)."""
-    gathered = ctx.world.gather_objects((rows, events), root=0)
-    if log is not None:
-        by_step: dict = {}
-        for r in (dict(r) for part, _ in gathered for r in part):
-            by_step.setdefault(r.pop("step"), []).append(r)
-        for s in sorted(by_step):
-            log.log_ranks(s, sorted(by_step[s], key=lambda r: r["rank"]))
-        log.log_events([e for _, evs in gathered for e in evs])
-
-
-def _record_memory(ctx, task, log) -> None:
-    """At the end of a run: pipeline ranks' peak live activations and parameter bytes, and the
-    remat plans with their predicted and measured peaks and recompute time, into the log."""
-    if ctx.pipelined:
-        held = sum(int(q.data.nbytes) for q in task.model.params if not is_placeholder(q.data))
-        peaks = ctx.world.gather_objects((ctx.peak_stage_bytes, held), root=0)
-        if log is not None:
-            log.set_plan({"peak_activation_bytes_per_rank": [a for a, _ in peaks],
-                          "param_bytes_per_rank": [b for _, b in peaks]})
-    if ctx.remat is not None:
-        rm = ctx.remat
-        recs = ctx.world.gather_objects((rm.records, rm.measured_peak, rm.recompute_seconds), 0)
-        if log is not None:
-            log.set_plan({"remat_plans": [dict(r, rank=k) for k, (rs, _, _) in enumerate(recs)
-                                          for r in rs],
-                          "remat_measured_peak_bytes_per_rank": [m for _, m, _ in recs],
-                          "remat_recompute_s_per_rank": [t for _, _, t in recs]})
-
-
-def _claim_log(cfg, ctx, task, start, command_line):
-    """Rank 0 opens the run log (None on the other ranks); if another run took its lock since
-    the checks, every rank stops alike with the same ConfigError, before any step."""
-    log, err = None, ""
-    if ctx.rank == 0:
-        try:
-            log = _open_log(cfg, ctx, task, start, command_line)
-        except FileExistsError as e:
-            err = str(e)
-    err = ctx.world.allgather_objects(err)[0]
-    if err:
-        ctx.free()
-        raise ConfigError(err)
-    return log
-
-
 def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=None) -> dict:
     """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path, the model).
 
@@ -195,20 +89,32 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     configuration, the layout, the data and the stage cut identically before the first
     collective (:func:`hpcnn.preflight.check`); ``data``, if given, is the data set the config
     names, already loaded.
+
+    SIGINT, SIGTERM and ``cfg.stop_signal`` end the run at a step every rank agrees on
+    (:mod:`hpcnn.signals`); the summary's ``status`` and ``exit_code`` say how it ended. The
+    context (shared windows, communicators) is freed collectively only when every rank is known
+    to be at the same point: the run ended normally, by a signal, or by an error raised on every
+    rank alike (:data:`EVERY_RANK_ALIKE`); after another error it is left to the process's end.
     """
     cfg = cfg.resolved()
-    cfg, ctx, task, opt, start = _setup(cfg, comm, data)
-    log = _claim_log(cfg, ctx, task, start, command_line)
+    signals = StopSignals(comm, cfg.stop_signal)      # from here a signal only sets a flag
+    try:
+        cfg, ctx, task, opt, start = _setup(cfg, comm, data)
+        log = claim_log(cfg, ctx, task, start, command_line)
+    except BaseException as e:         # the context was freed collectively on an Exception
+        signals.close(collective=isinstance(e, Exception))
+        raise
     say = (lambda s: print(s, flush=True)) if (ctx.rank == 0 and cfg.progress) else (lambda s: None)
     say(run_header(cfg, task.model, task, ctx.world.size, start))
     t_start = time.perf_counter()
-    status, last = "failed", {}
+    status, last, together = "failed", {}, False
     watch = watchdog.for_run(cfg.hang_timeout, cfg.log, ctx.world, log)
     try:
-        last = _loop(cfg, ctx, task, opt, start, log, say, t_start)
-        _record_memory(ctx, task, log)
-        status = "finished"
+        last = _loop(cfg, ctx, task, opt, start, log, say, t_start, signals)
+        record_memory(ctx, task, log)
+        status, together = signals.status or "finished", True
     except BaseException as e:       # why the run failed, next to its status in the log
+        together = isinstance(e, EVERY_RANK_ALIKE)     # raised on every rank at the same point
         if log is not None:
             log.set_plan({"failure": f"{type(e).__name__}: {' '.join(str(e).split())}"})
         raise
@@ -217,18 +123,28 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
             log.set_plan({"shares_history": [[int(s), [int(v) for v in sh]]
                                              for s, sh, _ in ctx.balancer.history]})
             log.close(status=status)
-        ctx.free()
+        signals.close(collective=together)
+        if together:        # collective cleanup only when every rank is known to be here too
+            ctx.free()
         if watch is not None:
             watch.stop()
-    return _summary(cfg, ctx, task, opt, last, time.perf_counter() - t_start)
+    out = _summary(cfg, ctx, task, opt, last, time.perf_counter() - t_start)
+    out.update(status=status, exit_code=signals.exit_code())
+    return out
 
 
-def _loop(cfg, ctx, task, opt, start, log, say, t_start) -> dict:
-    """The steps from ``start``: train, checkpoint, evaluate, log; returns the last row."""
-    pending_rows, pending_events, last = [], [], {}
+def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
+    """The steps from ``start``: train, checkpoint, evaluate, log; returns the last row. Ends
+    early at a boundary where every rank agrees a signal came (:mod:`hpcnn.signals`): the
+    pending rows flushed, and on the stop signal a checkpoint of the steps done."""
+    pending_rows, pending_events, last, saved_at = [], [], {}, -1
     task.model.train()
     for step in range(start, task.steps):
         watchdog.at_step(step)          # HPCNN_FAULT, a test-only fault hook
+        if signals.poll():
+            flush_ranks(ctx, log, pending_rows, pending_events)
+            _stopped_at(cfg, ctx, opt, step, signals, say, saved=saved_at == step)
+            break
         row, rank_row, events = train_step(ctx, task, opt, step, t_start)
         if ctx.traced is not None:                   # --show_schedule, after the first step
             show_schedule(ctx, log, say)
@@ -239,12 +155,13 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start) -> dict:
                                                       done % cfg.checkpoint_every == 0)):
             checkpoint.save(cfg.checkpoint.replace("{step}", str(done)), done, cfg,
                             opt.params, opt, ctx)
+            saved_at = done
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
             row.update(_evaluate(ctx, task))
         last = dict(row, step=step)
         flush = done % cfg.log_interval == 0 or done == task.steps
         if flush:          # per-rank rows and events reach rank 0 once per log interval
-            _flush_ranks(ctx, log, pending_rows, pending_events)
+            flush_ranks(ctx, log, pending_rows, pending_events)
             pending_rows, pending_events = [], []
         if log is not None:
             log.log_metrics(step, **row)
@@ -254,6 +171,16 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start) -> dict:
             say(_progress(done, task.steps, row["loss"], row["samples_per_s"],
                           time.perf_counter() - t_start) + extra)
     return last
+
+
+def _stopped_at(cfg, ctx, opt, done: int, signals, say, saved: bool) -> None:
+    """A run stopped by a signal after ``done`` steps: on the stop signal, the checkpoint to
+    resume from (unless this step's was just written); a line saying so."""
+    path = cfg.checkpoint.replace("{step}", str(done))
+    if signals.status == "stopped" and cfg.checkpoint and not saved:
+        checkpoint.save(path, done, cfg, opt.params, opt, ctx)
+    say(f"{signals.status} by a signal after step {done}"
+        + (f", checkpoint {path}" if signals.status == "stopped" and cfg.checkpoint else ""))
 
 
 def _evaluate(ctx, task) -> dict:

@@ -433,11 +433,39 @@ def test_slowdown_sleep_pads_and_frees_the_core():
     assert cpu < 0.05, cpu
 
 
-def test_slowdown_spin_burns_cpu():
-    cpu = time.thread_time()
+class FakeClock:
+    """Stands for the ``time`` module in :mod:`hpcnn.parallel.hetero`: ``perf_counter`` advances
+    1 ms a reading (so waiting needs readings, i.e. running), ``sleep`` is recorded."""
+
+    def __init__(self):
+        self.now, self.readings, self.slept = 0.0, 0, []
+
+    def perf_counter(self):
+        self.readings += 1
+        self.now += 1e-3
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_slowdown_spin_burns_cpu(monkeypatch):
+    """spin waits by running (reading the clock until the time is up, never sleeping), sleep by
+    sleeping once: checked on a fake clock, so no timing threshold that load could break."""
+    import hpcnn.parallel.hetero as hetero
+    clock = FakeClock()
+    monkeypatch.setattr(hetero, "time", clock)
     extra = Slowdown(2.0, "spin").pad(0.05)
-    assert 0.05 <= extra <= 0.5, extra
-    assert time.thread_time() - cpu > 0.002      # a fifth of 50 ms at least on 2 idle cores; loaded: less
+    assert clock.slept == [] and clock.readings >= 50 and 0.05 <= extra <= 0.052, (clock.readings, extra)
+    clock.readings = 0
+    extra = Slowdown(3.0, "sleep").pad(0.05)
+    assert clock.slept == [pytest.approx(0.1)] and clock.readings == 2
+    assert extra == pytest.approx(0.101)          # the sleep and one reading's millisecond
+    monkeypatch.undo()
+    cpu = time.thread_time()                      # the real clock: the busy loop ran on this thread
+    Slowdown(2.0, "spin").pad(0.01)
+    assert time.thread_time() > cpu
 
 
 def test_slowdown_noop_and_errors():

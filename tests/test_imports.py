@@ -125,3 +125,18 @@ def test_log_does_not_import_the_layers():
     bad = [(a, b) for a in g if a == "hpcnn.log" or a.startswith("hpcnn.log.")
            for b in g.successors(a) if b.startswith(("hpcnn.parallel", "hpcnn.nn"))]
     assert not bad, f"hpcnn/log/ imports model or parallel code: {bad}"
+
+
+def test_the_loop_stays_small_and_no_function_is_long():
+    """The sizes the architecture promises (docs/architecture.md): ``train.py`` at most 250 lines,
+    no function or method in ``hpcnn/`` over 60 lines."""
+    with open(os.path.join(PACKAGE, "train.py")) as f:
+        assert len(f.read().splitlines()) <= 250
+    long = []
+    for name, path in source_modules().items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        long += [f"{name}.{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long

@@ -117,7 +117,7 @@ def test_run_header_names_the_layout_the_whole_model_and_a_resume():
     from types import SimpleNamespace
 
     from hpcnn.nn import models
-    from hpcnn.train import run_header, whole_model_params
+    from hpcnn.engine.record import run_header, whole_model_params
     model = models.mlp(64, (32,), 10, seed=0)
     task = SimpleNamespace(data=SimpleNamespace(name="digits"), steps=40)
     cfg = parse_overrides(["--dp=2", "--pp=2", "--microbatches=4", "--schedule=gpipe",

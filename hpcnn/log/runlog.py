@@ -3,8 +3,9 @@
 Schema (``schema_version`` 1)::
 
     /           attrs: hpcnn_version, command_line, start_time, end_time, mpi_library, backend,
-                       world_size, schema_version, status ("running" | "finished" | "failed"),
-                       log_error (only if the file could not be written: why rows are missing), extras
+                       world_size, schema_version, status ("running" | "finished" | "failed" |
+                       "interrupted" | "stopped"), log_error (only if the file could not be
+                       written: why rows are missing), extras
     /config     attrs: json (the whole config, sort_keys) + every top-level str/int/float/bool key
     /plan       attrs: one per key; non-scalars as JSON strings, their names listed in attr json_keys
     /metrics    step (int64) and one float64 dataset per metric, all of length n_steps; NaN = not logged
@@ -71,7 +72,7 @@ import hpcnn
 from hpcnn.log import journal, lock
 
 SCHEMA_VERSION = 1
-STATUSES = ("finished", "failed")
+STATUSES = ("finished", "failed", "interrupted", "stopped")   # SIGINT/SIGTERM; --stop_signal
 RANK_DTYPE = np.dtype([("step", "i8"), ("rank", "i4"), ("compute_s", "f8"), ("comm_s", "f8"),
                        ("idle_s", "f8"), ("bytes_sent", "i8"), ("peak_mem_bytes", "i8")])
 EVENT_DTYPE = np.dtype([("rank", "i4"), ("kind", "i2"), ("microbatch", "i4"), ("t_start", "f8"),
@@ -372,7 +373,7 @@ class RunLog:
         _append(g["step"], np.array([s for s, _ in rows], dtype="i8"))   # last: readers trust it
 
     def close(self, status: str = "finished") -> None:
-        """Flush, then write ``status`` (``"finished"`` or ``"failed"``) and ``end_time``."""
+        """Flush, then write ``status`` (one of :data:`STATUSES`) and ``end_time``."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         if self.closed:

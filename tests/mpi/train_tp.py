@@ -11,7 +11,8 @@ from mpi4py import MPI
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
 from hpcnn.parallel.tensor import shard_array
-from hpcnn.train import train, whole_model_params
+from hpcnn.engine.record import whole_model_params
+from hpcnn.train import train
 
 world = MPI.COMM_WORLD
 rank, p = world.Get_rank(), world.Get_size()

@@ -1,0 +1,58 @@
+"""What the per-step stop agreement (:mod:`hpcnn.signals`) costs a training step.
+
+Runs a tiny GPT (``--dp`` = every rank) in-process, alternately with the agreement (a 4-byte
+``Iallreduce`` started at each step boundary, completed at the next) and without it
+(:meth:`StopSignals.poll` replaced by a no-op), ``--repeats`` times each, and prints the median
+loop seconds per step of each variant, their difference, and the median time spent inside
+``poll`` itself (completing the previous boundary's allreduce and starting the next one). Tiny steps are the worst case:
+the agreement's cost is fixed, a larger step hides it further.
+
+    OMP_NUM_THREADS=1 mpiexec -n 4 python -m mpi4py benchmarks/stop_agreement.py [--steps=200]
+        [--repeats=5]
+"""
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcnn.config import parse_overrides
+from hpcnn.signals import StopSignals
+from hpcnn.train import train
+
+world = MPI.COMM_WORLD
+opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+steps, repeats = int(opts.get("steps", 200)), int(opts.get("repeats", 5))
+agreeing, in_poll = StopSignals.poll, []
+
+
+def timed_poll(self):
+    t0 = time.perf_counter()
+    out = agreeing(self)
+    in_poll.append(time.perf_counter() - t0)
+    return out
+
+
+tmp = tempfile.mkdtemp() if world.rank == 0 else None
+tmp = world.bcast(tmp, root=0)
+per_step = {"agreement": [], "none": []}
+for rep in range(repeats):
+    for variant in ("agreement", "none") if rep % 2 == 0 else ("none", "agreement"):
+        StopSignals.poll = timed_poll if variant == "agreement" else (lambda self: 0)
+        cfg = parse_overrides(["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2",
+                               "--block_size=8", "--batch_size=8", "--eval_interval=0",
+                               f"--steps={steps}", f"--dp={world.size}", "--progress=false",
+                               f"--log={os.path.join(tmp, f'{variant}-{rep}.h5')}"])
+        world.Barrier()
+        wall = train(cfg, comm=world)["wall_s"]
+        per_step[variant].append(world.allreduce(wall, op=MPI.MAX) / steps)
+StopSignals.poll = agreeing
+polls = world.gather(in_poll, root=0)
+if world.rank == 0:
+    a, n = (float(np.median(per_step[v])) for v in ("agreement", "none"))
+    print(f"{world.size} ranks, {steps} steps x {repeats} repeats per variant (medians): "
+          f"with agreement {a * 1e3:.3f} ms/step, without {n * 1e3:.3f} ms/step, "
+          f"difference {(a - n) * 1e6:+.0f} us/step ({(a / n - 1) * 100:+.1f} %); inside poll: "
+          f"median {np.median(np.concatenate(polls)) * 1e6:.0f} us (every rank's calls)")

@@ -1,0 +1,123 @@
+"""What a training run records about itself: the header line it prints, and rank 0's run log
+(its attributes, config and plan, every rank's per-step rows and timeline events, the measured
+memory of pipeline stages and remat plans), for :mod:`hpcnn.train`. Rank 0 alone writes the log
+(:class:`hpcnn.log.RunLog`); the other ranks send it what it writes."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from hpcnn import backend
+from hpcnn.config import ConfigError, TrainConfig
+from hpcnn.nn.core import is_placeholder
+
+
+def whole_model_params(model, tp: int = 1) -> int:
+    """Parameters of the whole model, whatever this rank stores: a tensor-parallel shard (one of
+    ``tp``) counts for all of them, a laid-out block (``full_shape``) for its whole array, a
+    pipeline rank's placeholders for the stages they stand for."""
+    return sum(math.prod(p.full_shape) if hasattr(p, "full_shape") else
+               p.size * (tp if getattr(p, "tp_axis", None) is not None else 1)
+               for p in model.params)
+
+
+def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -> str:
+    """The first line a run prints: model and its whole parameter count, data, steps, layout
+    (dp x tp x pp, the schedule and micro-batches when pipelined), and where it resumed from."""
+    layout = f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp} on {world_size} rank(s)"
+    if cfg.pp > 1:
+        layout += f", {cfg.schedule} with {cfg.microbatches} micro-batches"
+        layout += f" and {cfg.virtual} stages per rank" if cfg.virtual > 1 else ""
+    if cfg.tp > 1 and cfg.sequence_parallel:
+        layout += ", sequence parallel"
+    planned = getattr(task, "hybrid", None)            # GPT --plan=auto: who chose it
+    if planned:
+        layout += f" (planned: {planned['chosen_by']})"
+    line = (f"hpcnn: {model.name} ({whole_model_params(model, cfg.tp):,} parameters) on "
+            f"{task.data.name}, {task.steps} steps of {cfg.batch_size}, {cfg.dtype}, {layout}")
+    if cfg.remat != "none":
+        line += f", remat={cfg.remat}" + (f" within {cfg.memory_budget:g} MiB"
+                                          if cfg.remat == "optimal" else "")
+    if cfg.resume:
+        line += f", resumed from {cfg.resume} at step {start}"
+    return line + f", log {cfg.log}"
+
+
+def open_log(cfg, ctx, task, start: int, command_line):
+    """Rank 0's run log: the run's attributes, its config and its plan (layout, schedule,
+    memory, allreduce, where it resumed from)."""
+    from hpcnn.log import RunLog
+    from hpcnn.parallel.collectives import library_version
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)
+    extra = {"model_params": whole_model_params(task.model, cfg.tp), "dataset_name": task.data.name}
+    if task.is_text:
+        extra["unigram_entropy_nats"] = task.data.unigram_entropy()
+    if any(f != 1.0 for f in ctx.factors):
+        extra["emulated_slowdown"] = ",".join(f"{f:g}" for f in ctx.factors)
+        extra["emulated_slowdown_mode"] = cfg.slowdown_mode
+    log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
+                 world_size=ctx.world.size, backend=backend.device,
+                 mpi_library=library_version() if ctx.grid is not None else "",
+                 extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
+    log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+                  "schedule": cfg.schedule if cfg.pp > 1 else "none",
+                  "microbatches": cfg.microbatches, "virtual": cfg.virtual,
+                  "stages": [list(r) for r in ctx.ranges] if ctx.pipelined else [],
+                  "sequence_parallel": cfg.sequence_parallel,
+                  "remat": cfg.remat, "memory_budget_bytes": cfg.memory_budget * 2**20,
+                  "offload_gbps": cfg.offload_gbps, "grad_accum": cfg.grad_accum, "balance": cfg.balance,
+                  "combine": cfg.combine, "allreduce": cfg.allreduce, "bucket_mb": cfg.bucket_mb,
+                  # overlap as run: off with rd, cma and pipelines, whatever --overlap says
+                  "overlap": ctx.engine.overlap if ctx.grid is not None else cfg.overlap,
+                  "allreduce_calibration": ctx.calibration,
+                  "operator_layout": task.layout or {}, "hybrid_layout": task.hybrid or {},
+                  "resumed_from": cfg.resume, "start_step": start})
+    return log
+
+
+def flush_ranks(ctx, log, rows, events) -> None:
+    """Every rank's per-step rows and timeline events to rank 0's log (one pickled gather)."""
+    gathered = ctx.world.gather_objects((rows, events), root=0)
+    if log is not None:
+        by_step: dict = {}
+        for r in (dict(r) for part, _ in gathered for r in part):
+            by_step.setdefault(r.pop("step"), []).append(r)
+        for s in sorted(by_step):
+            log.log_ranks(s, sorted(by_step[s], key=lambda r: r["rank"]))
+        log.log_events([e for _, evs in gathered for e in evs])
+
+
+def record_memory(ctx, task, log) -> None:
+    """At the end of a run: pipeline ranks' peak live activations and parameter bytes, and the
+    remat plans with their predicted and measured peaks and recompute time, into the log."""
+    if ctx.pipelined:
+        held = sum(int(q.data.nbytes) for q in task.model.params if not is_placeholder(q.data))
+        peaks = ctx.world.gather_objects((ctx.peak_stage_bytes, held), root=0)
+        if log is not None:
+            log.set_plan({"peak_activation_bytes_per_rank": [a for a, _ in peaks],
+                          "param_bytes_per_rank": [b for _, b in peaks]})
+    if ctx.remat is not None:
+        rm = ctx.remat
+        recs = ctx.world.gather_objects((rm.records, rm.measured_peak, rm.recompute_seconds), 0)
+        if log is not None:
+            log.set_plan({"remat_plans": [dict(r, rank=k) for k, (rs, _, _) in enumerate(recs)
+                                          for r in rs],
+                          "remat_measured_peak_bytes_per_rank": [m for _, m, _ in recs],
+                          "remat_recompute_s_per_rank": [t for _, _, t in recs]})
+
+
+def claim_log(cfg, ctx, task, start, command_line):
+    """Rank 0 opens the run log (None on the other ranks); if another run took its lock since
+    the checks, every rank stops alike with the same ConfigError, before any step."""
+    log, err = None, ""
+    if ctx.rank == 0:
+        try:
+            log = open_log(cfg, ctx, task, start, command_line)
+        except FileExistsError as e:
+            err = str(e)
+    err = ctx.world.allgather_objects(err)[0]
+    if err:
+        ctx.free()
+        raise ConfigError(err)
+    return log
