@@ -47,6 +47,7 @@ SCRIPT_SHORTEN = {
     "experiments/plan_portability.py": ["--changes=5,6", "--reps=1", "--replans=1"],
     "benchmarks/graph_eigs.py": ["--nodes=3000", "--rounds=1"],
     "experiments/graph_partition.py": ["--nodes=2000"],
+    "benchmarks/plan_search.py": ["--tiny"],
 }
 SKIP = {"make": "runs the whole test suite or demo", "pip": "changes the environment",
         "module": "changes the environment (cluster modules)"}
