@@ -99,6 +99,7 @@ class TrainConfig:
     log: str = ""                       # HDF5 run log path; "" = runs/<model>-<dataset>-<seed>.h5
     log_interval: int = 10              # steps between log flushes and progress lines
     overwrite: bool = True              # replace an existing log file at the same path
+    log_durable: bool = False           # fsync the log's journal and file at every flush: survives power loss, costs 2 fsyncs a flush
     checkpoint: str = ""                # HDF5 checkpoint to write ("{step}" in it: one file per save)
     checkpoint_every: int = 0           # steps between checkpoints; 0 = at the end only
     resume: str = ""                    # checkpoint to start from (any dp/tp/pp layout)
@@ -193,7 +194,8 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
 }
 # options with any value of their type: switches and paths; layout, speeds and slowdown are
 # parsed by _syntax_errors
-FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "progress", "show_schedule",
+FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "log_durable", "progress",
+        "show_schedule",
         "log", "checkpoint", "resume", "layout", "speeds", "slowdown", "plan", "machine")
 
 

@@ -335,3 +335,23 @@ def test_existing_log_refused_without_overwrite(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"log='{path}' already exists" in err and "--overwrite=true" in err
     assert read_run(path).config == {}
+
+
+def test_train_log_durable_fsyncs_every_flush(tmp_path, monkeypatch):
+    """--log_durable=true reaches the run log: every flush fsyncs (journal and file), and the
+    log reads whole; the default does not fsync."""
+    from hpcnn.config import parse_overrides
+    from hpcnn.train import train
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    for durable in (False, True):
+        calls.clear()
+        log = tmp_path / f"d{durable}.h5"
+        cfg = parse_overrides(["--model=mlp", "--hidden=16", "--steps=10", "--log_interval=5",
+                               "--progress=false",
+                               "--eval_interval=0", f"--log={log}", f"--log_durable={durable}"])
+        train(cfg)
+        run = read_run(log)
+        assert run.status == "finished" and len(run.metrics["step"]) == 10
+        assert (len(calls) >= 2 * 2) if durable else not calls, (durable, len(calls))

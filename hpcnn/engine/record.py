@@ -59,7 +59,8 @@ def open_log(cfg, ctx, task, start: int, command_line):
     log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
                  world_size=ctx.world.size, backend=backend.device,
                  mpi_library=library_version() if ctx.grid is not None else "",
-                 extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite)
+                 extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite,
+                 durable=cfg.log_durable)
     log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                   "schedule": cfg.schedule if cfg.pp > 1 else "none",
                   "microbatches": cfg.microbatches, "virtual": cfg.virtual,

@@ -39,7 +39,8 @@ disk before its next update. Before the first update the file is written under a
 and renamed. On ENOSPC (any ``OSError``) at a flush the run goes on: one warning names the path
 and the error, later rows are dropped, and :meth:`RunLog.close` tries to set ``status="failed"``
 and ``log_error`` (if even that does not fit, the file stays at its last commit, ``"running"``).
-Power loss is covered only with ``durable=True`` (fsync of the journal, then of the file); then
+Power loss is covered only with ``durable=True`` (``hpcnn train --log_durable=true``: fsync of the
+journal, then of the file); then
 at most the last completed flush may be rolled back, since emptying the journal is not synced.
 Checked by tests/test_runlog_faults.py: 150 updates cut at random bytes (as a kill, as a power loss
 undoing unsynced writes, as ENOSPC), a real 400 KB tmpfs filling up, two processes on one log.
