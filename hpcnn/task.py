@@ -145,13 +145,17 @@ def _auto_cuts(cfg, dims, p: int):
                                      "predicted_step_s": float("nan")}
 
 
-def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None) -> Task:
+def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None, graph_comm=None) -> Task:
     """Load the data (unless given) and build the model named by a resolved config (sharded
-    over ``tp_comm``). ``keep``: the names of the parameters given storage (None: all; the
-    others are placeholders: a pipeline rank keeps its own stages', ``()`` builds shapes only)."""
+    over ``tp_comm``; a GCN's graph rows split over ``graph_comm``). ``keep``: the names of the
+    parameters given storage (None: all; the others are placeholders: a pipeline rank keeps its
+    own stages', ``()`` builds shapes only)."""
     dtype = backend.dtype_of(cfg.dtype)
     tp = tp_comm is not None and tp_comm.size > 1
     data = data if data is not None else datasets.for_config(cfg)
+    if cfg.model == "gcn":
+        from hpcnn.graph.task import build_graph_task
+        return build_graph_task(cfg, data, graph_comm, keep)
     if cfg.dataset == "digits":
         if cfg.model == "mlp" and cfg.plan:
             model, laid_out = _laid_out_mlp(cfg, data, tp_comm, dtype, keep)
