@@ -7,7 +7,7 @@ from gradcheck import check_block_gradients
 from mpi_util import run_mpi
 from hpcnn.config import ConfigError, parse_overrides
 from hpcnn.graph import RowPartition
-from hpcnn.graph.task import graph_data, node_split
+from hpcnn.graph.nodes import graph_data, node_split
 from hpcnn.nn.gcn import GraphConv, GraphOperator, NodeLoss, gcn
 from hpcnn.train import train
 

@@ -189,9 +189,9 @@ def nats_to_bits(x: float) -> float:
 
 def for_config(cfg) -> ArrayData | TextData:
     """The data set a resolved :class:`hpcnn.config.TrainConfig` names (digits as images for the
-    CNN; the graphs of ``--model=gcn``, :mod:`hpcnn.graph.task`); every rank loads it alike."""
+    CNN; the graphs of ``--model=gcn``, :mod:`hpcnn.graph.nodes`); every rank loads it alike."""
     if cfg.model == "gcn":
-        from hpcnn.graph.task import graph_data
+        from hpcnn.graph.nodes import graph_data
         return graph_data(cfg.dataset, cfg.seed)
     if cfg.dataset == "digits":
         return digits(image=cfg.model == "cnn")

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from hpcnn.config import parse_overrides
 from hpcnn.graph import RowPartition, build_halo
-from hpcnn.graph.task import graph_data
+from hpcnn.graph.nodes import graph_data
 from hpcnn.log import read_run
 from hpcnn.nn.gcn import GraphOperator, gcn
 from hpcnn.parallel.collectives import Communicator

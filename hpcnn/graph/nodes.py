@@ -1,4 +1,5 @@
-"""Semi-supervised node classification: the graph data sets of ``hpcnn train --model=gcn``.
+"""Semi-supervised node classification: the graph data sets of ``hpcnn train --model=gcn``
+(the task that trains on them: :class:`hpcnn.task.GraphTask`).
 
 One step is one full-batch pass over the graph: every node's features go through the GCN
 (:mod:`hpcnn.nn.gcn`), the loss is the mean cross-entropy over the **training nodes** (a seeded,
@@ -16,15 +17,12 @@ features of signal-to-noise ratio 0.5).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy
 import scipy.sparse as sp
 
-from hpcnn import backend
 from hpcnn.config import GRAPH_DATASETS
-from hpcnn.task import Task
 
 
 
@@ -75,53 +73,3 @@ def graph_data(name: str, seed: int = 0) -> GraphData:
     train, test = node_split(graph.labels, seed)
     return GraphData(name, g.normalized_adjacency(graph.adjacency), graph.features,
                      graph.labels, train, test, int(graph.labels.max()) + 1)
-
-
-@dataclass
-class GraphTask(Task):
-    """The :class:`~hpcnn.task.Task` of a GCN: every step's batch is the whole graph (rows in
-    node order; the step gives rank r its block of rows), the evaluation scores the test nodes
-    of this rank's rows. ``rows``: the global nodes this rank holds."""
-    rows: numpy.ndarray = None
-
-    def global_batch(self, step: int):
-        return self.data.features, self.data.targets()
-
-    def eval_sums(self, ctx=None) -> numpy.ndarray:
-        """[test loss sum, correct, count] over the test nodes among this rank's rows (every
-        rank must call it: the forward exchanges halos)."""
-        d = self.data
-        x, _ = self.to_device(d.features[self.rows], d.labels[self.rows])
-        logits = backend.to_host(self.model.predict(x))                    # (n_local, classes)
-        is_test = numpy.isin(self.rows, d.test)
-        y = numpy.where(is_test, d.labels[self.rows], -1)
-        z = logits - logits.max(axis=1, keepdims=True)
-        nll = numpy.log(numpy.exp(z).sum(axis=1)) - z[numpy.arange(len(y)), numpy.maximum(y, 0)]
-        correct = numpy.sum((logits.argmax(axis=1) == y) & is_test)
-        return numpy.array([float(numpy.sum(nll * is_test)), float(correct), float(is_test.sum())])
-
-
-def build_graph_task(cfg, data: GraphData, graph_comm=None, keep=None) -> GraphTask:
-    """The GCN of ``cfg`` (``--hidden`` widths) on ``data``, its rows split over ``graph_comm``
-    (an hpcnn Communicator; None or one rank: the whole graph). The task's ``layout`` (logged
-    under ``/plan`` ``operator_layout``) records the partition: rows per rank, the edge cut
-    (stored entries of Â joining two ranks), halo rows per rank and halo bytes per layer (each
-    direction, all ranks together)."""
-    from hpcnn.graph.partition import RowPartition
-    from hpcnn.nn.gcn import GraphOperator, gcn
-    dtype = backend.dtype_of(cfg.dtype)
-    size = 1 if graph_comm is None else graph_comm.size
-    part = RowPartition.contiguous(data.n_nodes, size)
-    op = GraphOperator.from_global(data.a_hat, part, graph_comm, dtype)
-    model = gcn(op, data.features.shape[1], cfg.hidden, data.n_classes, n_train=data.train.size,
-                n_nodes=data.n_nodes, seed=cfg.seed, dtype=dtype, keep=keep)
-    ghosts = ([op.n_ghost] if size == 1 else
-              [int(g) for g in graph_comm.allgather_objects(op.n_ghost)])
-    widths = [b.n_out for b in model.blocks if hasattr(b, "op")]
-    layout = {"graph_partition": "contiguous", "ranks": size,
-              "rows_per_rank": part.counts().tolist(), "edge_cut": part.edge_cut(data.a_hat),
-              "halo_rows_per_rank": ghosts,
-              "halo_bytes_per_layer": [sum(ghosts) * w * dtype.itemsize if size > 1 else 0
-                                       for w in widths]}
-    steps = cfg.steps or max(1, math.ceil(cfg.epochs))
-    return GraphTask(cfg, data, model, steps, layout=layout, rows=op.halo.rows)
