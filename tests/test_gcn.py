@@ -68,7 +68,7 @@ def test_node_split_is_seeded_class_balanced_and_disjoint():
     assert (sbm.n_nodes, sbm.n_classes, sbm.train.size) == (2000, 4, 80)
 
 
-def test_bad_inputs_are_refused_with_their_values(karate):
+def test_bad_inputs_are_refused_with_their_values(karate, tmp_path):
     op = GraphOperator.from_global(karate.a_hat, dtype=F64)
     with pytest.raises(ValueError, match="expected this rank's 34 rows of 6"):
         GraphConv(op, 6, 2, dtype=F64).forward(np.zeros((33, 6)))
@@ -83,6 +83,10 @@ def test_bad_inputs_are_refused_with_their_values(karate):
                       (["--model=gcn", "--remat=sqrt"], "remat='sqrt'")]:
         with pytest.raises(ConfigError, match=msg):
             parse_overrides(args).resolved()
+    from hpcnn import preflight                  # before MPI starts: at least one row per rank
+    cfg = parse_overrides(["--model=gcn", "--dp=40", f"--log={tmp_path / 'x.h5'}"]).resolved()
+    with pytest.raises(ConfigError, match="dp=40: karate has 34 nodes"):
+        preflight.check(cfg, 40)
 
 
 def test_serial_training_on_karate_learns_the_factions(tmp_path):

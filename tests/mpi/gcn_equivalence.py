@@ -8,7 +8,8 @@ gradient (summed over ranks) and each rank's rows of the input gradient equal th
 model's; the bytes each rank sends in one forward+backward equal its send and ghost rows times
 the layer widths, and summed over ranks twice the partition's send-list total (computed from the
 whole matrix, without communication). Training: ``hpcnn train --model=gcn`` on N ranks gives
-the serial run's losses, test metrics and final parameters.
+the serial run's losses, test metrics and final parameters, and its step-3 checkpoint resumed on
+one process ends at the same parameters.
 """
 import os
 import sys
@@ -86,20 +87,22 @@ small = type(sbm)("sbm300", sbm.a_hat[sub][:, sub].tocsr(), sbm.features[sub], s
 check_blocks(small, RowPartition.contiguous(300, p), "sbm300")
 
 
-def run(comm, name):
+def run(comm, name, *extra):
     cfg = parse_overrides([f"--log={os.path.join(tmp, name)}", "--progress=false",
                            "--dtype=float64", "--model=gcn", "--dataset=karate", "--hidden=8",
                            "--steps=6", "--eval_interval=3", "--log_interval=2", "--lr=0.02",
-                           "--clip=1", f"--dp={1 if comm is None else p}"])
+                           "--clip=1", f"--dp={1 if comm is None else p}", *extra])
     return train(cfg, comm=comm)
 
 
-par = run(world, "par.h5")
+par = run(world, "par.h5", "--checkpoint=" + os.path.join(tmp, "ck{step}.h5"),
+          "--checkpoint_every=3")
 ser = run(None, f"ser{rank}.h5")
+resumed = run(None, f"res{rank}.h5", "--resume=" + os.path.join(tmp, "ck3.h5"))  # p ranks -> 1
 assert abs(par["loss"] - ser["loss"]) <= TOL, (par["loss"], ser["loss"])
 assert par["test_acc"] == ser["test_acc"] and abs(par["test_loss"] - ser["test_loss"]) <= TOL
-for a, b in zip(par["model"].params, ser["model"].params):
-    assert np.abs(a.data - b.data).max() <= TOL, a.name
+for a, b, c in zip(par["model"].params, ser["model"].params, resumed["model"].params):
+    assert np.abs(a.data - b.data).max() <= TOL and np.abs(c.data - b.data).max() <= TOL, a.name
 if rank == 0:
     log_p, log_s = read_run(os.path.join(tmp, "par.h5")), read_run(os.path.join(tmp, "ser0.h5"))
     np.testing.assert_allclose(log_p.metrics["loss"], log_s.metrics["loss"], rtol=0, atol=TOL)
