@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from hpcnn.parallel.schedules import SCHEDULES
 from hpcnn.signals import STOP_SIGNALS
 
-MODELS = ("mlp", "cnn", "gpt")
-DATASETS = ("digits", "shakespeare", "sonnet")
-DEFAULT_DATASET = {"mlp": "digits", "cnn": "digits", "gpt": "shakespeare"}
+MODELS = ("mlp", "cnn", "gpt", "gcn")
+GRAPH_DATASETS = ("karate", "lesmis", "digits_knn", "sbm")       # hpcnn.graph.task
+DATASETS = ("digits", "shakespeare", "sonnet") + GRAPH_DATASETS
+DEFAULT_DATASET = {"mlp": "digits", "cnn": "digits", "gpt": "shakespeare", "gcn": "karate"}
 
 
 class ConfigError(ValueError):
@@ -40,9 +41,9 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig:
     # -- what to train ----------------------------------------------------------------------
-    model: str = "mlp"                  # mlp | cnn | gpt
-    dataset: str = ""                   # digits | shakespeare | sonnet (tiny built-in text); "" = model's default
-    hidden: tuple[int, ...] = (256, 256)  # MLP hidden widths
+    model: str = "mlp"                  # mlp | cnn | gpt | gcn (graph convolution, node classification)
+    dataset: str = ""                   # digits | shakespeare | sonnet (tiny built-in text) | karate | lesmis | digits_knn | sbm (graphs, gcn); "" = model's default
+    hidden: tuple[int, ...] = (256, 256)  # MLP (and GCN) hidden widths
     channels: tuple[int, ...] = (16, 32)  # CNN conv channels (one 3x3 conv + 2x2 pool each)
     n_layers: int = 2                   # GPT transformer blocks
     dim: int = 128                      # GPT width (embedding size)
@@ -52,7 +53,7 @@ class TrainConfig:
     half_layers: bool = False           # GPT: each layer as two chain blocks (attention, MLP) for finer remat/pipeline cuts
     max_plays: int = 0                  # Shakespeare: number of plays to load, 0 = all 38
     # -- how long ---------------------------------------------------------------------------
-    steps: int = 0                      # optimizer steps; 0 = from epochs (digits), 1000 (text)
+    steps: int = 0                      # optimizer steps; 0 = from epochs (digits, graphs), 1000 (text)
     epochs: float = 30.0                # passes over the training set (digits) when steps = 0
     batch_size: int = 64                # global batch (samples, or sequences for the GPT)
     # -- optimizer --------------------------------------------------------------------------
@@ -250,6 +251,7 @@ def combination_errors(c: TrainConfig) -> list[str]:
     if c.model == "gpt" and c.n_heads >= 1:
         need(c.dim % c.n_heads == 0, f"dim={c.dim} is not divisible by n_heads={c.n_heads}")
     _tensor_parallel_errors(c, need)
+    _graph_errors(c, need)
     _pipeline_errors(c, need)        # (pp = 1 ignores the pipeline options, so that a serial
     #                                  reference run can take the same command line)
     need(not (c.remat != "none" and c.pp > 1 and c.schedule in ("zb_h1", "zb_v")),
@@ -273,6 +275,26 @@ def combination_errors(c: TrainConfig) -> list[str]:
     need(c.device != "gpu" or importlib.util.find_spec("cupy") is not None,
          "device='gpu' needs CuPy, which is not installed here (pip install 'hpcnn[gpu]')")
     return errs
+
+
+def _graph_errors(c: TrainConfig, need) -> None:
+    """The GCN splits the graph's rows over the dp ranks (hpcnn.graph.task): graph data, and
+    nothing that would cut those rows otherwise or differently on different ranks."""
+    graph = c.dataset in GRAPH_DATASETS
+    need(graph == (c.model == "gcn") or not c.dataset,
+         f"model={c.model!r} with dataset={c.dataset!r}: the graphs "
+         f"({', '.join(GRAPH_DATASETS)}) are for model='gcn', which takes only those")
+    if c.model != "gcn":
+        return
+    need(c.tp == 1 and c.pp == 1, f"model='gcn' splits the graph over the dp ranks "
+                                  f"(--dp = number of ranks): got tp={c.tp}, pp={c.pp}")
+    need(c.grad_accum == 1 and c.balance == "equal" and c.combine == "weighted"
+         and c.shard == "contiguous",
+         f"model='gcn' runs full-batch steps on equal contiguous row blocks: got grad_accum="
+         f"{c.grad_accum}, balance={c.balance!r}, combine={c.combine!r}, shard={c.shard!r}")
+    need(c.remat == "none" and not c.plan and c.device == "cpu",
+         f"model='gcn' runs on the CPU without remat or --plan: got remat={c.remat!r}, "
+         f"plan={c.plan!r}, device={c.device!r}")
 
 
 def _tensor_parallel_errors(c: TrainConfig, need) -> None:

@@ -75,12 +75,16 @@ def planned(cfg: TrainConfig, world_size: int, data=None):
     ``--model=gpt --plan=auto`` takes dp, tp, pp, schedule and micro-batches from
     :func:`hpcnn.plan.auto.choose_gpt_layout` (a pure function of the config, the vocabulary, the
     machine file and ``world_size``: every rank takes the same, before any collective); any
-    other run is returned as it is, with no record. ConfigError when no layout can be chosen."""
-    if not (cfg.model == "gpt" and cfg.plan == "auto"):
+    other run is returned as it is, with no record. ``--model=gcn`` takes ``batch_size`` = the
+    graph's nodes: a step is one full-batch pass. ConfigError when no layout can be chosen."""
+    if cfg.model != "gcn" and not (cfg.model == "gpt" and cfg.plan == "auto"):
         return cfg, None, data
     from hpcnn import data as datasets
-    from hpcnn.plan.auto import choose_gpt_layout
     data = data if data is not None else datasets.for_config(cfg)
+    if cfg.model == "gcn":
+        from dataclasses import replace
+        return replace(cfg, batch_size=data.n_nodes), None, data
+    from hpcnn.plan.auto import choose_gpt_layout
     chosen, record = choose_gpt_layout(cfg, world_size, data.vocab)
     return chosen, record, data
 

@@ -2,7 +2,8 @@
 
 :func:`build_task` loads the data set a resolved :class:`~hpcnn.config.TrainConfig` names and builds
 its model (sharded over a tensor-parallel communicator when given); :class:`Task` draws a step's
-global batch (a pure function of seed and step) and scores the held-out data. The training loop
+global batch (a pure function of seed and step) and scores the held-out data (:class:`GraphTask`:
+the GCN's full-batch steps on the graph's rows). The training loop
 (:mod:`hpcnn.train`) and the start-up checks (:mod:`hpcnn.preflight`) both build through here::
 
     task = build_task(parse_overrides(["--model=mlp"]).resolved())
@@ -97,6 +98,55 @@ class Task:
         return tot
 
 
+@dataclass
+class GraphTask(Task):
+    """The :class:`Task` of a GCN (data: :mod:`hpcnn.graph.nodes`): every step's batch is the
+    whole graph (rows in node order; the step gives rank r its block of rows), the evaluation
+    scores the test nodes of this rank's rows. ``rows``: the global nodes this rank holds."""
+    rows: numpy.ndarray = None
+
+    def global_batch(self, step: int):
+        return self.data.features, self.data.targets()
+
+    def eval_sums(self, ctx=None) -> numpy.ndarray:
+        """[test loss sum, correct, count] over the test nodes among this rank's rows (every
+        rank must call it: the forward exchanges halos)."""
+        from hpcnn.nn.loss import SoftmaxCrossEntropy
+        d = self.data
+        is_test = numpy.isin(self.rows, d.test)
+        x, y = self.to_device(d.features[self.rows], numpy.where(is_test, d.labels[self.rows], -1))
+        logits = self.model.predict(x)                                     # (n_local, classes)
+        nll = SoftmaxCrossEntropy(ignore_index=-1, reduction="sum").forward(logits, y)[0]
+        correct = float(backend.to_host((logits.argmax(axis=1) == y).sum()))   # y = -1: never
+        return numpy.array([nll, correct, float(is_test.sum())])
+
+
+def build_graph_task(cfg, data, graph_comm=None, keep=None) -> GraphTask:
+    """The GCN of ``cfg`` (``--hidden`` widths) on ``data``, its rows split over ``graph_comm``
+    (an hpcnn Communicator; None or one rank: the whole graph). The task's ``layout`` (logged
+    under ``/plan`` ``operator_layout``) records the partition: rows per rank, the edge cut
+    (stored entries of Â joining two ranks), halo rows per rank and halo bytes per layer (each
+    direction, all ranks together)."""
+    from hpcnn.graph.partition import RowPartition
+    from hpcnn.nn.gcn import GraphOperator, gcn
+    dtype = backend.dtype_of(cfg.dtype)
+    size = 1 if graph_comm is None else graph_comm.size
+    part = RowPartition.contiguous(data.n_nodes, size)
+    op = GraphOperator.from_global(data.a_hat, part, graph_comm, dtype)
+    model = gcn(op, data.features.shape[1], cfg.hidden, data.n_classes, n_train=data.train.size,
+                n_nodes=data.n_nodes, seed=cfg.seed, dtype=dtype, keep=keep)
+    ghosts = ([op.n_ghost] if size == 1 else
+              [int(g) for g in graph_comm.allgather_objects(op.n_ghost)])
+    widths = [b.n_out for b in model.blocks if hasattr(b, "op")]
+    layout = {"graph_partition": "contiguous", "ranks": size,
+              "rows_per_rank": part.counts().tolist(), "edge_cut": part.edge_cut(data.a_hat),
+              "halo_rows_per_rank": ghosts,
+              "halo_bytes_per_layer": [sum(ghosts) * w * dtype.itemsize if size > 1 else 0
+                                       for w in widths]}
+    steps = cfg.steps or max(1, math.ceil(cfg.epochs))
+    return GraphTask(cfg, data, model, steps, layout=layout, rows=op.halo.rows)
+
+
 def metrics_from_sums(sums, is_text: bool) -> dict:
     loss = float(sums[0] / max(sums[2], 1))
     return {"val_loss": loss} if is_text else {"test_loss": loss, "test_acc": float(sums[1] / sums[2])}
@@ -145,13 +195,16 @@ def _auto_cuts(cfg, dims, p: int):
                                      "predicted_step_s": float("nan")}
 
 
-def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None) -> Task:
+def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None, graph_comm=None) -> Task:
     """Load the data (unless given) and build the model named by a resolved config (sharded
-    over ``tp_comm``). ``keep``: the names of the parameters given storage (None: all; the
-    others are placeholders: a pipeline rank keeps its own stages', ``()`` builds shapes only)."""
+    over ``tp_comm``; a GCN's graph rows split over ``graph_comm``). ``keep``: the names of the
+    parameters given storage (None: all; the others are placeholders: a pipeline rank keeps its
+    own stages', ``()`` builds shapes only)."""
     dtype = backend.dtype_of(cfg.dtype)
     tp = tp_comm is not None and tp_comm.size > 1
     data = data if data is not None else datasets.for_config(cfg)
+    if cfg.model == "gcn":
+        return build_graph_task(cfg, data, graph_comm, keep)
     if cfg.dataset == "digits":
         if cfg.model == "mlp" and cfg.plan:
             model, laid_out = _laid_out_mlp(cfg, data, tp_comm, dtype, keep)

@@ -7,6 +7,7 @@ import pytest
 import hpcnn.nn
 import hpcnn.parallel
 from hpcnn.nn.conv import AvgPool2d, Conv2d, Flatten, MaxPool2d
+from hpcnn.nn.gcn import GraphConv, GraphOperator, NodeLoss
 from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU, reachable
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.residual import halves
@@ -76,10 +77,20 @@ def cases():
            ("layout-linear", LayoutLinear(C, 8, Cut(), comm, **kw), seq.reshape(-1, C)),
            ("redistribute", Redistribute(Placement.full(1), Placement.full(1), C, comm, **kw),
             seq.reshape(-1, C))]
+    # graph convolution on a 16-node ring (serial operator: multi-rank in tests/mpi/gcn_equivalence.py)
+    import scipy.sparse as sp
+    from hpcnn.graph import normalized_adjacency
+    ring = normalized_adjacency(sp.diags([1.0, 1.0], [1, -1], shape=(C, C)).tocsr())
+    op = GraphOperator.from_global(ring, dtype=F64)
+    nodes = seq.reshape(-1, C)[:C]
+    out += [("gcn", GraphConv(op, C, 8, **kw), nodes),
+            ("gcn-nobias", GraphConv(op, C, 8, bias=False, **kw), nodes)]
     out = [(name, block, x, None) for name, block, x in out]
+    node_targets = np.where(np.arange(C) % 3 == 0, np.arange(C) % V, -1)      # -1: not trained
     out += [("xent", SoftmaxCrossEntropy(), logits, targets),
             ("xent-sum", SoftmaxCrossEntropy(reduction="sum"), logits, targets),
-            ("pxent", VocabParallelCrossEntropy(comm), logits, targets)]
+            ("pxent", VocabParallelCrossEntropy(comm), logits, targets),
+            ("node-xent", NodeLoss(C, 6), logits.reshape(-1, V)[:C], node_targets)]
     return out
 
 

@@ -189,7 +189,10 @@ def nats_to_bits(x: float) -> float:
 
 def for_config(cfg) -> ArrayData | TextData:
     """The data set a resolved :class:`hpcnn.config.TrainConfig` names (digits as images for the
-    CNN); every rank loads it alike."""
+    CNN; the graphs of ``--model=gcn``, :mod:`hpcnn.graph.nodes`); every rank loads it alike."""
+    if cfg.model == "gcn":
+        from hpcnn.graph.nodes import graph_data
+        return graph_data(cfg.dataset, cfg.seed)
     if cfg.dataset == "digits":
         return digits(image=cfg.model == "cnn")
     return shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
@@ -201,6 +204,10 @@ def misfits(cfg, data) -> list[str]:
     than the training set, more plays than the package holds, more pooled conv layers than the
     image side allows."""
     errs = []
+    if cfg.model == "gcn":           # full batch: the step's batch is the graph (preflight.planned)
+        if cfg.dp > data.n_nodes:
+            errs.append(f"dp={cfg.dp}: {data.name} has {data.n_nodes} nodes, at least one per rank")
+        return errs
     if isinstance(data, TextData):
         shortest = min(len(data.train), len(data.val))
         if cfg.block_size + 2 > shortest:   # a window and its target shifted by one, >= 1 start

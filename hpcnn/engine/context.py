@@ -62,6 +62,8 @@ class ParallelContext:
         """The task (``build_task(cfg, tp, data=..., keep=...)``); with pp > 1 its model holds
         storage for this rank's stages only: a first build without any (shapes, for the stage
         cut), then one keeping the local stages' parameters."""
+        if self.cfg.model == "gcn":        # the graph's rows are split over the dp ranks
+            return build_task(self.cfg, self.tp, data=data, graph_comm=self.dp)
         if not self.pipelined:
             return build_task(self.cfg, self.tp, data=data)
         shapes = build_task(self.cfg, self.tp, data=data, keep=())
