@@ -10,7 +10,6 @@ from datasheet figures, not measurements (the title says so).
 import os
 import sys
 
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn.log.report import save_figure  # noqa: E402
