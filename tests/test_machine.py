@@ -21,7 +21,8 @@ def small():
     """Two levels: 4 devices a node (1 us, 10 GB/s up to 1 MiB then 20), 8 nodes (5 us, 1 GB/s);
     transformer blocks at half the rate and 100 us a call, linear ones at the full rate."""
     dev = hm.Device("d", {"float32": 1e12, "float64": 5e11}, 1e11, 16e9,
-                    {"transformer": 0.5}, {"transformer": 1e-4, "linear": 0.0})
+                    {"transformer": 0.5}, {"transformer": 1e-4, "linear": 0.0},
+                    {"transformer": 1e-9})
     return hm.Machine("m", (hm.Level("node", 4, 1e-6, ((2**20, 1e10), (math.inf, 2e10))),
                             hm.Level("cluster", 8, 5e-6, ((math.inf, 1e9),))), dev)
 
@@ -108,6 +109,9 @@ def test_round_trip_through_a_file(tmp_path):
     assert back.device.overhead == {"transformer": 1e-4, "linear": 0.0}
     # a kind's efficiency and fixed cost price exactly its blocks; other kinds run at the rate
     assert back.device.compute_seconds(1e12, "float32", "transformer", calls=3) == 2.0 + 3e-4
+    assert back.device.compute_seconds(1e12, "float32", "transformer", 3, 1e6) == pytest.approx(
+        2.0 + 3e-4 + 1e-3, rel=1e-12)
+    assert back.device.elementwise == {"transformer": 1e-9}
     assert back.device.compute_seconds(1e12, "float32", "linear", calls=3) == 1.0
     assert back.device.compute_seconds(1e12, "float32") == 1.0
     odd = hm.Machine('a "quoted" name', (), hm.Device("x", {"f": 1 / 3}, 0.1, 3.5), source="s\\t")
@@ -140,6 +144,7 @@ GOOD = small().to_toml()
                                                    "fraction of the rate is at most 1"),
     ('"transformer" = 0.5', '"transformer" = 0', r"device efficiency.transformer = 0"),
     ('"linear" = 0\n', '"linear" = -1\n', r"device overhead.linear = -1: expected a number >= 0"),
+    ('"transformer" = 1e-09', '"transformer" = -1e-09', r"device elementwise.transformer = -1e-09"),
 ])
 def test_bad_files_name_the_file_and_key(tmp_path, old, new, message):
     assert old in GOOD
@@ -201,6 +206,8 @@ def test_calibrate_write_on_one_rank(tmp_path):
     assert all(0 < v < 1e14 for v in m.device.flops.values())
     assert 1e8 < m.device.memory_bandwidth < 1e13 and m.device.memory_bytes > 1e8
     assert set(m.device.efficiency) == set(m.device.overhead) == {"transformer", "linear"}
+    assert set(m.device.elementwise) == {"transformer", "linear"}
+    assert all(0 <= v < 1e-6 for v in m.device.elementwise.values())   # seconds per byte
     assert all(0 < v <= 1 for v in m.device.efficiency.values())
     assert all(1e-7 < v < 1e-1 for v in m.device.overhead.values())   # microseconds expected
     assert "One rank: no network level" in path.read_text()

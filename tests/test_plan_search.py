@@ -31,7 +31,7 @@ class _Device:
     def __init__(self, flops):
         self.flops = flops
 
-    def compute_seconds(self, flops, dtype="float32", kind=None, calls=0):
+    def compute_seconds(self, flops, dtype="float32", kind=None, calls=0, cache_bytes=0):
         return flops / self.flops[dtype]
 
     def stream_seconds(self, nbytes):

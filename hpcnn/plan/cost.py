@@ -256,7 +256,9 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     Supersteps per operator with Cut(nb, nk, nj), c = nb*nk*nj, r = p/c replicas:
       - compute: forward, input gradient and weight gradient, 3 * 2*i*j*k/c FLOPs at the
         device rate times its "linear" efficiency, plus the fixed cost of one "linear" block
-        call (:class:`hpcnn.plan.machine.Device` efficiency and overhead);
+        call and the element-wise seconds of its cache, the local input x[i/nb, k/nk] and the
+        ReLU's y[i/nb, j/nj] after every operator but the last
+        (:class:`hpcnn.plan.machine.Device` efficiency, overhead, elementwise);
       - forward reduction of the partial y[i/nb, j/nj] over the nk group (stride nj);
       - backward reduction of the partial dx[i/nb, k/nk] over the nj group (stride 1);
       - gradient allreduce of the weight part W[k/nk, j/nj] over the nb*r devices holding it
@@ -284,13 +286,16 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
             raise ValueError(f"operator {n}: {c} uses {width} devices, "
                              f"which does not divide p = {p}")
         flops = 3 * 2 * op.i * op.j * op.k / width
+        # the cache of the Linear (its local input) and of the ReLU after it (all but the last)
+        rows = op.i / c.batch
+        cache = rows * (op.k / c.reduce + (op.j / c.out if n < len(graph.ops) - 1 else 0)) * size
         terms.append(Term(f"op{n} compute",
-                          f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear",
-                          machine.device.compute_seconds(flops, dtype, "linear", 1)))
+                          f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear"
+                          f" + {cache:g}*c_linear",
+                          machine.device.compute_seconds(flops, dtype, "linear", 1, cache)))
         local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
         terms.append(Term(f"op{n} update", f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
                           update_seconds(local, size, machine.device, optimizer), local * size))
-        rows = op.i / c.batch
         for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out,
                              rows * op.j / c.out * size),
                   _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size),

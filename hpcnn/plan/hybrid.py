@@ -7,9 +7,10 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
 
 - **compute** of a stage and micro-batch of m rows: (L/pp) x the block's forward (backward) FLOPs
   per rank at the device's rate times its "transformer" efficiency (the share of the matmul rate
-  the block attains with its element-wise passes, :class:`~hpcnn.plan.machine.Device`) plus
-  (L/pp) x its fixed cost per call (``overhead``, 1/3 in the forward, 2/3 in the backward, as
-  the FLOPs), the LM head (vocab-parallel over tp) on the last stage as a "linear" block;
+  the block's matmuls attain, :class:`~hpcnn.plan.machine.Device`), plus (L/pp) x its fixed cost
+  per call (``overhead``) and its element-wise passes (``elementwise`` seconds per byte of the
+  block's cache per rank), both split 1/3 forward, 2/3 backward as the FLOPs are; the LM head
+  (vocab-parallel over tp) on the last stage as a "linear" block on the stage's activation;
   ``remat="full"`` keeps only each block's input and runs its forward again in the backward
   (t_b += t_f);
 - **tensor parallelism** (Megatron): two allreduces of the block's activation (m x T x d) per block
@@ -183,11 +184,14 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     head = 2.0 * rows * model.seq * model.dim * model.vocab / tp     # LM head forward FLOPs
     act = rows * model.seq * model.dim * model.word                  # one activation
     tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp)) * per_stage
-    # a block's fixed cost (Device.overhead) is split as its FLOPs are: 1/3 forward, 2/3 back
-    t_f = dev.compute_seconds(per_stage * f, dtype, "transformer", per_stage / 3) + \
-        dev.compute_seconds(head, dtype, "linear", 1 / 3) + tp_s
-    t_b = dev.compute_seconds(per_stage * b, dtype, "transformer", 2 * per_stage / 3) + \
-        dev.compute_seconds(2 * head, dtype, "linear", 2 / 3) + tp_s
+    # a block's fixed cost and element-wise share (Device.overhead, .elementwise) are split as
+    # its FLOPs are: 1/3 forward, 2/3 backward
+    t_f = dev.compute_seconds(per_stage * f, dtype, "transformer", per_stage / 3,
+                              per_stage * cache / 3) + \
+        dev.compute_seconds(head, dtype, "linear", 1 / 3, act / 3) + tp_s
+    t_b = dev.compute_seconds(per_stage * b, dtype, "transformer", 2 * per_stage / 3,
+                              2 * per_stage * cache / 3) + \
+        dev.compute_seconds(2 * head, dtype, "linear", 2 / 3, 2 * act / 3) + tp_s
     if layout.remat == "full":
         t_b += t_f
     # zero bubble splits B into its input and weight halves (equal FLOPs: dx and dW products)

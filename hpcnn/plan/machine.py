@@ -25,9 +25,15 @@ thesis leaves open, and what is chosen here:
   matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the
   rate its forward + backward FLOPs (``spec()``) attain; calibration measures it on one reference
   size per kind, public-specification files take it from published model-FLOP utilisations.
-  A kind not listed runs at the full rate. ``overhead`` maps a kind to the fixed seconds of one
-  block's forward + backward whatever its size (the interpreter's and the kernel launches'
-  share: what makes many tiny micro-batches slow); calibration times a tiny block of the kind.
+  A kind not listed runs at the full rate. ``elementwise`` maps a kind to the seconds its
+  forward + backward spends per byte of the block's cache (``spec().bytes_cache``: the arrays
+  the element-wise passes write and read again), so that a block costs
+  overhead + FLOPs / (rate x efficiency) + cache bytes x elementwise: with one efficiency alone a
+  narrow block (more element-wise work per FLOP) was predicted 1.3x too fast and a wide one 1.4x
+  too slow; with both terms, fitted on two reference sizes, within -5 % .. +14 % over widths
+  64-512. ``overhead`` maps a kind to the fixed seconds of one block's forward + backward
+  whatever its size (the interpreter's and the kernel launches' share: what makes many tiny
+  micro-batches slow); calibration times a tiny block of the kind.
 
 Files are TOML (read with :mod:`tomllib`, written by :meth:`Machine.to_toml`); see
 ``machines/*.toml`` for examples with the sources of their numbers.
@@ -114,7 +120,8 @@ def _pieces(pieces, what: str) -> tuple:
 class Device:
     """One device (a core, a GPU): compute rate per dtype name (FLOP/s), memory bandwidth
     (bytes/s), memory capacity (bytes), the fraction of the rate each block kind attains
-    (``efficiency``, kind -> (0, 1]; missing kinds 1) and each kind's fixed seconds per forward +
+    (``efficiency``, kind -> (0, 1]; missing kinds 1), its seconds per cache byte
+    (``elementwise``, kind -> seconds >= 0; missing kinds 0) and its fixed seconds per forward +
     backward (``overhead``, kind -> seconds >= 0; missing kinds 0)."""
     name: str
     flops: dict = field(hash=False)
@@ -122,6 +129,7 @@ class Device:
     memory_bytes: float
     efficiency: dict = field(default_factory=dict, hash=False)
     overhead: dict = field(default_factory=dict, hash=False)
+    elementwise: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -141,12 +149,14 @@ class Device:
             raise ValueError(f"device {self.name!r}: efficiency = {eff}: a fraction of the "
                              "rate is at most 1")
         object.__setattr__(self, "efficiency", eff)
-        if not isinstance(self.overhead, dict):
-            raise ValueError(f"device {self.name!r}: overhead = {self.overhead!r}: expected a "
-                             "table block kind -> seconds")
-        object.__setattr__(self, "overhead", {
-            str(k): _positive(v, f"device overhead.{k}", allow_zero=True)
-            for k, v in self.overhead.items()})
+        for table in ("overhead", "elementwise"):
+            value = getattr(self, table)
+            if not isinstance(value, dict):
+                raise ValueError(f"device {self.name!r}: {table} = {value!r}: expected a "
+                                 "table block kind -> seconds")
+            object.__setattr__(self, table, {
+                str(k): _positive(v, f"device {table}.{k}", allow_zero=True)
+                for k, v in value.items()})
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
@@ -158,10 +168,12 @@ class Device:
         return rate * self.efficiency.get(kind, 1.0)
 
     def compute_seconds(self, flops: float, dtype: str = "float32", kind: str | None = None,
-                        calls: float = 0) -> float:
+                        calls: float = 0, cache_bytes: float = 0) -> float:
         """Seconds for ``flops`` floating-point operations of ``kind`` blocks in ``dtype``, plus
-        ``calls`` times the kind's fixed cost of one block's forward + backward."""
-        return flops / self.rate(dtype, kind) + calls * self.overhead.get(kind, 0.0)
+        ``calls`` times the kind's fixed cost of one block's forward + backward, plus its
+        element-wise seconds for ``cache_bytes`` of cache."""
+        return (flops / self.rate(dtype, kind) + calls * self.overhead.get(kind, 0.0)
+                + cache_bytes * self.elementwise.get(kind, 0.0))
 
     def stream_seconds(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` through memory (read + written bytes, as STREAM counts)."""
@@ -254,7 +266,8 @@ class Machine:
                  "[device.flops]                  # FLOP/s per dtype"]
         lines += [f"{_toml_str(k)} = {_toml_num(v)}" for k, v in self.device.flops.items()]
         for table, what in (("efficiency", "fraction of the rate per block kind"),
-                            ("overhead", "seconds per forward + backward of one block")):
+                            ("overhead", "seconds per forward + backward of one block"),
+                            ("elementwise", "seconds per byte of a block's cache")):
             if getattr(self.device, table):
                 lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
                 lines += [f"{_toml_str(k)} = {_toml_num(v)}"
@@ -316,7 +329,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
         device = Device(name=str(_get(dev, "name", at)), flops=_get(dev, "flops", at, dict),
                         memory_bandwidth=_get(dev, "memory_bandwidth", at),
                         memory_bytes=_get(dev, "memory_bytes", at),
-                        efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}))
+                        efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}),
+                        elementwise=dev.get("elementwise", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"

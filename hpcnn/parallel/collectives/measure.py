@@ -10,12 +10,13 @@
   and then on all ranks at once. The machine file records the all-at-once rates (what each rank
   gets in a step when ranks share cores); the alone rates go in its header comments.
 - **Per block kind** (:func:`block_costs`): hpcnn's own blocks, forward and backward, at a tiny
-  size (their fixed cost: ``overhead``) and at one reference size per kind
-  (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): ``efficiency`` is the
-  FLOPs of their ``spec()`` per second, the fixed cost taken off, over the matmul rate timed in
-  alternation with them. These are the machine's figures for the framework's element-wise
-  passes and per-call cost, not a profile of the model being planned: re-planning another width
-  or batch reruns nothing.
+  size (their fixed cost: ``overhead``) and at two reference sizes per kind, a wide and a narrow
+  one (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): each round times the
+  matmul, then both, and solves time - overhead = FLOPs / (rate x efficiency) + cache bytes x
+  elementwise for the two unknowns (the FLOPs and cache bytes from their ``spec()``); the
+  figures are the medians over rounds. These are the machine's figures for the framework's
+  element-wise passes and per-call cost, not a profile of the model being planned: re-planning
+  another width or batch reruns nothing.
 
 Every rank calls every function here (they contain collectives); medians keep one slow repeat
 on a shared machine from deciding the figure. """
@@ -33,10 +34,12 @@ SIZES = (8, 1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26)     # ping-pong bytes: 
 DTYPES = ("float32", "float64")
 MATMUL_N = 768                  # 2 n^3 = 0.9 GFLOP: ~10 ms fp32 on one core
 COPY_BYTES = 64 << 20           # 64 MiB: well past the caches
-# Reference blocks of the efficiency figures: a GPT block of width 256, 4 heads on 8 sequences
-# of 64 tokens; a Linear 512 -> 512 and its ReLU on 256 rows (an MLP layer). The overhead
-# figures time the same kinds at a tiny size: width 8, 2 heads, one sequence of 4; 8 -> 8 on 1.
-EFFICIENCY_SHAPES = {"transformer": (256, 4, (8, 64, 256)), "linear": (512, 512, (256, 512))}
+# Reference blocks of the efficiency figures, a wide and a narrow one per kind: GPT blocks of
+# width 256, 4 heads on 8 sequences of 64 tokens and of width 64, 2 heads on 32 sequences; a
+# Linear and its ReLU, 512 -> 512 on 256 rows and 64 -> 64 on 2048 rows. The overhead figures
+# time the same kinds at a tiny size: width 8, 2 heads, one sequence of 4; 8 -> 8 on 1 row.
+EFFICIENCY_SHAPES = {"transformer": ((256, 4, (8, 64, 256)), (64, 2, (32, 64, 64))),
+                     "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)))}
 OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
 
 
@@ -104,50 +107,61 @@ def matmul_rate(dtype: str, n: int = MATMUL_N, repeats: int = 5) -> float:
 
 
 def _blocks_step(kind: str, size: tuple, dtype: str):
-    """(step, FLOPs): one forward + backward of ``kind``'s blocks at ``size`` (a
-    :data:`EFFICIENCY_SHAPES` entry) as a function of no argument, and its spec() FLOPs."""
+    """(step, FLOPs, cache bytes): one forward + backward of ``kind``'s blocks at ``size`` (one
+    :data:`EFFICIENCY_SHAPES` entry) as a function of no argument, and their spec() figures."""
     from hpcnn.nn.layers import Linear, ReLU
     from hpcnn.nn.transformer import TransformerBlock
     a, b, shape = size
     blocks = ([TransformerBlock(a, b, dtype=dtype)] if kind == "transformer" else
               [Linear(a, b, dtype=dtype), ReLU(dtype=dtype)])
     x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
-    flops = 0.0
+    flops = cache = 0.0
     for blk in blocks:
         s = blk.spec(shape)
         flops += s.flops_fwd + s.flops_bwd
+        cache += s.bytes_cache
         shape = s.out_shape
 
     def step():
         y, caches = x, []
         for blk in blocks:
-            y, cache = blk.forward(y)
-            caches.append(cache)
+            y, c = blk.forward(y)
+            caches.append(c)
         dy = np.ones_like(y)
-        for blk, cache in zip(reversed(blocks), reversed(caches)):
-            dy = blk.backward(dy, cache)
+        for blk, c in zip(reversed(blocks), reversed(caches)):
+            dy = blk.backward(dy, c)
     step()                                                   # warm-up
-    return step, flops
+    return step, flops, cache
 
 
 def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
-    """(efficiency, overhead seconds) of ``kind``'s blocks in this process. The overhead is the
-    median forward + backward of the tiny blocks (:data:`OVERHEAD_SHAPES`); the efficiency the
-    median over rounds of (reference FLOPs / (its time - overhead)) / the n x n matmul's rate,
-    the matmul and the reference timed in alternation, so a change of load during the
-    calibration moves both sides of a ratio alike; capped at 1."""
-    tiny, _ = _blocks_step(kind, OVERHEAD_SHAPES[kind], dtype)
+    """(efficiency, overhead seconds, elementwise seconds per cache byte) of ``kind``'s blocks in
+    this process. The overhead is the median forward + backward of the tiny blocks
+    (:data:`OVERHEAD_SHAPES`). Each of ``repeats`` rounds then times the n x n matmul (its rate F)
+    and the wide and narrow reference blocks, and solves t - overhead = FLOPs / (F e) + bytes c for
+    1/e and c; the figures are the medians over rounds (a round whose solution has e > 1 takes
+    e = 1 and c from the narrow block, one with c < 0 takes c = 0 and e from the wide block),
+    so a change of load
+    during the calibration moves both sides of a round's equations alike."""
+    tiny, _, _ = _blocks_step(kind, OVERHEAD_SHAPES[kind], dtype)
     overhead = _median_seconds(tiny, 10 * repeats)
-    step, flops = _blocks_step(kind, EFFICIENCY_SHAPES[kind], dtype)
+    refs = [_blocks_step(kind, size, dtype) for size in EFFICIENCY_SHAPES[kind]]
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype) for _ in range(2))
     c = np.empty_like(a)
-    ratios = []
+    inv_eff, per_byte = [], []
     for _ in range(repeats):
-        t_mm = _median_seconds(lambda: np.matmul(a, b, out=c), 1)
-        t_blk = _median_seconds(step, 1)
-        ratios.append(flops / max(t_blk - overhead, t_blk / 10) / (2.0 * MATMUL_N ** 3 / t_mm))
-    return min(1.0, float(np.median(ratios))), overhead
+        rate = 2.0 * MATMUL_N ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), 1)
+        rows = [(f, q, max(_median_seconds(step, 1) - overhead, 1e-9)) for step, f, q in refs]
+        (f1, q1, t1), (f2, q2, t2) = rows
+        u, w = np.linalg.solve([[f1 / rate, q1], [f2 / rate, q2]], [t1, t2])
+        if u < 1:                              # faster than the matmul: e = 1, c from the narrow
+            u, w = 1.0, (t2 - f2 / rate) / q2
+        if w < 0:                              # no element-wise share: e from the wide alone
+            u, w = max(1.0, t1 * rate / f1), 0.0
+        inv_eff.append(u)
+        per_byte.append(w)
+    return 1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte))
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
@@ -176,11 +190,13 @@ def cpu_name() -> str:
 
 def device_rates() -> dict:
     """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
-    {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..}."""
+    {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
+    "elementwise.transformer": ..}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
     for kind in EFFICIENCY_SHAPES:
-        rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"] = block_costs(kind, "float32")
+        (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"],
+         rates[f"elementwise.{kind}"]) = block_costs(kind, "float32")
     return rates
 
 
@@ -201,7 +217,8 @@ def measure(comm) -> dict:
     alone = device_rates() if rank == 0 else None
     _quiet_barrier(comm)
     mine = device_rates()                                    # every rank at once
-    together = {k: comm.allreduce(v, op=MPI.MAX if k.startswith("overhead.") else MPI.MIN)
+    together = {k: comm.allreduce(v, op=MPI.MAX if k.startswith(("overhead.", "elementwise."))
+                                  else MPI.MIN)
                 for k, v in mine.items()}                    # the slowest rank's figures
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
@@ -225,7 +242,8 @@ def machine_text(meas: dict, name: str, size: int) -> str:
     device = Device(name=meas["cpu"], flops={dt: tog[dt] for dt in DTYPES},
                     memory_bandwidth=tog["copy"],
                     memory_bytes=memory_bytes(meas["ranks_here"]),
-                    efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"))
+                    efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"),
+                    elementwise=_kinds(tog, "elementwise"))
     levels = (fit_level(meas["sizes"], meas["seconds"], size),) if size > 1 else ()
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
@@ -239,7 +257,9 @@ def machine_text(meas: dict, name: str, size: int) -> str:
             + f", copy {tog['copy'] / 1e9:.1f}.",
             "# Blocks (float32, sizes in hpcnn/parallel/collectives/measure.py): efficiency "
             f"alone {_kinds(alone, 'efficiency')}, all at once {_kinds(tog, 'efficiency')}; "
-            f"overhead alone {_kinds(alone, 'overhead')}, all at once {_kinds(tog, 'overhead')}."]
+            f"overhead alone {_kinds(alone, 'overhead')}, all at once {_kinds(tog, 'overhead')}; "
+            f"elementwise alone {_kinds(alone, 'elementwise')}, all at once "
+            f"{_kinds(tog, 'elementwise')}."]
     if meas["seconds"]:
         head.append("# Ping-pong, all pairs at once, one-way median of the slowest pair: "
                     + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
