@@ -51,6 +51,9 @@ class TrainConfig:
     block_size: int = 64                # GPT context length in characters
     dropout: float = 0.0                # GPT dropout probability
     half_layers: bool = False           # GPT: each layer as two chain blocks (attention, MLP) for finer remat/pipeline cuts
+    spectral_features: int = 0          # GCN: append the k dominant eigenvectors of Â to the node features (k; 0 = off)
+    coarsen: str = "none"               # GCN: train on a coarsened graph, evaluate on the full one: none | heavy_edge | spectral | random
+    reduction: float = 1.0              # GCN --coarsen: coarse nodes / nodes (in (0, 1])
     max_plays: int = 0                  # Shakespeare: number of plays to load, 0 = all 38
     # -- how long ---------------------------------------------------------------------------
     steps: int = 0                      # optimizer steps; 0 = from epochs (digits, graphs), 1000 (text)
@@ -149,6 +152,7 @@ CHOICES = {            # option -> its allowed values
     "slowdown_mode": ("sleep", "spin"), "shard": ("contiguous", "skewed"),
     "remat": ("none", "sqrt", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu"),
     "schedule": tuple(SCHEDULES), "stop_signal": STOP_SIGNALS,
+    "coarsen": ("none", "heavy_edge", "spectral", "random"),
 }
 
 
@@ -192,6 +196,7 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
     "seed": AT_LEAST_0,            # NumPy's generators take non-negative seeds only
     "eval_interval": AT_LEAST_0, "eval_batches": AT_LEAST_1, "log_interval": AT_LEAST_1,
     "checkpoint_every": AT_LEAST_0, "hang_timeout": AT_LEAST_0,
+    "spectral_features": AT_LEAST_0, "reduction": Range(0, 1, open_lo=True),
 }
 # options with any value of their type: switches and paths; layout, speeds and slowdown are
 # parsed by _syntax_errors
@@ -284,6 +289,12 @@ def _graph_errors(c: TrainConfig, need) -> None:
     need(graph == (c.model == "gcn") or not c.dataset,
          f"model={c.model!r} with dataset={c.dataset!r}: the graphs "
          f"({', '.join(GRAPH_DATASETS)}) are for model='gcn', which takes only those")
+    reduce = c.spectral_features > 0 or c.coarsen != "none" or c.reduction != 1.0
+    need(c.model == "gcn" or not reduce,
+         f"spectral_features={c.spectral_features}, coarsen={c.coarsen!r}, reduction="
+         f"{c.reduction}: graph preprocessing is for model='gcn' (got model={c.model!r})")
+    need(c.coarsen != "none" or c.reduction == 1.0,
+         f"reduction={c.reduction} needs a coarsening (--coarsen=heavy_edge|spectral|random)")
     if c.model != "gcn":
         return
     need(c.tp == 1 and c.pp == 1, f"model='gcn' splits the graph over the dp ranks "

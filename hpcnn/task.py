@@ -102,8 +102,12 @@ class Task:
 class GraphTask(Task):
     """The :class:`Task` of a GCN (data: :mod:`hpcnn.graph.nodes`): every step's batch is the
     whole graph (rows in node order; the step gives rank r its block of rows), the evaluation
-    scores the test nodes of this rank's rows. ``rows``: the global nodes this rank holds."""
+    scores the test nodes of this rank's rows. ``rows``: the global nodes this rank holds.
+    A run on a coarsened graph (``data.full`` set) evaluates on the full graph: ``eval_op``
+    holds this rank's rows of the full Â, swapped into the GraphConv blocks for the evaluation
+    (the weights do not depend on the node count)."""
     rows: numpy.ndarray = None
+    eval_op: object = None
 
     def global_batch(self, step: int):
         return self.data.features, self.data.targets()
@@ -112,13 +116,52 @@ class GraphTask(Task):
         """[test loss sum, correct, count] over the test nodes among this rank's rows (every
         rank must call it: the forward exchanges halos)."""
         from hpcnn.nn.loss import SoftmaxCrossEntropy
-        d = self.data
-        is_test = numpy.isin(self.rows, d.test)
-        x, y = self.to_device(d.features[self.rows], numpy.where(is_test, d.labels[self.rows], -1))
-        logits = self.model.predict(x)                                     # (n_local, classes)
+        d, rows, convs = self.data, self.rows, [b for b in self.model.blocks if hasattr(b, "op")]
+        train_op = convs[0].op
+        if d.full is not None:
+            d, rows = d.full, self.eval_op.halo.rows
+            for b in convs:
+                b.op = self.eval_op
+        try:
+            is_test = numpy.isin(rows, d.test)
+            x, y = self.to_device(d.features[rows], numpy.where(is_test, d.labels[rows], -1))
+            logits = self.model.predict(x)                                 # (n_local, classes)
+        finally:
+            for b in convs:
+                b.op = train_op
         nll = SoftmaxCrossEntropy(ignore_index=-1, reduction="sum").forward(logits, y)[0]
         correct = float(backend.to_host((logits.argmax(axis=1) == y).sum()))   # y = -1: never
         return numpy.array([nll, correct, float(is_test.sum())])
+
+
+def with_spectral_features(data, k: int, graph_comm=None):
+    """``data`` with U_k of the full graph's Â appended to its features (:mod:`hpcnn.graph.
+    spectral`; on a coarse graph, the group means of the full graph's rows): computed by the
+    distributed Lanczos over the ranks of ``graph_comm`` (each rank its contiguous rows, then
+    gathered) or on one process, sign-normalised, so the same either way to the solver's
+    tolerance. The unit eigenvectors are scaled by sqrt(n), to a root mean square of 1 per
+    column, the scale of standardised features (unscaled, their entries ~ 1/sqrt(n) would be
+    drowned by features of unit scale). -> (the new data, the record for /plan)."""
+    import time
+    from dataclasses import replace
+    from hpcnn.graph.partition import RowPartition
+    from hpcnn.graph.spectral import spectral_embedding
+    t0 = time.perf_counter()
+    full = data.full if data.full is not None else data
+    size = 1 if graph_comm is None else graph_comm.size
+    raw = graph_comm.comm if size > 1 else None
+    part = RowPartition.contiguous(full.n_nodes, size)
+    _, u, rows, res = spectral_embedding(full.adjacency, k, raw, part, tol=1e-12)
+    vectors = numpy.empty((full.n_nodes, k))
+    for r, v in ([(rows, u)] if size == 1 else graph_comm.allgather_objects((rows, u))):
+        vectors[r] = v
+    vectors *= numpy.sqrt(full.n_nodes)
+    full = replace(full, features=numpy.hstack([full.features, vectors]))
+    record = {"spectral_features": k, "spectral_ranks": size, "spectral_matvecs": res.matvecs,
+              "spectral_s": time.perf_counter() - t0}
+    if data.full is None:
+        return full, record
+    return replace(data, features=data.coarsening.mean_features(full.features), full=full), record
 
 
 def build_graph_task(cfg, data, graph_comm=None, keep=None) -> GraphTask:
@@ -126,11 +169,19 @@ def build_graph_task(cfg, data, graph_comm=None, keep=None) -> GraphTask:
     (an hpcnn Communicator; None or one rank: the whole graph). The task's ``layout`` (logged
     under ``/plan`` ``operator_layout``) records the partition: rows per rank, the edge cut
     (stored entries of Â joining two ranks), halo rows per rank and halo bytes per layer (each
-    direction, all ranks together)."""
+    direction, all ranks together); and under ``preprocessing`` what was done to the data
+    (``--spectral_features``: k, ranks, matvecs, seconds; ``--coarsen``: the method, the node
+    counts and ratio, the coarse training nodes, seconds)."""
     from hpcnn.graph.partition import RowPartition
     from hpcnn.nn.gcn import GraphOperator, gcn
     dtype = backend.dtype_of(cfg.dtype)
     size = 1 if graph_comm is None else graph_comm.size
+    preprocessing = dict(data.record)
+    if cfg.spectral_features:
+        data, record = with_spectral_features(data, cfg.spectral_features, graph_comm)
+        preprocessing.update(record)
+    eval_op = None if data.full is None else GraphOperator.from_global(
+        data.full.a_hat, RowPartition.contiguous(data.full.n_nodes, size), graph_comm, dtype)
     part = RowPartition.contiguous(data.n_nodes, size)
     op = GraphOperator.from_global(data.a_hat, part, graph_comm, dtype)
     model = gcn(op, data.features.shape[1], cfg.hidden, data.n_classes, n_train=data.train.size,
@@ -142,9 +193,9 @@ def build_graph_task(cfg, data, graph_comm=None, keep=None) -> GraphTask:
               "rows_per_rank": part.counts().tolist(), "edge_cut": part.edge_cut(data.a_hat),
               "halo_rows_per_rank": ghosts,
               "halo_bytes_per_layer": [sum(ghosts) * w * dtype.itemsize if size > 1 else 0
-                                       for w in widths]}
+                                       for w in widths], "preprocessing": preprocessing}
     steps = cfg.steps or max(1, math.ceil(cfg.epochs))
-    return GraphTask(cfg, data, model, steps, layout=layout, rows=op.halo.rows)
+    return GraphTask(cfg, data, model, steps, layout=layout, rows=op.halo.rows, eval_op=eval_op)
 
 
 def metrics_from_sums(sums, is_text: bool) -> dict:

@@ -48,6 +48,9 @@ SCRIPT_SHORTEN = {
     "benchmarks/graph_eigs.py": ["--nodes=3000", "--rounds=1"],
     "experiments/graph_partition.py": ["--nodes=2000"],
     "benchmarks/plan_search.py": ["--tiny"],
+    "experiments/graph_features.py": ["--nodes=300", "--snrs=0,1", "--seeds=1", "--steps=20"],
+    "experiments/graph_reduction.py": ["--nodes=300", "--ratios=1,0.3", "--seeds=1",
+                                       "--steps=20"],
 }
 SKIP = {"make": "runs the whole test suite or demo", "pip": "changes the environment",
         "module": "changes the environment (cluster modules)"}

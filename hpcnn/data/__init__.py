@@ -192,7 +192,7 @@ def for_config(cfg) -> ArrayData | TextData:
     CNN; the graphs of ``--model=gcn``, :mod:`hpcnn.graph.nodes`); every rank loads it alike."""
     if cfg.model == "gcn":
         from hpcnn.graph.nodes import graph_data
-        return graph_data(cfg.dataset, cfg.seed)
+        return graph_data(cfg.dataset, cfg.seed, cfg.coarsen, cfg.reduction)
     if cfg.dataset == "digits":
         return digits(image=cfg.model == "cnn")
     return shakespeare(max_plays=cfg.max_plays or None, fallback=cfg.dataset == "sonnet")
@@ -207,6 +207,10 @@ def misfits(cfg, data) -> list[str]:
     if cfg.model == "gcn":           # full batch: the step's batch is the graph (preflight.planned)
         if cfg.dp > data.n_nodes:
             errs.append(f"dp={cfg.dp}: {data.name} has {data.n_nodes} nodes, at least one per rank")
+        n = (data.full or data).n_nodes
+        if cfg.spectral_features and not cfg.spectral_features < n - 1:
+            errs.append(f"spectral_features={cfg.spectral_features}: {cfg.dataset} has {n} "
+                        f"nodes, at most {n - 2} eigenvectors (Lanczos needs k < n - 1)")
         return errs
     if isinstance(data, TextData):
         shortest = min(len(data.train), len(data.val))

@@ -14,10 +14,25 @@ Data sets (built, never downloaded; :mod:`hpcnn.graph.data`): ``karate`` (34 nod
 ``lesmis`` (77 nodes, no labels: one class, a halo-volume example only), ``digits_knn`` (1797
 nodes, 10 digits, the 10-NN graph of the pixels), ``sbm`` (2000 nodes, 4 blocks, 16 noisy
 features of signal-to-noise ratio 0.5).
+
+Graph reduction (``--coarsen=heavy_edge|spectral|random --reduction=R``,
+:mod:`hpcnn.graph.coarsen`): :func:`graph_data` returns the **coarse** graph to train on, with
+the full graph in ``full`` to evaluate on. A GCN's weights do not depend on the node count, so the
+weights trained on ``Â_c``, ``X_c`` (group means) score the full graph's test nodes as they are.
+The coarse loss sees only what the fine split lets it see: a coarse node is a training node when
+its group holds at least one fine training node, and its target is the majority label **of those
+training nodes** (ties: the smallest label), never a test node's label. The other coarse nodes
+carry the label -1 and are ignored by the loss. The split itself is that of the full graph (the
+same ``seed``), so a reduced run is scored on the same test nodes as the full run.
+
+Spectral features (``--spectral_features=K``) are appended in :func:`hpcnn.task.build_graph_task`
+(there the ranks are known, for the distributed Lanczos): U_k of the full graph's Â, and on a
+coarse graph their group means, so that the coarse and full features mean the same thing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
 
 import numpy
 import scipy.sparse as sp
@@ -36,6 +51,10 @@ class GraphData:
     train: numpy.ndarray          # sorted node indices whose labels the loss sees
     test: numpy.ndarray           # sorted node indices the evaluation scores
     n_classes: int
+    adjacency: sp.csr_matrix | None = None   # A (unnormalised), for the spectral features
+    full: "GraphData | None" = None      # the graph to evaluate on, when this one is its coarsening
+    coarsening: object = None            # the hpcnn.graph.coarsen.Coarsening from full to this graph
+    record: dict = field(default_factory=dict)    # what was done to the data, for the log's /plan
 
     @property
     def n_nodes(self) -> int:
@@ -61,15 +80,60 @@ def node_split(labels: numpy.ndarray, seed: int) -> tuple[numpy.ndarray, numpy.n
     return train, numpy.setdiff1d(numpy.arange(labels.size), train)
 
 
-def graph_data(name: str, seed: int = 0) -> GraphData:
-    """The graph data set ``name`` (one of :data:`GRAPH_DATASETS`), split with ``seed``."""
+def coarsened(data: GraphData, method: str, reduction: float, seed: int = 0) -> GraphData:
+    """``data`` coarsened by ``method`` (heavy_edge, spectral or random) to ``round(reduction
+    n)`` nodes; the full graph kept in ``full`` (module docstring: the coarse training nodes and
+    their targets)."""
+    from hpcnn.graph import coarsen
+    from hpcnn.graph.data import normalized_adjacency
+    t0 = time.perf_counter()
+    n, adjacency = data.n_nodes, data.adjacency
+    if method == "heavy_edge":
+        c = coarsen.heavy_edge_matching(adjacency, reduction, seed=seed)
+    elif method == "spectral":
+        c = coarsen.spectral_clustering(adjacency, reduction, k=min(8, n - 2), seed=seed)
+    elif method == "random":
+        c = coarsen.random_assignment(n, coarsen._target(n, reduction), seed=seed)
+    else:
+        raise ValueError(f"coarsen={method!r}: expected heavy_edge, spectral or random")
+    groups = c.assign[data.train]
+    votes = numpy.zeros((c.n_coarse, data.n_classes), dtype=numpy.int64)
+    numpy.add.at(votes, (groups, data.labels[data.train]), 1)
+    train = numpy.unique(groups)
+    labels = numpy.full(c.n_coarse, -1, dtype=numpy.int64)
+    labels[train] = votes[train].argmax(axis=1)          # argmax: ties go to the smallest label
+    seconds = time.perf_counter() - t0
+    record = {"coarsen": method, "reduction": float(reduction), "nodes": n,
+              "coarse_nodes": c.n_coarse, "coarse_ratio": c.ratio,
+              "coarse_train_nodes": int(train.size), "train_nodes": int(data.train.size),
+              "coarsen_s": seconds}
+    a_coarse = c.coarse_adjacency(adjacency)
+    return GraphData(f"{data.name}_{method}{c.n_coarse}", normalized_adjacency(a_coarse),
+                     c.mean_features(data.features), labels, train,
+                     numpy.setdiff1d(numpy.arange(c.n_coarse), train), data.n_classes,
+                     a_coarse, full=data, coarsening=c, record=record)
+
+
+def from_graph(graph, seed: int = 0) -> GraphData:
+    """The node-classification data of a :class:`hpcnn.graph.data.Graph`, split with ``seed``."""
+    from hpcnn.graph.data import normalized_adjacency
+    train, test = node_split(graph.labels, seed)
+    return GraphData(graph.name, normalized_adjacency(graph.adjacency), graph.features,
+                     graph.labels, train, test, int(graph.labels.max()) + 1, graph.adjacency)
+
+
+def graph_data(name: str, seed: int = 0, coarsen: str = "none", reduction: float = 1.0
+               ) -> GraphData:
+    """The graph data set ``name`` (one of :data:`GRAPH_DATASETS`), split with ``seed``;
+    with ``coarsen`` (not "none"), its coarsening to ``reduction`` of the nodes
+    (:func:`coarsened`, seeded by ``seed``)."""
     from hpcnn.graph import data as g
     makers = {"karate": g.karate_club, "lesmis": g.les_miserables,
               "digits_knn": lambda: g.digits_knn(10),
               "sbm": lambda: g.sbm(2000, blocks=4, avg_degree=10.0, features=16, snr=0.5, seed=0)}
     if name not in makers:
         raise ValueError(f"graph data set {name!r}: expected one of {', '.join(GRAPH_DATASETS)}")
-    graph = makers[name]()
-    train, test = node_split(graph.labels, seed)
-    return GraphData(name, g.normalized_adjacency(graph.adjacency), graph.features,
-                     graph.labels, train, test, int(graph.labels.max()) + 1)
+    data = replace(from_graph(makers[name](), seed), name=name)
+    if coarsen == "none":
+        return data
+    return coarsened(data, coarsen, reduction, seed)
