@@ -249,6 +249,33 @@ def _matches(p: int, a: Cut, b: Cut) -> bool:
                 and np.all(need_col // (b.reduce // a.out) == have_col))
 
 
+def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
+                    relu: bool) -> list:
+    """The supersteps of operator ``n`` under Cut ``c`` (see :func:`strategy_cost`): compute,
+    update, the reductions of y and dx and the gradient allreduce; ``relu``: a ReLU follows."""
+    p, size = machine.p, DTYPE_BYTES[dtype]
+    width = c.batch * c.reduce * c.out
+    if p % width:
+        raise ValueError(f"operator {n}: {c} uses {width} devices, which does not divide p = {p}")
+    flops = 3 * 2 * op.i * op.j * op.k / width
+    rows = op.i / c.batch
+    cache = rows * (op.k / c.reduce + (op.j / c.out if relu else 0)) * size  # x, ReLU's y
+    terms = [Term(f"op{n} compute",
+                  f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear"
+                  f" + {cache:g}*c_linear",
+                  machine.device.compute_seconds(flops, dtype, "linear", 1, cache))]
+    local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
+    terms.append(Term(f"op{n} update", f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
+                      update_seconds(local, size, machine.device, optimizer), local * size))
+    for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out, rows * op.j / c.out * size),
+              _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size),
+              _allreduce(machine, f"op{n} grad allreduce", c.batch * (p // width),
+                         c.reduce * c.out, op.k / c.reduce * op.j / c.out * size)):
+        if t is not None:
+            terms.append(t)
+    return terms
+
+
 def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
                   optimizer: str = "adamw") -> StrategyCost:
     """BSP seconds of one training step of ``graph`` with one Cut per operator on ``machine``.
@@ -281,28 +308,8 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
         raise ValueError(f"{len(cuts)} cuts for {len(graph.ops)} operators")
     terms = []
     for n, (op, c) in enumerate(zip(graph.ops, cuts)):
-        width = c.batch * c.reduce * c.out
-        if p % width:
-            raise ValueError(f"operator {n}: {c} uses {width} devices, "
-                             f"which does not divide p = {p}")
-        flops = 3 * 2 * op.i * op.j * op.k / width
-        # the cache of the Linear (its local input) and of the ReLU after it (all but the last)
-        rows = op.i / c.batch
-        cache = rows * (op.k / c.reduce + (op.j / c.out if n < len(graph.ops) - 1 else 0)) * size
-        terms.append(Term(f"op{n} compute",
-                          f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear"
-                          f" + {cache:g}*c_linear",
-                          machine.device.compute_seconds(flops, dtype, "linear", 1, cache)))
-        local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
-        terms.append(Term(f"op{n} update", f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
-                          update_seconds(local, size, machine.device, optimizer), local * size))
-        for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out,
-                             rows * op.j / c.out * size),
-                  _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size),
-                  _allreduce(machine, f"op{n} grad allreduce", c.batch * (p // width),
-                             c.reduce * c.out, op.k / c.reduce * op.j / c.out * size)):
-            if t is not None:
-                terms.append(t)
+        terms += _operator_terms(n, op, c, machine, dtype, optimizer,
+                                 relu=n < len(graph.ops) - 1)
     for a, b in graph.edges:
         ca, cb = cuts[a], cuts[b]
         if _matches(p, ca, cb):
