@@ -44,11 +44,12 @@ def epoch_panels(row, t, attrs) -> None:
     row[0].set_ylabel("epoch (full-batch step) ms")
     row[1].set_title(f"halo per layer (hidden {int(attrs['hidden'])}, float32, one direction)",
                      fontsize=9)
-    row[1].set_ylabel("KiB")
+    row[1].set_ylabel("KiB (log scale)")
+    row[1].set_yscale("log")
+    row[0].set_ylim(bottom=0)
     for ax in row:
         ax.set_xlabel("ranks p")
         ax.set_xticks(sorted(set(t["parts"].tolist())))
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     row[0].legend(fontsize=7)
 

@@ -129,7 +129,7 @@ def train_run(graph: str, p: int, kind: str, a, log: str) -> dict:
            f"--steps={a.steps}", f"--hidden={a.hidden}", "--dtype=float32", "--eval_interval=0",
            "--progress=false", "--allreduce=mpi", f"--log={log}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     run = read_run(log)
     t = run.metrics["step_time"]
     layout = run.plan["operator_layout"]
@@ -145,7 +145,7 @@ def epoch_times(a) -> tuple[list, list]:
     medians and the load averages seen at each round's start."""
     graphs, parts, kinds = a.train_graphs.split(","), [int(p) for p in a.train_parts.split(",")], \
         a.kinds.split(",")
-    folder = os.path.join(a.out, "runs")
+    folder = os.path.abspath(os.path.join(a.out, "runs"))
     os.makedirs(folder, exist_ok=True)
     got, loads = {}, []
     for r in range(a.rounds):

@@ -46,7 +46,9 @@ SCRIPT_SHORTEN = {
     "experiments/plan_crossover.py": ["--batches=32", "--widths=8", "--rounds=1", "--steps=2"],
     "experiments/plan_portability.py": ["--changes=5,6", "--reps=1", "--replans=1"],
     "benchmarks/graph_eigs.py": ["--nodes=3000", "--rounds=1"],
-    "experiments/graph_partition.py": ["--nodes=2000"],
+    "experiments/graph_partition.py": ["--nodes=2000", "--train_graphs=karate", "--train_parts=2",
+                                       "--rounds=1", "--steps=3"],
+    "benchmarks/graph_unite.py": ["--nodes=3000", "--rounds=1"],
     "benchmarks/plan_search.py": ["--tiny"],
 }
 SKIP = {"make": "runs the whole test suite or demo", "pip": "changes the environment",
