@@ -12,7 +12,8 @@ Each round runs the three in an order that rotates from round to round; a varian
 median over rounds of the slowest rank's seconds. The residual history (the largest relative
 residual estimate of the k wanted Ritz pairs after each cycle, and its time) is kept from the
 last round; the restart counts do not depend on the round. Printed: per variant the restarts,
-the median seconds, the matvecs and the true residuals; saved in ``--out``: table
+the median seconds, the matvecs and the true residuals (for ``unite``: how many times each
+instance restarted from the other's state); saved in ``--out``: table
 ``unite_p{size}`` (one row per variant) and ``history_p{size}`` (one row per variant and cycle;
 for ``unite`` each instance's estimate and the best of them).
 
@@ -44,7 +45,8 @@ VARIANTS = ("single_m1", "single_m2", "unite")
 
 
 def run_variant(name, a, op, comm, o):
-    """-> (seconds on the slowest rank, restarts, matvecs, largest true residual, history)."""
+    """-> (seconds on the slowest rank, restarts, matvecs, largest true residual, history,
+    restarts at which each unite-and-conquer instance took the other's state (0, 0: single))."""
     history = []
     comm.Barrier()
     t = time.perf_counter()
@@ -52,14 +54,15 @@ def run_variant(name, a, op, comm, o):
         res = unite_and_conquer(a, comm, o.k, subspaces=(o.m1, o.m2), tol=o.tol, seed=o.seed,
                                 history=history)
         restarts, matvecs, converged = res.cycles, int(res.matvecs.sum()), res.converged
+        adopted = tuple(int(x) for x in res.adopted)
     else:
         m = o.m1 if name == "single_m1" else o.m2
         res = lanczos(op, o.k, m=m, tol=o.tol, seed=o.seed, history=history)
-        restarts, matvecs, converged = res.restarts, res.matvecs, res.converged
+        restarts, matvecs, converged, adopted = res.restarts, res.matvecs, res.converged, (0, 0)
     seconds = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
     if not converged:
         raise SystemExit(f"{name} did not reach tol={o.tol}")
-    return seconds, restarts, matvecs, float(res.residuals.max()), history
+    return seconds, restarts, matvecs, float(res.residuals.max()), history, adopted
 
 
 def main(argv=None) -> int:
@@ -95,19 +98,22 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     rows, hist = [], []
     for v in VARIANTS:
-        _, restarts, matvecs, resid, history = last[v]
+        _, restarts, matvecs, resid, history, adopted = last[v]
         med = float(np.median(times[v]))
         rows.append({"variant": v, "ranks": size, "nodes": a.shape[0], "k": o.k, "m1": o.m1,
                      "m2": o.m2, "tol": o.tol, "restarts": restarts, "seconds": med,
                      "seconds_min": min(times[v]), "seconds_max": max(times[v]),
-                     "matvecs": matvecs, "true_residual": resid})
+                     "matvecs": matvecs, "true_residual": resid, "adopted_m1": adopted[0],
+                     "adopted_m2": adopted[1]})
         for cycle, entry in enumerate(history):
             worst = entry[1] if v == "unite" else [entry[1]]
             hist.append({"variant": v, "cycle": cycle, "seconds": entry[0],
                          "residual": min(worst), "instance_m1": worst[0],
                          "instance_m2": worst[-1]})
         print(f"  {v:10s} {restarts:3d} restarts  median {med:.3f} s  (range {min(times[v]):.3f}-"
-              f"{max(times[v]):.3f})  {matvecs} matvecs  true residual {resid:.1e}")
+              f"{max(times[v]):.3f})  {matvecs} matvecs  true residual {resid:.1e}"
+              + (f"  adopted the other's state: m1 {adopted[0]}, m2 {adopted[1]} times"
+                 if v == "unite" else ""))
     print(f"  load {load:.2f}")
     attrs = {"load_avg_1min": load, "rounds": o.rounds}
     save_table(o.out, f"unite_p{size}", rows, attrs)
