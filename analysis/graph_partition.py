@@ -4,7 +4,11 @@
 
 One row of panels per graph. Left: the edge cut as a fraction of the edges against the number of
 parts p; right: the halo volume (rows all ranks receive per GCN layer) per node. One line per
-partitioner (contiguous, random, spectral bisection, METIS when it was run).
+partitioner (contiguous, random, spectral bisection, METIS when it was run). When the results
+hold the "epochs" table, a last row: the median epoch (full-batch step) time of
+``hpcnn train --model=gcn --partition=KIND`` (left; the bars: the range over rounds) and its
+halo bytes per layer (right) against p, one line per kind, solid for the first training data
+set, dashed for the second, dotted for a third.
 """
 import argparse
 import os
@@ -20,6 +24,36 @@ STYLE = {"contiguous": ("tab:gray", "s"), "random": ("tab:red", "x"),
          "spectral": ("tab:blue", "o"), "metis": ("tab:green", "^")}
 
 
+def epoch_panels(row, t, attrs) -> None:
+    """Epoch time and halo bytes per layer against p, per training graph and partition kind."""
+    dashes = ("-", "--", ":")
+    for gi, g in enumerate(dict.fromkeys(t["graph"].tolist())):
+        for kind in dict.fromkeys(t["kind"].tolist()):
+            sel = (t["graph"] == g) & (t["kind"] == kind)
+            order = np.argsort(t["parts"][sel])
+            p = t["parts"][sel][order]
+            color, marker = STYLE.get(kind, ("k", "."))
+            ms = 1e3 * t["step_s"][sel][order]
+            err = [ms - 1e3 * t["step_min_s"][sel][order], 1e3 * t["step_max_s"][sel][order] - ms]
+            style = dict(color=color, marker=marker, linestyle=dashes[gi % 3], label=f"{g} {kind}")
+            row[0].errorbar(p, ms, yerr=err, capsize=3, **style)
+            row[1].plot(p, t["halo_bytes_per_layer"][sel][order] / 2**10, **style)
+    load = f"load {float(attrs['load_min']):.1f}-{float(attrs['load_max']):.1f}"
+    row[0].set_title(f"hpcnn train --model=gcn: median epoch, {int(attrs['rounds'])} rounds, {load}",
+                     fontsize=9)
+    row[0].set_ylabel("epoch (full-batch step) ms")
+    row[1].set_title(f"halo per layer (hidden {int(attrs['hidden'])}, float32, one direction)",
+                     fontsize=9)
+    row[1].set_ylabel("KiB (log scale)")
+    row[1].set_yscale("log")
+    row[0].set_ylim(bottom=0)
+    for ax in row:
+        ax.set_xlabel("ranks p")
+        ax.set_xticks(sorted(set(t["parts"].tolist())))
+        ax.grid(alpha=0.3)
+    row[0].legend(fontsize=7)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
@@ -28,9 +62,15 @@ def main(argv=None) -> int:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import h5py
     t, attrs = load_table(a.results, "partitions")
+    with h5py.File(a.results, "r") as f:
+        has_epochs = "epochs" in f
     graphs = list(dict.fromkeys(t["graph"].tolist()))
-    fig, axes = plt.subplots(len(graphs), 2, figsize=(9, 3.2 * len(graphs)), squeeze=False)
+    fig, axes = plt.subplots(len(graphs) + has_epochs, 2, figsize=(9, 3.2 * (len(graphs) + has_epochs)),
+                             squeeze=False)
+    if has_epochs:
+        epoch_panels(axes[-1], *load_table(a.results, "epochs"))
     for row, g in zip(axes, graphs):
         on = t["graph"] == g
         n, e = int(t["nodes"][on][0]), int(t["edges"][on][0])

@@ -25,7 +25,8 @@ from hpcnn.parallel.schedules import SCHEDULES
 from hpcnn.signals import STOP_SIGNALS
 
 MODELS = ("mlp", "cnn", "gpt", "gcn")
-GRAPH_DATASETS = ("karate", "lesmis", "digits_knn", "sbm")       # hpcnn.graph.task
+GRAPH_DATASETS = ("karate", "lesmis", "digits_knn", "sbm", "sbm20k")       # hpcnn.graph.nodes
+GRAPH_PARTITIONS = ("contiguous", "random", "spectral", "metis")  # hpcnn.graph.partitioners
 DATASETS = ("digits", "shakespeare", "sonnet") + GRAPH_DATASETS
 DEFAULT_DATASET = {"mlp": "digits", "cnn": "digits", "gpt": "shakespeare", "gcn": "karate"}
 
@@ -44,6 +45,7 @@ class TrainConfig:
     model: str = "mlp"                  # mlp | cnn | gpt | gcn (graph convolution, node classification)
     dataset: str = ""                   # digits | shakespeare | sonnet (tiny built-in text) | karate | lesmis | digits_knn | sbm (graphs, gcn); "" = model's default
     hidden: tuple[int, ...] = (256, 256)  # MLP (and GCN) hidden widths
+    partition: str = "contiguous"       # GCN: who holds which graph rows: contiguous | random | spectral (recursive bisection) | metis (needs pymetis)
     channels: tuple[int, ...] = (16, 32)  # CNN conv channels (one 3x3 conv + 2x2 pool each)
     n_layers: int = 2                   # GPT transformer blocks
     dim: int = 128                      # GPT width (embedding size)
@@ -150,6 +152,7 @@ CHOICES = {            # option -> its allowed values
     "lr_schedule": ("cosine", "constant"), "allreduce": ALLREDUCE,
     "balance": ("equal", "proportional"), "combine": ("weighted", "uniform"),
     "slowdown_mode": ("sleep", "spin"), "shard": ("contiguous", "skewed"),
+    "partition": GRAPH_PARTITIONS,
     "remat": ("none", "sqrt", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu"),
     "schedule": tuple(SCHEDULES), "stop_signal": STOP_SIGNALS,
     "coarsen": ("none", "heavy_edge", "spectral", "random"),
@@ -296,12 +299,17 @@ def _graph_errors(c: TrainConfig, need) -> None:
     need(c.coarsen != "none" or c.reduction == 1.0,
          f"reduction={c.reduction} needs a coarsening (--coarsen=heavy_edge|spectral|random)")
     if c.model != "gcn":
+        need(c.partition == "contiguous", f"partition={c.partition!r} cuts a graph's rows: "
+                                          f"it is for model='gcn' (got model={c.model!r})")
         return
+    need(c.partition != "metis" or importlib.util.find_spec("pymetis") is not None,
+         "partition='metis' needs the optional package pymetis, which is not installed here "
+         "(pip install pymetis); use contiguous, random or spectral")
     need(c.tp == 1 and c.pp == 1, f"model='gcn' splits the graph over the dp ranks "
                                   f"(--dp = number of ranks): got tp={c.tp}, pp={c.pp}")
     need(c.grad_accum == 1 and c.balance == "equal" and c.combine == "weighted"
          and c.shard == "contiguous",
-         f"model='gcn' runs full-batch steps on equal contiguous row blocks: got grad_accum="
+         f"model='gcn' runs full-batch steps on the --partition row sets: got grad_accum="
          f"{c.grad_accum}, balance={c.balance!r}, combine={c.combine!r}, shard={c.shard!r}")
     need(c.remat == "none" and not c.plan and c.device == "cpu",
          f"model='gcn' runs on the CPU without remat or --plan: got remat={c.remat!r}, "

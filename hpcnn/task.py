@@ -101,16 +101,21 @@ class Task:
 @dataclass
 class GraphTask(Task):
     """The :class:`Task` of a GCN (data: :mod:`hpcnn.graph.nodes`): every step's batch is the
-    whole graph (rows in node order; the step gives rank r its block of rows), the evaluation
-    scores the test nodes of this rank's rows. ``rows``: the global nodes this rank holds.
+    whole graph, its rows ordered by owner rank (``order``: rank 0's nodes, then rank 1's, ...,
+    each increasing), so that the step's contiguous data-parallel shares (``shares``: the rows
+    per rank) hand rank r exactly the nodes ``--partition`` gave it; the evaluation scores the
+    test nodes of this rank's rows. ``rows``: the global nodes this rank holds.
     A run on a coarsened graph (``data.full`` set) evaluates on the full graph: ``eval_op``
-    holds this rank's rows of the full Â, swapped into the GraphConv blocks for the evaluation
-    (the weights do not depend on the node count)."""
+    holds this rank's rows of the full Â (contiguous rows, whatever ``--partition``), swapped
+    into the GraphConv blocks for the evaluation (the weights do not depend on the node
+    count)."""
     rows: numpy.ndarray = None
     eval_op: object = None
+    order: numpy.ndarray = None
+    shares: numpy.ndarray = None
 
     def global_batch(self, step: int):
-        return self.data.features, self.data.targets()
+        return self.data.features[self.order], self.data.targets()[self.order]
 
     def eval_sums(self, ctx=None) -> numpy.ndarray:
         """[test loss sum, correct, count] over the test nodes among this rank's rows (every
@@ -164,14 +169,52 @@ def with_spectral_features(data, k: int, graph_comm=None):
     return replace(data, features=data.coarsening.mean_features(full.features), full=full), record
 
 
+def graph_partition(cfg, a_hat, graph_comm=None):
+    """(the :class:`~hpcnn.graph.partition.RowPartition` ``cfg.partition`` names over the ranks of
+    ``graph_comm``, the seconds it took). Rank 0 computes it and broadcasts the owner vector: a
+    spectral bisection's floating-point ties could otherwise fall differently on different
+    ranks, and the others would wait for it anyway. The partitioners see the graph's adjacency
+    pattern (Â without its diagonal: A itself for an unweighted graph); ``random`` draws with
+    ``cfg.seed``."""
+    import time
+    from hpcnn.graph.partition import RowPartition
+    from hpcnn.graph.partitioners import partition
+    size = 1 if graph_comm is None else graph_comm.size
+    n, seconds = a_hat.shape[0], 0.0
+    if size == 1 or cfg.partition == "contiguous":
+        return RowPartition.contiguous(n, size), seconds
+    owner, error = numpy.empty(n, dtype=numpy.int64), None
+    if graph_comm.rank == 0:
+        t0 = time.perf_counter()
+        try:
+            adjacency = a_hat.tolil()
+            adjacency.setdiag(0)
+            adjacency = adjacency.tocsr()
+            adjacency.eliminate_zeros()
+            owner[:] = partition(adjacency, size, cfg.partition, seed=cfg.seed).owner
+        except (ValueError, ImportError, ArithmeticError) as e:      # every rank raises it
+            error = f"partition={cfg.partition!r} of {n} nodes over {size} ranks failed: {e}"
+        seconds = time.perf_counter() - t0
+        if cfg.progress and error is None:
+            print(f"hpcnn: {cfg.partition} partition of {n} nodes over {size} ranks in "
+                  f"{seconds:.2f} s", flush=True)
+    seconds, error = graph_comm.bcast_object((seconds, error), root=0)
+    if error is not None:
+        raise ValueError(error)
+    graph_comm.bcast(owner, root=0)
+    return RowPartition.from_parts(owner, size), float(seconds)
+
+
 def build_graph_task(cfg, data, graph_comm=None, keep=None) -> GraphTask:
     """The GCN of ``cfg`` (``--hidden`` widths) on ``data``, its rows split over ``graph_comm``
-    (an hpcnn Communicator; None or one rank: the whole graph). The task's ``layout`` (logged
-    under ``/plan`` ``operator_layout``) records the partition: rows per rank, the edge cut
-    (stored entries of Â joining two ranks), halo rows per rank and halo bytes per layer (each
-    direction, all ranks together); and under ``preprocessing`` what was done to the data
-    (``--spectral_features``: k, ranks, matvecs, seconds; ``--coarsen``: the method, the node
-    counts and ratio, the coarse training nodes, seconds)."""
+    (an hpcnn Communicator; None or one rank: the whole graph) by ``--partition``
+    (:func:`graph_partition`; of the coarse graph when ``--coarsen``). The task's ``layout``
+    (logged under ``/plan`` ``operator_layout``) records the partition: its kind and seconds,
+    rows per rank, the edge cut (stored entries of Â joining two ranks: twice the cut edges),
+    halo rows per rank and halo bytes per layer (each direction, all ranks together); and under
+    ``preprocessing`` what was done to the data (``--spectral_features``: k, ranks, matvecs,
+    seconds; ``--coarsen``: the method, the node counts and ratio, the coarse training nodes,
+    seconds)."""
     from hpcnn.graph.partition import RowPartition
     from hpcnn.nn.gcn import GraphOperator, gcn
     dtype = backend.dtype_of(cfg.dtype)
@@ -182,20 +225,22 @@ def build_graph_task(cfg, data, graph_comm=None, keep=None) -> GraphTask:
         preprocessing.update(record)
     eval_op = None if data.full is None else GraphOperator.from_global(
         data.full.a_hat, RowPartition.contiguous(data.full.n_nodes, size), graph_comm, dtype)
-    part = RowPartition.contiguous(data.n_nodes, size)
+    part, seconds = graph_partition(cfg, data.a_hat, graph_comm)
     op = GraphOperator.from_global(data.a_hat, part, graph_comm, dtype)
     model = gcn(op, data.features.shape[1], cfg.hidden, data.n_classes, n_train=data.train.size,
                 n_nodes=data.n_nodes, seed=cfg.seed, dtype=dtype, keep=keep)
     ghosts = ([op.n_ghost] if size == 1 else
               [int(g) for g in graph_comm.allgather_objects(op.n_ghost)])
     widths = [b.n_out for b in model.blocks if hasattr(b, "op")]
-    layout = {"graph_partition": "contiguous", "ranks": size,
+    layout = {"graph_partition": cfg.partition if size > 1 else "contiguous", "ranks": size,
+              "partition_seconds": seconds,
               "rows_per_rank": part.counts().tolist(), "edge_cut": part.edge_cut(data.a_hat),
               "halo_rows_per_rank": ghosts,
               "halo_bytes_per_layer": [sum(ghosts) * w * dtype.itemsize if size > 1 else 0
                                        for w in widths], "preprocessing": preprocessing}
     steps = cfg.steps or max(1, math.ceil(cfg.epochs))
-    return GraphTask(cfg, data, model, steps, layout=layout, rows=op.halo.rows, eval_op=eval_op)
+    return GraphTask(cfg, data, model, steps, layout=layout, rows=op.halo.rows, eval_op=eval_op,
+                     order=numpy.argsort(part.owner, kind="stable"), shares=part.counts())
 
 
 def metrics_from_sums(sums, is_text: bool) -> dict:

@@ -89,6 +89,20 @@ def test_bad_inputs_are_refused_with_their_values(karate, tmp_path):
         preflight.check(cfg, 40)
 
 
+def test_partition_option_is_refused_where_it_cannot_run(monkeypatch):
+    with pytest.raises(ConfigError, match="partition='random' cuts a graph's rows"):
+        parse_overrides(["--model=mlp", "--partition=random"]).resolved()
+    with pytest.raises(ConfigError, match="partition"):
+        parse_overrides(["--model=gcn", "--partition=kway"]).resolved()
+    import importlib.util
+    find_spec = importlib.util.find_spec            # as on a machine without pymetis
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pymetis" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match="partition='metis' needs the optional package pymetis"):
+        parse_overrides(["--model=gcn", "--partition=metis", "--dp=2"]).resolved()
+    parse_overrides(["--model=gcn", "--partition=spectral", "--dp=2"]).resolved()
+
+
 def test_serial_training_on_karate_learns_the_factions(tmp_path):
     from hpcnn.log import read_run
     log = str(tmp_path / "gcn.h5")

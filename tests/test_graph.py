@@ -79,9 +79,12 @@ def test_halo_of_a_path():
 @pytest.mark.parametrize("graph", [karate_club, les_miserables])
 def test_serial_lanczos_matches_arpack(graph):
     a = normalized_adjacency(graph().adjacency)
-    res = lanczos(DistributedMatrix.from_global(a), 4, tol=1e-12)
+    history = []
+    res = lanczos(DistributedMatrix.from_global(a), 4, tol=1e-12, history=history)
     ref = np.sort(sla.eigsh(a, 4, which="LA", tol=1e-12)[0])[::-1]
     assert res.converged and np.max(np.abs(res.values - ref) / np.abs(ref)) < 1e-10
+    assert len(history) == res.restarts + 1 and history[-1][1] <= 1e-12     # one entry a cycle
+    assert all(h[1] > 1e-12 for h in history[:-1]) and history[-1][0] >= history[0][0] > 0
     assert res.residuals.max() < 1e-10 and res.bytes_sent == 0
     assert np.allclose(res.vectors.T @ res.vectors, np.eye(4), atol=1e-12)
 

@@ -101,6 +101,10 @@ class ParallelContext:
                                         rebalance_every=cfg.rebalance_every,
                                         min_share=cfg.microbatches if self.pipelined
                                         else cfg.grad_accum)
+        if getattr(task, "shares", None) is not None:
+            # a GCN: each rank's share is the rows --partition gave it (METIS's may be unequal)
+            self.balancer.shares = numpy.array(task.shares, dtype=numpy.int64)
+            self.balancer.history[0] = (0, self.balancer.shares.copy(), self.balancer.history[0][2])
         self._attach_engine()
         if cfg.remat != "none":
             from hpcnn.memory.policy import for_training

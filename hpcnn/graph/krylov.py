@@ -202,20 +202,27 @@ def true_residuals(op: DistributedMatrix, values: np.ndarray, vectors: np.ndarra
 
 
 def lanczos(op: DistributedMatrix, k: int, m: int | None = None, tol: float = 1e-10,
-            max_restarts: int = 1000, seed: int = 0, keep: int | None = None) -> LanczosResult:
+            max_restarts: int = 1000, seed: int = 0, keep: int | None = None,
+            history: list | None = None) -> LanczosResult:
     """The ``k`` largest algebraic eigenpairs of the symmetric matrix behind ``op``.
 
     ``m``: the basis size per cycle (default ``max(2k + 1, 20)``, at most n - 1); ``keep``: Ritz
     vectors kept at a restart (default ``(k + m) // 2``); ``tol``: residual over max|θ|; ``seed``:
     the start vector, the same global vector whatever the number of ranks. Every rank must call
-    it with the same arguments (the sizes are checked before the first collective).
+    it with the same arguments (the sizes are checked before the first collective). ``history``:
+    a list that gets, after every cycle, (seconds since the call, the largest relative residual
+    estimate of the k wanted pairs).
     """
+    import time
+    t0 = time.perf_counter()
     m, keep = basis_sizes(op.n_global, k, m, keep)
     start_matvecs, start_bytes = op.matvecs, op.bytes_sent
     it = ThickRestartLanczos(op, k, m, keep, tol, seed)
     restarts = 0
     while True:
         it.cycle()
+        if history is not None:
+            history.append((time.perf_counter() - t0, it.worst()))
         converged = it.worst() <= tol
         if converged or restarts == max_restarts:
             break

@@ -5,15 +5,17 @@ One step is one full-batch pass over the graph: every node's features go through
 (:mod:`hpcnn.nn.gcn`), the loss is the mean cross-entropy over the **training nodes** (a seeded,
 class-balanced choice: ``min(20, max(1, class size // 5))`` nodes per class), the rest are the
 test nodes the evaluation scores. Under MPI the graph's rows are split over the data-parallel
-ranks (``--dp`` = the number of ranks; contiguous blocks of the graph's own node order, the same
-cut as the data-parallel shares of a batch of ``n_nodes`` rows): each rank runs its rows, the GCN
+ranks (``--dp`` = the number of ranks; which rows each holds: ``--partition``, by default
+contiguous blocks of the graph's own node order): each rank runs its rows, the GCN
 layers exchange halo rows, and the data-parallel gradient allreduce sums the ranks' weight
 gradients into the full-batch gradient.
 
 Data sets (built, never downloaded; :mod:`hpcnn.graph.data`): ``karate`` (34 nodes, 2 factions),
 ``lesmis`` (77 nodes, no labels: one class, a halo-volume example only), ``digits_knn`` (1797
 nodes, 10 digits, the 10-NN graph of the pixels), ``sbm`` (2000 nodes, 4 blocks, 16 noisy
-features of signal-to-noise ratio 0.5).
+features of signal-to-noise ratio 0.5), ``sbm20k`` (the same model with 20000 nodes). The SBMs'
+labels are drawn independently of the node numbering, so their contiguous blocks are as good as
+a random partition; digits_knn keeps scikit-learn's order (the digits cycle 0-9).
 
 Graph reduction (``--coarsen=heavy_edge|spectral|random --reduction=R``,
 :mod:`hpcnn.graph.coarsen`): :func:`graph_data` returns the **coarse** graph to train on, with
@@ -130,7 +132,9 @@ def graph_data(name: str, seed: int = 0, coarsen: str = "none", reduction: float
     from hpcnn.graph import data as g
     makers = {"karate": g.karate_club, "lesmis": g.les_miserables,
               "digits_knn": lambda: g.digits_knn(10),
-              "sbm": lambda: g.sbm(2000, blocks=4, avg_degree=10.0, features=16, snr=0.5, seed=0)}
+              "sbm": lambda: g.sbm(2000, blocks=4, avg_degree=10.0, features=16, snr=0.5, seed=0),
+              "sbm20k": lambda: g.sbm(20000, blocks=4, avg_degree=10.0, features=16, snr=0.5,
+                                      seed=0)}
     if name not in makers:
         raise ValueError(f"graph data set {name!r}: expected one of {', '.join(GRAPH_DATASETS)}")
     data = replace(from_graph(makers[name](), seed), name=name)

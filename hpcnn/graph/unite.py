@@ -42,10 +42,16 @@ class UniteResult:
 
 
 def unite_and_conquer(a: sp.spmatrix, comm, k: int, subspaces=(20, 30), tol: float = 1e-10,
-                      max_cycles: int = 1000, seed: int = 0) -> UniteResult:
+                      max_cycles: int = 1000, seed: int = 0,
+                      history: list | None = None) -> UniteResult:
     """The ``k`` largest eigenpairs of the symmetric ``a`` (held whole on every rank) by
-    ``len(subspaces)`` co-operating Lanczos instances on disjoint rank groups of ``comm``."""
+    ``len(subspaces)`` co-operating Lanczos instances on disjoint rank groups of ``comm``.
+    ``history``: a list that gets, after every cycle, (seconds since the call, each instance's
+    largest relative residual estimate of the k wanted pairs, before the exchange)."""
+    import time
+
     from mpi4py import MPI
+    t0 = time.perf_counter()
     size, rank = comm.Get_size(), comm.Get_rank()
     count = len(subspaces)
     if count < 1 or size % count:
@@ -63,6 +69,8 @@ def unite_and_conquer(a: sp.spmatrix, comm, k: int, subspaces=(20, 30), tol: flo
         worst = cross.allgather(it.worst())                      # (ℓ,) the same on every member
         best = int(np.argmin(worst))
         converged = worst[best] <= tol
+        if history is not None:
+            history.append((time.perf_counter() - t0, [float(w) for w in worst]))
         if converged or cycles == max_cycles:
             break
         cycles += 1

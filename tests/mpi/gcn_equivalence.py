@@ -9,7 +9,10 @@ model's; the bytes each rank sends in one forward+backward equal its send and gh
 the layer widths, and summed over ranks twice the partition's send-list total (computed from the
 whole matrix, without communication). Training: ``hpcnn train --model=gcn`` on N ranks gives
 the serial run's losses, test metrics and final parameters, and its step-3 checkpoint resumed on
-one process ends at the same parameters.
+one process ends at the same parameters; so do ``--partition=random`` and ``spectral`` on the
+2000-node SBM, whose /plan records the partition a rank-0 recomputation gives (part sizes, halo
+rows, edge cut; spectral cutting fewer edges than contiguous blocks), and a partition of unequal
+parts (a stand-in partitioner's) gives the serial run too.
 """
 import os
 import sys
@@ -19,6 +22,8 @@ from mpi4py import MPI
 
 from hpcnn.config import parse_overrides
 from hpcnn.graph import RowPartition, build_halo
+from hpcnn.graph.partition import halo_sizes
+from hpcnn.graph.partitioners import random_partition, spectral_bisection
 from hpcnn.graph.nodes import graph_data
 from hpcnn.log import read_run
 from hpcnn.nn.gcn import GraphOperator, gcn
@@ -87,9 +92,9 @@ small = type(sbm)("sbm300", sbm.a_hat[sub][:, sub].tocsr(), sbm.features[sub], s
 check_blocks(small, RowPartition.contiguous(300, p), "sbm300")
 
 
-def run(comm, name, *extra):
+def run(comm, name, *extra, dataset="karate"):
     cfg = parse_overrides([f"--log={os.path.join(tmp, name)}", "--progress=false",
-                           "--dtype=float64", "--model=gcn", "--dataset=karate", "--hidden=8",
+                           "--dtype=float64", "--model=gcn", f"--dataset={dataset}", "--hidden=8",
                            "--steps=6", "--eval_interval=3", "--log_interval=2", "--lr=0.02",
                            "--clip=1", f"--dp={1 if comm is None else p}", *extra])
     return train(cfg, comm=comm)
@@ -110,5 +115,54 @@ if rank == 0:
     assert layout["ranks"] == p and sum(layout["rows_per_rank"]) == karate.n_nodes, layout
     assert layout["halo_bytes_per_layer"] == [sum(layout["halo_rows_per_rank"]) * w * 8
                                               for w in (8, karate.n_classes)], layout
+
+
+def pattern(a_hat):
+    """The adjacency pattern the partitioners see: Â without its diagonal."""
+    a = a_hat.tolil()
+    a.setdiag(0)
+    a = a.tocsr()
+    a.eliminate_zeros()
+    return a
+
+
+# --partition: only who computes which rows changes; the 2000-node SBM takes the spectral
+# bisection through Lanczos (more than partitioners.DENSE nodes)
+ser = run(None, f"sbm-ser{rank}.h5", dataset="sbm")
+for kind in ("random", "spectral"):
+    par = run(world, f"sbm-{kind}.h5", f"--partition={kind}", dataset="sbm")
+    assert abs(par["loss"] - ser["loss"]) <= TOL, (kind, par["loss"], ser["loss"])
+    assert par["test_acc"] == ser["test_acc"], (kind, par["test_acc"], ser["test_acc"])
+    assert abs(par["test_loss"] - ser["test_loss"]) <= TOL, kind
+    for a, b in zip(par["model"].params, ser["model"].params):
+        assert np.abs(a.data - b.data).max() <= TOL, (kind, a.name)
+    if rank == 0:
+        log_p = read_run(os.path.join(tmp, f"sbm-{kind}.h5"))
+        log_s = read_run(os.path.join(tmp, "sbm-ser0.h5"))
+        np.testing.assert_allclose(log_p.metrics["loss"], log_s.metrics["loss"], rtol=0, atol=TOL)
+        layout = log_p.plan["operator_layout"]
+        expected = (random_partition(sbm.n_nodes, p, seed=0) if kind == "random"
+                    else spectral_bisection(pattern(sbm.a_hat), p, seed=0))
+        assert layout["graph_partition"] == kind and layout["partition_seconds"] > 0, layout
+        assert layout["rows_per_rank"] == expected.counts().tolist(), (kind, layout)
+        assert layout["halo_rows_per_rank"] == halo_sizes(sbm.a_hat, expected).tolist(), kind
+        assert layout["edge_cut"] == expected.edge_cut(sbm.a_hat), kind
+        contiguous = RowPartition.contiguous(sbm.n_nodes, p).edge_cut(sbm.a_hat)
+        if kind == "spectral":                # the SBM's numbering is random: bisection cuts less
+            assert layout["edge_cut"] < contiguous, (layout["edge_cut"], contiguous)
+
+# unequal parts (as METIS returns, within its tolerance): the data-parallel shares follow them;
+# the partitioner is replaced by one that gives rank 0 ten more karate rows than the others
+import hpcnn.graph.partitioners as partitioners  # noqa: E402
+owners = np.repeat(np.arange(p), RowPartition.contiguous(karate.n_nodes - 10, p).counts())
+owners = np.concatenate([np.zeros(10, dtype=np.int64), owners])[::-1].copy()   # scattered
+partitioners.partition = lambda a, parts, method, seed=0: RowPartition.from_parts(owners, parts)
+uneven = run(world, "uneven.h5", "--partition=random")
+ser = run(None, f"ser-again{rank}.h5")
+assert abs(uneven["loss"] - ser["loss"]) <= TOL and uneven["test_acc"] == ser["test_acc"]
+for a, b in zip(uneven["model"].params, ser["model"].params):
+    assert np.abs(a.data - b.data).max() <= TOL, ("uneven", a.name)
 if rank == 0:
+    layout = read_run(os.path.join(tmp, "uneven.h5")).plan["operator_layout"]
+    assert layout["rows_per_rank"] == np.bincount(owners).tolist(), layout
     print(f"OK on {p} ranks")

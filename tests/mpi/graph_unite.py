@@ -20,8 +20,11 @@ K, TOL, SUBSPACES = 4, 1e-10, (10, 16)
 
 a = normalized_adjacency(largest_component(sbm(1500, blocks=4, avg_degree=8, seed=2)).adjacency)
 ref = np.sort(sla.eigsh(a, K, which="LA", tol=TOL)[0])[::-1]
-res = unite_and_conquer(a, comm, K, subspaces=SUBSPACES, tol=TOL, seed=1)
+history = []
+res = unite_and_conquer(a, comm, K, subspaces=SUBSPACES, tol=TOL, seed=1, history=history)
 assert res.converged
+assert len(history) == res.cycles + 1 and min(history[-1][1]) <= TOL, history[-1]
+assert all(min(h[1]) > TOL and len(h[1]) == len(SUBSPACES) for h in history[:-1])
 assert np.max(np.abs(res.values - ref) / np.abs(ref)) < 1e-8, (res.values, ref)
 assert res.residuals.max() < 1e-8, res.residuals
 assert res.adopted.sum() > 0, res.adopted                               # states were exchanged
