@@ -11,7 +11,7 @@ contiguous partition does not inherit an order that follows the classes), and fo
                  the shuffle's own seed it would undo the shuffle, i.e. be the original order)
     spectral     recursive spectral bisection (Fiedler vector of each part, cut at the size the
                  sub-parts sum to): partitioners.spectral_bisection
-    metis        METIS k-way through pymetis, only when it is installed (it is not a dependency)
+    metis        METIS k-way through pymetis (the ``data`` extra installs it; skipped without it)
 
 and records, from :func:`hpcnn.graph.partition.partition_stats`: the edge cut (undirected edges
 between ranks), the halo volume (rows all ranks receive per layer: the sum of the halo sizes
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train_graphs", default="sbm20k,digits_knn",
                     help="hpcnn train data sets timed per partition ('' = none)")
     ap.add_argument("--train_parts", default="2,4")
-    ap.add_argument("--kinds", default="contiguous,random,spectral")
+    ap.add_argument("--kinds", default="contiguous,random,spectral,metis",
+                    help="partitions timed in training (metis only where pymetis is installed)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=64)
@@ -144,7 +145,7 @@ def epoch_times(a) -> tuple[list, list]:
     """Every (training graph, p, kind) trained ``a.rounds`` times, kinds alternating; rows of
     medians and the load averages seen at each round's start."""
     graphs, parts, kinds = a.train_graphs.split(","), [int(p) for p in a.train_parts.split(",")], \
-        a.kinds.split(",")
+        [k for k in a.kinds.split(",") if k != "metis" or metis_available()]
     folder = os.path.abspath(os.path.join(a.out, "runs"))
     os.makedirs(folder, exist_ok=True)
     got, loads = {}, []

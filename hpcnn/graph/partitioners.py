@@ -92,8 +92,10 @@ def metis_partition(a: sp.spmatrix, parts: int) -> RowPartition:
     try:
         import pymetis
     except ImportError as e:
-        raise ImportError("metis_partition needs the optional package pymetis (not installed)") from e
-    _, membership = pymetis.part_graph(parts, xadj=a.indptr, adjncy=a.indices)
+        raise ImportError("metis_partition needs the optional package pymetis (not installed; "
+                          "the 'data' extra installs it)") from e
+    graph = pymetis.CSRAdjacency(a.indptr, a.indices)
+    _, membership = pymetis.part_graph(parts, adjacency=graph)
     return RowPartition.from_parts(np.asarray(membership, dtype=np.int64), parts)
 
 
