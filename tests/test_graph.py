@@ -103,3 +103,20 @@ def test_distributed_lanczos_matches_arpack(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_unite_and_conquer_matches_arpack(n):
     assert f"OK on {n} ranks" in run_mpi("graph_unite", n)
+
+
+def test_arnoldi_on_a_non_symmetric_matrix_and_its_refusals():
+    """Explicitly restarted Arnoldi (hpcnn.graph.arnoldi) on one process: a non-symmetric matrix
+    (a diagonal plus a directed cycle, complex eigenvalues at the bottom of its spectrum), against
+    the dense eigenvalues; bad sizes named."""
+    from hpcnn.graph.arnoldi import arnoldi
+    n = 40
+    a = sp.diags(np.linspace(0.0, 1.0, n) ** 4) + sp.csr_matrix(
+        (np.full(n, 0.05), (np.arange(n), (np.arange(n) + 1) % n)), shape=(n, n))
+    res = arnoldi(DistributedMatrix.from_global(sp.csr_matrix(a)), 3, m=25, tol=1e-12)
+    dense = np.linalg.eigvals(a.toarray())
+    ref = dense[np.argsort(-dense.real)][:3]
+    assert res.converged and res.residuals.max() < 1e-9
+    assert np.allclose(np.sort_complex(res.values), np.sort_complex(ref), rtol=1e-8, atol=1e-10)
+    with pytest.raises(ValueError, match="k=5 < m=4"):
+        arnoldi(DistributedMatrix.from_global(sp.csr_matrix(a)), 5, m=4)
