@@ -272,10 +272,12 @@ def cmd_plan(args) -> int:
 
 CALIBRATE = {"dtype": ("float32", str, "float32 | float64: the dtype of the runs to serve"),
              "write": ("", str, "machines/NAME.toml: measure these ranks and write a machine "
-                                "file instead (one rank: the device alone)")}
+                                "file instead (one rank: the device alone)"),
+             "rounds": (15, int, "with --write: timing rounds per block figure (efficiency, "
+                                 "element-wise cost), the medians taken")}
 
 
-def calibrate_machine(path: str) -> int:
+def calibrate_machine(path: str, rounds: int = 15) -> int:
     """``hpcnn calibrate --write=PATH``: ping-pong per size, matmul and copy rates (alone and all
     ranks at once) measured on these ranks (any number, one included), written by rank 0 as the
     machine file PATH, named after the file."""
@@ -289,7 +291,7 @@ def calibrate_machine(path: str) -> int:
         print(f"hpcnn calibrate: --write={path!r}: no such directory {folder!r}", file=sys.stderr)
         return 2
     name = os.path.splitext(os.path.basename(path))[0]
-    text = measure.machine_text(measure.measure(comm), name, comm.Get_size())
+    text = measure.machine_text(measure.measure(comm, rounds), name, comm.Get_size())
     failed = ""
     if comm.Get_rank() == 0:
         try:
@@ -324,12 +326,12 @@ def cmd_calibrate(args) -> int:
         i = args.index("--write")
         args[i:i + 2] = [f"--write={args[i + 1]}"]
     opts, err = _options(args, CALIBRATE, "calibrate")
-    if err or opts["dtype"] not in ("float32", "float64"):
-        print(err or f"hpcnn calibrate: --dtype={opts['dtype']!r}: expected float32 or float64",
-              file=sys.stderr)
+    if err or opts["dtype"] not in ("float32", "float64") or opts["rounds"] < 1:
+        print(err or f"hpcnn calibrate: --dtype={opts['dtype']!r}, --rounds={opts['rounds']}: "
+              f"expected float32 or float64, and rounds >= 1", file=sys.stderr)
         return 2
     if opts["write"]:
-        return calibrate_machine(opts["write"])
+        return calibrate_machine(opts["write"], opts["rounds"])
     from mpi4py import MPI
 
     from hpcnn.parallel.collectives import algorithms

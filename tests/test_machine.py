@@ -196,7 +196,8 @@ def test_fit_level_from_measured_times():
 def test_calibrate_write_on_one_rank(tmp_path):
     path = tmp_path / "one.toml"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate", "--write", str(path)],
+    p = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate", "--write", str(path),
+                        "--rounds=3"],
                        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-1] == f"wrote {path}"
@@ -215,6 +216,10 @@ def test_calibrate_write_on_one_rank(tmp_path):
                           f"--write={tmp_path / 'no' / 'x.toml'}"],
                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "no such directory" in bad.stderr
+    zero = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate", f"--write={path}",
+                           "--rounds=0"], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=ROOT)
+    assert zero.returncode == 2 and "--rounds=0" in zero.stderr
 
 
 def test_calibrate_write_on_two_ranks(tmp_path):

@@ -47,7 +47,7 @@ SCRIPT_SHORTEN = {
     "experiments/plan_portability.py": ["--changes=5,6", "--reps=1", "--replans=1"],
     "benchmarks/graph_eigs.py": ["--nodes=3000", "--rounds=1"],
     "experiments/graph_partition.py": ["--nodes=2000", "--train_graphs=karate", "--train_parts=2",
-                                       "--rounds=1", "--steps=3"],
+                                       "--kinds=contiguous,spectral", "--rounds=1", "--steps=3"],
     "benchmarks/graph_unite.py": ["--nodes=3000", "--rounds=1"],
     "benchmarks/plan_search.py": ["--tiny"],
     "experiments/graph_features.py": ["--nodes=300", "--snrs=0,1", "--seeds=1", "--steps=20"],

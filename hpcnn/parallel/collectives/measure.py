@@ -188,7 +188,7 @@ def cpu_name() -> str:
     return "cpu: " + (platform.processor() or platform.machine())
 
 
-def device_rates() -> dict:
+def device_rates(rounds: int = 15) -> dict:
     """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
     "elementwise.transformer": ..}."""
@@ -196,7 +196,7 @@ def device_rates() -> dict:
     rates["copy"] = copy_bandwidth()
     for kind in EFFICIENCY_SHAPES:
         (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"],
-         rates[f"elementwise.{kind}"]) = block_costs(kind, "float32")
+         rates[f"elementwise.{kind}"]) = block_costs(kind, "float32", rounds)
     return rates
 
 
@@ -208,15 +208,15 @@ def _quiet_barrier(comm) -> None:
         time.sleep(1e-3)
 
 
-def measure(comm) -> dict:
+def measure(comm, rounds: int = 15) -> dict:
     """Everything ``calibrate --write`` records, the same dict on every rank: "alone" and
     "together" device rates (the latter the slowest rank's), "sizes" and one-way "seconds"
     (None on one rank), "ranks_here" (ranks sharing this node's memory), "cpu"."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
-    alone = device_rates() if rank == 0 else None
+    alone = device_rates(rounds) if rank == 0 else None
     _quiet_barrier(comm)
-    mine = device_rates()                                    # every rank at once
+    mine = device_rates(rounds)                              # every rank at once
     together = {k: comm.allreduce(v, op=MPI.MAX if k.startswith(("overhead.", "elementwise."))
                                   else MPI.MIN)
                 for k, v in mine.items()}                    # the slowest rank's figures
