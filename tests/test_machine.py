@@ -22,7 +22,7 @@ def small():
     transformer blocks at half the rate and 100 us a call, linear ones at the full rate."""
     dev = hm.Device("d", {"float32": 1e12, "float64": 5e11}, 1e11, 16e9,
                     {"transformer": 0.5}, {"transformer": 1e-4, "linear": 0.0},
-                    {"transformer": 1e-9})
+                    {"transformer": 1e-9}, {"transformer": 0.4})
     return hm.Machine("m", (hm.Level("node", 4, 1e-6, ((2**20, 1e10), (math.inf, 2e10))),
                             hm.Level("cluster", 8, 5e-6, ((math.inf, 1e9),))), dev)
 
@@ -114,6 +114,18 @@ def test_round_trip_through_a_file(tmp_path):
     assert back.device.elementwise == {"transformer": 1e-9}
     assert back.device.compute_seconds(1e12, "float32", "linear", calls=3) == 1.0
     assert back.device.compute_seconds(1e12, "float32") == 1.0
+    # the forward share splits the fixed and element-wise seconds, not the FLOPs
+    assert back.device.forward == {"transformer": 0.4}
+    fwd = back.device.pass_seconds(1e12, "float32", "transformer", 3, 1e6, True)
+    bwd = back.device.pass_seconds(2e12, "float32", "transformer", 3, 1e6, False)
+    assert fwd == pytest.approx(2.0 + 0.4 * (3e-4 + 1e-3), rel=1e-12)
+    assert bwd == pytest.approx(4.0 + 0.6 * (3e-4 + 1e-3), rel=1e-12)
+    assert fwd + bwd == pytest.approx(back.device.compute_seconds(3e12, "float32", "transformer",
+                                                                  3, 1e6), rel=1e-12)
+    # a kind with no share splits as its FLOPs do: a third forward
+    assert back.device.pass_seconds(0, "float32", "linear", 1, 0, True) == 0.0
+    third = hm.Device("t", {"float32": 1.0}, 1.0, 1.0, overhead={"k": 3.0})
+    assert third.pass_seconds(0, "float32", "k", 1, 0, True) == pytest.approx(1.0)
     odd = hm.Machine('a "quoted" name', (), hm.Device("x", {"f": 1 / 3}, 0.1, 3.5), source="s\\t")
     assert hm.loads(odd.to_toml()) == odd and odd.p == 1
 
@@ -145,6 +157,9 @@ GOOD = small().to_toml()
     ('"transformer" = 0.5', '"transformer" = 0', r"device efficiency.transformer = 0"),
     ('"linear" = 0\n', '"linear" = -1\n', r"device overhead.linear = -1: expected a number >= 0"),
     ('"transformer" = 1e-09', '"transformer" = -1e-09', r"device elementwise.transformer = -1e-09"),
+    ('"transformer" = 0.4', '"transformer" = 1.0', r"forward = \{'transformer': 1.0\}: a share "
+                                                   r"of a forward \+ backward is below 1"),
+    ('"transformer" = 0.4', '"transformer" = 0', r"device forward.transformer = 0"),
 ])
 def test_bad_files_name_the_file_and_key(tmp_path, old, new, message):
     assert old in GOOD
@@ -193,6 +208,20 @@ def test_fit_level_from_measured_times():
         fit_level([1024, 8], [1e-6, 2e-6], fanout=2)
 
 
+def test_shared_figures_slow_cpu_time_by_the_sustained_ratio():
+    """What a rank gets while every rank computes: rates divided by their own slowdown, the fixed
+    and element-wise seconds multiplied by the float32 one, ratios unchanged."""
+    from hpcnn.parallel.collectives.measure import shared_figures
+    alone = {"float32": 100.0, "float64": 50.0, "copy": 10.0, "efficiency.linear": 0.9,
+             "overhead.linear": 2e-5, "elementwise.linear": 3e-10, "forward.linear": 0.45}
+    got = shared_figures(alone, {"float32": 120.0, "float64": 60.0, "copy": 12.0},
+                         {"float32": 60.0, "float64": 20.0, "copy": 8.0})
+    assert got == pytest.approx({"float32": 50.0, "float64": 50.0 / 3, "copy": 10.0 / 1.5,
+                                 "efficiency.linear": 0.9, "overhead.linear": 4e-5,
+                                 "elementwise.linear": 6e-10, "forward.linear": 0.45,
+                                 "slowdown": 2.0}, rel=1e-12)
+
+
 def test_calibrate_write_on_one_rank(tmp_path):
     path = tmp_path / "one.toml"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
@@ -211,6 +240,8 @@ def test_calibrate_write_on_one_rank(tmp_path):
     assert all(0 <= v < 1e-6 for v in m.device.elementwise.values())   # seconds per byte
     assert all(0 < v <= 1 for v in m.device.efficiency.values())
     assert all(1e-7 < v < 1e-1 for v in m.device.overhead.values())   # microseconds expected
+    assert set(m.device.forward) == {"transformer", "linear"}
+    assert all(0 < v < 1 for v in m.device.forward.values())
     assert "One rank: no network level" in path.read_text()
     bad = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate",
                           f"--write={tmp_path / 'no' / 'x.toml'}"],

@@ -127,3 +127,26 @@ def test_hpcnn_plan_on_the_gpu_cluster_file(capsys):
     assert cmd_plan(args[1:]) == 2 and "--machine=FILE is required" in capsys.readouterr().err
     assert cmd_plan(args + ["--n_heads=7"]) == 2 and "n_heads dividing dim" in \
         capsys.readouterr().err
+
+
+def test_the_forward_share_moves_time_between_the_passes_not_the_total():
+    """The device's measured forward share splits a block's fixed and element-wise seconds; the
+    FLOPs split as spec() counts them; one stage's t_f + t_b does not depend on the share."""
+    from hpcnn.plan.hybrid import stage_times
+
+    def device(forward):
+        return Hsm(name="cpu", levels=(Level("node", 1, 1e-6, ((math.inf, 1e10),)),),
+                   device=Device("cpu", {"float32": 1e11}, 1e10, 1e10, {"transformer": 0.8},
+                                 {"transformer": 1e-4, "linear": 1e-5},
+                                 {"transformer": 1e-9, "linear": 2e-9}, forward))
+    model = Transformer(n_layers=2, dim=64, n_heads=4, seq=16, vocab=64, batch=8,
+                        dtype="float32")
+    lay = Layout(1, 1, 1, 1)
+    third, half = (stage_times(model, lay, device(f)) for f in (
+        {}, {"transformer": 0.5, "linear": 0.5}))
+    assert third.t_f + third.t_b == pytest.approx(half.t_f + half.t_b, rel=1e-12)
+    f, b, cache, *_ = _block(64, 4, 16, 8, 4)
+    rest = 2 * (1e-4 + cache * 1e-9) + 1e-5 + 8 * 16 * 64 * 4 * 2e-9   # blocks + head
+    assert half.t_f - third.t_f == pytest.approx(rest / 6, rel=1e-9)
+    assert half.t_f == pytest.approx(2 * f / 0.8e11 + 2 * 8 * 16 * 64 * 64 / 1e11 + rest / 2,
+                                     rel=1e-9)

@@ -9,7 +9,8 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   per rank at the device's rate times its "transformer" efficiency (the share of the matmul rate
   the block's matmuls attain, :class:`~hpcnn.plan.machine.Device`), plus (L/pp) x its fixed cost
   per call (``overhead``) and its element-wise passes (``elementwise`` seconds per byte of the
-  block's cache per rank), both split 1/3 forward, 2/3 backward as the FLOPs are; the LM head
+  block's cache per rank), both split between the passes by the device's measured ``forward``
+  share (1/3 where the machine file has none: the FLOPs' split); the LM head
   (vocab-parallel over tp) on the last stage as a "linear" block on the stage's activation;
   ``remat="full"`` keeps only each block's input and runs its forward again in the backward
   (t_b += t_f);
@@ -184,14 +185,12 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     head = 2.0 * rows * model.seq * model.dim * model.vocab / tp     # LM head forward FLOPs
     act = rows * model.seq * model.dim * model.word                  # one activation
     tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp)) * per_stage
-    # a block's fixed cost and element-wise share (Device.overhead, .elementwise) are split as
-    # its FLOPs are: 1/3 forward, 2/3 backward
-    t_f = dev.compute_seconds(per_stage * f, dtype, "transformer", per_stage / 3,
-                              per_stage * cache / 3) + \
-        dev.compute_seconds(head, dtype, "linear", 1 / 3, act / 3) + tp_s
-    t_b = dev.compute_seconds(per_stage * b, dtype, "transformer", 2 * per_stage / 3,
-                              2 * per_stage * cache / 3) + \
-        dev.compute_seconds(2 * head, dtype, "linear", 2 / 3, 2 * act / 3) + tp_s
+    # a block's fixed cost and element-wise seconds split between its passes by the device's
+    # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them
+    t_f = dev.pass_seconds(per_stage * f, dtype, "transformer", per_stage, per_stage * cache,
+                           True) + dev.pass_seconds(head, dtype, "linear", 1, act, True) + tp_s
+    t_b = dev.pass_seconds(per_stage * b, dtype, "transformer", per_stage, per_stage * cache,
+                           False) + dev.pass_seconds(2 * head, dtype, "linear", 1, act, False) + tp_s
     if layout.remat == "full":
         t_b += t_f
     # zero bubble splits B into its input and weight halves (equal FLOPs: dx and dW products)

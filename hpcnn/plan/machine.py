@@ -33,7 +33,11 @@ thesis leaves open, and what is chosen here:
   too slow; with both terms, fitted on two reference sizes, within -5 % .. +14 % over widths
   64-512. ``overhead`` maps a kind to the fixed seconds of one block's forward + backward
   whatever its size (the interpreter's and the kernel launches' share: what makes many tiny
-  micro-batches slow); calibration times a tiny block of the kind.
+  micro-batches slow); calibration times a tiny block of the kind. ``forward`` maps a kind to
+  the share of its fixed and element-wise seconds spent in the forward pass (missing kinds 1/3,
+  the FLOPs' share): the planner splits a block's time into forward and backward for the
+  pipeline schedules, and element-wise passes do not split as the matmuls' 1 : 2 (a transformer
+  block's forward measured ~42 % of its time on this kind of machine, priced at 35 % with 1/3).
 
 Files are TOML (read with :mod:`tomllib`, written by :meth:`Machine.to_toml`); see
 ``machines/*.toml`` for examples with the sources of their numbers.
@@ -121,8 +125,9 @@ class Device:
     """One device (a core, a GPU): compute rate per dtype name (FLOP/s), memory bandwidth
     (bytes/s), memory capacity (bytes), the fraction of the rate each block kind attains
     (``efficiency``, kind -> (0, 1]; missing kinds 1), its seconds per cache byte
-    (``elementwise``, kind -> seconds >= 0; missing kinds 0) and its fixed seconds per forward +
-    backward (``overhead``, kind -> seconds >= 0; missing kinds 0)."""
+    (``elementwise``, kind -> seconds >= 0; missing kinds 0), its fixed seconds per forward +
+    backward (``overhead``, kind -> seconds >= 0; missing kinds 0) and the forward's share of
+    those two (``forward``, kind -> (0, 1); missing kinds 1/3)."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
@@ -130,6 +135,7 @@ class Device:
     efficiency: dict = field(default_factory=dict, hash=False)
     overhead: dict = field(default_factory=dict, hash=False)
     elementwise: dict = field(default_factory=dict, hash=False)
+    forward: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -157,6 +163,14 @@ class Device:
             object.__setattr__(self, table, {
                 str(k): _positive(v, f"device {table}.{k}", allow_zero=True)
                 for k, v in value.items()})
+        if not isinstance(self.forward, dict):
+            raise ValueError(f"device {self.name!r}: forward = {self.forward!r}: expected a "
+                             "table block kind -> share of the forward pass")
+        fwd = {str(k): _positive(v, f"device forward.{k}") for k, v in self.forward.items()}
+        if any(v >= 1 for v in fwd.values()):
+            raise ValueError(f"device {self.name!r}: forward = {fwd}: a share of a forward + "
+                             "backward is below 1")
+        object.__setattr__(self, "forward", fwd)
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
@@ -174,6 +188,16 @@ class Device:
         element-wise seconds for ``cache_bytes`` of cache."""
         return (flops / self.rate(dtype, kind) + calls * self.overhead.get(kind, 0.0)
                 + cache_bytes * self.elementwise.get(kind, 0.0))
+
+    def pass_seconds(self, flops: float, dtype: str, kind: str, calls: float,
+                     cache_bytes: float, forward: bool) -> float:
+        """Seconds of the forward (``forward``) or backward pass of ``calls`` blocks of ``kind``
+        doing ``flops`` FLOPs in that pass, whose forward + backward caches ``cache_bytes``: the
+        FLOPs at the kind's rate plus the pass's share (``forward``, default 1/3) of the fixed
+        and element-wise seconds."""
+        share = self.forward.get(kind, 1 / 3)
+        rest = calls * self.overhead.get(kind, 0.0) + cache_bytes * self.elementwise.get(kind, 0.0)
+        return flops / self.rate(dtype, kind) + (share if forward else 1 - share) * rest
 
     def stream_seconds(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` through memory (read + written bytes, as STREAM counts)."""
@@ -267,7 +291,8 @@ class Machine:
         lines += [f"{_toml_str(k)} = {_toml_num(v)}" for k, v in self.device.flops.items()]
         for table, what in (("efficiency", "fraction of the rate per block kind"),
                             ("overhead", "seconds per forward + backward of one block"),
-                            ("elementwise", "seconds per byte of a block's cache")):
+                            ("elementwise", "seconds per byte of a block's cache"),
+                            ("forward", "share of overhead + elementwise in the forward")):
             if getattr(self.device, table):
                 lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
                 lines += [f"{_toml_str(k)} = {_toml_num(v)}"
@@ -330,7 +355,7 @@ def loads(text: str, where: str = "<string>") -> Machine:
                         memory_bandwidth=_get(dev, "memory_bandwidth", at),
                         memory_bytes=_get(dev, "memory_bytes", at),
                         efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}),
-                        elementwise=dev.get("elementwise", {}))
+                        elementwise=dev.get("elementwise", {}), forward=dev.get("forward", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"

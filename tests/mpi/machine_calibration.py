@@ -32,6 +32,7 @@ assert 1e8 < m.device.memory_bandwidth < 1e13 and m.device.memory_bytes > 1e8
 assert all(0 < v <= 1 for v in m.device.efficiency.values()) and len(m.device.efficiency) == 2
 assert all(0 < v < 1e-1 for v in m.device.overhead.values()) and len(m.device.overhead) == 2
 assert all(0 <= v < 1e-6 for v in m.device.elementwise.values()) and len(m.device.elementwise) == 2
+assert all(0 < v < 1 for v in m.device.forward.values()) and len(m.device.forward) == 2
 with open(path) as f:
     assert "Ping-pong, all pairs at once" in f.read()
 # a directory that does not exist: refused on every rank, before any collective

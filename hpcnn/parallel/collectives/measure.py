@@ -34,6 +34,7 @@ SIZES = (8, 1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26)     # ping-pong bytes: 
 DTYPES = ("float32", "float64")
 MATMUL_N = 768                  # 2 n^3 = 0.9 GFLOP: ~10 ms fp32 on one core
 COPY_BYTES = 64 << 20           # 64 MiB: well past the caches
+SUSTAIN_S = 0.5                 # wall-clock window of a sustained rate (many scheduler slices)
 # Reference blocks of the efficiency figures, a wide and a narrow one per kind: GPT blocks of
 # width 256, 4 heads on 8 sequences of 64 tokens and of width 64, 2 heads on 32 sequences; a
 # Linear and its ReLU, 512 -> 512 on 256 rows and 64 -> 64 on 2048 rows. The overhead figures
@@ -106,54 +107,73 @@ def matmul_rate(dtype: str, n: int = MATMUL_N, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), repeats)
 
 
-def _blocks_step(kind: str, size: tuple, dtype: str):
-    """(step, FLOPs, cache bytes): one forward + backward of ``kind``'s blocks at ``size`` (one
-    :data:`EFFICIENCY_SHAPES` entry) as a function of no argument, and their spec() figures."""
+def _blocks_pass(kind: str, size: tuple, dtype: str):
+    """(run, FLOPs forward, FLOPs backward, cache bytes) of ``kind``'s blocks at ``size`` (one
+    :data:`EFFICIENCY_SHAPES` entry): ``run()`` does one forward and one backward and returns
+    their seconds (forward, backward); the figures are the blocks' spec()."""
     from hpcnn.nn.layers import Linear, ReLU
     from hpcnn.nn.transformer import TransformerBlock
     a, b, shape = size
     blocks = ([TransformerBlock(a, b, dtype=dtype)] if kind == "transformer" else
               [Linear(a, b, dtype=dtype), ReLU(dtype=dtype)])
     x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
-    flops = cache = 0.0
+    f_fwd = f_bwd = cache = 0.0
     for blk in blocks:
         s = blk.spec(shape)
-        flops += s.flops_fwd + s.flops_bwd
-        cache += s.bytes_cache
+        f_fwd, f_bwd, cache = f_fwd + s.flops_fwd, f_bwd + s.flops_bwd, cache + s.bytes_cache
         shape = s.out_shape
 
-    def step():
+    def run() -> tuple:
+        t0 = time.perf_counter()
         y, caches = x, []
         for blk in blocks:
             y, c = blk.forward(y)
             caches.append(c)
         dy = np.ones_like(y)
+        t1 = time.perf_counter()
         for blk, c in zip(reversed(blocks), reversed(caches)):
             dy = blk.backward(dy, c)
-    step()                                                   # warm-up
-    return step, flops, cache
+        return t1 - t0, time.perf_counter() - t1
+    run()                                                    # warm-up
+    return run, f_fwd, f_bwd, cache
+
+
+def _median_pass(run, repeats: int) -> tuple:
+    """Median forward and backward seconds of ``repeats`` calls of a :func:`_blocks_pass` run."""
+    times = np.array([run() for _ in range(repeats)])
+    return float(np.median(times[:, 0])), float(np.median(times[:, 1]))
 
 
 def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
-    """(efficiency, overhead seconds, elementwise seconds per cache byte) of ``kind``'s blocks in
-    this process. The overhead is the median forward + backward of the tiny blocks
-    (:data:`OVERHEAD_SHAPES`). Each of ``repeats`` rounds then times the n x n matmul (its rate F)
-    and the wide and narrow reference blocks, and solves t - overhead = FLOPs / (F e) + bytes c for
-    1/e and c; the figures are the medians over rounds (a round whose solution has e > 1 takes
-    e = 1 and c from the narrow block, one with c < 0 takes c = 0 and e from the wide block),
-    so a change of load
-    during the calibration moves both sides of a round's equations alike."""
-    tiny, _, _ = _blocks_step(kind, OVERHEAD_SHAPES[kind], dtype)
-    overhead = _median_seconds(tiny, 10 * repeats)
-    refs = [_blocks_step(kind, size, dtype) for size in EFFICIENCY_SHAPES[kind]]
+    """(efficiency, overhead seconds, elementwise seconds per cache byte, forward share) of
+    ``kind``'s blocks in this process.
+
+    The overhead is the median forward + backward of the tiny blocks (:data:`OVERHEAD_SHAPES`).
+    Each of ``repeats`` rounds then times the n x n matmul (its rate F) and the wide and narrow
+    reference blocks, and solves t - overhead = FLOPs / (F e) + bytes c for 1/e and c; the
+    figures are the medians over rounds (a round whose solution has e > 1 takes e = 1 and c from
+    the narrow block, one with c < 0 takes c = 0 and e from the wide block), so a change of load
+    during the calibration moves both sides of a round's equations alike.
+
+    The forward share is the part of a block's time beyond its matmul FLOPs (fixed cost and
+    element-wise passes) spent in its forward: sum over the tiny and reference blocks of
+    (t_fwd - FLOPs_fwd / (F e)) over the same sum for the whole pass, with each round's F and e.
+    The FLOPs split 1 : 2 between forward and backward, the rest does not: layer norms, softmax
+    and GELU cost about as much forward as backward (on this kind of machine a transformer
+    block's forward is ~42 % of its time, not a third)."""
+    tiny = _blocks_pass(kind, OVERHEAD_SHAPES[kind], dtype)[0]
+    o_fwd, o_bwd = _median_pass(tiny, 10 * repeats)
+    overhead = o_fwd + o_bwd
+    refs = [_blocks_pass(kind, size, dtype) for size in EFFICIENCY_SHAPES[kind]]
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype) for _ in range(2))
     c = np.empty_like(a)
-    inv_eff, per_byte = [], []
+    inv_eff, per_byte, share = [], [], []
     for _ in range(repeats):
         rate = 2.0 * MATMUL_N ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), 1)
-        rows = [(f, q, max(_median_seconds(step, 1) - overhead, 1e-9)) for step, f, q in refs]
-        (f1, q1, t1), (f2, q2, t2) = rows
+        rows = [(ff, fb, q, *run()) for run, ff, fb, q in refs]
+        (f1, q1, t1), (f2, q2, t2) = [(ff + fb, q, max(tf + tb - overhead, 1e-9))
+                                      for ff, fb, q, tf, tb in rows]
         u, w = np.linalg.solve([[f1 / rate, q1], [f2 / rate, q2]], [t1, t2])
         if u < 1:                              # faster than the matmul: e = 1, c from the narrow
             u, w = 1.0, (t2 - f2 / rate) / q2
@@ -161,7 +181,12 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
             u, w = max(1.0, t1 * rate / f1), 0.0
         inv_eff.append(u)
         per_byte.append(w)
-    return 1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte))
+        fwd = o_fwd + sum(max(tf - ff * u / rate, 0.0) for ff, _, _, tf, _ in rows)
+        both = overhead + sum(max(tf + tb - (ff + fb) * u / rate, 0.0)
+                              for ff, fb, _, tf, tb in rows)
+        share.append(fwd / both)
+    return (1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte)),
+            float(np.median(share)))
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
@@ -191,13 +216,40 @@ def cpu_name() -> str:
 def device_rates(rounds: int = 15) -> dict:
     """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
-    "elementwise.transformer": ..}."""
+    "elementwise.transformer": .., "forward.transformer": ..}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
     for kind in EFFICIENCY_SHAPES:
-        (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"],
-         rates[f"elementwise.{kind}"]) = block_costs(kind, "float32", rounds)
+        (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"], rates[f"elementwise.{kind}"],
+         rates[f"forward.{kind}"]) = block_costs(kind, "float32", rounds)
     return rates
+
+
+def sustained_rates(seconds: float = SUSTAIN_S) -> dict:
+    """{"float32", "float64": matmul FLOP/s, "copy": bytes/s} as the work done over a wall-clock
+    window of ``seconds`` each: when ranks outnumber cores the scheduler shares a core in slices
+    of milliseconds, which the median of single calls misses and a window's mean counts."""
+    out = {}
+    rng = np.random.default_rng(0)
+    for dt in DTYPES:
+        a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dt) for _ in range(2))
+        c = np.empty_like(a)
+        out[dt] = 2.0 * MATMUL_N ** 3 / _window_seconds(lambda: np.matmul(a, b, out=c), seconds)
+    src = np.ones(COPY_BYTES // 8)
+    dst = np.empty_like(src)
+    out["copy"] = 2.0 * src.nbytes / _window_seconds(lambda: np.copyto(dst, src), seconds)
+    return out
+
+
+def _window_seconds(fn, seconds: float) -> float:
+    """Mean seconds of ``fn`` over as many calls as fit in ``seconds`` of wall time (one warm-up
+    call first, at least three timed)."""
+    fn()
+    count, t0 = 0, time.perf_counter()
+    while count < 3 or time.perf_counter() - t0 < seconds:
+        fn()
+        count += 1
+    return (time.perf_counter() - t0) / count
 
 
 def _quiet_barrier(comm) -> None:
@@ -208,23 +260,53 @@ def _quiet_barrier(comm) -> None:
         time.sleep(1e-3)
 
 
+def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict) -> dict:
+    """The device figures of a rank while every rank computes, from rank 0's figures alone and the
+    sustained rates alone and all at once (:func:`sustained_rates`, slowest rank).
+
+    ``slow`` = sustained float32 rate alone / all at once is the factor by which a rank's
+    computing slows when all ranks compute: about 1 with a core per rank, ~2 with two ranks per
+    core. Matmul rates (per dtype) and the copy bandwidth divide by their own factor; the block
+    kinds' fixed and element-wise seconds multiply by ``slow`` (they are CPU time, shared as the
+    matmul's is); efficiencies and forward shares are ratios of times slowed alike and stay.
+    Timed all at once directly, the block figures would be medians of calls of 0.1-10 ms, which
+    run uninterrupted or not by the luck of the scheduler's slices: measured so, on 4 ranks over
+    2 cores the linear kind's efficiency swung from 0.60 to 0.84 between three calibrations."""
+    slow = {k: alone_sustained[k] / together_sustained[k] for k in together_sustained}
+    out = {}
+    for key, value in alone.items():
+        table = key.split(".", 1)[0] if "." in key else ""
+        if table in ("overhead", "elementwise"):
+            out[key] = value * slow["float32"]
+        elif table in ("efficiency", "forward"):
+            out[key] = value
+        else:                                   # a dtype's matmul rate or "copy"
+            out[key] = value / slow[key]
+    out["slowdown"] = slow["float32"]
+    return out
+
+
 def measure(comm, rounds: int = 15) -> dict:
-    """Everything ``calibrate --write`` records, the same dict on every rank: "alone" and
-    "together" device rates (the latter the slowest rank's), "sizes" and one-way "seconds"
-    (None on one rank), "ranks_here" (ranks sharing this node's memory), "cpu"."""
+    """Everything ``calibrate --write`` records, the same dict on every rank: "alone" (rank 0 by
+    itself) and "together" (:func:`shared_figures`: what a rank gets while all compute) device
+    figures, "sizes" and one-way "seconds" (None on one rank), "ranks_here" (ranks sharing this
+    node's memory), "cpu"."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
-    alone = device_rates(rounds) if rank == 0 else None
+    if rank == 0:
+        alone, alone_sustained = device_rates(rounds), sustained_rates()
+    else:
+        alone = alone_sustained = None
     _quiet_barrier(comm)
-    mine = device_rates(rounds)                              # every rank at once
-    together = {k: comm.allreduce(v, op=MPI.MAX if k.startswith(("overhead.", "elementwise."))
-                                  else MPI.MIN)
-                for k, v in mine.items()}                    # the slowest rank's figures
+    mine = sustained_rates()                                 # every rank at once
+    together_sustained = {k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()}
+    alone, alone_sustained = comm.bcast((alone, alone_sustained), root=0)
+    together = shared_figures(alone, alone_sustained, together_sustained)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
     local.Free()
     seconds = pingpong(comm) if size > 1 else None
-    return {"alone": comm.bcast(alone, root=0), "together": together, "sizes": list(SIZES),
+    return {"alone": alone, "together": together, "sizes": list(SIZES),
             "seconds": seconds, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0)}
 
 
@@ -243,13 +325,15 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                     memory_bandwidth=tog["copy"],
                     memory_bytes=memory_bytes(meas["ranks_here"]),
                     efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"),
-                    elementwise=_kinds(tog, "elementwise"))
+                    elementwise=_kinds(tog, "elementwise"), forward=_kinds(tog, "forward"))
     levels = (fit_level(meas["sizes"], meas["seconds"], size),) if size > 1 else ()
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
     head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
             f"({meas['ranks_here']} sharing this node's memory).",
-            "# Device: the rates each rank got while all ranks computed at once (slowest rank).",
+            "# Device: what each rank gets while all ranks compute at once: rank 0's figures "
+            "alone, slowed by the sustained rates' ratio alone / all at once (slowest rank), "
+            f"x{tog['slowdown']:.2f} (measure.shared_figures).",
             "# Alone (rank 0 by itself): " + ", ".join(
                 f"matmul {dt} {alone[dt] / 1e9:.1f} GFLOP/s" for dt in DTYPES)
             + f", copy {alone['copy'] / 1e9:.1f} GB/s; all at once: " + ", ".join(
@@ -259,7 +343,7 @@ def machine_text(meas: dict, name: str, size: int) -> str:
             f"alone {_kinds(alone, 'efficiency')}, all at once {_kinds(tog, 'efficiency')}; "
             f"overhead alone {_kinds(alone, 'overhead')}, all at once {_kinds(tog, 'overhead')}; "
             f"elementwise alone {_kinds(alone, 'elementwise')}, all at once "
-            f"{_kinds(tog, 'elementwise')}."]
+            f"{_kinds(tog, 'elementwise')}; forward share {_kinds(alone, 'forward')}."]
     if meas["seconds"]:
         head.append("# Ping-pong, all pairs at once, one-way median of the slowest pair: "
                     + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
