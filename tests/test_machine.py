@@ -242,6 +242,8 @@ def test_calibrate_write_on_one_rank(tmp_path):
     assert all(1e-7 < v < 1e-1 for v in m.device.overhead.values())   # microseconds expected
     assert set(m.device.forward) == {"transformer", "linear"}
     assert all(0 < v < 1 for v in m.device.forward.values())
+    assert set(m.device.split) == {"transformer", "linear"}
+    assert all(0 < a < 2 and 0 < b < 2 for a, b in m.device.split.values())
     assert "One rank: no network level" in path.read_text()
     bad = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate",
                           f"--write={tmp_path / 'no' / 'x.toml'}"],
@@ -268,3 +270,16 @@ def test_a_machine_is_found_by_name_from_anywhere(tmp_path, monkeypatch):
     assert resolve("archer2.toml") == "archer2.toml"  # a file here wins
     with pytest.raises(ValueError, match="nope.toml: cannot read the machine file"):
         load("nope.toml")
+
+
+def test_backward_halves_round_trip_and_default():
+    dev = hm.Device("d", {"float32": 1.0}, 1.0, 1.0, split={"transformer": (0.66, 0.47)})
+    m = hm.Machine("m", (hm.Level("node", 2, 1e-6, ((math.inf, 1e9),)),), dev)
+    back = hm.loads(m.to_toml())
+    assert back == m and back.device.backward_halves("transformer") == (0.66, 0.47)
+    assert back.device.backward_halves("linear") == (0.5, 0.5)
+    for bad, message in (({"t": 0.5}, r"split.t = 0.5: expected \[input, weight\]"),
+                         ({"t": (0.5, -1)}, r"device split.t = -1"),
+                         ({"t": (1, 2, 3)}, r"split.t = \(1, 2, 3\)")):
+        with pytest.raises(ValueError, match=message):
+            hm.Device("d", {"float32": 1.0}, 1.0, 1.0, split=bad)

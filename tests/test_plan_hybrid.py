@@ -150,3 +150,24 @@ def test_the_forward_share_moves_time_between_the_passes_not_the_total():
     assert half.t_f - third.t_f == pytest.approx(rest / 6, rel=1e-9)
     assert half.t_f == pytest.approx(2 * f / 0.8e11 + 2 * 8 * 16 * 64 * 64 / 1e11 + rest / 2,
                                      rel=1e-9)
+
+
+def test_zero_bubble_halves_are_the_devices_measured_split():
+    """ZB-H1's input and weight halves: the device's fractions of the whole backward (tp
+    allreduces stay in the input half); (0.5, 0.5) without them."""
+    from hpcnn.plan.hybrid import stage_times
+
+    def machine(split):
+        return Hsm(name="cpu", levels=(Level("node", 2, 1e-6, ((math.inf, 1e10),)),),
+                   device=Device("cpu", {"float32": 1e11}, 1e10, 1e10, split=split))
+    model = Transformer(n_layers=2, dim=64, n_heads=4, seq=16, vocab=64, batch=8,
+                        dtype="float32")
+    whole = stage_times(model, Layout(1, 2, 1, 1), machine({}))
+    even = stage_times(model, Layout(1, 2, 1, 1, "zb_h1"), machine({}))
+    assert even.t_b == pytest.approx(whole.t_b, rel=1e-12)
+    assert even.t_w == pytest.approx((whole.t_b - whole.tp_s) / 2, rel=1e-12)
+    split = stage_times(model, Layout(1, 2, 1, 1, "zb_h1"),
+                        machine({"transformer": (0.66, 0.47)}))
+    body = whole.t_b - whole.tp_s
+    assert split.t_w == pytest.approx(0.47 * body, rel=1e-12)
+    assert split.t_b - split.t_w == pytest.approx(0.66 * body + whole.tp_s, rel=1e-12)

@@ -19,7 +19,8 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   2(n-1)/n x bytes x g + 2(n-1) L at the level that holds tp consecutive devices;
 - **pipeline**: the schedule's makespan in stage passes (:func:`hpcnn.parallel.schedules.
   formula_makespan` with the slowest stage's times; :func:`hpcnn.parallel.schedules.simulate`
-  where no formula applies; ZB-H1's weight half is taken as half the backward), plus one
+  where no formula applies; ZB-H1's input and weight halves are the device's measured fractions
+  of the backward, ``Device.backward_halves``, (0.5, 0.5) where the file has none), plus one
   activation message per boundary each way on the critical path, at the level of the pp
   neighbours (tp x dp devices apart); ZB-H1's memory is taken as 1F1B's;
 - **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
@@ -193,8 +194,14 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
                            False) + dev.pass_seconds(2 * head, dtype, "linear", 1, act, False) + tp_s
     if layout.remat == "full":
         t_b += t_f
-    # zero bubble splits B into its input and weight halves (equal FLOPs: dx and dW products)
-    t_w = t_b / 2 if layout.schedule == "zb_h1" else 0.0
+    t_w = 0.0
+    if layout.schedule == "zb_h1":
+        # zero bubble splits B into its input and weight halves, each the measured fraction of
+        # the whole (Device.backward_halves; the head taken as a transformer block's): t_b
+        # becomes the split backward, t_w its weight half
+        b_in, b_w = dev.backward_halves("transformer")
+        t_w = b_w * (t_b - tp_s)
+        t_b = b_in * (t_b - tp_s) + tp_s + t_w
     span = schedules.formula_makespan(layout.schedule, pp, m_count, t_f, t_b - t_w, t_w)
     if span is None:
         lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)

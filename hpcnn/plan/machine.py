@@ -38,6 +38,9 @@ thesis leaves open, and what is chosen here:
   the FLOPs' share): the planner splits a block's time into forward and backward for the
   pipeline schedules, and element-wise passes do not split as the matmuls' 1 : 2 (a transformer
   block's forward measured ~42 % of its time on this kind of machine, priced at 35 % with 1/3).
+  ``split`` maps a kind to the (input, weight) halves of its backward as a zero-bubble pipeline
+  runs them, each a fraction of the whole backward (missing kinds (0.5, 0.5)): split, the two
+  halves cost more than the whole (1.13x for a transformer block on this kind of machine).
 
 Files are TOML (read with :mod:`tomllib`, written by :meth:`Machine.to_toml`); see
 ``machines/*.toml`` for examples with the sources of their numbers.
@@ -127,7 +130,9 @@ class Device:
     (``efficiency``, kind -> (0, 1]; missing kinds 1), its seconds per cache byte
     (``elementwise``, kind -> seconds >= 0; missing kinds 0), its fixed seconds per forward +
     backward (``overhead``, kind -> seconds >= 0; missing kinds 0) and the forward's share of
-    those two (``forward``, kind -> (0, 1); missing kinds 1/3)."""
+    those two (``forward``, kind -> (0, 1); missing kinds 1/3) and its backward's zero-bubble
+    halves (``split``, kind -> (input, weight) fractions of the whole backward; missing kinds
+    (0.5, 0.5))."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
@@ -136,6 +141,7 @@ class Device:
     overhead: dict = field(default_factory=dict, hash=False)
     elementwise: dict = field(default_factory=dict, hash=False)
     forward: dict = field(default_factory=dict, hash=False)
+    split: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -171,6 +177,16 @@ class Device:
             raise ValueError(f"device {self.name!r}: forward = {fwd}: a share of a forward + "
                              "backward is below 1")
         object.__setattr__(self, "forward", fwd)
+        if not isinstance(self.split, dict):
+            raise ValueError(f"device {self.name!r}: split = {self.split!r}: expected a table "
+                             "block kind -> [input, weight] fractions of the backward")
+        halves = {}
+        for k, v in self.split.items():
+            if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) != 2:
+                raise ValueError(f"device {self.name!r}: split.{k} = {v!r}: expected [input, "
+                                 "weight], fractions of the whole backward")
+            halves[str(k)] = tuple(_positive(x, f"device split.{k}") for x in v)
+        object.__setattr__(self, "split", halves)
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
@@ -198,6 +214,10 @@ class Device:
         share = self.forward.get(kind, 1 / 3)
         rest = calls * self.overhead.get(kind, 0.0) + cache_bytes * self.elementwise.get(kind, 0.0)
         return flops / self.rate(dtype, kind) + (share if forward else 1 - share) * rest
+
+    def backward_halves(self, kind: str) -> tuple:
+        """(input, weight): the zero-bubble halves of ``kind``'s backward as fractions of it."""
+        return self.split.get(kind, (0.5, 0.5))
 
     def stream_seconds(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` through memory (read + written bytes, as STREAM counts)."""
@@ -292,11 +312,13 @@ class Machine:
         for table, what in (("efficiency", "fraction of the rate per block kind"),
                             ("overhead", "seconds per forward + backward of one block"),
                             ("elementwise", "seconds per byte of a block's cache"),
-                            ("forward", "share of overhead + elementwise in the forward")):
+                            ("forward", "share of overhead + elementwise in the forward"),
+                            ("split", "zero-bubble backward halves [input, weight]")):
             if getattr(self.device, table):
                 lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
-                lines += [f"{_toml_str(k)} = {_toml_num(v)}"
-                          for k, v in getattr(self.device, table).items()]
+                lines += [f"{_toml_str(k)} = " + (
+                    f"[{', '.join(_toml_num(x) for x in v)}]" if isinstance(v, tuple)
+                    else _toml_num(v)) for k, v in getattr(self.device, table).items()]
         if not self.levels:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
@@ -355,7 +377,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
                         memory_bandwidth=_get(dev, "memory_bandwidth", at),
                         memory_bytes=_get(dev, "memory_bytes", at),
                         efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}),
-                        elementwise=dev.get("elementwise", {}), forward=dev.get("forward", {}))
+                        elementwise=dev.get("elementwise", {}), forward=dev.get("forward", {}),
+                        split=dev.get("split", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"

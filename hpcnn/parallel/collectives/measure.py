@@ -110,7 +110,9 @@ def matmul_rate(dtype: str, n: int = MATMUL_N, repeats: int = 5) -> float:
 def _blocks_pass(kind: str, size: tuple, dtype: str):
     """(run, FLOPs forward, FLOPs backward, cache bytes) of ``kind``'s blocks at ``size`` (one
     :data:`EFFICIENCY_SHAPES` entry): ``run()`` does one forward and one backward and returns
-    their seconds (forward, backward); the figures are the blocks' spec()."""
+    their seconds (forward, backward); ``run(True)`` splits the backward as zero-bubble pipelines
+    do (the input half, then the deferred weight halves, :mod:`hpcnn.nn.core`) and returns
+    (forward, input half, weight half); the figures are the blocks' spec()."""
     from hpcnn.nn.layers import Linear, ReLU
     from hpcnn.nn.transformer import TransformerBlock
     a, b, shape = size
@@ -123,7 +125,7 @@ def _blocks_pass(kind: str, size: tuple, dtype: str):
         f_fwd, f_bwd, cache = f_fwd + s.flops_fwd, f_bwd + s.flops_bwd, cache + s.bytes_cache
         shape = s.out_shape
 
-    def run() -> tuple:
+    def run(split: bool = False) -> tuple:
         t0 = time.perf_counter()
         y, caches = x, []
         for blk in blocks:
@@ -131,10 +133,16 @@ def _blocks_pass(kind: str, size: tuple, dtype: str):
             caches.append(c)
         dy = np.ones_like(y)
         t1 = time.perf_counter()
+        pending = [] if split else None
         for blk, c in zip(reversed(blocks), reversed(caches)):
-            dy = blk.backward(dy, c)
-        return t1 - t0, time.perf_counter() - t1
+            dy = blk.backward(dy, c, defer=pending) if split and blk.defers_weights else \
+                blk.backward(dy, c)
+        t2 = time.perf_counter()
+        for linear, dy_l, cache_l in pending or ():
+            linear.backward_weight(dy_l, cache_l)
+        return (t1 - t0, t2 - t1, time.perf_counter() - t2) if split else (t1 - t0, t2 - t1)
     run()                                                    # warm-up
+    run(True)
     return run, f_fwd, f_bwd, cache
 
 
@@ -145,8 +153,8 @@ def _median_pass(run, repeats: int) -> tuple:
 
 
 def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
-    """(efficiency, overhead seconds, elementwise seconds per cache byte, forward share) of
-    ``kind``'s blocks in this process.
+    """(efficiency, overhead seconds, elementwise seconds per cache byte, forward share, (input,
+    weight) split) of ``kind``'s blocks in this process.
 
     The overhead is the median forward + backward of the tiny blocks (:data:`OVERHEAD_SHAPES`).
     Each of ``repeats`` rounds then times the n x n matmul (its rate F) and the wide and narrow
@@ -160,7 +168,11 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     (t_fwd - FLOPs_fwd / (F e)) over the same sum for the whole pass, with each round's F and e.
     The FLOPs split 1 : 2 between forward and backward, the rest does not: layer norms, softmax
     and GELU cost about as much forward as backward (on this kind of machine a transformer
-    block's forward is ~42 % of its time, not a third)."""
+    block's forward is ~42 % of its time, not a third).
+
+    The split is what a zero-bubble pipeline's two backward halves each take as a fraction of the
+    whole backward, medians over rounds and reference blocks: the halves add up to more than the
+    whole (each runs its own passes over dy and the caches; ~1.13 on this kind of machine)."""
     tiny = _blocks_pass(kind, OVERHEAD_SHAPES[kind], dtype)[0]
     o_fwd, o_bwd = _median_pass(tiny, 10 * repeats)
     overhead = o_fwd + o_bwd
@@ -168,7 +180,7 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype) for _ in range(2))
     c = np.empty_like(a)
-    inv_eff, per_byte, share = [], [], []
+    inv_eff, per_byte, share, halves = [], [], [], []
     for _ in range(repeats):
         rate = 2.0 * MATMUL_N ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), 1)
         rows = [(ff, fb, q, *run()) for run, ff, fb, q in refs]
@@ -185,8 +197,12 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
         both = overhead + sum(max(tf + tb - (ff + fb) * u / rate, 0.0)
                               for ff, fb, _, tf, tb in rows)
         share.append(fwd / both)
+        for (run, *_), (*_, tb) in zip(refs, rows):
+            _, t_in, t_w = run(True)
+            halves.append((t_in / tb, t_w / tb))
+    split = np.median(np.array(halves), axis=0)
     return (1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte)),
-            float(np.median(share)))
+            float(np.median(share)), (float(split[0]), float(split[1])))
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
@@ -216,12 +232,12 @@ def cpu_name() -> str:
 def device_rates(rounds: int = 15) -> dict:
     """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
-    "elementwise.transformer": .., "forward.transformer": ..}."""
+    "elementwise.transformer": .., "forward.transformer": .., "split.transformer": (in, w)}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
     for kind in EFFICIENCY_SHAPES:
         (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"], rates[f"elementwise.{kind}"],
-         rates[f"forward.{kind}"]) = block_costs(kind, "float32", rounds)
+         rates[f"forward.{kind}"], rates[f"split.{kind}"]) = block_costs(kind, "float32", rounds)
     return rates
 
 
@@ -268,7 +284,8 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     computing slows when all ranks compute: about 1 with a core per rank, ~2 with two ranks per
     core. Matmul rates (per dtype) and the copy bandwidth divide by their own factor; the block
     kinds' fixed and element-wise seconds multiply by ``slow`` (they are CPU time, shared as the
-    matmul's is); efficiencies and forward shares are ratios of times slowed alike and stay.
+    matmul's is); efficiencies, forward shares and backward splits are ratios of times slowed
+    alike and stay.
     Timed all at once directly, the block figures would be medians of calls of 0.1-10 ms, which
     run uninterrupted or not by the luck of the scheduler's slices: measured so, on 4 ranks over
     2 cores the linear kind's efficiency swung from 0.60 to 0.84 between three calibrations."""
@@ -278,7 +295,7 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
         table = key.split(".", 1)[0] if "." in key else ""
         if table in ("overhead", "elementwise"):
             out[key] = value * slow["float32"]
-        elif table in ("efficiency", "forward"):
+        elif table in ("efficiency", "forward", "split"):
             out[key] = value
         else:                                   # a dtype's matmul rate or "copy"
             out[key] = value / slow[key]
@@ -311,9 +328,11 @@ def measure(comm, rounds: int = 15) -> dict:
 
 
 def _kinds(rates: dict, table: str) -> dict:
-    """{kind: figure} of the ``table`` ("efficiency", "overhead") entries of device_rates()."""
-    return {k.split(".", 1)[1]: float(f"{v:.4g}") for k, v in rates.items()
-            if k.startswith(table + ".")}
+    """{kind: figure} of the ``table`` ("efficiency", "overhead", ...) entries of device_rates()
+    (a figure or a tuple of them), to four significant digits."""
+    def digits(v):
+        return tuple(digits(x) for x in v) if isinstance(v, tuple) else float(f"{v:.4g}")
+    return {k.split(".", 1)[1]: digits(v) for k, v in rates.items() if k.startswith(table + ".")}
 
 
 def machine_text(meas: dict, name: str, size: int) -> str:
@@ -325,7 +344,8 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                     memory_bandwidth=tog["copy"],
                     memory_bytes=memory_bytes(meas["ranks_here"]),
                     efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"),
-                    elementwise=_kinds(tog, "elementwise"), forward=_kinds(tog, "forward"))
+                    elementwise=_kinds(tog, "elementwise"), forward=_kinds(tog, "forward"),
+                    split=_kinds(tog, "split"))
     levels = (fit_level(meas["sizes"], meas["seconds"], size),) if size > 1 else ()
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
@@ -343,7 +363,8 @@ def machine_text(meas: dict, name: str, size: int) -> str:
             f"alone {_kinds(alone, 'efficiency')}, all at once {_kinds(tog, 'efficiency')}; "
             f"overhead alone {_kinds(alone, 'overhead')}, all at once {_kinds(tog, 'overhead')}; "
             f"elementwise alone {_kinds(alone, 'elementwise')}, all at once "
-            f"{_kinds(tog, 'elementwise')}; forward share {_kinds(alone, 'forward')}."]
+            f"{_kinds(tog, 'elementwise')}; forward share {_kinds(alone, 'forward')}; backward "
+            f"halves (input, weight) {_kinds(alone, 'split')}."]
     if meas["seconds"]:
         head.append("# Ping-pong, all pairs at once, one-way median of the slowest pair: "
                     + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
