@@ -283,3 +283,29 @@ def test_backward_halves_round_trip_and_default():
                          ({"t": (1, 2, 3)}, r"split.t = \(1, 2, 3\)")):
         with pytest.raises(ValueError, match=message):
             hm.Device("d", {"float32": 1.0}, 1.0, 1.0, split=bad)
+
+
+def test_a_levels_reduce_rate_prices_the_ring_steps():
+    """With ``reduce_bandwidth`` an allreduce's 2(n-1) steps go at its rate; without it a step is
+    one message. The pieces round-trip through the file and are fitted from allreduce times."""
+    from hpcnn.parallel.collectives.measure import fit_reduce
+    plain = hm.Level("node", 4, 1e-6, ((math.inf, 1e10),))
+    assert plain.allreduce_seconds(4e6, 4) == pytest.approx(6 * (1e-6 + 1e6 / 1e10), rel=1e-12)
+    assert plain.allreduce_seconds(4e6, 1) == plain.allreduce_seconds(0, 4) == 0.0
+    lv = hm.Level("node", 4, 1e-6, ((math.inf, 1e10),), ((1e5, 5e8), (math.inf, 2e9)))
+    assert lv.reduce_step_seconds(1e5) == pytest.approx(1e-6 + 1e5 / 5e8, rel=1e-12)
+    assert lv.allreduce_seconds(4e6, 4) == pytest.approx(6 * (1e-6 + 1e6 / 2e9), rel=1e-12)
+    assert lv.allreduce_seconds(4e6, 2) == pytest.approx(2 * (1e-6 + 2e6 / 2e9), rel=1e-12)
+    m = hm.Machine("m", (lv,), hm.Device("d", {"float32": 1.0}, 1.0, 1.0))
+    assert hm.loads(m.to_toml()) == m
+    assert "reduce_bandwidth = [[100000, 500000000], [inf, 2000000000]]" in m.to_toml()
+    with pytest.raises(ValueError, match=r"reduce_bandwidth\[0\] bytes_per_s = -1"):
+        hm.Level("node", 2, 0.0, ((math.inf, 1.0),), ((math.inf, -1),))
+    # the fit inverts the pricing: times made by a level's own steps give its pieces back
+    sizes = [4096, 1 << 20, 1 << 24]
+    times = [6 * (1e-6 + s / 4 / r) for s, r in zip(sizes, (1e9, 3e9, 2e9))]
+    pieces = fit_reduce(sizes, times, 4, 1e-6)
+    assert [p[0] for p in pieces] == [1024, 1 << 18, math.inf]
+    assert [p[1] for p in pieces] == pytest.approx([1e9, 3e9, 2e9], rel=1e-9)
+    with pytest.raises(ValueError, match="expected >= 2 ranks"):
+        fit_reduce(sizes, times, 1, 1e-6)

@@ -11,18 +11,16 @@ import pytest
 
 from hpcnn.plan.cost import (Cut, Elementwise, Graph, Matmul, chain, cut_costs, redistribution_cost,
                              sapp_cost, strategy_cost, to_cut)
+from hpcnn.plan.machine import Level
 from hpcnn.plan.search import (chain_dp, chain_dp_sequences, dra, dra_sequences, exhaustive,
                                exhaustive_sequences)
 
 
 # ------------------------------------ a stand-in with the interface of hpcnn.plan.machine.Machine
 
-class _Level:
-    def __init__(self, name, latency_s, seconds_per_byte):
-        self.name, self.latency_s, self.g = name, latency_s, seconds_per_byte
-
-    def message_seconds(self, nbytes):
-        return self.latency_s + nbytes * self.g
+def _Level(name, latency_s, seconds_per_byte):
+    """A level of one per-byte cost (its fan-out unused here: the stand-in machine bisects)."""
+    return Level(name, 2, latency_s, ((math.inf, 1 / seconds_per_byte),))
 
 
 class _Device:

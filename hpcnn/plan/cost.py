@@ -221,13 +221,14 @@ def _level(machine, span: int):
 
 
 def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term | None:
-    """Ring allreduce of nbytes over n devices ``stride`` apart: 2(n-1) messages of nbytes/n."""
+    """Ring allreduce of nbytes over n devices ``stride`` apart: 2(n-1) steps of nbytes/n
+    (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`)."""
     if n == 1 or nbytes == 0:
         return None
     lvl = _level(machine, n * stride)
-    piece = nbytes / n
-    return Term(what, f"2*({n}-1)*(L_{lvl.name} + {piece:g}*g_{lvl.name})",
-                2 * (n - 1) * lvl.message_seconds(piece), nbytes, n)
+    g = "r" if lvl.reduce_bandwidth else "g"            # a reduce step's rate, or a message's
+    return Term(what, f"2*({n}-1)*(L_{lvl.name} + {nbytes / n:g}*{g}_{lvl.name})",
+                lvl.allreduce_seconds(nbytes, n), nbytes, n)
 
 
 def _matches(p: int, a: Cut, b: Cut) -> bool:
@@ -300,7 +301,8 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
 
     A group of n devices spaced ``stride`` apart spans n*stride consecutive devices; its level is
     the one of the outermost bisection it crosses, machine.bisection_level(log2 p - log2 span).
-    Allreduces are rings, 2(n-1) messages of bytes/n. Supersteps add (no overlap).
+    Allreduces are rings, 2(n-1) steps of bytes/n at the level's calibrated reduce rate (one
+    message a step where the level has none). Supersteps add (no overlap).
     """
     p = machine.p
     size = DTYPE_BYTES[dtype]

@@ -141,11 +141,10 @@ class Priced:
 
 
 def ring_allreduce_s(nbytes: float, n: int, level) -> float:
-    """A ring allreduce of ``nbytes`` over ``n`` ranks at ``level``: 2(n-1) steps of n-th parts."""
-    if n == 1 or nbytes == 0:
-        return 0.0
-    part = nbytes / n
-    return 2 * (n - 1) * (level.latency_s + part * level.seconds_per_byte(int(part)))
+    """A ring allreduce of ``nbytes`` over ``n`` ranks at ``level``: 2(n-1) steps of n-th parts
+    (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`: at the level's calibrated reduce rate
+    where it has one)."""
+    return level.allreduce_seconds(nbytes, n)
 
 
 class StageTimes(NamedTuple):

@@ -71,11 +71,17 @@ def _positive(value, what: str, allow_zero: bool = False) -> float:
 class Level:
     """One level of the hierarchy: ``fanout`` identical children talking at latency ``latency_s``
     (seconds per message, also the cost of a barrier at this level) and a per-byte cost that
-    depends on the message size through ``bandwidth`` pieces ((max_bytes, bytes_per_s), ...)."""
+    depends on the message size through ``bandwidth`` pieces ((max_bytes, bytes_per_s), ...).
+
+    ``reduce_bandwidth`` (optional, the same form) is the rate of one step of a ring allreduce
+    at this level: a part sent, one received and summed into the buffer. Calibration fits it
+    from the MPI allreduce it times, which on this kind of machine runs ~4x slower than the ring
+    of ping-pong messages (the sums, the library's copies); without it a step is one message."""
     name: str
     fanout: int
     latency_s: float
     bandwidth: tuple
+    reduce_bandwidth: tuple = ()
 
     def __post_init__(self):
         where = f"level {self.name!r}"
@@ -86,6 +92,9 @@ class Level:
         object.__setattr__(self, "latency_s", _positive(self.latency_s, f"{where}: latency_s",
                                                         allow_zero=True))
         object.__setattr__(self, "bandwidth", _pieces(self.bandwidth, f"{where}: bandwidth"))
+        if self.reduce_bandwidth:
+            object.__setattr__(self, "reduce_bandwidth", _pieces(
+                self.reduce_bandwidth, f"{where}: reduce_bandwidth"))
 
     def seconds_per_byte(self, nbytes: int) -> float:
         """g_l(n): 1 / bytes_per_s of the first piece with n <= max_bytes."""
@@ -99,6 +108,22 @@ class Level:
     def message_seconds(self, nbytes: int) -> float:
         """L_l + n g_l(n): one message of ``nbytes`` between two children of this level."""
         return self.latency_s + nbytes * self.seconds_per_byte(nbytes)
+
+    def reduce_step_seconds(self, nbytes: float) -> float:
+        """One step of a ring allreduce exchanging parts of ``nbytes``: L_l + n / its
+        ``reduce_bandwidth`` piece's rate, or one message where the level has none."""
+        if not self.reduce_bandwidth:
+            return self.message_seconds(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"level {self.name!r}: nbytes = {nbytes}: expected >= 0")
+        rate = next(r for top, r in self.reduce_bandwidth if nbytes <= top)
+        return self.latency_s + nbytes / rate
+
+    def allreduce_seconds(self, nbytes: float, n: int) -> float:
+        """A ring allreduce of ``nbytes`` over ``n`` children: 2(n-1) steps of n-th parts."""
+        if n == 1 or nbytes == 0:
+            return 0.0
+        return 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
 
 
 def _pieces(pieces, what: str) -> tuple:
@@ -323,10 +348,14 @@ class Machine:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
             pieces = ", ".join(f"[{_toml_num(m)}, {_toml_num(r)}]" for m, r in lv.bandwidth)
+            reduce = ", ".join(f"[{_toml_num(m)}, {_toml_num(r)}]"
+                               for m, r in lv.reduce_bandwidth)
             lines += ["", "[[levels]]                      # innermost first",
                       f"name = {_toml_str(lv.name)}", f"fanout = {lv.fanout}",
                       f"latency_s = {_toml_num(lv.latency_s)}",
                       f"bandwidth = [{pieces}]   # [max_bytes, bytes_per_s]"]
+            if reduce:
+                lines.append(f"reduce_bandwidth = [{reduce}]   # a ring allreduce's step")
         return "\n".join(lines) + "\n"
 
 
@@ -387,7 +416,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
         with _named(at):
             levels.append(Level(name=_get(lv, "name", at), fanout=_get(lv, "fanout", at),
                                 latency_s=_get(lv, "latency_s", at),
-                                bandwidth=_get(lv, "bandwidth", at, list)))
+                                bandwidth=_get(lv, "bandwidth", at, list),
+                                reduce_bandwidth=lv.get("reduce_bandwidth", ())))
     with _named(where):
         return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
                        source=str(doc.get("source", "")))

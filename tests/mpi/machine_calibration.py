@@ -27,6 +27,9 @@ sizes = [b for b, _ in node.bandwidth]
 assert sizes == [1 << 10, 1 << 16, 1 << 20, 1 << 24, math.inf], sizes
 assert all(1e6 < rate < 1e12 for _, rate in node.bandwidth), node.bandwidth
 assert node.message_seconds(1 << 20) > node.message_seconds(8) > 0
+assert [b for b, _ in node.reduce_bandwidth][-1] == math.inf and len(node.reduce_bandwidth) == 5
+assert all(1e6 < rate < 1e12 for _, rate in node.reduce_bandwidth), node.reduce_bandwidth
+assert node.allreduce_seconds(1 << 20, p) > 0
 assert all(1e8 < v < 1e14 for v in m.device.flops.values()) and len(m.device.flops) == 2
 assert 1e8 < m.device.memory_bandwidth < 1e13 and m.device.memory_bytes > 1e8
 assert all(0 < v <= 1 for v in m.device.efficiency.values()) and len(m.device.efficiency) == 2
@@ -34,7 +37,8 @@ assert all(0 < v < 1e-1 for v in m.device.overhead.values()) and len(m.device.ov
 assert all(0 <= v < 1e-6 for v in m.device.elementwise.values()) and len(m.device.elementwise) == 2
 assert all(0 < v < 1 for v in m.device.forward.values()) and len(m.device.forward) == 2
 with open(path) as f:
-    assert "Ping-pong, all pairs at once" in f.read()
+    text = f.read()
+assert "Ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text
 # a directory that does not exist: refused on every rank, before any collective
 assert cmd_calibrate([f"--write={os.path.join(sys.argv[1], 'no', 'x.toml')}"]) == 2
 world.Barrier()

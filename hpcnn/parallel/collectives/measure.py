@@ -6,9 +6,14 @@
   the latency L; each larger size s gives a bandwidth piece ending at s with
   bytes_per_s = s / (t(s) - L) (:func:`fit_level`). All ranks form one level "node" whose fan-out
   is the number of ranks: with the ranks at hand nothing finer or coarser can be told apart.
-- **Device**: the matmul rate per dtype and a large copy's memory bandwidth, timed on rank 0 alone
-  and then on all ranks at once. The machine file records the all-at-once rates (what each rank
-  gets in a step when ranks share cores); the alone rates go in its header comments.
+- **Allreduce**: an in-place MPI allreduce per size over all ranks (:func:`allreduce_times`),
+  fitted as a ring's steps into the level's ``reduce_bandwidth`` (:func:`fit_reduce`): the
+  library's sums and copies make it several times slower than the ring of ping-pong messages.
+- **Device**: the matmul rate per dtype, a large copy's memory bandwidth and the block figures
+  below, timed on rank 0 alone; then the sustained matmul and copy rates over a wall-clock
+  window, alone and on all ranks at once (:func:`sustained_rates`). The machine file records
+  what a rank gets while all compute (:func:`shared_figures`): the figures alone slowed by the
+  ratio of the sustained rates, ~1 with a core per rank, ~2 with two ranks per core.
 - **Per block kind** (:func:`block_costs`): hpcnn's own blocks, forward and backward, at a tiny
   size (their fixed cost: ``overhead``) and at two reference sizes per kind, a wide and a narrow
   one (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): each round times the
@@ -25,6 +30,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -96,6 +102,39 @@ def fit_level(sizes, seconds, fanout: int, name: str = "node") -> Level:
     pieces = [[float(s), s / max(t - latency, t / 10)] for s, t in zip(sizes[1:], seconds[1:])]
     pieces[-1][0] = float("inf")
     return Level(name=name, fanout=fanout, latency_s=latency, bandwidth=tuple(map(tuple, pieces)))
+
+
+def allreduce_times(comm, sizes=SIZES[1:]) -> list:
+    """Seconds of an in-place MPI allreduce (float32 sum, what Communicator.allreduce's default
+    runs) of each size over all ranks: the median over repeats of the slowest rank."""
+    from mpi4py import MPI
+    out = []
+    for n in sizes:
+        buf = np.zeros(max(n // 4, 1), dtype=np.float32)
+        times = []
+        comm.Barrier()
+        for _ in range(_repeats(n) + 1):              # the first call warms the path
+            t0 = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            times.append(time.perf_counter() - t0)
+        out.append(comm.allreduce(float(np.median(times[1:])), op=MPI.MAX))
+    return out
+
+
+def fit_reduce(sizes, seconds, n: int, latency: float) -> tuple:
+    """The ``reduce_bandwidth`` pieces of a level from allreduce ``seconds`` per buffer size on
+    ``n`` ranks: a ring's step exchanges size/n bytes, so step = t / (2(n-1)) and a piece ends
+    at size/n with rate (size/n) / (step - L), step - L kept >= step / 10 (as :func:`fit_level`);
+    the last piece reaches infinity."""
+    if n < 2 or len(sizes) < 1 or len(sizes) != len(seconds):
+        raise ValueError(f"fit_reduce: {n} ranks, sizes {list(sizes)}, {len(seconds)} times: "
+                         "expected >= 2 ranks and one time per size")
+    pieces = []
+    for size, t in zip(sizes, seconds):
+        step, part = t / (2 * (n - 1)), size / n
+        pieces.append([part, part / max(step - latency, step / 10)])
+    pieces[-1][0] = float("inf")
+    return tuple(map(tuple, pieces))
 
 
 def matmul_rate(dtype: str, n: int = MATMUL_N, repeats: int = 5) -> float:
@@ -306,8 +345,8 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
 def measure(comm, rounds: int = 15) -> dict:
     """Everything ``calibrate --write`` records, the same dict on every rank: "alone" (rank 0 by
     itself) and "together" (:func:`shared_figures`: what a rank gets while all compute) device
-    figures, "sizes" and one-way "seconds" (None on one rank), "ranks_here" (ranks sharing this
-    node's memory), "cpu"."""
+    figures, "sizes" and one-way "seconds", "reduce_sizes" and allreduce "reduce_seconds" (both
+    None on one rank), "ranks_here" (ranks sharing this node's memory), "cpu"."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:
@@ -323,8 +362,10 @@ def measure(comm, rounds: int = 15) -> dict:
     ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
     local.Free()
     seconds = pingpong(comm) if size > 1 else None
+    reduce = allreduce_times(comm) if size > 1 else None
     return {"alone": alone, "together": together, "sizes": list(SIZES),
-            "seconds": seconds, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0)}
+            "seconds": seconds, "reduce_sizes": list(SIZES[1:]), "reduce_seconds": reduce,
+            "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0)}
 
 
 def _kinds(rates: dict, table: str) -> dict:
@@ -346,7 +387,11 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                     efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"),
                     elementwise=_kinds(tog, "elementwise"), forward=_kinds(tog, "forward"),
                     split=_kinds(tog, "split"))
-    levels = (fit_level(meas["sizes"], meas["seconds"], size),) if size > 1 else ()
+    levels = ()
+    if size > 1:
+        node = fit_level(meas["sizes"], meas["seconds"], size)
+        levels = (replace(node, reduce_bandwidth=fit_reduce(
+            meas["reduce_sizes"], meas["reduce_seconds"], size, node.latency_s)),)
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
     head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
@@ -369,6 +414,10 @@ def machine_text(meas: dict, name: str, size: int) -> str:
         head.append("# Ping-pong, all pairs at once, one-way median of the slowest pair: "
                     + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
                                 zip(meas["sizes"], meas["seconds"])) + ".")
+        head.append("# MPI allreduce (float32 sum, in place) over all ranks, median of the slowest "
+                    "rank: " + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
+                                         zip(meas["reduce_sizes"], meas["reduce_seconds"]))
+                    + ".")
     else:
         head.append("# One rank: no network level was measured.")
     return "\n".join(head) + "\n\n" + Machine(name=name, levels=levels, device=device,
