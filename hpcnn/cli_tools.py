@@ -330,6 +330,14 @@ def cmd_calibrate(args) -> int:
         print(err or f"hpcnn calibrate: --dtype={opts['dtype']!r}, --rounds={opts['rounds']}: "
               f"expected float32 or float64, and rounds >= 1", file=sys.stderr)
         return 2
+    given = {a.split("=", 1)[0] for a in args}
+    misplaced = ("--rounds is read only with --write=FILE (the machine file's timing rounds)"
+                 if "--rounds" in given and not opts["write"] else
+                 "--dtype is for the allreduce table; --write times float32 and float64 itself"
+                 if "--dtype" in given and opts["write"] else "")
+    if misplaced:
+        print(f"hpcnn calibrate: {misplaced}", file=sys.stderr)
+        return 2
     if opts["write"]:
         return calibrate_machine(opts["write"], opts["rounds"])
     from mpi4py import MPI

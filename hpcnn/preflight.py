@@ -76,13 +76,18 @@ def planned(cfg: TrainConfig, world_size: int, data=None):
     :func:`hpcnn.plan.auto.choose_gpt_layout` (a pure function of the config, the vocabulary, the
     machine file and ``world_size``: every rank takes the same, before any collective); any
     other run is returned as it is, with no record. ``--model=gcn`` takes ``batch_size`` = the
-    graph's nodes: a step is one full-batch pass. ConfigError when no layout can be chosen."""
+    graph's nodes: a step is one full-batch pass (another value than the default or the node
+    count is refused). ConfigError when no layout can be chosen or that batch is refused."""
     if cfg.model != "gcn" and not (cfg.model == "gpt" and cfg.plan == "auto"):
         return cfg, None, data
     from hpcnn import data as datasets
     data = data if data is not None else datasets.for_config(cfg)
     if cfg.model == "gcn":
         from dataclasses import replace
+        if cfg.batch_size not in (TrainConfig.batch_size, data.n_nodes):
+            raise ConfigError(f"invalid configuration: batch_size={cfg.batch_size}: model='gcn' "
+                              f"runs full-batch steps, {data.n_nodes} nodes of {cfg.dataset}; "
+                              f"leave --batch_size unset or pass {data.n_nodes}")
         return replace(cfg, batch_size=data.n_nodes), None, data
     from hpcnn.plan.auto import choose_gpt_layout
     chosen, record = choose_gpt_layout(cfg, world_size, data.vocab)

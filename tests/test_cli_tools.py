@@ -87,6 +87,13 @@ def test_calibrate_under_mpi_and_alone(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate", "--dtype=int8"],
                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "--dtype='int8'" in bad.stderr
+    for args, message in ((["--rounds=3"], "--rounds is read only with --write=FILE"),
+                          ([f"--write={tmp_path / 'm.toml'}", "--dtype=float64"],
+                           "--dtype is for the allreduce table")):
+        odd = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate", *args],
+                             capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+        assert odd.returncode == 2 and message in odd.stderr, odd.stderr
+        assert not (tmp_path / "m.toml").exists()
     alone = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate"], capture_output=True,
                            text=True, timeout=60, env=env, cwd=ROOT)
     assert alone.returncode == 2 and "one rank" in alone.stderr

@@ -87,6 +87,12 @@ def test_bad_inputs_are_refused_with_their_values(karate, tmp_path):
     cfg = parse_overrides(["--model=gcn", "--dp=40", f"--log={tmp_path / 'x.h5'}"]).resolved()
     with pytest.raises(ConfigError, match="dp=40: karate has 34 nodes"):
         preflight.check(cfg, 40)
+    # a step is the whole graph: a batch other than the node count is refused, not replaced
+    with pytest.raises(ConfigError, match="batch_size=16: model='gcn' runs full-batch steps, "
+                                          "34 nodes of karate; leave --batch_size unset or pass 34"):
+        preflight.planned(parse_overrides(["--model=gcn", "--batch_size=16"]).resolved(), 1)
+    assert preflight.planned(parse_overrides(["--model=gcn", "--batch_size=34"]).resolved(),
+                             1)[0].batch_size == 34
 
 
 def test_partition_option_is_refused_where_it_cannot_run(monkeypatch):
