@@ -15,11 +15,13 @@ What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet
      only: the planner's ``remat="full"`` (keep each block's input, recompute the whole block)
      is not what ``hpcnn train --remat=sqrt`` runs (uniform checkpoints every sqrt(L) blocks), so
      pricing one for the other would compare different programs;
-   - an MLP on digits (``--hidden``, float32, ``--mlp_batch``): per Linear one of data
-     parallel Cut(p,1,1), row Cut(1,p,1), column Cut(1,1,p) or replicated Cut(1,1,1), written as
-     plan files for ``hpcnn train --model=mlp --tp=p --plan=FILE``: all 4**n combinations
-     (``--mlp_layouts=all``) or N of them (always the uniform ones and the planner's DRA choice,
-     the rest a seeded sample);
+   - an MLP on digits (``--hidden``, float32, ``--mlp_batch``): per Linear one of the cuts
+     whose parts are powers of two dividing p (:func:`cut_options`: on 2 ranks data parallel
+     Cut(2,1,1), row Cut(1,2,1), column Cut(1,1,2) or replicated Cut(1,1,1); on 4 ranks ten,
+     the mixed ones such as Cut(2,1,2) included), written as plan files for ``hpcnn train
+     --model=mlp --tp=p --plan=FILE``: every combination (``--mlp_layouts=all``: 64 on 2 ranks,
+     1000 on 4) or N of them (always the uniform ones, the DRA's choice and the least BSP
+     price on the first round's machine, the rest a seeded sample);
 
 3. **measure** each with ``mpiexec -n p python -m mpi4py -m hpcnn train ... --log=``, the
    layouts' order reversed every other round (``--rounds``), the run's figure the median
@@ -133,41 +135,54 @@ def mlp_graph(hidden, batch: int) -> cost.Graph:
     return cost.mlp_graph([DIGITS[0], *hidden, DIGITS[1]], batch)
 
 
+def cut_options(p: int) -> dict:
+    """name -> Cut of every cut of one Linear over p ranks (:func:`hpcnn.plan.search.cut_options`):
+    dp, row, col and rep for the four that use all p ranks one way or none, ``bBkKjJ`` (batch,
+    reduce and output parts) for the mixed ones (p >= 4)."""
+    named = {make(p): name for name, make in CHOICES.items()}
+    return {named.get(c, f"b{c.batch}k{c.reduce}j{c.out}"): c for c in search.cut_options(p)}
+
+
 def cut_name(cut: Cut, p: int) -> str:
-    for name, make in CHOICES.items():
-        if make(p) == cut:
+    for name, c in cut_options(p).items():
+        if c == cut:
             return name
     return str(cut)
 
 
-def mlp_layouts(graph: cost.Graph, ranks: int, count, seed: int = 0) -> list:
-    """Tuples of choice names, one per Linear: all 4**n, or ``count`` of them including the
-    uniform ones and the DRA's choice (when it is made of these cuts), the rest sampled."""
+def mlp_layouts(graph: cost.Graph, ranks: int, count, seed: int = 0, extra=()) -> list:
+    """Tuples of cut names (:func:`cut_options`), one per Linear: all of them, or ``count`` of
+    them including the uniform dp, row, col and rep ones, the DRA's choice and the tuples in
+    ``extra`` (the least BSP price), the rest a seeded sample."""
     n = len(graph.ops)
-    every = list(itertools.product(CHOICES, repeat=n))
+    every = list(itertools.product(cut_options(ranks), repeat=n))
     if count == "all" or int(count) >= len(every):
         return every
     dra = tuple(cut_name(c, ranks) for c in search.dra(graph, ranks)[0])
     chosen = [tuple([c] * n) for c in CHOICES]
-    if dra in every and dra not in chosen:
-        chosen.append(dra)
+    for lay in (dra, *extra):
+        if lay in every and lay not in chosen:
+            chosen.append(lay)
     rest = [lay for lay in every if lay not in chosen]
     random.Random(seed).shuffle(rest)
     return (chosen + rest)[:max(int(count), 1)]
 
 
-def mlp_cases(hidden, batch: int, ranks: int, count, folder: str) -> list:
+def mlp_cases(hidden, batch: int, ranks: int, count, folder: str, mach=None) -> list:
     """(name, train arguments, predictor: machine -> StrategyCost) per MLP layout; writes each
-    plan file."""
+    plan file. With a machine, the layout of least BSP price on it is among them."""
     graph = mlp_graph(hidden, batch)
+    best = search.least_price(graph, ranks, mach, "float32") if mach is not None else None
+    extra = [tuple(cut_name(c, ranks) for c in best[0])] if best else []
     return [mlp_case(hidden, batch, ranks, names, folder)
-            for names in mlp_layouts(graph, ranks, count)]
+            for names in mlp_layouts(graph, ranks, count, extra=extra)]
 
 
 def mlp_case(hidden, batch: int, ranks: int, names, folder: str, tag: str = "") -> tuple:
     """(name, train arguments, predictor: machine -> StrategyCost) of one MLP layout (choice
     names, one per Linear); writes its plan file ``folder/plan-{tag}{name}.json``."""
-    cuts = [CHOICES[c](ranks) for c in names]
+    options = cut_options(ranks)
+    cuts = [options[c] for c in names]
     name = "-".join(names)
     path = os.path.join(folder, f"plan-{tag}{name}.json")
     with open(path, "w") as f:
@@ -289,7 +304,12 @@ def main(argv=None) -> int:
     if a.gpt_layouts != "all":
         gcases = gcases[:int(a.gpt_layouts)]
     hidden = [int(v) for v in a.hidden.split(",")]
-    mcases = mlp_cases(hidden, a.mlp_batch, a.ranks, a.mlp_layouts, folder)
+    # the first round's machine, calibrated before the layouts are chosen: the MLP's least-price
+    # layout on it (what --plan=auto runs) is always among those measured
+    first = machine.resolve(a.machine) if a.machine else calibrate(a.ranks, out_dir,
+                                                                   "machine-r0.toml")
+    mcases = mlp_cases(hidden, a.mlp_batch, a.ranks, a.mlp_layouts, folder,
+                       machine_for(first, a.ranks))
     models = {"gpt": (gcases, a.gpt_steps), "mlp": (mcases, a.mlp_steps)}
     print(f"{len(gcases)} GPT and {len(mcases)} MLP layouts, {a.rounds} rounds", flush=True)
 
@@ -299,8 +319,8 @@ def main(argv=None) -> int:
     preds = {m: {name: [] for name, _, _ in cases} for m, (cases, _) in models.items()}
     paths = []
     for r in range(a.rounds):
-        path = machine.resolve(a.machine) if a.machine else calibrate(
-            a.ranks, out_dir, f"machine-r{r}.toml")
+        path = first if r == 0 or a.machine else calibrate(a.ranks, out_dir,
+                                                           f"machine-r{r}.toml")
         mach = machine_for(path, a.ranks)
         paths.append(path)
         print(f"round {r + 1}: machine {mach.name} ({path}), {mach.p} devices, "

@@ -33,6 +33,13 @@ def test_mlp_layouts_cover_the_uniform_and_the_planners_choice():
     assert len(some) == 6 and len(set(some)) == 6
     assert {("dp",) * 3, ("row",) * 3, ("col",) * 3, ("rep",) * 3} <= set(some)
     assert some == plan_validation.mlp_layouts(graph, 2, 6)          # seeded: the same each run
+    # on 4 ranks every cut of parts dividing 4, the mixed ones named by their parts
+    four = plan_validation.cut_options(4)
+    assert len(four) == 10 and four["b2k1j2"] == Cut(2, 1, 2) and four["col"] == Cut(1, 1, 4)
+    assert plan_validation.cut_name(Cut(1, 2, 2), 4) == "b1k2j2"
+    extra = ("b2k1j2", "rep", "b1k2j2")
+    some = plan_validation.mlp_layouts(graph, 4, 7, extra=[extra])
+    assert len(some) == 7 and extra in some and ("col",) * 3 in some
 
 
 def test_experiment_and_figure(tmp_path):
