@@ -163,6 +163,83 @@ def test_levels_that_are_not_tables():
         hm.loads(text)
 
 
+# measured seconds per parameter of an optimizer step: points at 100 and 10000 parameters
+UPDATE = {"adamw": ((100, 4e-9), (10_000, 2e-9), (math.inf, 1e-9)), "sgd": ((math.inf, 5e-10),)}
+
+
+def timed():
+    """small() with measured optimizer steps."""
+    m = small()
+    return hm.Machine(m.name, m.levels, hm.Device(
+        "d", m.device.flops, m.device.memory_bandwidth, m.device.memory_bytes,
+        m.device.efficiency, m.device.overhead, m.device.elementwise, UPDATE))
+
+
+def test_update_table_round_trips_and_files_without_it_load_unchanged(tmp_path):
+    m = timed()
+    text = m.to_toml()
+    assert '"adamw" = [[100, 4e-09], [10000, 2e-09], [inf, 1e-09]]' in text
+    path = tmp_path / "timed.toml"
+    path.write_text(text)
+    back = hm.load(path)
+    assert back == m and back.device.update == {
+        "adamw": ((100.0, 4e-9), (10000.0, 2e-9), (math.inf, 1e-9)), "sgd": ((math.inf, 5e-10),)}
+    assert small().device.update == {} and "[device.update]" not in GOOD
+    for f in FILES:                                   # the public files carry no table
+        assert hm.load(f).device.update == {}, f
+
+
+def test_update_seconds_interpolates_in_log_params():
+    dev = timed().device
+    at = dev.update_seconds
+    assert at(100, "adamw") == pytest.approx(100 * 4e-9, rel=1e-12)          # at the points
+    assert at(10_000, "adamw") == pytest.approx(10_000 * 2e-9, rel=1e-12)
+    assert at(1000, "adamw") == pytest.approx(1000 * 3e-9, rel=1e-12)        # halfway in log
+    # a quarter of the way in log (100 -> 316.2): 4e-9 - 0.25 x 2e-9
+    assert at(10 ** 2.5, "adamw") == pytest.approx(10 ** 2.5 * 3.5e-9, rel=1e-12)
+    assert at(10, "adamw") == pytest.approx(10 * 4e-9, rel=1e-12)            # below: the first
+    assert at(0, "adamw") == 0.0
+    assert at(10_001, "adamw") == pytest.approx(10_001 * 1e-9, rel=1e-12)    # above: the last
+    assert at(1e9, "adamw") == pytest.approx(1.0, rel=1e-12)
+    assert at(1e6, "sgd") == pytest.approx(5e-4, rel=1e-12)                  # one piece: flat
+    assert at(1e6, "lion") is None and small().device.update_seconds(1e6, "adamw") is None
+    for bad in (-1, math.inf, "10"):
+        with pytest.raises(ValueError, match=rf"n_params = {bad!r}: expected a finite number"):
+            at(bad, "adamw")
+
+
+TIMED = timed().to_toml()
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("[10000, 2e-09]", "[50, 2e-09]", r"\[device\]: device update.adamw\[1\] max_params = 50: "
+                                      r"the pieces' max_params must increase \(previous 100.0\)"),
+    ("[inf, 1e-09]", "[20000, 1e-09]", r"update.adamw = .*: the last piece's max_params must "
+                                       r"be inf"),
+    ("[100, 4e-09]", "[100, -4e-09]", r"update.adamw\[0\] seconds_per_param = -4e-09: expected a "
+                                      r"number > 0"),
+    ("[100, 4e-09]", "[100, inf]", r"update.adamw\[0\] seconds_per_param = inf: expected a finite"),
+    ("[100, 4e-09]", "[100, nan]", r"update.adamw\[0\] seconds_per_param = nan"),
+    ("[100, 4e-09]", "[100]", r"update.adamw\[0\] = \[100\]: expected \[max_params, "
+                              r"seconds_per_param\]"),
+    ("[100, 4e-09]", '["many", 4e-09]', r"update.adamw\[0\] max_params = 'many': expected a "
+                                        r"number"),
+    ('"sgd" = [[inf, 5e-10]]', '"sgd" = 5e-10', r"update.sgd = 5e-10: expected a list of "
+                                                r"\[max_params, seconds_per_param\]"),
+    ('"sgd" = [[inf, 5e-10]]', '"sgd" = []', r"update.sgd = \[\]: the last piece's max_params"),
+    ("[device.update]", "[device.update.x]", r"update.x = \{'adamw': .*: expected a list of"),
+])
+def test_bad_update_tables_name_the_file_and_values(tmp_path, old, new, message):
+    assert TIMED.count(old) == 1
+    path = tmp_path / "bad.toml"
+    path.write_text(TIMED.replace(old, new))
+    with pytest.raises(ValueError, match=message) as e:
+        hm.load(path)
+    assert str(e.value).startswith(f"{path} [device]: "), e.value
+    with pytest.raises(ValueError, match=r"update = 3: expected a table optimizer ->"):
+        hm.Device("d", {"float32": 1.0}, 1.0, 1.0, update=3)
+
+
 def test_this_machine_prefers_the_named_file(tmp_path, monkeypatch):
     path = tmp_path / "here.toml"
     path.write_text(GOOD)

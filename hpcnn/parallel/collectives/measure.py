@@ -17,6 +17,12 @@
   figures are the medians over rounds. These are the machine's figures for the framework's
   element-wise passes and per-call cost, not a profile of the model being planned: re-planning
   another width or batch reruns nothing.
+- **Optimizer update** (:func:`update_costs`): hpcnn's own optimizer step, seconds per parameter
+  at a few parameter counts (:data:`UPDATE_SIZES`, each split into :data:`UPDATE_ARRAYS` arrays
+  as a layer's weights are), as pieces ((max_params, seconds_per_param), ..., (inf, ...)). A
+  step's rate depends on the size: small parameter sets stay in cache, and each array adds a
+  fixed Python and dispatch cost, so one memory-bandwidth figure priced models of 1 M
+  parameters 2.5-3x too slow here. Again a figure of the machine, not of the model planned.
 
 Every rank calls every function here (they contain collectives); medians keep one slow repeat
 on a shared machine from deciding the figure. """
@@ -41,6 +47,10 @@ COPY_BYTES = 64 << 20           # 64 MiB: well past the caches
 EFFICIENCY_SHAPES = {"transformer": ((256, 4, (8, 64, 256)), (64, 2, (32, 64, 64))),
                      "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)))}
 OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
+# Parameter counts of the optimizer-update figures (16 Ki .. 8 Mi: in L2, in L3, past it) and the
+# arrays each count is split into (a layer's weights and biases are a few arrays).
+UPDATE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23)
+UPDATE_ARRAYS = 4
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -162,6 +172,44 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
         inv_eff.append(u)
         per_byte.append(w)
     return 1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte))
+
+
+def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
+                 repeats: int = 15) -> tuple:
+    """Seconds per parameter of one step of hpcnn's ``optimizer`` ("adamw", "sgd") in this
+    process, as pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param)) for
+    :attr:`hpcnn.plan.machine.Device.update`: one piece per size N of ``sizes`` (increasing),
+    t(N) / N where t(N) is the median of ``repeats`` steps over N ``dtype`` parameters in
+    :data:`UPDATE_ARRAYS` arrays with their gradients set, after one warm-up step (the first
+    step allocates the optimizer's state); then a last piece to infinity with the largest size's
+    figure. The optimizer is built as ``hpcnn train`` builds it with its default options
+    (:func:`hpcnn.nn.optim.make_optimizer`, the momentum and weight decay of
+    :class:`hpcnn.config.TrainConfig`)."""
+    from hpcnn.config import TrainConfig
+    from hpcnn.nn.core import Parameter
+    from hpcnn.nn.optim import make_optimizer
+    sizes = list(sizes)
+    if (not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < UPDATE_ARRAYS
+                         for n in sizes) or sizes != sorted(set(sizes))):
+        raise ValueError(f"update_costs: sizes = {sizes}: expected increasing integers >= "
+                         f"{UPDATE_ARRAYS} (parameters)")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"update_costs: repeats = {repeats!r}: expected an integer >= 1")
+    defaults = TrainConfig()
+    rng = np.random.default_rng(0)
+    pieces = []
+    for n in sizes:
+        params = []
+        for i in range(UPDATE_ARRAYS):                      # n split as evenly as it goes
+            count = n // UPDATE_ARRAYS + (i < n % UPDATE_ARRAYS)
+            p = Parameter(rng.standard_normal(count).astype(dtype), f"w{i}")
+            p.grad = rng.standard_normal(count).astype(dtype)
+            params.append(p)
+        opt = make_optimizer(optimizer, params, momentum=defaults.momentum,
+                             weight_decay=defaults.weight_decay)
+        opt.step(1e-3)                                       # warm-up: allocates the state
+        pieces.append((float(n), _median_seconds(lambda: opt.step(1e-3), repeats) / n))
+    return tuple(pieces) + ((float("inf"), pieces[-1][1]),)
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
