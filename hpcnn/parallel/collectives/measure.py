@@ -51,6 +51,7 @@ OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
 # arrays each count is split into (a layer's weights and biases are a few arrays).
 UPDATE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23)
 UPDATE_ARRAYS = 4
+UPDATE_ROUNDS = 3               # rounds over the sizes the update figures' steps are timed in
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -174,20 +175,39 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     return 1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte))
 
 
-def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
-                 repeats: int = 15) -> tuple:
-    """Seconds per parameter of one step of hpcnn's ``optimizer`` ("adamw", "sgd") in this
-    process, as pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param)) for
-    :attr:`hpcnn.plan.machine.Device.update`: one piece per size N of ``sizes`` (increasing),
-    t(N) / N where t(N) is the median of ``repeats`` steps over N ``dtype`` parameters in
-    :data:`UPDATE_ARRAYS` arrays with their gradients set, after one warm-up step (the first
-    step allocates the optimizer's state); then a last piece to infinity with the largest size's
-    figure. The optimizer is built as ``hpcnn train`` builds it with its default options
+def _update_step(optimizer: str, n: int, dtype: str, rng):
+    """One step of hpcnn's ``optimizer`` as ``hpcnn train`` builds it with its default options
     (:func:`hpcnn.nn.optim.make_optimizer`, the momentum and weight decay of
-    :class:`hpcnn.config.TrainConfig`)."""
+    :class:`hpcnn.config.TrainConfig`) over ``n`` parameters in :data:`UPDATE_ARRAYS` arrays with
+    their gradients set, as a function of no argument, after a warm-up step (the first step
+    allocates the optimizer's state)."""
     from hpcnn.config import TrainConfig
     from hpcnn.nn.core import Parameter
     from hpcnn.nn.optim import make_optimizer
+    params = []
+    for i in range(UPDATE_ARRAYS):                          # n split as evenly as it goes
+        count = n // UPDATE_ARRAYS + (i < n % UPDATE_ARRAYS)
+        p = Parameter(rng.standard_normal(count).astype(dtype), f"w{i}")
+        p.grad = rng.standard_normal(count).astype(dtype)
+        params.append(p)
+    defaults = TrainConfig()
+    opt = make_optimizer(optimizer, params, momentum=defaults.momentum,
+                         weight_decay=defaults.weight_decay)
+    opt.step(1e-3)                                           # warm-up
+    return lambda: opt.step(1e-3)
+
+
+def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
+                 repeats: int = 21) -> tuple:
+    """Seconds per parameter of one step of hpcnn's ``optimizer`` ("adamw", "sgd") in this
+    process, as pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param)) for
+    :attr:`hpcnn.plan.machine.Device.update`: one piece per size N of ``sizes`` (increasing),
+    t(N) / N where t(N) is the median of ``repeats`` steps over N ``dtype`` parameters
+    (:func:`_update_step`); then a last piece to infinity with the largest size's figure. The
+    steps are timed in :data:`UPDATE_ROUNDS` rounds over the sizes, so that a burst of load on a
+    shared machine does not fall on all the steps of one size; within a round a size's steps
+    follow one untimed step, as they follow each other in training (the arrays of a small
+    size are back in cache: the rate measured is the cached one where the arrays fit)."""
     sizes = list(sizes)
     if (not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < UPDATE_ARRAYS
                          for n in sizes) or sizes != sorted(set(sizes))):
@@ -195,21 +215,16 @@ def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
                          f"{UPDATE_ARRAYS} (parameters)")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"update_costs: repeats = {repeats!r}: expected an integer >= 1")
-    defaults = TrainConfig()
     rng = np.random.default_rng(0)
-    pieces = []
-    for n in sizes:
-        params = []
-        for i in range(UPDATE_ARRAYS):                      # n split as evenly as it goes
-            count = n // UPDATE_ARRAYS + (i < n % UPDATE_ARRAYS)
-            p = Parameter(rng.standard_normal(count).astype(dtype), f"w{i}")
-            p.grad = rng.standard_normal(count).astype(dtype)
-            params.append(p)
-        opt = make_optimizer(optimizer, params, momentum=defaults.momentum,
-                             weight_decay=defaults.weight_decay)
-        opt.step(1e-3)                                       # warm-up: allocates the state
-        pieces.append((float(n), _median_seconds(lambda: opt.step(1e-3), repeats) / n))
-    return tuple(pieces) + ((float("inf"), pieces[-1][1]),)
+    steps = [_update_step(optimizer, n, dtype, rng) for n in sizes]
+    times = [[] for _ in sizes]
+    for r in range(UPDATE_ROUNDS):
+        count = repeats // UPDATE_ROUNDS + (r < repeats % UPDATE_ROUNDS)
+        for step, out in zip(steps, times):
+            step()                                           # the arrays back in cache
+            out += [_median_seconds(step, 1) for _ in range(count)]
+    pieces = tuple((float(n), float(np.median(t)) / n) for n, t in zip(sizes, times))
+    return pieces + ((float("inf"), pieces[-1][1]),)
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
