@@ -323,17 +323,15 @@ class Machine:
         if self.device.update:
             lines += ["", "[device.update]".ljust(32)
                       + "# optimizer step: [max_params, seconds_per_param] (float32)"]
-            lines += [f"{_toml_str(k)} = [" + ", ".join(
-                f"[{_toml_num(m)}, {_toml_num(s)}]" for m, s in pieces) + "]"
-                for k, pieces in self.device.update.items()]
+            lines += [f"{_toml_str(k)} = {_toml_pieces(pieces)}"
+                      for k, pieces in self.device.update.items()]
         if not self.levels:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
-            pieces = ", ".join(f"[{_toml_num(m)}, {_toml_num(r)}]" for m, r in lv.bandwidth)
             lines += ["", "[[levels]]                      # innermost first",
                       f"name = {_toml_str(lv.name)}", f"fanout = {lv.fanout}",
                       f"latency_s = {_toml_num(lv.latency_s)}",
-                      f"bandwidth = [{pieces}]   # [max_bytes, bytes_per_s]"]
+                      f"bandwidth = {_toml_pieces(lv.bandwidth)}   # [max_bytes, bytes_per_s]"]
         return "\n".join(lines) + "\n"
 
 
@@ -350,6 +348,11 @@ def _toml_num(x: float) -> str:
     if x == int(x) and abs(x) < 2**53:
         return str(int(x))
     return repr(float(x))
+
+
+def _toml_pieces(pieces) -> str:
+    """Pieces ((max, value), ...) as a TOML array of pairs, inf written as TOML's inf."""
+    return "[" + ", ".join(f"[{_toml_num(m)}, {_toml_num(v)}]" for m, v in pieces) + "]"
 
 
 def _get(table: dict, key: str, where: str, kind=None):
