@@ -178,6 +178,82 @@ def test_levels_that_are_not_tables():
         hm.loads(text)
 
 
+# measured seconds per parameter of an optimizer step: points at 100 and 10000 parameters
+UPDATE = {"adamw": ((100, 4e-9), (10_000, 2e-9), (math.inf, 1e-9)), "sgd": ((math.inf, 5e-10),)}
+
+
+def timed():
+    """small() with measured optimizer steps."""
+    from dataclasses import replace
+    m = small()
+    return replace(m, device=replace(m.device, update=UPDATE))
+
+
+def test_update_table_round_trips_and_files_without_it_load_unchanged(tmp_path):
+    m = timed()
+    text = m.to_toml()
+    assert '"adamw" = [[100, 4e-09], [10000, 2e-09], [inf, 1e-09]]' in text
+    path = tmp_path / "timed.toml"
+    path.write_text(text)
+    back = hm.load(path)
+    assert back == m and back.device.update == {
+        "adamw": ((100.0, 4e-9), (10000.0, 2e-9), (math.inf, 1e-9)), "sgd": ((math.inf, 5e-10),)}
+    assert small().device.update == {} and "[device.update]" not in GOOD
+    for f in FILES:                                   # the public files carry no table
+        assert hm.load(f).device.update == {}, f
+
+
+def test_update_seconds_interpolates_in_log_params():
+    dev = timed().device
+    at = dev.update_seconds
+    assert at(100, "adamw") == pytest.approx(100 * 4e-9, rel=1e-12)          # at the points
+    assert at(10_000, "adamw") == pytest.approx(10_000 * 2e-9, rel=1e-12)
+    assert at(1000, "adamw") == pytest.approx(1000 * 3e-9, rel=1e-12)        # halfway in log
+    # a quarter of the way in log (100 -> 316.2): 4e-9 - 0.25 x 2e-9
+    assert at(10 ** 2.5, "adamw") == pytest.approx(10 ** 2.5 * 3.5e-9, rel=1e-12)
+    assert at(10, "adamw") == pytest.approx(10 * 4e-9, rel=1e-12)            # below: the first
+    assert at(0, "adamw") == 0.0
+    assert at(10_001, "adamw") == pytest.approx(10_001 * 1e-9, rel=1e-12)    # above: the last
+    assert at(1e9, "adamw") == pytest.approx(1.0, rel=1e-12)
+    assert at(1e6, "sgd") == pytest.approx(5e-4, rel=1e-12)                  # one piece: flat
+    assert at(1e6, "lion") is None and small().device.update_seconds(1e6, "adamw") is None
+    for bad in (-1, math.inf, "10"):
+        with pytest.raises(ValueError, match=rf"n_params = {bad!r}: expected a finite number"):
+            at(bad, "adamw")
+
+
+TIMED = timed().to_toml()
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("[10000, 2e-09]", "[50, 2e-09]", r"\[device\]: device update.adamw\[1\] max_params = 50: "
+                                      r"the pieces' max_params must increase \(previous 100.0\)"),
+    ("[inf, 1e-09]", "[20000, 1e-09]", r"update.adamw = .*: the last piece's max_params must "
+                                       r"be inf"),
+    ("[100, 4e-09]", "[100, -4e-09]", r"update.adamw\[0\] seconds_per_param = -4e-09: expected a "
+                                      r"number > 0"),
+    ("[100, 4e-09]", "[100, inf]", r"update.adamw\[0\] seconds_per_param = inf: expected a finite"),
+    ("[100, 4e-09]", "[100, nan]", r"update.adamw\[0\] seconds_per_param = nan"),
+    ("[100, 4e-09]", "[100]", r"update.adamw\[0\] = \[100\]: expected \[max_params, "
+                              r"seconds_per_param\]"),
+    ("[100, 4e-09]", '["many", 4e-09]', r"update.adamw\[0\] max_params = 'many': expected a "
+                                        r"number"),
+    ('"sgd" = [[inf, 5e-10]]', '"sgd" = 5e-10', r"update.sgd = 5e-10: expected a list of "
+                                                r"\[max_params, seconds_per_param\]"),
+    ('"sgd" = [[inf, 5e-10]]', '"sgd" = []', r"update.sgd = \[\]: the last piece's max_params"),
+    ("[device.update]", "[device.update.x]", r"update.x = \{'adamw': .*: expected a list of"),
+])
+def test_bad_update_tables_name_the_file_and_values(tmp_path, old, new, message):
+    assert TIMED.count(old) == 1
+    path = tmp_path / "bad.toml"
+    path.write_text(TIMED.replace(old, new))
+    with pytest.raises(ValueError, match=message) as e:
+        hm.load(path)
+    assert str(e.value).startswith(f"{path} [device]: "), e.value
+    with pytest.raises(ValueError, match=r"update = 3: expected a table optimizer ->"):
+        hm.Device("d", {"float32": 1.0}, 1.0, 1.0, update=3)
+
+
 def test_this_machine_prefers_the_named_file(tmp_path, monkeypatch):
     path = tmp_path / "here.toml"
     path.write_text(GOOD)
@@ -213,9 +289,12 @@ def test_shared_figures_slow_cpu_time_by_the_sustained_ratio():
     and element-wise seconds multiplied by the float32 one, ratios unchanged."""
     from hpcnn.parallel.collectives.measure import shared_figures
     alone = {"float32": 100.0, "float64": 50.0, "copy": 10.0, "efficiency.linear": 0.9,
-             "overhead.linear": 2e-5, "elementwise.linear": 3e-10, "forward.linear": 0.45}
+             "overhead.linear": 2e-5, "elementwise.linear": 3e-10, "forward.linear": 0.45,
+             "update.sgd": ((1024, 1e-9), (math.inf, 2e-9))}
     got = shared_figures(alone, {"float32": 120.0, "float64": 60.0, "copy": 12.0},
                          {"float32": 60.0, "float64": 20.0, "copy": 8.0})
+    (top, per), (inf, per_inf) = got.pop("update.sgd")
+    assert (top, inf) == (1024, math.inf) and (per, per_inf) == pytest.approx((2e-9, 4e-9))
     assert got == pytest.approx({"float32": 50.0, "float64": 50.0 / 3, "copy": 10.0 / 1.5,
                                  "efficiency.linear": 0.9, "overhead.linear": 4e-5,
                                  "elementwise.linear": 6e-10, "forward.linear": 0.45,
@@ -244,6 +323,8 @@ def test_calibrate_write_on_one_rank(tmp_path):
     assert all(0 < v < 1 for v in m.device.forward.values())
     assert set(m.device.split) == {"transformer", "linear"}
     assert all(0 < a < 2 and 0 < b < 2 for a, b in m.device.split.values())
+    assert set(m.device.update) == {"adamw", "sgd"}            # seconds per parameter
+    assert all(0 < s < 1e-6 for pieces in m.device.update.values() for _, s in pieces)
     assert "One rank: no network level" in path.read_text()
     bad = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate",
                           f"--write={tmp_path / 'no' / 'x.toml'}"],

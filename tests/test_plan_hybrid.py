@@ -171,3 +171,27 @@ def test_zero_bubble_halves_are_the_devices_measured_split():
     body = whole.t_b - whole.tp_s
     assert split.t_w == pytest.approx(0.47 * body, rel=1e-12)
     assert split.t_b - split.t_w == pytest.approx(0.66 * body + whole.tp_s, rel=1e-12)
+
+
+def test_the_update_is_priced_from_the_measured_table_when_there_is_one():
+    from dataclasses import replace
+    plain = Machine(per_node=1, nodes=1)
+    n = SMALL.params() - SMALL.seq * SMALL.dim - SMALL.vocab * SMALL.dim   # not the embeddings
+    # no table: 11 (AdamW) or 4 (SGD) passes of 3 words per parameter at 2e12 bytes/s
+    assert update_seconds(1000, 4, plain.device) == 11 * 3 * 4 * 1000 / 2e12
+    assert update_seconds(1000, 2, plain.device, "sgd") == 4 * 3 * 2 * 1000 / 2e12
+    pieces = ((100, 4e-9), (10_000, 2e-9), (math.inf, 1e-9))
+    timed = replace(plain, device=replace(plain.device, update={"adamw": pieces}))
+    # float32 as measured (1000 is halfway in log between 100 and 10000: 3e-9 s a parameter);
+    # other words scale by word / 4; an optimizer without a table keeps the stream model
+    assert update_seconds(1000, 4, timed.device) == pytest.approx(3e-6, rel=1e-12)
+    assert update_seconds(1000, 2, timed.device) == pytest.approx(1.5e-6, rel=1e-12)
+    assert update_seconds(1000, 8, timed.device) == pytest.approx(6e-6, rel=1e-12)
+    assert update_seconds(1000, 2, timed.device, "sgd") == 4 * 3 * 2 * 1000 / 2e12
+    # the layout's price takes the table's figure: n > 10000 parameters at 1e-9 s, bfloat16
+    one, measured = (price(SMALL, Layout(1, 1, 1, 1), m) for m in (plain, timed))
+    assert n > 10_000 and measured.parts["optimizer"] == pytest.approx(n * 1e-9 * 2 / 4,
+                                                                       rel=1e-12)
+    assert one.parts["optimizer"] == pytest.approx(11 * 3 * 2 * n / 2e12, rel=1e-12)
+    assert measured.step_s - measured.parts["optimizer"] == pytest.approx(
+        one.step_s - one.parts["optimizer"], rel=1e-12)

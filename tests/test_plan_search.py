@@ -35,6 +35,9 @@ class _Device:
     def stream_seconds(self, nbytes):
         return nbytes / self.memory_bandwidth
 
+    def update_seconds(self, n_params, optimizer):
+        return None                          # no measured update: priced from the bandwidth
+
 
 def _update(params, word):
     """AdamW's update of ``params`` parameters: 11 passes of 3 words at the stub's bandwidth."""

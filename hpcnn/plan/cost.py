@@ -266,7 +266,9 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
                   f" + {cache:g}*c_linear",
                   machine.device.compute_seconds(flops, dtype, "linear", 1, cache))]
     local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
-    terms.append(Term(f"op{n} update", f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
+    measured = optimizer in getattr(machine.device, "update", {})
+    terms.append(Term(f"op{n} update", f"{local:g}*U_{optimizer}({local:g})*{size}/4" if measured
+                      else f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
                       update_seconds(local, size, machine.device, optimizer), local * size))
     for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out, rows * op.j / c.out * size),
               _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size),
@@ -292,7 +294,8 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
       - gradient allreduce of the weight part W[k/nk, j/nj] over the nb*r devices holding it
         (stride nk*nj): the replicas and the batch group;
       - the optimizer's update of the local weight part W[k/nk, j/nj] and bias part b[j/nj]
-        (:func:`hpcnn.plan.hybrid.update_seconds`: passes over memory at its bandwidth);
+        (:func:`hpcnn.plan.hybrid.update_seconds`: the device's measured seconds per parameter
+        U(n), or passes over memory at its bandwidth);
     and per edge whose layouts differ (:func:`_matches` false), a redistribution of the consumer's
     local input x[i/nb', k/nk'] in the forward and of its gradient in the backward, one message
     each at the level of the larger of the two operators' partition groups (our choice: the

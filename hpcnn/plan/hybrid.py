@@ -25,9 +25,12 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   neighbours (tp x dp devices apart); ZB-H1's memory is taken as 1F1B's;
 - **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
   overlapped: pipelines reduce after their list), at the level holding tp x dp devices;
-- **optimizer**: the update streams the rank's parameters, gradients and optimizer state through
-  memory, :data:`UPDATE_PASSES` passes of 3 words per parameter (two read, one written) at the
-  device's memory bandwidth;
+- **optimizer**: the update of the rank's parameters at the device's measured seconds per
+  parameter of hpcnn's step (``Device.update``: :func:`hpcnn.parallel.collectives.measure.
+  update_costs` at a few parameter counts, interpolated between them), scaled by word / 4 from
+  float32; on a machine without that table, a stream of the parameters, gradients and
+  optimizer state through memory, :data:`UPDATE_PASSES` passes of 3 words per parameter (two
+  read, one written) at the device's memory bandwidth;
 - **memory per rank**: parameters, gradients and two AdamW slots of its share (4 words per
   parameter; the replicated LayerNorms count whole on every tp rank), plus the activations its
   first stage holds: one cache per micro-batch in flight (1F1B and ZB-H1: pp; GPipe: M), the tp
@@ -55,8 +58,15 @@ UPDATE_PASSES = {"adamw": 11, "sgd": 4}
 
 
 def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw") -> float:
-    """One optimizer step over ``n_params`` parameters of ``word`` bytes: UPDATE_PASSES passes
-    of 3 words each (two read, one written) at the device's memory bandwidth."""
+    """One optimizer step over ``n_params`` parameters of ``word`` bytes. From the device's
+    measured figure where it has one for ``optimizer`` (:meth:`~hpcnn.plan.machine.Device.
+    update_seconds`, float32) times word / 4: the step is memory-bound, so its time goes with the
+    bytes it moves. Otherwise UPDATE_PASSES passes of 3 words each (two read, one written) at
+    the device's memory bandwidth, which priced models of ~1 M parameters (their arrays in cache)
+    2.5-3x too slow on this machine."""
+    measured = device.update_seconds(n_params, optimizer)
+    if measured is not None:
+        return measured * word / 4
     return device.stream_seconds(UPDATE_PASSES[optimizer] * 3 * word * n_params)
 
 

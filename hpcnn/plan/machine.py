@@ -41,6 +41,16 @@ thesis leaves open, and what is chosen here:
   ``split`` maps a kind to the (input, weight) halves of its backward as a zero-bubble pipeline
   runs them, each a fraction of the whole backward (missing kinds (0.5, 0.5)): split, the two
   halves cost more than the whole (1.13x for a transformer block on this kind of machine).
+  micro-batches slow); calibration times a tiny block of the kind.
+- **The optimizer's update is measured, not derived from the memory bandwidth.** ``update`` maps
+  an optimizer ("adamw", "sgd") to pieces ((max_params, seconds_per_param), ...) of hpcnn's own
+  step on float32 parameters, timed at a few parameter counts: a small model's arrays sit in
+  cache and each array costs a fixed dispatch, so the rate depends on the size (AdamW on a
+  0.83 M-parameter GPT took 1.6 ms here where the 24.5 GB/s copy bandwidth of
+  ``local-2vcpu.toml`` predicted 4.5 ms; the measured figure predicted 1.5 ms). Between the
+  measured counts the seconds per parameter are interpolated linearly in log(count)
+  (:meth:`Device.update_seconds`). Files without the table price the update from the
+  bandwidth (:func:`hpcnn.plan.hybrid.update_seconds`).
 
 Files are TOML (read with :mod:`tomllib`, written by :meth:`Machine.to_toml`); see
 ``machines/*.toml`` for examples with the sources of their numbers.
@@ -49,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -126,25 +137,27 @@ class Level:
         return 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
 
 
-def _pieces(pieces, what: str) -> tuple:
-    """The bandwidth pieces as a tuple of (float max_bytes, float bytes_per_s), checked: at least
-    one, max_bytes strictly increasing, the last one infinite, every rate > 0."""
-    if isinstance(pieces, (str, bytes)) or not hasattr(pieces, "__iter__"):
-        raise ValueError(f"{what} = {pieces!r}: expected a list of [max_bytes, bytes_per_s]")
+def _pieces(pieces, what: str, names=("max_bytes", "bytes_per_s")) -> tuple:
+    """Pieces as a tuple of (float max, float value), checked: at least one, the maxima strictly
+    increasing, the last one infinite, every value finite and > 0. ``names`` name the two
+    entries in the errors (a level's bandwidth: max_bytes, bytes_per_s)."""
+    top_name, value_name = names
+    if isinstance(pieces, (str, bytes, dict)) or not hasattr(pieces, "__iter__"):
+        raise ValueError(f"{what} = {pieces!r}: expected a list of [{top_name}, {value_name}]")
     out = []
     for i, piece in enumerate(pieces):
         if isinstance(piece, (str, bytes)) or not hasattr(piece, "__len__") or len(piece) != 2:
-            raise ValueError(f"{what}[{i}] = {piece!r}: expected [max_bytes, bytes_per_s]")
-        top = _positive(piece[0], f"{what}[{i}] max_bytes")
+            raise ValueError(f"{what}[{i}] = {piece!r}: expected [{top_name}, {value_name}]")
+        top = _positive(piece[0], f"{what}[{i}] {top_name}")
         if out and top <= out[-1][0]:
-            raise ValueError(f"{what}[{i}] max_bytes = {piece[0]!r}: the pieces' max_bytes must "
-                             f"increase (previous {out[-1][0]!r})")
-        rate = _positive(piece[1], f"{what}[{i}] bytes_per_s")
-        if math.isinf(rate):
-            raise ValueError(f"{what}[{i}] bytes_per_s = inf: expected a finite rate")
-        out.append((top, rate))
+            raise ValueError(f"{what}[{i}] {top_name} = {piece[0]!r}: the pieces' {top_name} "
+                             f"must increase (previous {out[-1][0]!r})")
+        value = _positive(piece[1], f"{what}[{i}] {value_name}")
+        if math.isinf(value):
+            raise ValueError(f"{what}[{i}] {value_name} = inf: expected a finite number")
+        out.append((top, value))
     if not out or not math.isinf(out[-1][0]):
-        raise ValueError(f"{what} = {pieces!r}: the last piece's max_bytes must be inf")
+        raise ValueError(f"{what} = {pieces!r}: the last piece's {top_name} must be inf")
     return tuple(out)
 
 
@@ -154,10 +167,12 @@ class Device:
     (bytes/s), memory capacity (bytes), the fraction of the rate each block kind attains
     (``efficiency``, kind -> (0, 1]; missing kinds 1), its seconds per cache byte
     (``elementwise``, kind -> seconds >= 0; missing kinds 0), its fixed seconds per forward +
-    backward (``overhead``, kind -> seconds >= 0; missing kinds 0) and the forward's share of
-    those two (``forward``, kind -> (0, 1); missing kinds 1/3) and its backward's zero-bubble
+    backward (``overhead``, kind -> seconds >= 0; missing kinds 0), the forward's share of
+    those two (``forward``, kind -> (0, 1); missing kinds 1/3), its backward's zero-bubble
     halves (``split``, kind -> (input, weight) fractions of the whole backward; missing kinds
-    (0.5, 0.5))."""
+    (0.5, 0.5)) and the measured seconds per parameter of an optimizer step (``update``,
+    optimizer name -> pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param))
+    for float32 parameters; an optimizer not listed is priced from the memory bandwidth)."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
@@ -167,6 +182,7 @@ class Device:
     elementwise: dict = field(default_factory=dict, hash=False)
     forward: dict = field(default_factory=dict, hash=False)
     split: dict = field(default_factory=dict, hash=False)
+    update: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -212,6 +228,12 @@ class Device:
                                  "weight], fractions of the whole backward")
             halves[str(k)] = tuple(_positive(x, f"device split.{k}") for x in v)
         object.__setattr__(self, "split", halves)
+        if not isinstance(self.update, dict):
+            raise ValueError(f"device {self.name!r}: update = {self.update!r}: expected a table "
+                             "optimizer -> [[max_params, seconds_per_param], ..., [inf, ...]]")
+        object.__setattr__(self, "update", {
+            str(k): _pieces(v, f"device update.{k}", ("max_params", "seconds_per_param"))
+            for k, v in self.update.items()})
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
@@ -243,6 +265,31 @@ class Device:
     def backward_halves(self, kind: str) -> tuple:
         """(input, weight): the zero-bubble halves of ``kind``'s backward as fractions of it."""
         return self.split.get(kind, (0.5, 0.5))
+    def update_seconds(self, n_params: float, optimizer: str) -> float | None:
+        """Seconds of one ``optimizer`` step over ``n_params`` float32 parameters from the
+        measured ``update`` pieces, None if the optimizer has none. Each finite piece
+        (max_params, s) is a measured point; the seconds per parameter s(n) are interpolated
+        linearly in log(n) between neighbouring points, below the first point they are its s,
+        above the last finite point they are the last (infinite) piece's s (calibration gives
+        that piece the largest count's figure). The step takes n_params x s(n_params)."""
+        pieces = self.update.get(optimizer)
+        if pieces is None:
+            return None
+        if isinstance(n_params, bool) or not isinstance(n_params, numbers.Real) or not (
+                0 <= n_params < math.inf):
+            raise ValueError(f"device {self.name!r}: n_params = {n_params!r}: expected a "
+                             "finite number >= 0")
+        points = pieces[:-1]                     # the measured counts; pieces[-1] ends at inf
+        if not points or n_params > points[-1][0]:
+            per_param = pieces[-1][1]
+        elif n_params <= points[0][0]:
+            per_param = points[0][1]
+        else:
+            (n0, s0), (n1, s1) = next((a, b) for a, b in zip(points, points[1:])
+                                      if n_params <= b[0])
+            f = math.log(n_params / n0) / math.log(n1 / n0)
+            per_param = s0 + f * (s1 - s0)
+        return n_params * per_param
 
     def stream_seconds(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` through memory (read + written bytes, as STREAM counts)."""
@@ -344,18 +391,21 @@ class Machine:
                 lines += [f"{_toml_str(k)} = " + (
                     f"[{', '.join(_toml_num(x) for x in v)}]" if isinstance(v, tuple)
                     else _toml_num(v)) for k, v in getattr(self.device, table).items()]
+        if self.device.update:
+            lines += ["", "[device.update]".ljust(32)
+                      + "# optimizer step: [max_params, seconds_per_param] (float32)"]
+            lines += [f"{_toml_str(k)} = {_toml_pieces(pieces)}"
+                      for k, pieces in self.device.update.items()]
         if not self.levels:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
-            pieces = ", ".join(f"[{_toml_num(m)}, {_toml_num(r)}]" for m, r in lv.bandwidth)
-            reduce = ", ".join(f"[{_toml_num(m)}, {_toml_num(r)}]"
-                               for m, r in lv.reduce_bandwidth)
             lines += ["", "[[levels]]                      # innermost first",
                       f"name = {_toml_str(lv.name)}", f"fanout = {lv.fanout}",
                       f"latency_s = {_toml_num(lv.latency_s)}",
-                      f"bandwidth = [{pieces}]   # [max_bytes, bytes_per_s]"]
-            if reduce:
-                lines.append(f"reduce_bandwidth = [{reduce}]   # a ring allreduce's step")
+                      f"bandwidth = {_toml_pieces(lv.bandwidth)}   # [max_bytes, bytes_per_s]"]
+            if lv.reduce_bandwidth:
+                lines.append(f"reduce_bandwidth = {_toml_pieces(lv.reduce_bandwidth)}"
+                             "   # a ring allreduce's step")
         return "\n".join(lines) + "\n"
 
 
@@ -372,6 +422,11 @@ def _toml_num(x: float) -> str:
     if x == int(x) and abs(x) < 2**53:
         return str(int(x))
     return repr(float(x))
+
+
+def _toml_pieces(pieces) -> str:
+    """Pieces ((max, value), ...) as a TOML array of pairs, inf written as TOML's inf."""
+    return "[" + ", ".join(f"[{_toml_num(m)}, {_toml_num(v)}]" for m, v in pieces) + "]"
 
 
 def _get(table: dict, key: str, where: str, kind=None):
@@ -407,7 +462,7 @@ def loads(text: str, where: str = "<string>") -> Machine:
                         memory_bytes=_get(dev, "memory_bytes", at),
                         efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}),
                         elementwise=dev.get("elementwise", {}), forward=dev.get("forward", {}),
-                        split=dev.get("split", {}))
+                        split=dev.get("split", {}), update=dev.get("update", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"

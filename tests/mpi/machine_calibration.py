@@ -36,6 +36,7 @@ assert all(0 < v <= 1 for v in m.device.efficiency.values()) and len(m.device.ef
 assert all(0 < v < 1e-1 for v in m.device.overhead.values()) and len(m.device.overhead) == 2
 assert all(0 <= v < 1e-6 for v in m.device.elementwise.values()) and len(m.device.elementwise) == 2
 assert all(0 < v < 1 for v in m.device.forward.values()) and len(m.device.forward) == 2
+assert set(m.device.update) == {"adamw", "sgd"}
 with open(path) as f:
     text = f.read()
 assert "Ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text

@@ -22,6 +22,12 @@
   figures are the medians over rounds. These are the machine's figures for the framework's
   element-wise passes and per-call cost, not a profile of the model being planned: re-planning
   another width or batch reruns nothing.
+- **Optimizer update** (:func:`update_costs`): hpcnn's own optimizer step, seconds per parameter
+  at a few parameter counts (:data:`UPDATE_SIZES`, each split into :data:`UPDATE_ARRAYS` arrays
+  as a layer's weights are), as pieces ((max_params, seconds_per_param), ..., (inf, ...)). A
+  step's rate depends on the size: small parameter sets stay in cache, and each array adds a
+  fixed Python and dispatch cost, so one memory-bandwidth figure priced models of 1 M
+  parameters 2.5-3x too slow here. Again a figure of the machine, not of the model planned.
 
 Every rank calls every function here (they contain collectives); medians keep one slow repeat
 on a shared machine from deciding the figure. """
@@ -48,6 +54,11 @@ SUSTAIN_S = 0.5                 # wall-clock window of a sustained rate (many sc
 EFFICIENCY_SHAPES = {"transformer": ((256, 4, (8, 64, 256)), (64, 2, (32, 64, 64))),
                      "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)))}
 OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
+# Parameter counts of the optimizer-update figures (16 Ki .. 8 Mi: in L2, in L3, past it) and the
+# arrays each count is split into (a layer's weights and biases are a few arrays).
+UPDATE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23)
+UPDATE_ARRAYS = 4
+UPDATE_ROUNDS = 3               # rounds over the sizes the update figures' steps are timed in
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -244,6 +255,58 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
             float(np.median(share)), (float(split[0]), float(split[1])))
 
 
+def _update_step(optimizer: str, n: int, dtype: str, rng):
+    """One step of hpcnn's ``optimizer`` as ``hpcnn train`` builds it with its default options
+    (:func:`hpcnn.nn.optim.make_optimizer`, the momentum and weight decay of
+    :class:`hpcnn.config.TrainConfig`) over ``n`` parameters in :data:`UPDATE_ARRAYS` arrays with
+    their gradients set, as a function of no argument, after a warm-up step (the first step
+    allocates the optimizer's state)."""
+    from hpcnn.config import TrainConfig
+    from hpcnn.nn.core import Parameter
+    from hpcnn.nn.optim import make_optimizer
+    params = []
+    for i in range(UPDATE_ARRAYS):                          # n split as evenly as it goes
+        count = n // UPDATE_ARRAYS + (i < n % UPDATE_ARRAYS)
+        p = Parameter(rng.standard_normal(count).astype(dtype), f"w{i}")
+        p.grad = rng.standard_normal(count).astype(dtype)
+        params.append(p)
+    defaults = TrainConfig()
+    opt = make_optimizer(optimizer, params, momentum=defaults.momentum,
+                         weight_decay=defaults.weight_decay)
+    opt.step(1e-3)                                           # warm-up
+    return lambda: opt.step(1e-3)
+
+
+def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
+                 repeats: int = 21) -> tuple:
+    """Seconds per parameter of one step of hpcnn's ``optimizer`` ("adamw", "sgd") in this
+    process, as pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param)) for
+    :attr:`hpcnn.plan.machine.Device.update`: one piece per size N of ``sizes`` (increasing),
+    t(N) / N where t(N) is the median of ``repeats`` steps over N ``dtype`` parameters
+    (:func:`_update_step`); then a last piece to infinity with the largest size's figure. The
+    steps are timed in :data:`UPDATE_ROUNDS` rounds over the sizes, so that a burst of load on a
+    shared machine does not fall on all the steps of one size; within a round a size's steps
+    follow one untimed step, as they follow each other in training (the arrays of a small
+    size are back in cache: the rate measured is the cached one where the arrays fit)."""
+    sizes = list(sizes)
+    if (not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < UPDATE_ARRAYS
+                         for n in sizes) or sizes != sorted(set(sizes))):
+        raise ValueError(f"update_costs: sizes = {sizes}: expected increasing integers >= "
+                         f"{UPDATE_ARRAYS} (parameters)")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"update_costs: repeats = {repeats!r}: expected an integer >= 1")
+    rng = np.random.default_rng(0)
+    steps = [_update_step(optimizer, n, dtype, rng) for n in sizes]
+    times = [[] for _ in sizes]
+    for r in range(UPDATE_ROUNDS):
+        count = repeats // UPDATE_ROUNDS + (r < repeats % UPDATE_ROUNDS)
+        for step, out in zip(steps, times):
+            step()                                           # the arrays back in cache
+            out += [_median_seconds(step, 1) for _ in range(count)]
+    pieces = tuple((float(n), float(np.median(t)) / n) for n, t in zip(sizes, times))
+    return pieces + ((float("inf"), pieces[-1][1]),)
+
+
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
     """Bytes/s of a large copy counted as STREAM does: read + written bytes over the time."""
     src = np.ones(nbytes // 8)
@@ -271,12 +334,15 @@ def cpu_name() -> str:
 def device_rates(rounds: int = 15) -> dict:
     """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
-    "elementwise.transformer": .., "forward.transformer": .., "split.transformer": (in, w)}."""
+    "elementwise.transformer": .., "forward.transformer": .., "split.transformer": (in, w),
+    "update.adamw": ((max_params, seconds_per_param), ...)}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
     for kind in EFFICIENCY_SHAPES:
         (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"], rates[f"elementwise.{kind}"],
          rates[f"forward.{kind}"], rates[f"split.{kind}"]) = block_costs(kind, "float32", rounds)
+    for optimizer in ("adamw", "sgd"):
+        rates[f"update.{optimizer}"] = update_costs(optimizer)
     return rates
 
 
@@ -322,8 +388,8 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     ``slow`` = sustained float32 rate alone / all at once is the factor by which a rank's
     computing slows when all ranks compute: about 1 with a core per rank, ~2 with two ranks per
     core. Matmul rates (per dtype) and the copy bandwidth divide by their own factor; the block
-    kinds' fixed and element-wise seconds multiply by ``slow`` (they are CPU time, shared as the
-    matmul's is); efficiencies, forward shares and backward splits are ratios of times slowed
+    kinds' fixed and element-wise seconds and the optimizer's seconds per parameter multiply by
+    ``slow`` (they are CPU time, shared as the matmul's is); efficiencies, forward shares and backward splits are ratios of times slowed
     alike and stay.
     Timed all at once directly, the block figures would be medians of calls of 0.1-10 ms, which
     run uninterrupted or not by the luck of the scheduler's slices: measured so, on 4 ranks over
@@ -334,6 +400,8 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
         table = key.split(".", 1)[0] if "." in key else ""
         if table in ("overhead", "elementwise"):
             out[key] = value * slow["float32"]
+        elif table == "update":
+            out[key] = tuple((top, per * slow["float32"]) for top, per in value)
         elif table in ("efficiency", "forward", "split"):
             out[key] = value
         else:                                   # a dtype's matmul rate or "copy"
@@ -370,9 +438,11 @@ def measure(comm, rounds: int = 15) -> dict:
 
 def _kinds(rates: dict, table: str) -> dict:
     """{kind: figure} of the ``table`` ("efficiency", "overhead", ...) entries of device_rates()
-    (a figure or a tuple of them), to four significant digits."""
+    (a figure or a tuple of them), to four significant digits (a piece's size kept whole)."""
     def digits(v):
-        return tuple(digits(x) for x in v) if isinstance(v, tuple) else float(f"{v:.4g}")
+        if isinstance(v, tuple):
+            return tuple(digits(x) for x in v)
+        return v if v >= 1024 else float(f"{v:.4g}")
     return {k.split(".", 1)[1]: digits(v) for k, v in rates.items() if k.startswith(table + ".")}
 
 
@@ -386,7 +456,7 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                     memory_bytes=memory_bytes(meas["ranks_here"]),
                     efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"),
                     elementwise=_kinds(tog, "elementwise"), forward=_kinds(tog, "forward"),
-                    split=_kinds(tog, "split"))
+                    split=_kinds(tog, "split"), update=_kinds(tog, "update"))
     levels = ()
     if size > 1:
         node = fit_level(meas["sizes"], meas["seconds"], size)
@@ -409,7 +479,9 @@ def machine_text(meas: dict, name: str, size: int) -> str:
             f"overhead alone {_kinds(alone, 'overhead')}, all at once {_kinds(tog, 'overhead')}; "
             f"elementwise alone {_kinds(alone, 'elementwise')}, all at once "
             f"{_kinds(tog, 'elementwise')}; forward share {_kinds(alone, 'forward')}; backward "
-            f"halves (input, weight) {_kinds(alone, 'split')}."]
+            f"halves (input, weight) {_kinds(alone, 'split')}.",
+            "# Optimizer step alone, seconds per float32 parameter at [max_params, s]: "
+            + "; ".join(f"{k} {list(v)}" for k, v in _kinds(alone, "update").items()) + "."]
     if meas["seconds"]:
         head.append("# Ping-pong, all pairs at once, one-way median of the slowest pair: "
                     + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
