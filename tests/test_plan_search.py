@@ -319,3 +319,19 @@ def test_least_price_is_the_cheapest_strategy_and_knows_its_limit():
         assert seconds == pytest.approx(min(every))                 # none cheaper
         assert seconds <= strategy_cost(g, dra(g, p)[0], m).seconds  # no worse than the greedy
     assert least_price(g, 16, _Machine(16), limit=100) is None       # too many: the DRA decides
+
+
+def test_replicas_do_not_reduce_their_gradients():
+    """The executor's batch group is the nb devices holding different rows of a weight part
+    (hpcnn.parallel.layout._Groups): replicas ran the same rows and hold the same gradient, so a
+    replicated Linear has no gradient allreduce and a batch cut one over nb devices only."""
+    g = chain([Matmul(8, 4, 4)])
+    m = _Machine(4)
+
+    def reductions(cut):
+        return [(t.devices, t.nbytes) for t in strategy_cost(g, [cut], m).terms
+                if t.what.endswith("grad allreduce")]
+    assert reductions(Cut(1, 1, 1)) == []                       # four replicas
+    assert reductions(Cut(2, 1, 1)) == [(2, 4 * 4 * 4)]         # two replicas of a 2-row cut
+    assert reductions(Cut(4, 1, 1)) == [(4, 4 * 4 * 4)]
+    assert reductions(Cut(2, 1, 2)) == [(2, 4 * 2 * 4)]         # W[:, j-half] over 2 rows

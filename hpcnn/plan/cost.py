@@ -272,8 +272,8 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
                       update_seconds(local, size, machine.device, optimizer), local * size))
     for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out, rows * op.j / c.out * size),
               _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size),
-              _allreduce(machine, f"op{n} grad allreduce", c.batch * (p // width),
-                         c.reduce * c.out, op.k / c.reduce * op.j / c.out * size)):
+              _allreduce(machine, f"op{n} grad allreduce", c.batch, c.reduce * c.out,
+                         op.k / c.reduce * op.j / c.out * size)):
         if t is not None:
             terms.append(t)
     return terms
@@ -291,8 +291,9 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
         (:class:`hpcnn.plan.machine.Device` efficiency, overhead, elementwise);
       - forward reduction of the partial y[i/nb, j/nj] over the nk group (stride nj);
       - backward reduction of the partial dx[i/nb, k/nk] over the nj group (stride 1);
-      - gradient allreduce of the weight part W[k/nk, j/nj] over the nb*r devices holding it
-        (stride nk*nj): the replicas and the batch group;
+      - gradient allreduce of the weight part W[k/nk, j/nj] over the batch group, the nb devices
+        holding it for different rows (stride nk*nj); the r replicas computed the same rows and
+        hold the same gradient already (:class:`hpcnn.parallel.layout.LayoutLinear`);
       - the optimizer's update of the local weight part W[k/nk, j/nj] and bias part b[j/nj]
         (:func:`hpcnn.plan.hybrid.update_seconds`: the device's measured seconds per parameter
         U(n), or passes over memory at its bandwidth);
