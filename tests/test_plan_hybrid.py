@@ -195,3 +195,32 @@ def test_the_update_is_priced_from_the_measured_table_when_there_is_one():
     assert one.parts["optimizer"] == pytest.approx(11 * 3 * 2 * n / 2e12, rel=1e-12)
     assert measured.step_s - measured.parts["optimizer"] == pytest.approx(
         one.step_s - one.parts["optimizer"], rel=1e-12)
+
+
+def test_held_microbatches_are_what_the_schedules_hold():
+    """The closed form per stage equals the simulated schedule's peak of micro-batches holding
+    memory (F done, last backward part not yet)."""
+    from hpcnn.parallel import schedules
+    from hpcnn.plan.hybrid import held_microbatches
+    for name in ("1f1b", "gpipe", "zb_h1"):
+        for pp, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8)):
+            sim = schedules.simulate(schedules.SCHEDULES[name](pp, m, pp), 1.0, 1.0,
+                                     1.0 if name == "zb_h1" else 0.0)
+            assert [held_microbatches(name, pp, m, s) for s in range(pp)] == \
+                sim.peak_held_stage, (name, pp, m)
+
+
+def test_memory_counts_the_fullest_stage_with_the_last_stages_tail():
+    """GPipe's last stage holds all M micro-batches and the head's and loss's caches: more than
+    1F1B, whose fullest stage is the first (min(pp, M) micro-batches, no tail)."""
+    from hpcnn.plan.hybrid import _tail
+    m = Machine(per_node=4, nodes=1)
+    model = Transformer(n_layers=4, dim=64, n_heads=4, seq=16, vocab=96, batch=16,
+                        dtype="float32")
+    f1b = price(model, Layout(1, 1, 4, 4, "1f1b"), m)
+    gpipe = price(model, Layout(1, 1, 4, 4, "gpipe"), m)
+    tail, tokens = _tail(64, 16, 4, 96, 4), 4 * 16 * 8      # 4 sequences a micro-batch
+    assert tail > tokens
+    # 1F1B's fullest stage is the first (4 micro-batches and their tokens), GPipe's the last
+    assert gpipe.memory_bytes - f1b.memory_bytes == pytest.approx(4 * (tail - tokens),
+                                                                  rel=1e-12)

@@ -22,7 +22,7 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   where no formula applies; ZB-H1's input and weight halves are the device's measured fractions
   of the backward, ``Device.backward_halves``, (0.5, 0.5) where the file has none), plus one
   activation message per boundary each way on the critical path, at the level of the pp
-  neighbours (tp x dp devices apart); ZB-H1's memory is taken as 1F1B's;
+  neighbours (tp x dp devices apart);
 - **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
   overlapped: pipelines reduce after their list), at the level holding tp x dp devices;
 - **optimizer**: the update of the rank's parameters at the device's measured seconds per
@@ -32,11 +32,14 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   optimizer state through memory, :data:`UPDATE_PASSES` passes of 3 words per parameter (two
   read, one written) at the device's memory bandwidth;
 - **memory per rank**: parameters, gradients and two AdamW slots of its share (4 words per
-  parameter; the replicated LayerNorms count whole on every tp rank), plus the activations its
-  first stage holds: one cache per micro-batch in flight (1F1B and ZB-H1: pp; GPipe: M), the tp
-  block's ``spec().bytes_cache`` per block (what stays whole under tp, the LayerNorms and the
-  column-parallel inputs, counts whole) (``remat="full"``: the block inputs only, and one
-  block's cache for the recomputation).
+  parameter; the replicated LayerNorms count whole on every tp rank), plus the activations of
+  its fullest stage: one cache per micro-batch it holds (:func:`held_microbatches`: 1F1B
+  min(pp - s, M) on stage s, ZB-H1 min(pp, M) on every stage, its W parts keeping the caches
+  late, GPipe M), the tp block's ``spec().bytes_cache`` per block (what stays whole under tp,
+  the LayerNorms and the column-parallel inputs, counts whole; ``remat="full"``: the block
+  inputs only, and one block's cache for the recomputation), the last stage's final LayerNorm,
+  LM head and loss caches (:func:`_tail`) and the first stage's tokens, as the pipeline
+  executor's account counts them (:meth:`hpcnn.engine.stage.Stage.cache_bytes`).
 
 Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid` orders them (tp fastest, then dp,
 then pp). The thesis prices operator cuts (:mod:`.cost`, :mod:`.search`); for the transformer's
@@ -121,6 +124,32 @@ def _block(dim: int, heads: int, seq: int, rows: int, word: int, tp: int = 1) ->
     scale = word / (4 if word <= 4 else 8)
     return (s.flops_fwd, s.flops_bwd, int(s.bytes_cache * scale), int(s.bytes_params * scale),
             int(s.bytes_x * scale))
+
+
+@lru_cache(maxsize=4096)
+def _tail(dim: int, seq: int, rows: int, vocab: int, word: int, tp: int = 1) -> int:
+    """Cache bytes per micro-batch of the last stage's tail on one of ``tp`` ranks: the final
+    LayerNorm, the LM head's vocab/tp columns and the loss's probabilities (their spec())."""
+    from hpcnn.nn.layers import LayerNorm, Linear
+    from hpcnn.nn.loss import SoftmaxCrossEntropy
+    dtype = {2: "float32", 4: "float32", 8: "float64"}[word]
+    shape = (rows, seq, dim)
+    head = Linear(dim, -(-vocab // tp), bias=False, dtype=dtype, keep=())
+    cache = LayerNorm(dim, dtype=dtype, keep=()).spec(shape).bytes_cache
+    s = head.spec(shape)
+    cache += s.bytes_cache + SoftmaxCrossEntropy().spec(s.out_shape, dtype).bytes_cache
+    return int(cache * word / (4 if word <= 4 else 8))
+
+
+def held_microbatches(schedule: str, pp: int, m_count: int, stage: int) -> int:
+    """Micro-batches stage ``stage`` holds at its peak (from its F to its last backward part,
+    as :func:`hpcnn.parallel.schedules.simulate` counts them): GPipe all m; 1F1B min(pp - s, m);
+    ZB-H1 min(pp, m) on every stage (a micro-batch's B is early, its W late)."""
+    if schedule == "gpipe":
+        return m_count
+    if schedule == "zb_h1":
+        return min(pp, m_count)
+    return min(pp - stage, m_count)
 
 
 @dataclass(frozen=True)
@@ -230,9 +259,13 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     st, (cache, xbytes), local_params = _priced_parts(model, layout, machine, optimizer)
     pp, m_count = layout.pp, layout.microbatches
     per_stage = model.n_layers / pp
-    inflight = m_count if layout.schedule == "gpipe" else min(pp, m_count)
     held = (xbytes * per_stage + cache) if layout.remat == "full" else cache * per_stage
-    memory = 4 * local_params * model.word + inflight * held
+    rows = model.batch // (layout.dp * m_count)
+    tail = _tail(model.dim, model.seq, rows, model.vocab, model.word, layout.tp)
+    tokens = rows * model.seq * 8                       # the first stage's int64 input
+    memory = 4 * local_params * model.word + max(
+        held_microbatches(layout.schedule, pp, m_count, s)
+        * (held + (tail if s == pp - 1 else 0) + (tokens if s == 0 else 0)) for s in range(pp))
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
     parts = {"compute": compute, "tp_comm": 2 * m_count * st.tp_s,
@@ -294,5 +327,5 @@ def flops_per_step(model: Transformer) -> float:
     return model.n_layers * (f + b) + 3 * head
 
 
-__all__ = ["Layout", "Priced", "StageTimes", "Transformer", "flops_per_step", "layouts", "plan",
-           "price", "ring_allreduce_s", "stage_times", "update_seconds"]
+__all__ = ["Layout", "Priced", "StageTimes", "Transformer", "flops_per_step", "held_microbatches",
+           "layouts", "plan", "price", "ring_allreduce_s", "stage_times", "update_seconds"]
