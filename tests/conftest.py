@@ -28,3 +28,11 @@ def _no_runs_in_the_tree():
         new = sorted(k for k, t in after.items() if before.get(k) != t)
         pytest.fail(f"this test wrote into the working tree: {runs} now holds {new}; "
                     f"pass --log (or a path) under tmp_path")
+
+
+@pytest.fixture(scope="session")
+def readme_run(tmp_path_factory):
+    """The README's commands, run once each per session in one scratch directory
+    (:class:`test_readme.ReadmeRun`): the README test and the experiments' tests share it."""
+    from test_readme import ReadmeRun
+    return ReadmeRun(tmp_path_factory.mktemp("readme"))

@@ -14,12 +14,21 @@ from hpcnn.parallel.collectives import calibration
 from hpcnn.parallel.collectives.algorithms import MARGIN, _split, compile_table, table_from_times
 from hpcnn.parallel.collectives import CommStats, Communicator
 
-from mpi_util import run_mpi, single
+from mpi_util import CaseRuns, single
+
+
+@pytest.fixture(scope="module")
+def allreduce_runs(tmp_path_factory):
+    """The algorithms and the calibration on the same number of ranks share one job (the
+    calibration scenario second: it leaves its calibration file set in the environment)."""
+    return CaseRuns([(n, "allreduce_algos", ()) for n in (2, 3, 4)]
+                    + [(n, "calibration_cache", (CaseRuns.FOLDER,)) for n in (2, 3)],
+                    folder=tmp_path_factory.mktemp("allreduce"), timeout=120)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_allreduce_algorithms(n):
-    assert f"OK on {n} ranks" in run_mpi("allreduce_algos", n, timeout=90)
+def test_allreduce_algorithms(n, allreduce_runs):
+    assert f"allreduce_algos OK on {n} ranks" in allreduce_runs.stdout(n, "allreduce_algos")
 
 
 @pytest.mark.parametrize("n,parts", [(0, 3), (1, 4), (7, 3), (100003, 4), (8, 8)])
@@ -100,14 +109,13 @@ def test_one_rank_is_a_no_op():
 
 
 # -- the run-time calibration and its file -------------------------------------------------------
-def test_calibration_measured_saved_reused_and_keyed_by_ranks(tmp_path):
+def test_calibration_measured_saved_reused_and_keyed_by_ranks(allreduce_runs):
     """Only the engine's bucket sizes are timed; a saved file is reused without timing; bad files
     are ignored with a note; a training run loads what the previous one measured (see the
     scenario). The key differs between 2 and 3 ranks, so does the default file."""
     names = {}
     for n in (2, 3):
-        (tmp_path / str(n)).mkdir()
-        out = run_mpi("calibration_cache", n, tmp_path / str(n), timeout=120)
+        out = allreduce_runs.stdout(n, "calibration_cache", CaseRuns.FOLDER)
         assert f"calibration_cache OK on {n} ranks" in out
         names[n] = re.search(r"key file (calibration-[0-9a-f]{16}\.json)", out).group(1)
     assert names[2] != names[3]

@@ -5,7 +5,7 @@ import pytest
 from hpcnn.nn import models
 from hpcnn.nn.optim import SGD
 from hpcnn.parallel.data import DataParallel, check_shares, dloss_for, shard
-from mpi_util import run_mpi, single
+from mpi_util import CaseRuns, single
 
 
 
@@ -135,11 +135,19 @@ def test_nan_reported_with_step_and_rank():
 
 
 # -- many ranks ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """The two 2-rank scenarios share one job (one start-up per rank)."""
+    return CaseRuns([(2, "dp_equivalence", ()), (4, "dp_equivalence", ()),
+                     (2, "train_dp", (CaseRuns.FOLDER,)), (3, "train_dp", (CaseRuns.FOLDER,))],
+                    folder=tmp_path_factory.mktemp("dp"), timeout=240)
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_dp_equivalence_mpi(n):
-    assert f"OK on {n} ranks" in run_mpi("dp_equivalence", n, timeout=120)
+def test_dp_equivalence_mpi(n, dp_runs):
+    assert f"dp_equivalence OK on {n} ranks" in dp_runs.stdout(n, "dp_equivalence")
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_training_loop_data_parallel_equals_serial(n, tmp_path):
-    assert f"train_dp OK on {n} ranks" in run_mpi("train_dp", n, str(tmp_path), timeout=240)
+def test_training_loop_data_parallel_equals_serial(n, dp_runs):
+    assert f"train_dp OK on {n} ranks" in dp_runs.stdout(n, "train_dp", CaseRuns.FOLDER)

@@ -7,7 +7,7 @@ import scipy.sparse.linalg as sla
 from hpcnn.graph import (DistributedMatrix, RowPartition, build_halo, digits_knn, karate_club,
                          lanczos, largest_component, les_miserables, load_graph,
                          normalized_adjacency, save_graph, sbm)
-from mpi_util import run_mpi
+from mpi_util import CaseRuns
 
 
 def test_bundled_graphs_have_their_known_sizes():
@@ -95,14 +95,21 @@ def test_lanczos_refuses_bad_sizes():
         lanczos(op, 30, m=20)
 
 
+@pytest.fixture(scope="module")
+def graph_runs():
+    """Lanczos and unite and conquer on the same number of ranks share one job."""
+    return CaseRuns([(n, "graph_lanczos", ()) for n in (1, 2, 3, 4)]
+                    + [(n, "graph_unite", ()) for n in (2, 4)])
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_distributed_lanczos_matches_arpack(n):
-    assert f"OK on {n} ranks" in run_mpi("graph_lanczos", n)
+def test_distributed_lanczos_matches_arpack(n, graph_runs):
+    assert f"OK on {n} ranks" in graph_runs.stdout(n, "graph_lanczos")
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_unite_and_conquer_matches_arpack(n):
-    assert f"OK on {n} ranks" in run_mpi("graph_unite", n)
+def test_unite_and_conquer_matches_arpack(n, graph_runs):
+    assert f"OK on {n} ranks" in graph_runs.stdout(n, "graph_unite")
 
 
 def test_arnoldi_on_a_non_symmetric_matrix_and_its_refusals():

@@ -12,7 +12,7 @@ import pytest
 from hpcnn.parallel.hetero import (Balancer, Slowdown, StepMeter, StepTimeModel, balanced_shares,
                                    equal_shares, parse_speeds, proportional_shares,
                                    slowdowns_from_config)
-from mpi_util import run_mpi
+from mpi_util import CaseRuns
 
 
 # -- shares -------------------------------------------------------------------------------------
@@ -507,17 +507,25 @@ def test_parse_speeds():
 
 
 # -- under MPI ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hetero_runs(tmp_path_factory):
+    """The scenarios on the same number of ranks share one job (one start-up per rank)."""
+    return CaseRuns([(2, "hetero_balancer", ()), (4, "hetero_balancer", ()),
+                     (4, "train_hetero_hybrid", (CaseRuns.FOLDER,)),
+                     (2, "train_hetero_balance", (CaseRuns.FOLDER,))],
+                    folder=tmp_path_factory.mktemp("hetero"), timeout=300)
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_balancer_straggler_mpi(n):
-    assert f"hetero_balancer OK on {n} ranks" in run_mpi("hetero_balancer", n, timeout=60)
+def test_balancer_straggler_mpi(n, hetero_runs):
+    assert f"hetero_balancer OK on {n} ranks" in hetero_runs.stdout(n, "hetero_balancer")
 
 
-def test_proportional_shares_in_hybrid_layouts_under_mpi(tmp_path):
-    from mpi_util import run_mpi
-    out = run_mpi("train_hetero_hybrid", 4, str(tmp_path), timeout=300)
+def test_proportional_shares_in_hybrid_layouts_under_mpi(hetero_runs):
+    out = hetero_runs.stdout(4, "train_hetero_hybrid", CaseRuns.FOLDER)
     assert "train_hetero_hybrid OK on 4 ranks" in out
 
 
-def test_online_balancing_in_training_under_mpi(tmp_path):
-    out = run_mpi("train_hetero_balance", 2, str(tmp_path), timeout=180)
+def test_online_balancing_in_training_under_mpi(hetero_runs):
+    out = hetero_runs.stdout(2, "train_hetero_balance", CaseRuns.FOLDER)
     assert "train_hetero_balance OK on 2 ranks" in out

@@ -1,5 +1,6 @@
 """The pipeline-bubble experiment and its two figures run end to end on tiny settings (2 ranks)."""
 import os
+import shlex
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import numpy as np
 
 from hpcnn.log import read_run
 from hpcnn.log.results import load_table
-from mpi_util import ROOT, run_mpi
+from mpi_util import ROOT
 
 COLUMNS = {"schedule", "M", "pp", "virtual", "n_stages", "micro_batch", "global_batch",
            "makespan_s", "bubble_measured", "bubble_measured_std", "bubble_analytic",
@@ -22,19 +23,19 @@ def _figure(script, *args):
     assert p.returncode == 0, p.stderr
 
 
-def test_pipeline_bubble_experiment_and_figures(tmp_path):
-    out = tmp_path / "pb"
-    script = os.path.join(ROOT, "experiments", "pipeline_bubble.py")
-    # narrow model: the test checks the plumbing, not the timing
-    stdout = run_mpi("run_experiment", 2, script, "--micro-batches=1,2", "--steps=2",
-                     "--warmup=1", "--width=128", "--pairs=4", "--micro=8", f"--out={out}",
-                     timeout=120)
+def test_pipeline_bubble_experiment_and_figures(readme_run, tmp_path):
+    """The README's 2-rank run of the experiment, shortened by tests/test_readme.py's
+    SCRIPT_SHORTEN (narrow model, M in 1, 2, 8, 2 steps after 1 warm-up: the test checks the
+    plumbing, not the timing), and the README's figures of it, plus the Gantt chart's --all."""
+    stdout = readme_run.succeeded(readme_run.command_running(
+        "experiments/pipeline_bubble.py", "-n", "2")).stdout
+    out = readme_run.scratch / "runs" / "pipeline_bubble_p2"
     assert "wrote" in stdout
     t, attrs = load_table(out / "results.h5", "bubble")
     assert set(t) == COLUMNS and attrs["ranks"] == 2
     got = sorted(zip(t["schedule"].tolist(), t["M"].tolist()))
-    assert got == sorted([(s, m) for s in ("gpipe", "1f1b", "zb_h1", "zb_v") for m in (1, 2)]
-                         + [("interleaved", 2)])        # interleaved needs M % pp == 0
+    assert got == sorted([(s, m) for s in ("gpipe", "1f1b", "zb_h1", "zb_v") for m in (1, 2, 8)]
+                         + [("interleaved", 2), ("interleaved", 8)])   # needs M % pp == 0
     S = 2
     for name, M, inflight in zip(t["schedule"], t["M"], t["peak_inflight_stage0"]):
         if name == "gpipe":
@@ -55,8 +56,17 @@ def test_pipeline_bubble_experiment_and_figures(tmp_path):
     assert {"F", "B", "SEND_ACT", "RECV_ACT"} <= set(run.timeline["kind"].tolist())
     for name in ("zb_h1", "zb_v"):
         assert "W" in set(read_run(out / f"{name}-M2.h5").timeline["kind"].tolist())
-    _figure("pipeline_bubble.py", out / "results.h5", tmp_path / "bubble.png")
-    _figure("pipeline_gantt.py", out / "zb_h1-M2.h5", tmp_path / "gantt.png")
+    readme_run.succeeded(readme_run.command_running("experiments/pipeline_bubble.py", "-n", "4"))
+    figures = [readme_run.command_running("analysis/pipeline_bubble.py",
+                                          "runs/pipeline_bubble_p2/results.h5"),
+               readme_run.command_running("analysis/pipeline_gantt.py",
+                                          "runs/pipeline_bubble_p2/zb_v-M8.h5"),
+               readme_run.command_running("analysis/pipeline_gantt.py",      # 4 ranks' zb_h1
+                                          "runs/pipeline_bubble_p4/zb_h1-M8.h5")]
+    pngs = []
+    for index in figures:
+        readme_run.succeeded(index)
+        pngs.append(readme_run.scratch / shlex.split(readme_run.commands[index])[-1])
     _figure("pipeline_gantt.py", out / "zb_v-M2.h5", tmp_path / "gantt_all.png", "--all")
-    for png in ("bubble.png", "gantt.png", "gantt_all.png"):
-        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    for png in pngs + [tmp_path / "gantt_all.png"]:
+        assert png.read_bytes()[:4] == b"\x89PNG"

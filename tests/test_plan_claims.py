@@ -3,7 +3,7 @@ settings (real MPI runs, real HDF5): the tables agree with themselves. Which lay
 how much is a measured figure, not a test."""
 import math
 import os
-import subprocess
+import shlex
 import sys
 
 import numpy as np
@@ -18,12 +18,6 @@ import plan_crossover  # noqa: E402
 import plan_validation  # noqa: E402
 
 MACHINE = os.path.join(ROOT, "machines", "local-2vcpu.toml")
-
-
-def run(args, timeout=120):
-    p = subprocess.run([sys.executable] + args, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stderr
-    return p.stdout
 
 
 def test_boundary_is_the_least_batch_from_which_dp_always_wins():
@@ -44,10 +38,19 @@ def test_op_layout_is_the_least_priced_without_a_batch_cut():
         assert price(names) <= price(other)
 
 
-def test_crossover_experiment_and_figure(tmp_path):
-    out = tmp_path / "pc"
-    run([os.path.join(ROOT, "experiments", "plan_crossover.py"), f"--machine={MACHINE}",
-         f"--out={out}", "--batches=8,32", "--widths=8", "--rounds=1", "--steps=2"], 180)
+def readme_experiment(readme_run, name):
+    """The README's runs of experiments/<name>.py (shortened by tests/test_readme.py's
+    SCRIPT_SHORTEN) and of its analysis: (output folder, the analysis's stdout, its figure)."""
+    readme_run.succeeded(readme_run.command_running(f"experiments/{name}.py"))
+    analysis = readme_run.command_running(f"analysis/{name}.py", f"runs/{name}/results.h5")
+    stdout = readme_run.succeeded(analysis).stdout
+    figure = shlex.split(readme_run.commands[analysis], comments=True)[-1]
+    return readme_run.scratch / "runs" / name, stdout, readme_run.scratch / figure
+
+
+def test_crossover_experiment_and_figure(readme_run):
+    # SCRIPT_SHORTEN: --batches=8,32 --widths=8 --rounds=1 --steps=2 on local-2vcpu (the default)
+    out, stdout, figure = readme_experiment(readme_run, "plan_crossover")
     t, attrs = load_table(out / "results.h5", "points")
     e, _ = load_table(out / "results.h5", "boundary")
     s, _ = load_table(out / "results.h5", "summary")
@@ -74,17 +77,14 @@ def test_crossover_experiment_and_figure(tmp_path):
             order = np.argsort(t["batch"][mine])
             wins = list(t[col][mine][order] == "dp")
             assert edge == plan_crossover.boundary(list(t["batch"][mine][order]), wins)
-    stdout = run([os.path.join(ROOT, "analysis", "plan_crossover.py"), str(out / "results.h5"),
-                  str(tmp_path / "fig.png")])
     assert f"{s['agree'][0]}/2 points" in stdout
-    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+    assert figure.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_portability_experiment_and_figure(tmp_path):
-    out = tmp_path / "pp"
+def test_portability_experiment_and_figure(readme_run):
     # change 5 (a 64-256x4-10 MLP, batch 64) and a GPT shape; one timed run per shape
-    run([os.path.join(ROOT, "experiments", "plan_portability.py"), f"--machine={MACHINE}",
-         f"--out={out}", "--reps=1", "--replans=1", "--changes=5,6"], 180)
+    # (SCRIPT_SHORTEN: --changes=5,6 --reps=1 --replans=1 on local-2vcpu, the default)
+    out, stdout, figure = readme_experiment(readme_run, "plan_portability")
     t, attrs = load_table(out / "results.h5", "changes")
     assert list(t["model"]) == ["mlp", "gpt"] and attrs["ranks"] == 2
     mach = machine.load(MACHINE)
@@ -100,7 +100,5 @@ def test_portability_experiment_and_figure(tmp_path):
     # 5 Linears x their legal cuts, and the pairs' exchanges: every distinct shape timed once
     assert t["timings"][0] >= 5
     assert t["profile_s"][1] == -1 and t["same_plan"][1] == -1 and "dp=" in t["model_plan"][1]
-    stdout = run([os.path.join(ROOT, "analysis", "plan_portability.py"), str(out / "results.h5"),
-                  str(tmp_path / "fig.png")])
     assert "MLP: the same plan on" in stdout
-    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+    assert figure.read_bytes()[:4] == b"\x89PNG"

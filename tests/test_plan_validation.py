@@ -3,7 +3,7 @@
 tau and MAPE computed. Whether they meet the issue's targets is a measured figure, not a test."""
 import json
 import os
-import subprocess
+import shlex
 import sys
 
 import numpy as np
@@ -42,15 +42,12 @@ def test_mlp_layouts_cover_the_uniform_and_the_planners_choice():
     assert len(some) == 7 and extra in some and ("col",) * 3 in some
 
 
-def test_experiment_and_figure(tmp_path):
-    out = tmp_path / "pv"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plan_validation.py"),
-                        f"--machine={os.path.join(ROOT, 'machines', 'local-2vcpu.toml')}",
-                        f"--out={out}", "--rounds=1", "--gpt_steps=3", "--mlp_steps=3",
-                        "--gpt_layouts=2", "--mlp_layouts=2", "--hidden=16,16",
-                        "--gpt=2,16,2,8,4", "--mlp_batch=32"],
-                       capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
+def test_experiment_and_figure(readme_run):
+    """The README's run of the experiment (shortened by tests/test_readme.py's SCRIPT_SHORTEN:
+    local-2vcpu, one round, 3 steps, 2 GPT and 2 MLP layouts) and of its figure."""
+    index = readme_run.command_running("experiments/plan_validation.py")
+    readme_run.succeeded(index)
+    out = readme_run.scratch / "runs" / "plan_validation"
     t, attrs = load_table(out / "results.h5", "layouts")
     s, _ = load_table(out / "results.h5", "summary")
     assert set(t) == LAYOUT_COLUMNS and set(s) == SUMMARY_COLUMNS
@@ -82,8 +79,8 @@ def test_experiment_and_figure(tmp_path):
         assert len(cuts) == 3 and set(cuts) <= {Cut(2, 1, 1), Cut(1, 2, 1), Cut(1, 1, 2),
                                                  Cut(1, 1, 1)}
         assert json.loads(path.read_text())["devices"] == 2
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "analysis", "plan_validation.py"),
-                        str(out / "results.h5"), str(tmp_path / "fig.png")],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+    figure = readme_run.command_running("analysis/plan_validation.py",
+                                        "runs/plan_validation/results.h5")
+    readme_run.succeeded(figure)
+    png = shlex.split(readme_run.commands[figure], comments=True)[-1]
+    assert (readme_run.scratch / png).read_bytes()[:4] == b"\x89PNG"

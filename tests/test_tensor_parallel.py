@@ -15,7 +15,7 @@ from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowPa
 from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
 from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from hpcnn.parallel.tp_models import parallel_gpt
-from mpi_util import run_mpi, single
+from mpi_util import CaseRuns, single
 
 
 
@@ -170,11 +170,17 @@ def test_dimensions_tp_does_not_divide(make, msg):
 
 
 # -- many ranks ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [2, 4])
-def test_tp_blocks_mpi(n):
-    assert f"tp_blocks OK on {n} ranks" in run_mpi("tp_blocks", n, timeout=120)
+@pytest.fixture(scope="module")
+def tp_runs():
+    """tp_blocks and tp_specs on the same number of ranks share one job."""
+    return CaseRuns([(n, scenario, ()) for n in (2, 4) for scenario in ("tp_blocks", "tp_specs")])
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_tensor_parallel_specs_describe_the_caches(n):
-    assert f"tp_specs OK on {n} ranks" in run_mpi("tp_specs", n, timeout=120)
+def test_tp_blocks_mpi(n, tp_runs):
+    assert f"tp_blocks OK on {n} ranks" in tp_runs.stdout(n, "tp_blocks")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tensor_parallel_specs_describe_the_caches(n, tp_runs):
+    assert f"tp_specs OK on {n} ranks" in tp_runs.stdout(n, "tp_specs")

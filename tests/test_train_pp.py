@@ -2,13 +2,23 @@
 import pytest
 
 from hpcnn.config import ConfigError, parse_overrides
-from mpi_util import run_mpi
+from mpi_util import CaseRuns
+
+LAYOUTS = [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)]
 
 
-@pytest.mark.parametrize("dp,tp,pp", [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)])
-def test_training_loop_pipeline_equals_serial(dp, tp, pp, tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three 4-rank layouts share one job (one start-up per rank)."""
+    return CaseRuns([(dp * tp * pp, "train_pp", (CaseRuns.FOLDER, dp, tp, pp))
+                     for dp, tp, pp in LAYOUTS],
+                    folder=tmp_path_factory.mktemp("train_pp"), timeout=400)
+
+
+@pytest.mark.parametrize("dp,tp,pp", LAYOUTS)
+def test_training_loop_pipeline_equals_serial(dp, tp, pp, runs):
     n = dp * tp * pp
-    out = run_mpi("train_pp", n, str(tmp_path), dp, tp, pp, timeout=400)
+    out = runs.stdout(n, "train_pp", CaseRuns.FOLDER, dp, tp, pp)
     assert f"train_pp OK on {n} ranks (dp={dp}, tp={tp}, pp={pp})" in out
 
 

@@ -10,7 +10,7 @@ from hpcnn.memory import profile, rotor
 from hpcnn.nn import models
 from hpcnn.train import train
 
-from mpi_util import run_mpi
+from mpi_util import CaseRuns
 
 GPT = ("--model=gpt", "--dataset=sonnet", "--steps=4", "--batch_size=6", "--block_size=16",
        "--dim=16", "--n_heads=2", "--n_layers=4", "--dropout=0.1", "--dtype=float64",
@@ -96,7 +96,17 @@ def test_remat_config_errors(tmp_path):
         _run(tmp_path, "a.h5", *GPT, "--remat=optimal", "--memory_budget=0.001")
 
 
-@pytest.mark.parametrize("n,dp,pp", [(2, 2, 1), (2, 1, 2), (4, 2, 2)])
-def test_remat_under_mpi_equals_serial(tmp_path, n, dp, pp):
-    out = run_mpi("train_remat", n, str(tmp_path), dp, pp, timeout=400)
+REMAT_LAYOUTS = [(2, 2, 1), (2, 1, 2), (4, 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def remat_runs(tmp_path_factory):
+    """The two 2-rank layouts share one job (one start-up per rank)."""
+    return CaseRuns([(n, "train_remat", (CaseRuns.FOLDER, dp, pp)) for n, dp, pp in REMAT_LAYOUTS],
+                    folder=tmp_path_factory.mktemp("train_remat"), timeout=400)
+
+
+@pytest.mark.parametrize("n,dp,pp", REMAT_LAYOUTS)
+def test_remat_under_mpi_equals_serial(remat_runs, n, dp, pp):
+    out = remat_runs.stdout(n, "train_remat", CaseRuns.FOLDER, dp, pp)
     assert f"train_remat OK on {n} ranks (dp={dp}, pp={pp})" in out
