@@ -138,6 +138,12 @@ def test_config_value_checks(args, match):
 
 def test_digits_split_and_batches_are_deterministic():
     d = data.digits()
+    # the bundled table read directly is scikit-learn's load_digits, pixel for pixel
+    from sklearn.datasets import load_digits
+    ref = load_digits()
+    table = data._digits_table()
+    np.testing.assert_array_equal(table[:, :-1], ref.data)
+    np.testing.assert_array_equal(table[:, -1].astype(np.int64), ref.target)
     assert d.x_train.shape[1] == 64 and len(d.y_train) + len(d.y_test) == 1797
     assert abs(len(d.y_test) / 1797 - 0.2) < 0.01
     assert set(np.unique(d.y_test)) == set(range(10))

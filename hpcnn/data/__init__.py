@@ -76,19 +76,28 @@ class TextData:
         return float(-(p * numpy.log(p)).sum())
 
 
+def _digits_table():
+    """The rows of scikit-learn's bundled ``digits.csv.gz`` (64 pixels 0..16, then the class), read
+    with NumPy from the installed package's data folder: what ``sklearn.datasets.load_digits``
+    reads, without importing scikit-learn (whose import pulls in scipy.stats, ~1 s in every
+    process of every rank)."""
+    spec = importlib.util.find_spec("sklearn")
+    path = (os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data",
+                         "digits.csv.gz") if spec and spec.submodule_search_locations else "")
+    if not os.path.isfile(path):
+        raise RuntimeError("the digits data set needs scikit-learn: pip install 'hpcnn[data]'")
+    return numpy.loadtxt(path, delimiter=",")
+
+
 def digits(test_fraction: float = 0.2, image: bool = False, split_seed: int = 0) -> ArrayData:
     """scikit-learn's digits, pixels scaled to [0, 1] then centred by the training mean.
 
     The train/test split is a fixed stratified permutation (``split_seed``), independent of the
     training seed. ``image=True`` gives (N, 1, 8, 8) arrays for the CNN, else (N, 64).
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:
-        raise RuntimeError("the digits data set needs scikit-learn: pip install 'hpcnn[data]'") from e
-    d = load_digits()
-    x = d.data.astype(numpy.float64) / 16.0
-    y = d.target.astype(numpy.int64)
+    table = _digits_table()
+    x = table[:, :-1].astype(numpy.float64) / 16.0
+    y = table[:, -1].astype(numpy.int64)
     rng = numpy.random.default_rng(split_seed)
     test = numpy.zeros(len(y), dtype=bool)
     for c in range(10):                            # stratified: the same fraction of each class
