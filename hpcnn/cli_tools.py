@@ -305,6 +305,16 @@ def calibrate_machine(path: str, rounds: int = 15) -> int:
     return 1 if comm.bcast(failed, root=0) else 0
 
 
+def _calibrate_misplaced(args, opts) -> str:
+    """The option given that the chosen mode does not read ('' when none)."""
+    given = {a.split("=", 1)[0] for a in args}
+    if "--rounds" in given and not opts["write"]:
+        return "--rounds is read only with --write=FILE (the machine file's timing rounds)"
+    if "--dtype" in given and opts["write"]:
+        return "--dtype is for the allreduce table; --write times float32 and float64 itself"
+    return ""
+
+
 def cmd_calibrate(args) -> int:
     """Time every allreduce algorithm from 1 KiB to 64 MiB on these ranks, print the table and
     save it where ``--allreduce=auto`` runs of the same key load it
@@ -330,11 +340,7 @@ def cmd_calibrate(args) -> int:
         print(err or f"hpcnn calibrate: --dtype={opts['dtype']!r}, --rounds={opts['rounds']}: "
               f"expected float32 or float64, and rounds >= 1", file=sys.stderr)
         return 2
-    given = {a.split("=", 1)[0] for a in args}
-    misplaced = ("--rounds is read only with --write=FILE (the machine file's timing rounds)"
-                 if "--rounds" in given and not opts["write"] else
-                 "--dtype is for the allreduce table; --write times float32 and float64 itself"
-                 if "--dtype" in given and opts["write"] else "")
+    misplaced = _calibrate_misplaced(args, opts)
     if misplaced:
         print(f"hpcnn calibrate: {misplaced}", file=sys.stderr)
         return 2
