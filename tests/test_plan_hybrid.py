@@ -293,3 +293,21 @@ def test_pp_not_dividing_the_layers_is_cut_into_stages():
         price(model, Layout(1, 1, 2, 2, stages=(3, 3)), m)
     with pytest.raises(ValueError, match="explicit stages"):
         stage_times(model, Layout(1, 1, 2, 2, stages=(3, 4)), m)
+
+
+def test_hpcnn_plan_prints_the_stage_cuts(capsys):
+    import json
+
+    from hpcnn.cli_tools import cmd_plan
+    from mpi_util import ROOT
+    args = [f"--machine={ROOT}/machines/dgx-a100-cluster.toml", "--devices=2", "--n_layers=7",
+            "--dim=256", "--n_heads=4", "--seq=128", "--batch=16", "--top=200"]
+    assert cmd_plan(args + ["--json=true"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranked"]
+    staged = [r for r in rows if r["stages"]]        # 7 layers: pp = 2 only as a planned cut
+    assert staged and all(len(r["stages"]) == 2 and sum(r["stages"]) == 7 for r in staged)
+    assert all(r["stages"] == [] for r in rows if "pp=1" in r["layout"])
+    assert cmd_plan(args) == 0
+    first = staged[0]
+    assert f"{first['layout']}" in capsys.readouterr().out
+    assert first["layout"].endswith(f"stages {first['stages'][0]}|{first['stages'][1]}")

@@ -41,6 +41,16 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   LM head and loss caches (:func:`_tail`) and the first stage's tokens, as the pipeline
   executor's account counts them (:meth:`hpcnn.engine.stage.Stage.cache_bytes`).
 
+- **stage cuts** (our choice; the thesis is silent on them): the uniform layout (pp dividing
+  the layers) prices every stage as the last, LM head included, at the formula's pace. A layout
+  with explicit ``stages`` (transformer blocks per stage) prices each stage from its own blocks,
+  the head on the last stage only, the schedule simulated with these per-stage times, memory
+  per rank the fullest stage's (:func:`_staged`); :func:`stage_cut` chooses the cut: least
+  slowest stage whose every stage fits the memory, by the exact dynamic programme
+  :func:`hpcnn.parallel.partition.by_cost_bounded`; :func:`plan` offers it beside the uniform
+  layout for every pipelined choice up to :data:`STAGE_CUT_PASSES` (then pp need not divide the
+  layers).
+
 Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid` orders them (tp fastest, then dp,
 then pp). The thesis prices operator cuts (:mod:`.cost`, :mod:`.search`); for the transformer's
 coarse choice it is silent, and these are our choices: Megatron's collectives, no overlap of
