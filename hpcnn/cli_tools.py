@@ -219,7 +219,9 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
 
 def cmd_plan(args) -> int:
     """Rank every layout of a GPT on a machine by predicted step time (:mod:`hpcnn.plan.hybrid`):
-    no profiling, no MPI; prints the winner's formula and what separates it from the next."""
+    no profiling, no MPI; prints the winner's formula and what separates it from the next. A
+    layout the planner cut into stages shows its transformer blocks per stage (``stages 3|5``;
+    ``stages`` in the JSON rows, [] for the uniform cut)."""
     if any(a in ("-h", "--help") for a in args):
         print(_help("plan", PLAN))
         return 0
@@ -250,15 +252,16 @@ def cmd_plan(args) -> int:
     flops = hybrid.flops_per_step(model)
     rows = [{"layout": str(q.layout), "step_s": q.step_s, "memory_gb": q.memory_bytes / 1e9,
              "tflops_per_device": flops / q.step_s / devices / 1e12, "feasible": q.feasible,
-             "parts": q.parts} for q in ranked[:max(1, o["top"])]]
+             "stages": list(q.layout.stages), "parts": q.parts} for q in ranked[:max(1, o["top"])]]
     if o["json"]:
         print(json.dumps({"machine": mach.name, "devices": devices, "params": model.params(),
                           "layouts": len(ranked), "search_s": seconds, "ranked": rows}))
         return 0
     print(f"{model.params() / 1e9:.2f} B parameters on {devices} devices of {mach.name}: "
           f"{len(ranked)} layouts priced in {seconds:.3f} s")
+    width = max(60, *(len(r["layout"]) for r in rows))
     for k, r in enumerate(rows, 1):
-        print(f"{k:>3}. {r['layout']:<60} {r['step_s']:10.4g} s  {r['memory_gb']:7.2f} GB/dev  "
+        print(f"{k:>3}. {r['layout']:<{width}} {r['step_s']:10.4g} s  {r['memory_gb']:7.2f} GB/dev  "
               f"{r['tflops_per_device']:7.2f} TFLOP/s/dev{'' if r['feasible'] else '  (does not fit)'}")
     best = ranked[0]
     print(f"winner: {best.formula}")

@@ -325,9 +325,9 @@ def _tensor_parallel_errors(c: TrainConfig, need) -> None:
     need(not (c.machine and not gpt_auto), f"machine={c.machine!r} is read by --plan=auto for "
                                            f"model='gpt' (got model={c.model!r}, plan={c.plan!r})")
     if gpt_auto:          # the layout options are chosen (or constrained): hpcnn.plan.auto
-        need(c.remat == "none" and c.virtual == 1 and not c.layout,
-             f"plan='auto' with model='gpt' prices remat none, one stage per rank and stages "
-             f"by cost: got remat={c.remat!r}, virtual={c.virtual}, layout={c.layout!r}")
+        need(c.remat == "none" and c.virtual == 1,
+             f"plan='auto' with model='gpt' prices remat none and one stage per rank: got "
+             f"remat={c.remat!r}, virtual={c.virtual}")
     elif c.plan:
         need(c.model == "mlp" and c.dp == 1 and c.pp == 1,
              f"plan={c.plan!r}: per-layer layouts are built for model='mlp' over the --tp ranks "

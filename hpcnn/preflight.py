@@ -72,7 +72,8 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
 
 def planned(cfg: TrainConfig, world_size: int, data=None):
     """(the config with its layout chosen, the choice's record for the run log, the data):
-    ``--model=gpt --plan=auto`` takes dp, tp, pp, schedule and micro-batches from
+    ``--model=gpt --plan=auto`` takes dp, tp, pp, schedule, micro-batches and a stage cut
+    (``--layout``) from
     :func:`hpcnn.plan.auto.choose_gpt_layout` (a pure function of the config, the vocabulary, the
     machine file and ``world_size``: every rank takes the same, before any collective); any
     other run is returned as it is, with no record. ``--model=gcn`` takes ``batch_size`` = the

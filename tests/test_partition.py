@@ -45,6 +45,51 @@ def test_by_cost_is_exact(seed):
     assert max(partition.stage_costs(costs, ranges)) == _brute(costs, S)
 
 
+def _stage_figures(ranges, costs, memory, fixed_cost, fixed_memory):
+    """(largest stage cost, each stage's memory) of a cut, as by_cost_bounded defines them."""
+    cost = max(fixed_cost[k] + sum(costs[a:b]) for k, (a, b) in enumerate(ranges))
+    return cost, [fixed_memory[k] + sum(memory[k][a:b]) for k, (a, b) in enumerate(ranges)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_by_cost_bounded_is_exact_and_respects_the_bound(seed):
+    """Against every cut: the optimum among the cuts whose stages all fit, None when none fits."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    S = int(rng.integers(1, n + 1))
+    costs = [int(c) for c in rng.integers(0, 20, size=n)]
+    memory = [[int(m) for m in rng.integers(0, 10, size=n)] for _ in range(S)]
+    fixed_cost = [int(c) for c in rng.integers(0, 15, size=S)]
+    fixed_memory = [int(m) for m in rng.integers(0, 10, size=S)]
+    bound = int(rng.integers(5, 40))
+    fits = []
+    for cuts in itertools.combinations(range(1, n), S - 1):
+        ranges = list(zip((0,) + cuts, cuts + (n,)))
+        cost, mem = _stage_figures(ranges, costs, memory, fixed_cost, fixed_memory)
+        if max(mem) <= bound:
+            fits.append(cost)
+    got = partition.by_cost_bounded(costs, memory, S, bound, fixed_cost, fixed_memory)
+    if not fits:
+        assert got is None
+        return
+    partition.check_ranges(got, n)
+    cost, mem = _stage_figures(got, costs, memory, fixed_cost, fixed_memory)
+    assert max(mem) <= bound and cost == min(fits)
+
+
+def test_by_cost_bounded_examples():
+    # unbounded it is by_cost (same tie rule: the later cut); one memory list serves every stage
+    assert partition.by_cost_bounded([1, 1, 1, 1], [0] * 4, 2, 0) == [(0, 2), (2, 4)]
+    assert partition.by_cost_bounded([1, 1, 1, 1], [0] * 4, 2, 0, [0, 2]) == [(0, 3), (3, 4)]
+    # the balanced cut 15|13|17 needs 5 memory units on its first stage: bound 4 gives 10|15|17
+    costs = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert partition.by_cost_bounded(costs, [1] * 9, 3, 5) == [(0, 5), (5, 7), (7, 9)]
+    assert partition.by_cost_bounded(costs, [1] * 9, 3, 4) == [(0, 4), (4, 7), (7, 9)]
+    assert partition.by_cost_bounded(costs, [1] * 9, 3, 2) is None     # 9 blocks, 3 stages of 2
+    with pytest.raises(ValueError, match="fixed_memory: expected 3 stages"):
+        partition.by_cost_bounded(costs, [1] * 9, 3, 5, fixed_memory=[0, 0])
+
+
 def test_parse_layout():
     assert partition.parse_layout("4|4|3|5", 16) == [(0, 4), (4, 8), (8, 11), (11, 16)]
     assert partition.parse_layout("7", 7) == [(0, 7)]

@@ -1,11 +1,12 @@
 """The transformer layout search (hpcnn.plan.hybrid): closed-form prices on a machine of two
 levels (GPUs of a node, nodes of a cluster) built from the planner's own machine classes."""
 import math
+from dataclasses import replace
 
 import pytest
 
 from hpcnn.plan.hybrid import (Layout, Transformer, _block, flops_per_step, layouts, plan, price,
-                               update_seconds)
+                               stage_cut, stage_times, update_seconds)
 from hpcnn.plan.machine import Device, Level, Machine as Hsm
 
 
@@ -224,3 +225,89 @@ def test_memory_counts_the_fullest_stage_with_the_last_stages_tail():
     # 1F1B's fullest stage is the first (4 micro-batches and their tokens), GPipe's the last
     assert gpipe.memory_bytes - f1b.memory_bytes == pytest.approx(4 * (tail - tokens),
                                                                   rel=1e-12)
+
+
+# ---------------------------------------------------------------- explicit stages (stage_cut)
+HEAVY_HEAD = Transformer(n_layers=8, dim=64, n_heads=4, seq=128, vocab=4096, batch=16)
+
+
+@pytest.mark.parametrize("lay", [Layout(1, 1, 2, 4), Layout(1, 1, 4, 8, "gpipe"),
+                                 Layout(1, 1, 4, 4, "zb_h1"), Layout(2, 2, 2, 4, "1f1b", "full"),
+                                 Layout(2, 1, 4, 2, "1f1b"), Layout(1, 2, 2, 2, "gpipe", "full")])
+def test_the_per_stage_path_prices_uniform_stages_as_the_uniform_price(lay):
+    """With uniform stages and the uniform price's convention (the head's time and table on every
+    stage) the per-stage path (simulated span, per-stage memory and reduction) is the uniform
+    price; with the head on the last stage only it is never dearer."""
+    from hpcnn.plan.hybrid import _staged
+    m = Machine()
+    uniform = price(SMALL, lay, m)
+    staged = replace(lay, stages=(SMALL.n_layers // lay.pp,) * lay.pp)
+    span, pp_s, _, (dp_s, opt_s), memory = _staged(SMALL, staged, m, "adamw", range(lay.pp))
+    assert span + pp_s + dp_s + opt_s == pytest.approx(uniform.step_s, rel=1e-12, abs=0)
+    assert memory == pytest.approx(uniform.memory_bytes, rel=1e-12, abs=0)
+    last_only = price(SMALL, staged, m)
+    assert last_only.step_s <= uniform.step_s and last_only.memory_bytes <= uniform.memory_bytes
+    assert last_only.step_s == pytest.approx(sum(last_only.parts.values()), rel=1e-12)
+    assert "stages 2|2|2|2" in str(staged) or "stages 4|4" in str(staged)
+
+
+def test_a_heavy_head_leaves_the_last_stage_fewer_blocks():
+    m = Machine(per_node=2, nodes=1)
+    for lay in (Layout(1, 1, 2, 2), Layout(1, 1, 2, 4, "gpipe"), Layout(1, 1, 2, 4, "zb_h1")):
+        cut = stage_cut(HEAVY_HEAD, lay, m)
+        assert sum(cut) == 8 and cut[-1] < 4, (lay, cut)
+        chosen = price(HEAVY_HEAD, replace(lay, stages=cut), m).step_s
+        assert chosen < price(HEAVY_HEAD, replace(lay, stages=(4, 4)), m).step_s
+        assert chosen < price(HEAVY_HEAD, lay, m).step_s
+    # the planner offers the cut, and it wins over the uniform layouts
+    best = plan(HEAVY_HEAD, m, 2)[0]
+    assert best.layout.stages and best.layout.stages[-1] < 4, best.layout
+
+
+def test_the_cut_meets_a_memory_bound_the_uniform_cut_violates():
+    """1F1B holds two micro-batches on the first of two stages, one on the last: a bound below
+    the uniform cut's memory moves blocks to the last stage."""
+    activations = Transformer(n_layers=8, dim=64, n_heads=4, seq=512, vocab=64, batch=16)
+    m, lay = Machine(per_node=2, nodes=1), Layout(1, 1, 2, 4)
+    even = replace(lay, stages=(4, 4))
+    bound = 0.9 * price(activations, even, m).memory_bytes
+    assert not price(activations, even, m, bound).feasible
+    cut = stage_cut(activations, lay, m, bound)
+    fits = price(activations, replace(lay, stages=cut), m, bound)
+    assert fits.feasible and cut[0] < cut[1], cut
+    assert stage_cut(activations, lay, m) == (4, 4)           # unbounded: balanced
+    # the planner's list holds it, feasible, for that bound
+    assert any(q.layout == replace(lay, stages=cut) and q.feasible
+               for q in plan(activations, m, 2, memory_bytes=bound))
+
+
+def test_pp_not_dividing_the_layers_is_cut_into_stages():
+    model = Transformer(n_layers=7, dim=64, n_heads=4, seq=32, vocab=256, batch=16)
+    m = Machine(per_node=2, nodes=1)
+    assert all(q.pp == 1 for q in layouts(model, 2))         # no machine: the divisors only
+    staged = [q.layout for q in plan(model, m, 2) if q.layout.pp == 2]
+    assert staged and all(len(q.stages) == 2 and sum(q.stages) == 7 for q in staged)
+    with pytest.raises(ValueError, match="expected pp=2 stage sizes"):
+        Layout(1, 1, 2, 2, stages=(7,))
+    with pytest.raises(ValueError, match=r"stages \(3, 3\) hold 6 transformer blocks"):
+        price(model, Layout(1, 1, 2, 2, stages=(3, 3)), m)
+    with pytest.raises(ValueError, match="explicit stages"):
+        stage_times(model, Layout(1, 1, 2, 2, stages=(3, 4)), m)
+
+
+def test_hpcnn_plan_prints_the_stage_cuts(capsys):
+    import json
+
+    from hpcnn.cli_tools import cmd_plan
+    from mpi_util import ROOT
+    args = [f"--machine={ROOT}/machines/dgx-a100-cluster.toml", "--devices=2", "--n_layers=7",
+            "--dim=256", "--n_heads=4", "--seq=128", "--batch=16", "--top=200"]
+    assert cmd_plan(args + ["--json=true"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranked"]
+    staged = [r for r in rows if r["stages"]]        # 7 layers: pp = 2 only as a planned cut
+    assert staged and all(len(r["stages"]) == 2 and sum(r["stages"]) == 7 for r in staged)
+    assert all(r["stages"] == [] for r in rows if "pp=1" in r["layout"])
+    assert cmd_plan(args) == 0
+    first = staged[0]
+    assert f"{first['layout']}" in capsys.readouterr().out
+    assert first["layout"].endswith(f"stages {first['stages'][0]}|{first['stages'][1]}")

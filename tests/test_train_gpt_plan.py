@@ -1,6 +1,8 @@
 """hpcnn train --model=gpt --plan=auto: the hybrid layout chosen by the planner
 (:mod:`hpcnn.plan.auto`), its record in the run log, the same losses as that layout given
 explicitly at 2 and 4 ranks, and its refusals."""
+from dataclasses import replace
+
 import pytest
 
 from hpcnn import preflight
@@ -89,6 +91,33 @@ def test_planned_run_equals_the_layout_given_explicitly(tmp_path, n):
     path = write_machine(tmp_path, "m", *CHEAP, pairs=n // 2)
     out = run_mpi("train_gpt_plan", n, str(tmp_path), path, timeout=120)
     assert f"train_gpt_plan OK on {n} ranks" in out
+
+
+def test_a_planned_stage_cut_runs_as_the_same_layout_given(tmp_path):
+    """Three layers on two pipeline stages: only a planned cut fits; the run takes it as
+    --layout (embedding on the first stage, final LayerNorm and LM head on the last)."""
+    path = write_machine(tmp_path, "m", *CHEAP, pairs=1)
+    out = run_mpi("train_gpt_plan", 2, str(tmp_path), path, "--n_layers=3", "--pp=2",
+                  timeout=120)
+    assert "train_gpt_plan OK on 2 ranks" in out and "stages " in out, out
+
+
+def test_a_given_layout_constrains_the_cut(tmp_path):
+    path = write_machine(tmp_path, "m", *CHEAP, pairs=1)
+    cfg = parse_overrides(GPT + [f"--machine={path}", "--n_layers=3", "--layout=2|4"]).resolved()
+    run, rec = choose_gpt_layout(cfg, 2, for_config(cfg).vocab)
+    assert (run.pp, run.layout, rec["stage_layout"]) == (2, "2|4", "2|4"), rec
+    assert "stages 1|2" in rec["layout"]
+    # the planner's own cut of the same run (pp = 2 given), recorded and mapped to the chain
+    free, rec = choose_gpt_layout(replace(cfg, layout="", pp=2), 2, for_config(cfg).vocab)
+    sizes = [int(n) for n in free.layout.split("|")]
+    assert rec["stage_layout"] == free.layout and sum(sizes) == 3 + 3 and len(sizes) == 2
+    assert f"stages {sizes[0] - 1}|{sizes[1] - 2}" in rec["layout"], rec
+    for bad in ("1|5", "2|5", "2|2|2"):      # no transformer block first; 4 of them; 3 stages
+        cfg = parse_overrides(GPT + [f"--machine={path}", "--n_layers=3",
+                                     f"--layout={bad}"]).resolved()
+        with pytest.raises(ConfigError, match=f"no layout.*layout='{bad}'"):
+            choose_gpt_layout(cfg, 2, for_config(cfg).vocab)
 
 
 def test_refusals(tmp_path):

@@ -65,26 +65,72 @@ def by_cost(costs, n_stages):
 
     Exact dynamic programme over cut points, O(S L^2): ``best[k][j]`` is the smallest achievable
     maximum over the first j blocks in k stages. Costs must be >= 0; among optimal partitions the
-    last stage is kept as small as possible (ties go to the later cut).
+    last stage is kept as small as possible (ties go to the later cut). :func:`by_cost_bounded`
+    without a memory bound.
+    """
+    costs = list(costs)
+    return by_cost_bounded(costs, [0] * len(costs), n_stages, float("inf"))
+
+
+def by_cost_bounded(costs, memory, n_stages, bound, fixed_cost=None, fixed_memory=None):
+    """Contiguous ranges minimising the largest stage cost subject to every stage's memory
+    ``<= bound``; None when no cut fits.
+
+    Stage k holding blocks [i, j) costs ``fixed_cost[k] + sum(costs[i:j])`` and needs
+    ``fixed_memory[k] + sum(memory_k[i:j])``, where ``memory_k`` is ``memory`` when that is one
+    list of per-block figures, or ``memory[k]`` when it is one list per stage (a block's memory
+    can depend on the stage holding it: a pipeline stage holds its caches for as many
+    micro-batches as its schedule keeps in flight). The fixed terms (default 0) are what a stage
+    carries whatever its blocks: the first stage's embedding, the last stage's LM head.
+
+    An exact dynamic programme over cut points, O(S L^2) at worst: ``best[k][j]`` is the
+    smallest achievable maximum over the first j blocks in k stages whose stages all fit; a
+    stage that does not fit is never a candidate, so the optimum is the optimum among the cuts
+    that fit (the bound is a per-stage constraint, the objective a maximum of per-stage terms).
+    Stage k's start is tried from the latest back, stopping once the stage alone costs more than
+    the best found or no longer fits (costs and memory are >= 0, so both only grow). The tie
+    rule of :func:`by_cost`: among optimal cuts the last stage is kept as small as possible
+    (the later cut).
     """
     costs = list(costs)
     n = len(costs)
     _check_counts(n, n_stages)
     if any(c < 0 for c in costs):
         raise ValueError(f"block costs must be >= 0, got {costs}")
-    pre = [0]
-    for c in costs:
-        pre.append(pre[-1] + c)
+    per_stage = [list(memory)] * n_stages if not memory or not hasattr(memory[0], "__len__") \
+        else [list(m) for m in memory]
+    fixed_cost = [0.0] * n_stages if fixed_cost is None else list(fixed_cost)
+    fixed_memory = [0.0] * n_stages if fixed_memory is None else list(fixed_memory)
+    for name, v in (("memory", per_stage), ("fixed_cost", fixed_cost),
+                    ("fixed_memory", fixed_memory)):
+        if len(v) != n_stages or (name == "memory" and any(len(m) != n for m in v)):
+            raise ValueError(f"{name}: expected {n_stages} stages of {n} blocks "
+                             f"(or one list of {n} block figures for memory), got {v}")
+    if any(x < 0 for m in per_stage for x in m):
+        raise ValueError(f"block memory must be >= 0, got {memory}")
+
+    def prefix(values):
+        out = [0]
+        for v in values:
+            out.append(out[-1] + v)
+        return out
+    pre, mem = prefix(costs), [prefix(m) for m in per_stage]
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
     best[0][0] = 0
     for k in range(1, n_stages + 1):
+        m, fc, fm = mem[k - 1], fixed_cost[k - 1], fixed_memory[k - 1]
         for j in range(k, n - (n_stages - k) + 1):       # leave >= 1 block per later stage
-            for i in range(k - 1, j):                    # stage k holds blocks [i, j)
-                v = max(best[k - 1][i], pre[j] - pre[i])
-                if v <= best[k][j]:
+            for i in range(j - 1, k - 2, -1):            # stage k holds blocks [i, j)
+                stage = fc + pre[j] - pre[i]
+                if stage > best[k][j] or fm + m[j] - m[i] > bound:
+                    break                                # only grows as the stage does
+                v = max(best[k - 1][i], stage)
+                if v < best[k][j]:                       # the first, latest cut of equals
                     best[k][j], cut[k][j] = v, i
+    if best[n_stages][n] == inf:
+        return None
     stops, j = [], n
     for k in range(n_stages, 0, -1):
         stops.append(j)

@@ -18,8 +18,14 @@ What it offers is what ``hpcnn train`` runs as priced:
 - **One micro-batch without a pipeline.** With pp = 1 ``hpcnn train`` ignores ``--microbatches``
   and runs the whole local batch at once, so only M = 1 is offered there (as the planner's
   validation experiment does); ``--grad_accum`` is left as given.
-- **Schedules 1f1b, gpipe, zb_h1** (the planner's), one stage per rank, stage sizes by cost; each
-  candidate must also pass the run's own option checks (:func:`hpcnn.config.combination_errors`).
+- **Schedules 1f1b, gpipe, zb_h1** (the planner's), one stage per rank; each candidate must also
+  pass the run's own option checks (:func:`hpcnn.config.combination_errors`).
+- **Stage cuts.** Each pipelined choice comes twice: uniform (pp dividing the layers; the run
+  cuts the chain by cost, :func:`hpcnn.parallel.partition.by_spec`, as without ``--plan``) and
+  with the planner's own cut (:func:`.hybrid.stage_cut` for the vocabulary the run pads, pp
+  any number up to the layers). A chosen cut is run as it was priced: ``--layout`` with its
+  transformer blocks per stage, the first stage one block more (the embedding), the last two
+  (the final LayerNorm and the LM head), as :func:`hpcnn.nn.models.gpt` orders the chain.
 - **The machine must hold the ranks.** A machine file with fewer devices than the world size is
   refused (no extrapolation); with more, the ranks are its first ``world_size`` devices, as
   ``hpcnn plan --devices=N`` prices them.
@@ -27,7 +33,9 @@ What it offers is what ``hpcnn train`` runs as priced:
 Options the user set constrain the search instead of being overwritten: ``--dp``, ``--tp``,
 ``--pp`` and ``--microbatches`` other than 1 and ``--schedule`` other than 1f1b (for pipelined
 layouts; pp = 1 has no schedule) keep only the layouts that have them. Their defaults mean "free":
-the configuration cannot tell ``--tp=1`` from no ``--tp``.
+the configuration cannot tell ``--tp=1`` from no ``--tp``. A ``--layout`` keeps only the
+pipelined layouts of as many stages, each priced with that cut (its transformer blocks per
+stage: its sizes less the embedding and the tail, at least one per stage).
 """
 from __future__ import annotations
 
@@ -62,31 +70,57 @@ def _matches(lay, given: dict) -> bool:
     return True
 
 
-def candidates(cfg, world_size: int, vocab: int):
+def chain_layout(stages) -> str:
+    """``--layout`` of the GPT's whole chain for transformer blocks per stage: the first stage
+    holds the embedding too, the last the final LayerNorm and the LM head."""
+    sizes = [int(n) for n in stages]
+    sizes[0] += 1
+    sizes[-1] += 2
+    return "|".join(map(str, sizes))
+
+
+def transformer_stages(layout: str) -> tuple:
+    """The transformer blocks per stage of a GPT's ``--layout`` (:func:`chain_layout` undone)."""
+    sizes = [int(n) for n in layout.split("|")]
+    sizes[0] -= 1
+    sizes[-1] -= 2
+    return tuple(sizes)
+
+
+def candidates(cfg, world_size: int, vocab: int, machine):
     """(layout, the run's config with it, the Transformer priced for it) for every layout of the
-    GPT on ``world_size`` devices that ``hpcnn train`` runs as the planner prices it and that
-    matches the options the user set (module docstring)."""
+    GPT on ``world_size`` devices of ``machine`` that ``hpcnn train`` runs as the planner prices
+    it and that matches the options the user set (module docstring)."""
     from hpcnn.config import combination_errors, option_errors
     from hpcnn.plan import hybrid
     from hpcnn.task import padded_vocab
     shape = dict(n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, seq=cfg.block_size,
                  batch=cfg.batch_size, dtype=cfg.dtype)
     given = _given(cfg)
+    cut = transformer_stages(cfg.layout) if cfg.layout else None
     for lay in hybrid.layouts(hybrid.Transformer(vocab=vocab, **shape), world_size,
-                              remat=("none",)):
+                              remat=("none",), machine=machine):
         if (lay.pp == 1 and lay.microbatches != 1) or not _matches(lay, given):
+            continue
+        if cut is not None and not (lay.stages and len(cut) == lay.pp and min(cut) >= 1
+                                    and sum(cut) == cfg.n_layers):
             continue
         run = dataclasses.replace(cfg, dp=lay.dp, tp=lay.tp, pp=lay.pp)
         if lay.pp > 1:
             run = dataclasses.replace(run, schedule=lay.schedule, microbatches=lay.microbatches)
+        model = hybrid.Transformer(vocab=padded_vocab(vocab, run), **shape)
+        if lay.stages:      # cut for the vocabulary the run pads, or as the user gave it
+            lay = dataclasses.replace(lay, stages=cut or hybrid.stage_cut(model, lay, machine))
+            run = dataclasses.replace(run, layout=chain_layout(lay.stages))
         if option_errors(run) or combination_errors(run):
             continue
-        yield lay, run, hybrid.Transformer(vocab=padded_vocab(vocab, run), **shape)
+        yield lay, run, model
 
 
 def choose_gpt_layout(cfg, world_size: int, vocab: int, machine=None):
-    """(the config with the chosen dp, tp, pp, schedule and micro-batches, the record for the
-    run log's ``/plan/hybrid_layout``); ConfigError with one line when the machine file cannot be
+    """(the config with the chosen dp, tp, pp, schedule, micro-batches and, for a planned stage
+    cut, ``--layout``, the record for the run log's ``/plan/hybrid_layout``: ``stage_layout`` is
+    that ``--layout``, "" for a uniform one cut by cost); ConfigError with one line when the machine file cannot be
     read, holds fewer devices than ``world_size``, or no layout fits (module docstring)."""
     from hpcnn.config import ConfigError
     from hpcnn.plan import hybrid
@@ -97,15 +131,17 @@ def choose_gpt_layout(cfg, world_size: int, vocab: int, machine=None):
                           f"{mach.p} device(s); pass --machine=FILE describing at least "
                           f"{world_size} (see machines/)")
     priced = [(hybrid.price(model, lay, mach), run)
-              for lay, run, model in candidates(cfg, world_size, vocab)]
+              for lay, run, model in candidates(cfg, world_size, vocab, mach)]
     shape = (f"the gpt (n_layers={cfg.n_layers}, n_heads={cfg.n_heads}, "
              f"batch_size={cfg.batch_size})")
     if not priced:
-        given = ", ".join(f"{k}={v}" for k, v in _given(cfg).items()) or "none"
+        given = dict(_given(cfg), **({"layout": repr(cfg.layout)} if cfg.layout else {}))
+        given = ", ".join(f"{k}={v}" for k, v in given.items()) or "none"
         raise ConfigError(f"invalid configuration: {where}: no layout of {shape} that hpcnn "
-                          f"train runs (tp dividing n_heads, pp dividing n_layers, dp x "
-                          f"microbatches dividing batch_size, remat none) matches the options "
-                          f"given ({given})")
+                          f"train runs (tp dividing n_heads, pp up to n_layers, dp x "
+                          f"microbatches dividing batch_size, remat none, a layout's stages "
+                          f"holding the embedding, >= 1 transformer block each and the final "
+                          f"LayerNorm and LM head) matches the options given ({given})")
     feasible = [q for q in priced if q[0].feasible]
     if not feasible:
         least = min(q.memory_bytes for q, _ in priced)
@@ -117,6 +153,7 @@ def choose_gpt_layout(cfg, world_size: int, vocab: int, machine=None):
     lay = best.layout
     record = {"layout": str(lay), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
               "schedule": lay.schedule, "microbatches": lay.microbatches, "remat": lay.remat,
+              "stage_layout": run.layout if lay.stages else "",
               "chosen_by": f"least predicted step on {mach.name}",
               "predicted_step_s": float(best.step_s),
               "predicted_memory_bytes_per_rank": float(best.memory_bytes),
@@ -125,4 +162,5 @@ def choose_gpt_layout(cfg, world_size: int, vocab: int, machine=None):
     return run, record
 
 
-__all__ = ["candidates", "choose_gpt_layout", "load_machine"]
+__all__ = ["candidates", "chain_layout", "choose_gpt_layout", "load_machine",
+           "transformer_stages"]

@@ -41,6 +41,16 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   LM head and loss caches (:func:`_tail`) and the first stage's tokens, as the pipeline
   executor's account counts them (:meth:`hpcnn.engine.stage.Stage.cache_bytes`).
 
+- **stage cuts** (our choice; the thesis is silent on them): the uniform layout (pp dividing
+  the layers) prices every stage as the last, LM head included, at the formula's pace. A layout
+  with explicit ``stages`` (transformer blocks per stage) prices each stage from its own blocks,
+  the head on the last stage only, the schedule simulated with these per-stage times, memory
+  per rank the fullest stage's (:func:`_staged`); :func:`stage_cut` chooses the cut: least
+  slowest stage whose every stage fits the memory, by the exact dynamic programme
+  :func:`hpcnn.parallel.partition.by_cost_bounded`; :func:`plan` offers it beside the uniform
+  layout for every pipelined choice up to :data:`STAGE_CUT_PASSES` (then pp need not divide the
+  layers).
+
 Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid` orders them (tp fastest, then dp,
 then pp). The thesis prices operator cuts (:mod:`.cost`, :mod:`.search`); for the transformer's
 coarse choice it is silent, and these are our choices: Megatron's collectives, no overlap of
@@ -48,6 +58,8 @@ communication with compute, the slowest stage setting the pipeline's pace.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -160,10 +172,17 @@ class Layout:
     microbatches: int
     schedule: str = "1f1b"
     remat: str = "none"
+    stages: tuple = ()      # transformer blocks per stage; () the uniform cut, n_layers / pp each
+
+    def __post_init__(self):
+        if self.stages and (len(self.stages) != self.pp or min(self.stages) < 1):
+            raise ValueError(f"stages={self.stages}: expected pp={self.pp} stage sizes, each at "
+                             f"least one transformer block")
 
     def __str__(self) -> str:
+        cut = f", stages {'|'.join(map(str, self.stages))}" if self.stages else ""
         return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}, {self.schedule}, "
-                f"{self.microbatches} micro-batches, remat={self.remat}")
+                f"{self.microbatches} micro-batches, remat={self.remat}{cut}")
 
 
 @dataclass
@@ -206,30 +225,32 @@ class StageTimes(NamedTuple):
 
 def stage_times(model: Transformer, layout: Layout, machine, optimizer: str = "adamw") -> StageTimes:
     """The times :func:`price` adds up (see the module docstring); :mod:`.timeline` lays them
-    out as a predicted run's events."""
+    out as a predicted run's events. Uniform layouts only: a layout with explicit ``stages`` has
+    one set of times per stage (:func:`price`)."""
+    if layout.stages:
+        raise ValueError(f"{layout}: stage_times lays out uniform stages; explicit stages are "
+                         f"priced per stage by price()")
     return _priced_parts(model, layout, machine, optimizer)[0]
 
 
-def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
-    """(StageTimes, (cache bytes, input bytes) per block and rank, local parameter count) of
-    ``layout``: the one place the formulas live, for :func:`price` and :func:`stage_times`."""
-    from hpcnn.parallel import schedules
-    dp, tp, pp, m_count = layout.dp, layout.tp, layout.pp, layout.microbatches
-    rows = model.batch // (dp * m_count)                    # sequences per micro-batch
-    f, b, cache, pbytes, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
-                                         tp)
+def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head: bool):
+    """(t_f, t_b, t_w, tp_s) of one micro-batch's pass through a stage of ``blocks`` transformer
+    blocks, with the LM head when ``head`` (module docstring: compute, tp allreduces, remat,
+    zero bubble's halves). Linear in ``blocks``: a block's figures times their count."""
+    rows = model.batch // (layout.dp * layout.microbatches)     # sequences per micro-batch
+    tp = layout.tp
+    f, b, cache, _, _ = _block(model.dim, model.n_heads, model.seq, rows, model.word, tp)
     dev = machine.device
     dtype = model.dtype if model.dtype in dev.flops else max(dev.flops, key=dev.flops.get)
-    per_stage = model.n_layers / pp
-    head = 2.0 * rows * model.seq * model.dim * model.vocab / tp     # LM head forward FLOPs
+    head_f = 2.0 * rows * model.seq * model.dim * model.vocab / tp   # LM head forward FLOPs
     act = rows * model.seq * model.dim * model.word                  # one activation
-    tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp)) * per_stage
+    tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp)) * blocks
     # a block's fixed cost and element-wise seconds split between its passes by the device's
     # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them
-    t_f = dev.pass_seconds(per_stage * f, dtype, "transformer", per_stage, per_stage * cache,
-                           True) + dev.pass_seconds(head, dtype, "linear", 1, act, True) + tp_s
-    t_b = dev.pass_seconds(per_stage * b, dtype, "transformer", per_stage, per_stage * cache,
-                           False) + dev.pass_seconds(2 * head, dtype, "linear", 1, act, False) + tp_s
+    t_f = dev.pass_seconds(blocks * f, dtype, "transformer", blocks, blocks * cache, True) + (
+        dev.pass_seconds(head_f, dtype, "linear", 1, act, True) if head else 0.0) + tp_s
+    t_b = dev.pass_seconds(blocks * b, dtype, "transformer", blocks, blocks * cache, False) + (
+        dev.pass_seconds(2 * head_f, dtype, "linear", 1, act, False) if head else 0.0) + tp_s
     if layout.remat == "full":
         t_b += t_f
     t_w = 0.0
@@ -240,12 +261,35 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
         b_in, b_w = dev.backward_halves("transformer")
         t_w = b_w * (t_b - tp_s)
         t_b = b_in * (t_b - tp_s) + tp_s + t_w
+    return t_f, t_b, t_w, tp_s
+
+
+def _messages(model: Transformer, layout: Layout, machine) -> tuple:
+    """(one activation message between pp neighbours, the 2(pp - 1) on the critical path)."""
+    rows = model.batch // (layout.dp * layout.microbatches)
+    act = rows * model.seq * model.dim * model.word
+    level = machine.level_for_group(min(machine.p, 2 * layout.tp * layout.dp))
+    msg = level.message_seconds(act) if layout.pp > 1 else 0
+    return msg, 2 * (layout.pp - 1) * msg
+
+
+def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
+    """(StageTimes, (cache bytes, input bytes) per block and rank, local parameter count) of
+    the uniform ``layout``: the one place its formulas live, for :func:`price` and
+    :func:`stage_times`."""
+    from hpcnn.parallel import schedules
+    dp, tp, pp, m_count = layout.dp, layout.tp, layout.pp, layout.microbatches
+    rows = model.batch // (dp * m_count)                    # sequences per micro-batch
+    _, _, cache, pbytes, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
+                                         tp)
+    dev = machine.device
+    per_stage = model.n_layers / pp
+    t_f, t_b, t_w, tp_s = _pass_times(model, layout, machine, per_stage, True)
     span = schedules.formula_makespan(layout.schedule, pp, m_count, t_f, t_b - t_w, t_w)
     if span is None:
         lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
         span = schedules.simulate(lists, t_f, t_b - t_w, t_w).makespan
-    msg = machine.level_for_group(min(machine.p, 2 * tp * dp)).message_seconds(act) if pp > 1 else 0
-    pp_s = 2 * (pp - 1) * msg
+    msg, pp_s = _messages(model, layout, machine)
     local_params = per_stage * pbytes / model.word + model.vocab * model.dim / tp
     dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp))
     opt_s = update_seconds(local_params, model.word, dev, optimizer)
@@ -253,46 +297,155 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
             local_params)
 
 
-def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None,
-          optimizer: str = "adamw") -> Priced:
-    """The predicted step time and memory per rank of ``layout`` (see the module docstring)."""
-    st, (cache, xbytes), local_params = _priced_parts(model, layout, machine, optimizer)
-    pp, m_count = layout.pp, layout.microbatches
-    per_stage = model.n_layers / pp
-    held = (xbytes * per_stage + cache) if layout.remat == "full" else cache * per_stage
-    rows = model.batch // (layout.dp * m_count)
+def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float) -> float:
+    """Activation bytes stage ``stage`` of ``blocks`` transformer blocks holds at its peak: its
+    held micro-batches (:func:`held_microbatches`) x (the blocks' caches, or their inputs and one
+    block's cache under ``remat="full"``; the tail's caches on the last stage, the int64 tokens
+    on the first)."""
+    rows = model.batch // (layout.dp * layout.microbatches)
+    _, _, cache, _, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
+                                    layout.tp)
+    held = (xbytes * blocks + cache) if layout.remat == "full" else cache * blocks
     tail = _tail(model.dim, model.seq, rows, model.vocab, model.word, layout.tp)
     tokens = rows * model.seq * 8                       # the first stage's int64 input
-    memory = 4 * local_params * model.word + max(
-        held_microbatches(layout.schedule, pp, m_count, s)
-        * (held + (tail if s == pp - 1 else 0) + (tokens if s == 0 else 0)) for s in range(pp))
+    return held_microbatches(layout.schedule, layout.pp, layout.microbatches, stage) * (
+        held + (tail if stage == layout.pp - 1 else 0) + (tokens if stage == 0 else 0))
+
+
+def _stage_params(model: Transformer, layout: Layout, stage: int, blocks: float,
+                  head: bool) -> float:
+    """Parameters of one rank of stage ``stage``: its blocks' share and one vocab x dim / tp
+    table where it holds the vocab-parallel embedding (the first stage) or the LM head
+    (``head``); the position table and the LayerNorms' few words are left out, as the uniform
+    price leaves them out."""
+    pbytes = _block(model.dim, model.n_heads, model.seq, 1, model.word, layout.tp)[3]
+    table = model.vocab * model.dim / layout.tp
+    return blocks * pbytes / model.word + (table if head or stage == 0 else 0)
+
+
+def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=None):
+    """(span, pp messages, busiest stage's (t_f, t_b, t_w, tp_s), dp allreduce + update of the
+    fullest stage as (dp_s, opt_s), memory per rank) of a layout with explicit ``stages``.
+
+    Our choices (the thesis is silent on stage cuts): each stage's times from its own block
+    count (:func:`_pass_times`), the LM head's on the stages in ``heads`` (default: the last
+    only; the embedding's gather is free, as in the uniform price); the span is the schedule
+    simulated with these per-stage times (:func:`hpcnn.parallel.schedules.simulate`); the
+    stages reduce their gradients and update in parallel, the slowest of them counting;
+    memory per rank is the fullest stage's parameters x 4 words plus its held activations.
+    ``heads`` = every stage is the uniform price's convention (every stage priced as the last):
+    with uniform stages this prices exactly as :func:`price` prices the uniform layout."""
+    from hpcnn.parallel import schedules
+    pp, m_count, word = layout.pp, layout.microbatches, model.word
+    heads = {pp - 1} if heads is None else set(heads)
+    times = [_pass_times(model, layout, machine, n, s in heads)
+             for s, n in enumerate(layout.stages)]
+    t_f, t_b, t_w, _ = (list(t) for t in zip(*times))
+    lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
+    span = schedules.simulate(lists, t_f, [b - w for b, w in zip(t_b, t_w)], t_w).makespan
+    _, pp_s = _messages(model, layout, machine)
+    params = [_stage_params(model, layout, s, n, s in heads) for s, n in enumerate(layout.stages)]
+    level = machine.level_for_group(layout.tp * layout.dp)
+    reduce = [(ring_allreduce_s(q * word, layout.dp, level),
+               update_seconds(q, word, machine.device, optimizer)) for q in params]
+    memory = max(4 * q * word + _held_bytes(model, layout, s, n)
+                 for s, (q, n) in enumerate(zip(params, layout.stages)))
+    busiest = max(times, key=lambda t: t[0] + t[1])
+    return span, pp_s, busiest, max(reduce, key=sum), memory
+
+
+def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None,
+          optimizer: str = "adamw") -> Priced:
+    """The predicted step time and memory per rank of ``layout`` (see the module docstring; a
+    layout with explicit ``stages``: :func:`_staged`)."""
+    pp, m_count = layout.pp, layout.microbatches
+    if layout.stages:
+        if sum(layout.stages) != model.n_layers:
+            raise ValueError(f"stages {layout.stages} hold {sum(layout.stages)} transformer "
+                             f"blocks, the model has {model.n_layers}")
+        span, pp_s, (t_f, t_b, _, tp_s), (dp_s, opt_s), memory = _staged(model, layout, machine,
+                                                                          optimizer)
+        st = StageTimes(t_f, t_b, 0.0, tp_s, span, 0.0, pp_s, dp_s, opt_s)
+    else:
+        st, _, local_params = _priced_parts(model, layout, machine, optimizer)
+        per_stage = model.n_layers / pp
+        memory = 4 * local_params * model.word + max(
+            _held_bytes(model, layout, s, per_stage) for s in range(pp))
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
     parts = {"compute": compute, "tp_comm": 2 * m_count * st.tp_s,
              "bubble": st.span - m_count * (st.t_f + st.t_b), "pp_comm": st.pp_s,
              "dp_comm": st.dp_s, "optimizer": st.opt_s}
     step = st.span + st.pp_s + st.dp_s + st.opt_s
+    cut = f"stages {'|'.join(map(str, layout.stages))}, busiest " if layout.stages else ""
     formula = (f"({m_count} micro-batches, {pp} stages) {layout.schedule} span {st.span:.4g} s "
-               f"[t_f {st.t_f:.3g} + t_b {st.t_b:.3g} per stage pass, of which tp "
+               f"[{cut}t_f {st.t_f:.3g} + t_b {st.t_b:.3g} per stage pass, of which tp "
                f"{st.tp_s:.3g}] + pp messages {st.pp_s:.3g} + dp allreduce {st.dp_s:.3g} "
                f"+ {optimizer} update {st.opt_s:.3g} = {step:.4g} s")
     return Priced(layout, step, parts, memory, memory <= cap, formula)
+
+
+def stage_cut(model: Transformer, layout: Layout, machine,
+              memory_bytes: float | None = None) -> tuple:
+    """Transformer blocks per stage of ``layout`` (pp > 1): the cut of least slowest stage whose
+    every stage fits ``memory_bytes`` (default the device's), by the exact dynamic programme
+    :func:`hpcnn.parallel.partition.by_cost_bounded`; where no cut fits, the cut of least
+    slowest stage regardless of memory (:func:`price` then marks the layout infeasible).
+
+    Our choices (the thesis is silent on stage cuts): a block costs its forward + backward
+    seconds (:func:`_pass_times` of one block), the LM head is a fixed cost of the last stage;
+    a block on stage s needs its parameters x 4 words plus its cache (its input under remat)
+    times the micro-batches stage s holds; the first stage carries the embedding's table and
+    the tokens, the last the head's table and the tail's caches (:func:`_held_bytes`,
+    :func:`_stage_params`), so the cut's memory per stage is what :func:`price` charges it.
+    The objective is the slowest stage, not the simulated span: the schedule's span grows
+    with it, and it is what the existing ``by_cost`` cut balances."""
+    from hpcnn.parallel import partition
+    pp, n = layout.pp, model.n_layers
+    uniform = dataclasses.replace(layout, stages=())
+    one = _pass_times(model, uniform, machine, 1, False)
+    head = _pass_times(model, uniform, machine, 0, True)
+    block_params = _stage_params(model, uniform, 1, 1, False)
+    memory = [[4 * block_params * model.word + _held_bytes(model, uniform, s, 1)
+               - _held_bytes(model, uniform, s, 0)] * n for s in range(pp)]
+    fixed_memory = [4 * _stage_params(model, uniform, s, 0, s == pp - 1) * model.word
+                    + _held_bytes(model, uniform, s, 0) for s in range(pp)]
+    fixed_cost = [0.0] * (pp - 1) + [head[0] + head[1]]
+    cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
+    costs = [one[0] + one[1]] * n
+    ranges = (partition.by_cost_bounded(costs, memory, pp, cap, fixed_cost, fixed_memory)
+              or partition.by_cost_bounded(costs, memory, pp, math.inf, fixed_cost))
+    return tuple(b - a for a, b in ranges)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT):
+# A layout with explicit stages is priced by simulating its schedule (pp x M micro-batch passes
+# of each kind), milliseconds to seconds each: plan() offers stage cuts up to this many passes
+# and keeps the uniform layouts alone beyond (our choice: GPT-3 on 1024 devices of
+# machines/dgx-a100-cluster.toml plans in 0.2 s uniform, 1.9 s with cuts up to 256 passes, 5 s
+# up to 1024, on this 2-core machine under load 2.4).
+STAGE_CUT_PASSES = 256
+
+
+def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT, machine=None,
+            memory_bytes: float | None = None):
     """Every layout of ``model`` on ``devices``: dp x tp x pp = devices, tp dividing the heads,
     pp dividing the layers, micro-batches M a power of two with dp x M dividing the batch (and
     M >= pp for the pipelined schedules' steady state), each schedule and remat choice (no
-    rematerialized zero-bubble schedule: their split backward is not rematerialized)."""
+    rematerialized zero-bubble schedule: their split backward is not rematerialized).
+
+    With a ``machine``, each pipelined choice (pp > 1) with pp x M <= :data:`STAGE_CUT_PASSES`
+    also comes with explicit stages cut by :func:`stage_cut` for that machine and
+    ``memory_bytes``, pp then any number up to the layers (not only their divisors)."""
     for tp in _divisors(devices):
         if model.n_heads % tp:
             continue
         for pp in _divisors(devices // tp):
-            if model.n_layers % pp:
+            uniform = model.n_layers % pp == 0
+            if not uniform and (machine is None or pp > model.n_layers):
                 continue
             dp = devices // (tp * pp)
             if model.batch % dp:
@@ -302,21 +455,31 @@ def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMA
                 if pp == 1 or m_count >= pp:
                     for s in (("1f1b",) if pp == 1 else schedules):
                         for r in remat:
-                            if not (r != "none" and s.startswith("zb")):  # as hpcnn train refuses
-                                yield Layout(dp, tp, pp, m_count, s, r)
+                            if r != "none" and s.startswith("zb"):  # as hpcnn train refuses
+                                continue
+                            lay = Layout(dp, tp, pp, m_count, s, r)
+                            if uniform:
+                                yield lay
+                            if machine is not None and pp > 1 and \
+                                    pp * m_count <= STAGE_CUT_PASSES:
+                                yield dataclasses.replace(lay, stages=stage_cut(
+                                    model, lay, machine, memory_bytes))
                 m_count *= 2
 
 
 def plan(model: Transformer, machine, devices: int | None = None, *,
          memory_bytes: float | None = None) -> list[Priced]:
-    """Every layout priced, the feasible ones first, each group by predicted step time."""
+    """Every layout priced (:func:`layouts` with this machine: the uniform ones and the stage
+    cuts), the feasible ones first, each group by predicted step time."""
     devices = machine.p if devices is None else int(devices)
     if devices < 1 or devices > machine.p:
         raise ValueError(f"devices={devices}: the machine {machine.name!r} has {machine.p}")
-    out = [price(model, lay, machine, memory_bytes) for lay in layouts(model, devices)]
+    out = [price(model, lay, machine, memory_bytes)
+           for lay in layouts(model, devices, machine=machine, memory_bytes=memory_bytes)]
     if not out:
         raise ValueError(f"no layout of {model} fits {devices} devices (tp must divide the "
-                         f"{model.n_heads} heads, pp the {model.n_layers} layers, dp the batch)")
+                         f"{model.n_heads} heads, pp the {model.n_layers} layers or be cut "
+                         f"into stages, dp the batch)")
     return sorted(out, key=lambda q: (not q.feasible, q.step_s if q.feasible else q.memory_bytes))
 
 
@@ -328,4 +491,5 @@ def flops_per_step(model: Transformer) -> float:
 
 
 __all__ = ["Layout", "Priced", "StageTimes", "Transformer", "flops_per_step", "held_microbatches",
-           "layouts", "plan", "price", "ring_allreduce_s", "stage_times", "update_seconds"]
+           "layouts", "plan", "price", "ring_allreduce_s", "stage_cut", "stage_times",
+           "update_seconds"]
