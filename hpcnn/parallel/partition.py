@@ -121,14 +121,17 @@ def by_cost_bounded(costs, memory, n_stages, bound, fixed_cost=None, fixed_memor
     best[0][0] = 0
     for k in range(1, n_stages + 1):
         m, fc, fm = mem[k - 1], fixed_cost[k - 1], fixed_memory[k - 1]
+        prev, row, cut_row = best[k - 1], best[k], cut[k]    # locals: the planner's hot loop
         for j in range(k, n - (n_stages - k) + 1):       # leave >= 1 block per later stage
+            top, used, here, at = fc + pre[j], fm + m[j], inf, 0
             for i in range(j - 1, k - 2, -1):            # stage k holds blocks [i, j)
-                stage = fc + pre[j] - pre[i]
-                if stage > best[k][j] or fm + m[j] - m[i] > bound:
+                stage = top - pre[i]
+                if stage > here or used - m[i] > bound:
                     break                                # only grows as the stage does
-                v = max(best[k - 1][i], stage)
-                if v < best[k][j]:                       # the first, latest cut of equals
-                    best[k][j], cut[k][j] = v, i
+                v = prev[i] if prev[i] > stage else stage
+                if v < here:                             # the first, latest cut of equals
+                    here, at = v, i
+            row[j], cut_row[j] = here, at
     if best[n_stages][n] == inf:
         return None
     stops, j = [], n

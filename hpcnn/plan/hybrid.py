@@ -59,7 +59,6 @@ communication with compute, the slowest stage setting the pipeline's pace.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -389,8 +388,10 @@ def stage_cut(model: Transformer, layout: Layout, machine,
               memory_bytes: float | None = None) -> tuple:
     """Transformer blocks per stage of ``layout`` (pp > 1): the cut of least slowest stage whose
     every stage fits ``memory_bytes`` (default the device's), by the exact dynamic programme
-    :func:`hpcnn.parallel.partition.by_cost_bounded`; where no cut fits, the cut of least
-    slowest stage regardless of memory (:func:`price` then marks the layout infeasible).
+    :func:`hpcnn.parallel.partition.by_cost_bounded`; where no cut fits, the uniform cut
+    (:func:`hpcnn.parallel.partition.uniform`; :func:`price` then marks the layout infeasible,
+    and a second, unbounded programme for a layout that cannot run took most of the plan's
+    time on the largest models).
 
     Our choices (the thesis is silent on stage cuts): a block costs its forward + backward
     seconds (:func:`_pass_times` of one block), the LM head is a fixed cost of the last stage;
@@ -414,7 +415,7 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     costs = [one[0] + one[1]] * n
     ranges = (partition.by_cost_bounded(costs, memory, pp, cap, fixed_cost, fixed_memory)
-              or partition.by_cost_bounded(costs, memory, pp, math.inf, fixed_cost))
+              or partition.uniform(n, pp))
     return tuple(b - a for a, b in ranges)
 
 
@@ -425,9 +426,9 @@ def _divisors(n: int) -> list[int]:
 # A layout with explicit stages is priced by simulating its schedule (pp x M micro-batch passes
 # of each kind), milliseconds to seconds each: plan() offers stage cuts up to this many passes
 # and keeps the uniform layouts alone beyond (our choice: GPT-3 on 1024 devices of
-# machines/dgx-a100-cluster.toml plans in 0.2 s uniform, 1.9 s with cuts up to 256 passes, 5 s
-# up to 1024, on this 2-core machine under load 2.4).
-STAGE_CUT_PASSES = 256
+# machines/dgx-a100-cluster.toml plans in 0.2 s uniform, 0.58 s with cuts up to 64 passes,
+# 1.3 s up to 256, on this 2-core machine idle; the cut DP and the simulations share the time).
+STAGE_CUT_PASSES = 64
 
 
 def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT, machine=None,
