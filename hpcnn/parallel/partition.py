@@ -72,6 +72,36 @@ def by_cost(costs, n_stages):
     return by_cost_bounded(costs, [0] * len(costs), n_stages, float("inf"))
 
 
+def _prefix(values) -> list:
+    """[0, v0, v0 + v1, ...]: the running sums, added left to right."""
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _bounded_inputs(costs, memory, n_stages, fixed_cost, fixed_memory) -> tuple:
+    """:func:`by_cost_bounded`'s arguments checked and as lists: (costs, memory per stage,
+    fixed costs, fixed memory)."""
+    costs = list(costs)
+    n = len(costs)
+    _check_counts(n, n_stages)
+    if any(c < 0 for c in costs):
+        raise ValueError(f"block costs must be >= 0, got {costs}")
+    per_stage = [list(memory)] * n_stages if not memory or not hasattr(memory[0], "__len__") \
+        else [list(m) for m in memory]
+    fixed_cost = [0.0] * n_stages if fixed_cost is None else list(fixed_cost)
+    fixed_memory = [0.0] * n_stages if fixed_memory is None else list(fixed_memory)
+    for name, v in (("memory", per_stage), ("fixed_cost", fixed_cost),
+                    ("fixed_memory", fixed_memory)):
+        if len(v) != n_stages or (name == "memory" and any(len(m) != n for m in v)):
+            raise ValueError(f"{name}: expected {n_stages} stages of {n} blocks "
+                             f"(or one list of {n} block figures for memory), got {v}")
+    if any(x < 0 for m in per_stage for x in m):
+        raise ValueError(f"block memory must be >= 0, got {memory}")
+    return costs, per_stage, fixed_cost, fixed_memory
+
+
 def by_cost_bounded(costs, memory, n_stages, bound, fixed_cost=None, fixed_memory=None):
     """Contiguous ranges minimising the largest stage cost subject to every stage's memory
     ``<= bound``; None when no cut fits.
@@ -92,29 +122,10 @@ def by_cost_bounded(costs, memory, n_stages, bound, fixed_cost=None, fixed_memor
     rule of :func:`by_cost`: among optimal cuts the last stage is kept as small as possible
     (the later cut).
     """
-    costs = list(costs)
+    costs, per_stage, fixed_cost, fixed_memory = _bounded_inputs(
+        costs, memory, n_stages, fixed_cost, fixed_memory)
     n = len(costs)
-    _check_counts(n, n_stages)
-    if any(c < 0 for c in costs):
-        raise ValueError(f"block costs must be >= 0, got {costs}")
-    per_stage = [list(memory)] * n_stages if not memory or not hasattr(memory[0], "__len__") \
-        else [list(m) for m in memory]
-    fixed_cost = [0.0] * n_stages if fixed_cost is None else list(fixed_cost)
-    fixed_memory = [0.0] * n_stages if fixed_memory is None else list(fixed_memory)
-    for name, v in (("memory", per_stage), ("fixed_cost", fixed_cost),
-                    ("fixed_memory", fixed_memory)):
-        if len(v) != n_stages or (name == "memory" and any(len(m) != n for m in v)):
-            raise ValueError(f"{name}: expected {n_stages} stages of {n} blocks "
-                             f"(or one list of {n} block figures for memory), got {v}")
-    if any(x < 0 for m in per_stage for x in m):
-        raise ValueError(f"block memory must be >= 0, got {memory}")
-
-    def prefix(values):
-        out = [0]
-        for v in values:
-            out.append(out[-1] + v)
-        return out
-    pre, mem = prefix(costs), [prefix(m) for m in per_stage]
+    pre, mem = _prefix(costs), [_prefix(m) for m in per_stage]
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
