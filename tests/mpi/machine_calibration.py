@@ -39,7 +39,11 @@ assert all(0 < v < 1 for v in m.device.forward.values()) and len(m.device.forwar
 assert set(m.device.update) == {"adamw", "sgd"}
 with open(path) as f:
     text = f.read()
-assert "Ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text
+assert "ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text
+# timed cold (after a copy) unless the node holds more ranks than cores
+from hpcnn.parallel.collectives.measure import cores_here  # noqa: E402
+assert text.count("# Cold (each call after a copy" if p <= cores_here() else
+                  "# Back to back (more ranks than cores here)") == 1, text
 # a directory that does not exist: refused on every rank, before any collective
 assert cmd_calibrate([f"--write={os.path.join(sys.argv[1], 'no', 'x.toml')}"]) == 2
 world.Barrier()

@@ -8,9 +8,12 @@
   library's shared-memory cells from the caches, and timed back to back the same calls ran
   1.2-1.6x faster from 64 KiB to 16 MiB here (4-10x below 1 KiB, where the latency lives).
   Priced with the back-to-back figures, the tensor-parallel GPT layouts (four allreduces per
-  block, each after a sub-block's compute) measured 1.16-1.33x their price against 0.92-1.15x
-  for the others, and the plan validation's Kendall tau at 4 ranks was 0.56 (0.84 when the same
-  measurements are re-priced with a cold calibration's levels). The 8-byte time is
+  block, each after a sub-block's compute) measured 1.21x their price on 2 ranks against
+  1.06-1.15x for the others (Kendall tau 0.74; 0.89 calibrated cold). When the node holds more
+  ranks than cores, the calls are timed back to back: there a copy and a barrier before each
+  call measure the scheduler handing the cores over (1.2 ms one way at 8 B, 3.8 ms for a 1 KiB
+  allreduce on 4 ranks over 2 cores), not the caches, and priced so the GPT and MLP layouts
+  on 4 ranks measured 0.65-0.8x and 0.4-0.8x their price. The 8-byte time is
   the latency L; each larger size s gives a bandwidth piece ending at s with
   bytes_per_s = s / (t(s) - L) (:func:`fit_level`). All ranks form one level "node" whose fan-out
   is the number of ranks: with the ranks at hand nothing finer or coarser can be told apart.
@@ -79,10 +82,16 @@ def _median_seconds(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def pingpong(comm, sizes=SIZES) -> list:
-    """One-way seconds per size: all pairs (2i, 2i+1) at once, each round trip after a copy of
-    :data:`COPY_BYTES` and a barrier (cold, as in training), the slowest pair's median over
-    :data:`COLD_REPEATS`; an odd last rank waits. Needs at least two ranks."""
+def _repeats(nbytes: int) -> int:
+    """Back-to-back calls per size: many for small messages (microseconds each), few for 64 MiB."""
+    return 200 if nbytes <= 1 << 10 else 50 if nbytes <= 1 << 16 else 10 if nbytes <= 1 << 20 else 5
+
+
+def pingpong(comm, sizes=SIZES, cold: bool = True) -> list:
+    """One-way seconds per size: all pairs (2i, 2i+1) at once, the slowest pair's median; with
+    ``cold`` each of :data:`COLD_REPEATS` round trips follows a copy of :data:`COPY_BYTES` and a
+    barrier (as in training), else :func:`_repeats` run back to back; an odd last rank waits.
+    Needs at least two ranks."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
     peer = rank ^ 1 if (rank ^ 1) < size else None
@@ -92,9 +101,11 @@ def pingpong(comm, sizes=SIZES) -> list:
     for n in sizes:
         buf = np.zeros(n, dtype=np.uint8)
         times = []
-        for _ in range(COLD_REPEATS + 1):            # the first round trip warms the path
-            np.copyto(dst, src)                      # cold, as after computing
-            comm.Barrier()
+        comm.Barrier()
+        for _ in range(COLD_REPEATS + 1 if cold else _repeats(n) + 1):   # the first warms up
+            if cold:
+                np.copyto(dst, src)                  # cold, as after computing
+                comm.Barrier()
             t0 = time.perf_counter()
             if peer is not None and rank < peer:
                 comm.Send(buf, dest=peer, tag=7)
@@ -122,12 +133,13 @@ def fit_level(sizes, seconds, fanout: int, name: str = "node") -> Level:
     return Level(name=name, fanout=fanout, latency_s=latency, bandwidth=tuple(map(tuple, pieces)))
 
 
-def allreduce_times(comm, sizes=SIZES[1:]) -> list:
+def allreduce_times(comm, sizes=SIZES[1:], cold: bool = True) -> list:
     """Seconds of an in-place MPI allreduce (float32 sum, what Communicator.allreduce's default
     runs) of each size over all ranks, as training meets it: after computing. Each call follows
     a copy of :data:`COPY_BYTES` on every rank and a barrier (the copy evicts the buffer and the
     library's shared-memory cells from the caches as a block's forward or backward does); the
-    figure is the median over :data:`COLD_REPEATS` calls of the slowest rank. Back to back the
+    figure is the median over :data:`COLD_REPEATS` calls of the slowest rank (without ``cold``,
+    over :func:`_repeats` calls back to back). Back to back the
     same calls ran 1.2-1.6x faster from 64 KiB to 16 MiB here (4x at 1 KiB); a 1 MiB allreduce
     between two transformer blocks' forwards took 0.26-0.48 ms against 0.17 ms back to back."""
     from mpi4py import MPI
@@ -138,9 +150,11 @@ def allreduce_times(comm, sizes=SIZES[1:]) -> list:
         buf = np.zeros(max(n // 4, 1), dtype=np.float32)
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)            # warms the path
         times = []
-        for _ in range(COLD_REPEATS):
-            np.copyto(dst, src)
-            comm.Barrier()
+        comm.Barrier()
+        for _ in range(COLD_REPEATS if cold else _repeats(n)):
+            if cold:
+                np.copyto(dst, src)
+                comm.Barrier()
             t0 = time.perf_counter()
             comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             times.append(time.perf_counter() - t0)
@@ -408,9 +422,12 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     ``slow`` = sustained float32 rate alone / all at once is the factor by which a rank's
     computing slows when all ranks compute: about 1 with a core per rank, ~2 with two ranks per
     core. Matmul rates (per dtype) and the copy bandwidth divide by their own factor; the block
-    kinds' fixed and element-wise seconds and the optimizer's seconds per parameter multiply by
-    ``slow`` (they are CPU time, shared as the matmul's is); efficiencies, forward shares and backward splits are ratios of times slowed
-    alike and stay.
+    kinds' fixed seconds and the optimizer's seconds per parameter multiply by ``slow`` (they
+    are CPU time, shared as the matmul's is); the element-wise seconds per cache byte multiply
+    by the copy's factor (memory traffic: with both cores of this machine busy the copy slowed
+    1.2-1.3x where the matmul slowed 1.0-1.05x; a plan validation's GPT layouts on 2 ranks ran
+    1.11x their price with the matmul's factor, 1.06x with the copy's); efficiencies, forward
+    shares and backward splits are ratios of times slowed alike and stay.
     Timed all at once directly, the block figures would be medians of calls of 0.1-10 ms, which
     run uninterrupted or not by the luck of the scheduler's slices: measured so, on 4 ranks over
     2 cores the linear kind's efficiency swung from 0.60 to 0.84 between three calibrations."""
@@ -418,8 +435,10 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     out = {}
     for key, value in alone.items():
         table = key.split(".", 1)[0] if "." in key else ""
-        if table in ("overhead", "elementwise"):
+        if table == "overhead":
             out[key] = value * slow["float32"]
+        elif table == "elementwise":
+            out[key] = value * slow["copy"]
         elif table == "update":
             out[key] = tuple((top, per * slow["float32"]) for top, per in value)
         elif table in ("efficiency", "forward", "split"):
@@ -434,7 +453,9 @@ def measure(comm, rounds: int = 15) -> dict:
     """Everything ``calibrate --write`` records, the same dict on every rank: "alone" (rank 0 by
     itself) and "together" (:func:`shared_figures`: what a rank gets while all compute) device
     figures, "sizes" and one-way "seconds", "reduce_sizes" and allreduce "reduce_seconds" (both
-    None on one rank), "ranks_here" (ranks sharing this node's memory), "cpu"."""
+    None on one rank), "cold" (whether those were timed cold: not when this node holds more
+    ranks than cores, see the module docstring), "ranks_here" (ranks sharing this node's
+    memory), "cpu"."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:
@@ -449,11 +470,20 @@ def measure(comm, rounds: int = 15) -> dict:
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
     local.Free()
-    seconds = pingpong(comm) if size > 1 else None
-    reduce = allreduce_times(comm) if size > 1 else None
+    cold = ranks_here <= cores_here()
+    seconds = pingpong(comm, cold=cold) if size > 1 else None
+    reduce = allreduce_times(comm, cold=cold) if size > 1 else None
     return {"alone": alone, "together": together, "sizes": list(SIZES),
             "seconds": seconds, "reduce_sizes": list(SIZES[1:]), "reduce_seconds": reduce,
-            "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0)}
+            "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0)}
+
+
+def cores_here() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                                  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def _kinds(rates: dict, table: str) -> dict:
@@ -503,7 +533,9 @@ def machine_text(meas: dict, name: str, size: int) -> str:
             "# Optimizer step alone, seconds per float32 parameter at [max_params, s]: "
             + "; ".join(f"{k} {list(v)}" for k, v in _kinds(alone, "update").items()) + "."]
     if meas["seconds"]:
-        head.append("# Ping-pong, all pairs at once, one-way median of the slowest pair: "
+        head.append(("# Cold (each call after a copy of 64 MiB and a barrier)" if meas.get("cold")
+                     else "# Back to back (more ranks than cores here)")
+                    + " ping-pong, all pairs at once, one-way median of the slowest pair: "
                     + ", ".join(f"{s} B {t * 1e6:.1f} us" for s, t in
                                 zip(meas["sizes"], meas["seconds"])) + ".")
         head.append("# MPI allreduce (float32 sum, in place) over all ranks, median of the slowest "
