@@ -391,3 +391,34 @@ def test_a_levels_reduce_rate_prices_the_ring_steps():
     assert [p[1] for p in pieces] == pytest.approx([1e9, 3e9, 2e9], rel=1e-9)
     with pytest.raises(ValueError, match="expected >= 2 ranks"):
         fit_reduce(sizes, times, 1, 1e-6)
+
+
+def test_activation_bytes_priced_apart_and_round_trip():
+    """A ReLU's output bytes at the kind's activation figure, the cache at its element-wise one;
+    without an activation figure both at the element-wise one (the files written before)."""
+    dev = hm.Device("d", {"float32": 1e12}, 1.0, 1.0, elementwise={"linear": 1e-10},
+                    activation={"linear": 5e-10})
+    m = hm.Machine("m", (), dev)
+    back = hm.loads(m.to_toml())
+    assert back == m and back.device.activation == {"linear": 5e-10}
+    assert back.device.compute_seconds(0, "float32", "linear", 0, 1e6, 2e6) == pytest.approx(
+        1e-4 + 1e-3, rel=1e-12)
+    plain = hm.Device("p", {"float32": 1e12}, 1.0, 1.0, elementwise={"linear": 1e-10})
+    assert plain.compute_seconds(0, "float32", "linear", 0, 1e6, 2e6) == pytest.approx(3e-4)
+    with pytest.raises(ValueError, match="activation.linear"):
+        hm.Device("d", {"float32": 1.0}, 1.0, 1.0, activation={"linear": -1.0})
+
+
+def test_a_calibration_round_separates_input_and_activation_bytes():
+    """Three references whose times were made from known figures give those figures back; a
+    round whose exact solution is not physical falls back to one figure for all bytes."""
+    from hpcnn.parallel.collectives.measure import _solve_round
+    rate, inv_e, c, a = 1e11, 1.25, 1e-10, 5e-10
+    refs = [(2e9, 1e6, 1e6), (3e8, 5e5, 5e5), (6e8, 2.5e5, 2e6)]     # square, square, rectangle
+    rows = [(f, q, qa, f / rate * inv_e + q * c + qa * a) for f, q, qa in refs]
+    assert _solve_round(rate, rows) == pytest.approx((inv_e, c, a), rel=1e-9)
+    # times that would need a negative input figure: one figure from the two square blocks
+    rows[2] = (6e8, 2.5e5, 2e6, 1e-4)
+    u, w, v = _solve_round(rate, rows)
+    assert w == v and u >= 1 and w >= 0
+    assert _solve_round(rate, rows[:2]) == (u, w, v)

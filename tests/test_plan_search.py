@@ -29,7 +29,8 @@ class _Device:
     def __init__(self, flops):
         self.flops = flops
 
-    def compute_seconds(self, flops, dtype="float32", kind=None, calls=0, cache_bytes=0):
+    def compute_seconds(self, flops, dtype="float32", kind=None, calls=0, cache_bytes=0,
+                        activation_bytes=0):
         return flops / self.flops[dtype]
 
     def stream_seconds(self, nbytes):
@@ -335,3 +336,24 @@ def test_replicas_do_not_reduce_their_gradients():
     assert reductions(Cut(2, 1, 1)) == [(2, 4 * 4 * 4)]         # two replicas of a 2-row cut
     assert reductions(Cut(4, 1, 1)) == [(4, 4 * 4 * 4)]
     assert reductions(Cut(2, 1, 2)) == [(2, 4 * 2 * 4)]         # W[:, j-half] over 2 rows
+
+
+def test_compute_prices_the_input_at_elementwise_and_the_relu_output_at_activation():
+    """op0 (followed by a ReLU) of a 2-Linear chain cut on its outputs over 2 devices: its
+    compute term is FLOPs at the rate + one call + x[8, 4] at c + y[8, 6/2] at a; the last
+    operator (no ReLU after it) has no activation bytes."""
+    from hpcnn.plan.cost import mlp_graph
+    from hpcnn.plan.machine import Device, Machine
+    dev = Device("d", {"float32": 1e9}, 1e10, 1e9, overhead={"linear": 1e-6},
+                 elementwise={"linear": 1e-9}, activation={"linear": 4e-9})
+    m = Machine("m", (Level("node", 2, 1e-6, ((math.inf, 1e9),)),), dev)
+    g = mlp_graph([4, 6, 2], 8)
+    terms = {t.what: t for t in strategy_cost(g, [Cut(1, 1, 2), Cut(1, 2, 1)], m).terms}
+    x0, y0 = 8 * 4 * 4, 8 * 3 * 4
+    assert terms["op0 compute"].seconds == pytest.approx(
+        3 * 2 * 8 * 4 * 6 / 2 / 1e9 + 1e-6 + x0 * 1e-9 + y0 * 4e-9, rel=1e-12)
+    assert f"{y0:g}*a_linear" in terms["op0 compute"].formula
+    x1 = 8 * 3 * 4
+    assert terms["op1 compute"].seconds == pytest.approx(
+        3 * 2 * 8 * 6 * 2 / 2 / 1e9 + 1e-6 + x1 * 1e-9, rel=1e-12)
+    assert "a_linear" not in terms["op1 compute"].formula

@@ -260,11 +260,12 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
         raise ValueError(f"operator {n}: {c} uses {width} devices, which does not divide p = {p}")
     flops = 3 * 2 * op.i * op.j * op.k / width
     rows = op.i / c.batch
-    cache = rows * (op.k / c.reduce + (op.j / c.out if relu else 0)) * size  # x, ReLU's y
+    cache = rows * op.k / c.reduce * size                    # the cached input x
+    act = rows * op.j / c.out * size if relu else 0.0       # the ReLU's output y
     terms = [Term(f"op{n} compute",
                   f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear"
-                  f" + {cache:g}*c_linear",
-                  machine.device.compute_seconds(flops, dtype, "linear", 1, cache))]
+                  f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else ""),
+                  machine.device.compute_seconds(flops, dtype, "linear", 1, cache, act))]
     local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
     measured = optimizer in getattr(machine.device, "update", {})
     terms.append(Term(f"op{n} update", f"{local:g}*U_{optimizer}({local:g})*{size}/4" if measured
@@ -286,9 +287,9 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     Supersteps per operator with Cut(nb, nk, nj), c = nb*nk*nj, r = p/c replicas:
       - compute: forward, input gradient and weight gradient, 3 * 2*i*j*k/c FLOPs at the
         device rate times its "linear" efficiency, plus the fixed cost of one "linear" block
-        call and the element-wise seconds of its cache, the local input x[i/nb, k/nk] and the
-        ReLU's y[i/nb, j/nj] after every operator but the last
-        (:class:`hpcnn.plan.machine.Device` efficiency, overhead, elementwise);
+        call, the element-wise seconds of its cache, the local input x[i/nb, k/nk], and those
+        of the ReLU's y[i/nb, j/nj] after every operator but the last
+        (:class:`hpcnn.plan.machine.Device` efficiency, overhead, elementwise, activation);
       - forward reduction of the partial y[i/nb, j/nj] over the nk group (stride nj);
       - backward reduction of the partial dx[i/nb, k/nk] over the nj group (stride 1);
       - gradient allreduce of the weight part W[k/nk, j/nj] over the batch group, the nb devices

@@ -42,6 +42,15 @@ thesis leaves open, and what is chosen here:
   runs them, each a fraction of the whole backward (missing kinds (0.5, 0.5)): split, the two
   halves cost more than the whole (1.13x for a transformer block on this kind of machine).
   micro-batches slow); calibration times a tiny block of the kind.
+- **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
+  kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
+  passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then
+  pricing the cached input alone. Calibration separates the two with a third, rectangular
+  reference block (128 -> 1024 features: an output 8x its input; here a ReLU output byte cost
+  ~5x an input byte). With one figure for both, the plan validation's MLPs whose middle Linear
+  is cut on its input (a whole ReLU output on each rank) measured 1.04-1.13x their price against
+  0.95-1.02x for those cut on its output; priced with the two, the MLP's Kendall tau rose by
+  0.03-0.05 on each of five validation runs' measurements.
 - **The optimizer's update is measured, not derived from the memory bandwidth.** ``update`` maps
   an optimizer ("adamw", "sgd") to pieces ((max_params, seconds_per_param), ...) of hpcnn's own
   step on float32 parameters, timed at a few parameter counts: a small model's arrays sit in
@@ -172,7 +181,9 @@ class Device:
     halves (``split``, kind -> (input, weight) fractions of the whole backward; missing kinds
     (0.5, 0.5)) and the measured seconds per parameter of an optimizer step (``update``,
     optimizer name -> pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param))
-    for float32 parameters; an optimizer not listed is priced from the memory bandwidth)."""
+    for float32 parameters; an optimizer not listed is priced from the memory bandwidth) and
+    the seconds per byte of the output of the non-linearity that ends a block (``activation``,
+    kind -> seconds >= 0; missing kinds their ``elementwise`` figure)."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
@@ -183,6 +194,7 @@ class Device:
     forward: dict = field(default_factory=dict, hash=False)
     split: dict = field(default_factory=dict, hash=False)
     update: dict = field(default_factory=dict, hash=False)
+    activation: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -202,7 +214,7 @@ class Device:
             raise ValueError(f"device {self.name!r}: efficiency = {eff}: a fraction of the "
                              "rate is at most 1")
         object.__setattr__(self, "efficiency", eff)
-        for table in ("overhead", "elementwise"):
+        for table in ("overhead", "elementwise", "activation"):
             value = getattr(self, table)
             if not isinstance(value, dict):
                 raise ValueError(f"device {self.name!r}: {table} = {value!r}: expected a "
@@ -245,12 +257,15 @@ class Device:
         return rate * self.efficiency.get(kind, 1.0)
 
     def compute_seconds(self, flops: float, dtype: str = "float32", kind: str | None = None,
-                        calls: float = 0, cache_bytes: float = 0) -> float:
+                        calls: float = 0, cache_bytes: float = 0,
+                        activation_bytes: float = 0) -> float:
         """Seconds for ``flops`` floating-point operations of ``kind`` blocks in ``dtype``, plus
         ``calls`` times the kind's fixed cost of one block's forward + backward, plus its
-        element-wise seconds for ``cache_bytes`` of cache."""
+        element-wise seconds for ``cache_bytes`` of cache and ``activation_bytes`` of a
+        non-linearity's output (at the kind's ``activation`` figure, else its element-wise one)."""
+        per_act = self.activation.get(kind, self.elementwise.get(kind, 0.0))
         return (flops / self.rate(dtype, kind) + calls * self.overhead.get(kind, 0.0)
-                + cache_bytes * self.elementwise.get(kind, 0.0))
+                + cache_bytes * self.elementwise.get(kind, 0.0) + activation_bytes * per_act)
 
     def pass_seconds(self, flops: float, dtype: str, kind: str, calls: float,
                      cache_bytes: float, forward: bool) -> float:
@@ -384,6 +399,7 @@ class Machine:
         for table, what in (("efficiency", "fraction of the rate per block kind"),
                             ("overhead", "seconds per forward + backward of one block"),
                             ("elementwise", "seconds per byte of a block's cache"),
+                            ("activation", "seconds per byte of a ReLU's output"),
                             ("forward", "share of overhead + elementwise in the forward"),
                             ("split", "zero-bubble backward halves [input, weight]")):
             if getattr(self.device, table):
@@ -462,7 +478,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
                         memory_bytes=_get(dev, "memory_bytes", at),
                         efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}),
                         elementwise=dev.get("elementwise", {}), forward=dev.get("forward", {}),
-                        split=dev.get("split", {}), update=dev.get("update", {}))
+                        split=dev.get("split", {}), update=dev.get("update", {}),
+                        activation=dev.get("activation", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"

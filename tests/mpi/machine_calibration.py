@@ -37,6 +37,7 @@ assert all(0 < v < 1e-1 for v in m.device.overhead.values()) and len(m.device.ov
 assert all(0 <= v < 1e-6 for v in m.device.elementwise.values()) and len(m.device.elementwise) == 2
 assert all(0 < v < 1 for v in m.device.forward.values()) and len(m.device.forward) == 2
 assert set(m.device.update) == {"adamw", "sgd"}
+assert set(m.device.activation) == {"linear"} and 0 <= m.device.activation["linear"] < 1e-6
 with open(path) as f:
     text = f.read()
 assert "ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text

@@ -30,7 +30,9 @@
   one (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): each round times the
   matmul, then both, and solves time - overhead = FLOPs / (rate x efficiency) + cache bytes x
   elementwise for the two unknowns (the FLOPs and cache bytes from their ``spec()``); the
-  figures are the medians over rounds. These are the machine's figures for the framework's
+  linear kind has a third, rectangular reference whose ReLU output is 8x its input, and a third
+  unknown, ``activation``, the seconds per byte of that output. The figures are the medians
+  over rounds. These are the machine's figures for the framework's
   element-wise passes and per-call cost, not a profile of the model being planned: re-planning
   another width or batch reruns nothing.
 - **Optimizer update** (:func:`update_costs`): hpcnn's own optimizer step, seconds per parameter
@@ -64,7 +66,8 @@ SUSTAIN_S = 0.5                 # wall-clock window of a sustained rate (many sc
 # Linear and its ReLU, 512 -> 512 on 256 rows and 64 -> 64 on 2048 rows. The overhead figures
 # time the same kinds at a tiny size: width 8, 2 heads, one sequence of 4; 8 -> 8 on 1 row.
 EFFICIENCY_SHAPES = {"transformer": ((256, 4, (8, 64, 256)), (64, 2, (32, 64, 64))),
-                     "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)))}
+                     "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)),
+                                (128, 1024, (512, 128)))}
 OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
 # Parameter counts of the optimizer-update figures (16 Ki .. 8 Mi: in L2, in L3, past it) and the
 # arrays each count is split into (a layer's weights and biases are a few arrays).
@@ -188,7 +191,8 @@ def matmul_rate(dtype: str, n: int = MATMUL_N, repeats: int = 5) -> float:
 
 
 def _blocks_pass(kind: str, size: tuple, dtype: str):
-    """(run, FLOPs forward, FLOPs backward, cache bytes) of ``kind``'s blocks at ``size`` (one
+    """(run, FLOPs forward, FLOPs backward, cache bytes, the ReLU's cache bytes (its output; 0
+    for a transformer block, whose cache is all in the third)) of ``kind``'s blocks at ``size`` (one
     :data:`EFFICIENCY_SHAPES` entry): ``run()`` does one forward and one backward and returns
     their seconds (forward, backward); ``run(True)`` splits the backward as zero-bubble pipelines
     do (the input half, then the deferred weight halves, :mod:`hpcnn.nn.core`) and returns
@@ -199,10 +203,14 @@ def _blocks_pass(kind: str, size: tuple, dtype: str):
     blocks = ([TransformerBlock(a, b, dtype=dtype)] if kind == "transformer" else
               [Linear(a, b, dtype=dtype), ReLU(dtype=dtype)])
     x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
-    f_fwd = f_bwd = cache = 0.0
+    f_fwd = f_bwd = cache = act = 0.0
     for blk in blocks:
         s = blk.spec(shape)
-        f_fwd, f_bwd, cache = f_fwd + s.flops_fwd, f_bwd + s.flops_bwd, cache + s.bytes_cache
+        f_fwd, f_bwd = f_fwd + s.flops_fwd, f_bwd + s.flops_bwd
+        if isinstance(blk, ReLU):
+            act += s.bytes_cache
+        else:
+            cache += s.bytes_cache
         shape = s.out_shape
 
     def run(split: bool = False) -> tuple:
@@ -223,7 +231,7 @@ def _blocks_pass(kind: str, size: tuple, dtype: str):
         return (t1 - t0, t2 - t1, time.perf_counter() - t2) if split else (t1 - t0, t2 - t1)
     run()                                                    # warm-up
     run(True)
-    return run, f_fwd, f_bwd, cache
+    return run, f_fwd, f_bwd, cache, act
 
 
 def _median_pass(run, repeats: int) -> tuple:
@@ -233,15 +241,19 @@ def _median_pass(run, repeats: int) -> tuple:
 
 
 def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
-    """(efficiency, overhead seconds, elementwise seconds per cache byte, forward share, (input,
-    weight) split) of ``kind``'s blocks in this process.
+    """(efficiency, overhead seconds, elementwise seconds per cache byte, activation seconds per
+    byte of the ReLU's output (None for a kind without one), forward share, (input, weight)
+    split) of ``kind``'s blocks in this process.
 
     The overhead is the median forward + backward of the tiny blocks (:data:`OVERHEAD_SHAPES`).
-    Each of ``repeats`` rounds then times the n x n matmul (its rate F) and the wide and narrow
-    reference blocks, and solves t - overhead = FLOPs / (F e) + bytes c for 1/e and c; the
-    figures are the medians over rounds (a round whose solution has e > 1 takes e = 1 and c from
-    the narrow block, one with c < 0 takes c = 0 and e from the wide block), so a change of load
-    during the calibration moves both sides of a round's equations alike.
+    Each of ``repeats`` rounds then times the n x n matmul (its rate F) and the reference blocks
+    and solves t - overhead = FLOPs / (F e) + bytes c (+ ReLU output bytes a) for 1/e and c
+    (and a: the linear kind's third, rectangular reference, an output 8x its input, tells the
+    two kinds of bytes apart); the figures are the medians over rounds. A round whose solution
+    is not physical falls back to one c for all bytes from the first two references (a = c);
+    there, one with e > 1 takes e = 1 and c from the narrow block, one with c < 0 takes c = 0
+    and e from the wide block. A change of load during the calibration moves both sides of a
+    round's equations alike.
 
     The forward share is the part of a block's time beyond its matmul FLOPs (fixed cost and
     element-wise passes) spent in its forward: sum over the tiny and reference blocks of
@@ -260,29 +272,45 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype) for _ in range(2))
     c = np.empty_like(a)
-    inv_eff, per_byte, share, halves = [], [], [], []
+    inv_eff, per_byte, per_act, share, halves = [], [], [], [], []
     for _ in range(repeats):
         rate = 2.0 * MATMUL_N ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), 1)
-        rows = [(ff, fb, q, *run()) for run, ff, fb, q in refs]
-        (f1, q1, t1), (f2, q2, t2) = [(ff + fb, q, max(tf + tb - overhead, 1e-9))
-                                      for ff, fb, q, tf, tb in rows]
-        u, w = np.linalg.solve([[f1 / rate, q1], [f2 / rate, q2]], [t1, t2])
-        if u < 1:                              # faster than the matmul: e = 1, c from the narrow
-            u, w = 1.0, (t2 - f2 / rate) / q2
-        if w < 0:                              # no element-wise share: e from the wide alone
-            u, w = max(1.0, t1 * rate / f1), 0.0
+        rows = [(ff, fb, q, qa, *run()) for run, ff, fb, q, qa in refs]
+        u, w, v = _solve_round(rate, [(ff + fb, q, qa, max(tf + tb - overhead, 1e-9))
+                                      for ff, fb, q, qa, tf, tb in rows])
         inv_eff.append(u)
         per_byte.append(w)
-        fwd = o_fwd + sum(max(tf - ff * u / rate, 0.0) for ff, _, _, tf, _ in rows)
+        per_act.append(v)
+        fwd = o_fwd + sum(max(tf - ff * u / rate, 0.0) for ff, _, _, _, tf, _ in rows)
         both = overhead + sum(max(tf + tb - (ff + fb) * u / rate, 0.0)
-                              for ff, fb, _, tf, tb in rows)
+                              for ff, fb, _, _, tf, tb in rows)
         share.append(fwd / both)
         for (run, *_), (*_, tb) in zip(refs, rows):
             _, t_in, t_w = run(True)
             halves.append((t_in / tb, t_w / tb))
     split = np.median(np.array(halves), axis=0)
-    return (1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte)),
+    act = float(np.median(per_act)) if any(qa for *_, qa in refs) else None
+    return (1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte)), act,
             float(np.median(share)), (float(split[0]), float(split[1])))
+
+
+def _solve_round(rate: float, rows) -> tuple:
+    """(1/e, c, a) of one round of :func:`block_costs` from its reference rows (FLOPs, cache
+    bytes, ReLU output bytes, seconds beyond the overhead): the exact solution of all three
+    when there are three references and it is physical (e <= 1, c >= 0, a >= 0), else one c for
+    all bytes from the first two (a = c), with e = 1 or c = 0 where that solution is not."""
+    if len(rows) >= 3:
+        u, w, v = np.linalg.solve([[f / rate, q, qa] for f, q, qa, _ in rows[:3]],
+                                  [t for *_, t in rows[:3]])
+        if u >= 1 and w >= 0 and v >= 0:
+            return float(u), float(w), float(v)
+    (f1, q1, t1), (f2, q2, t2) = [(f, q + qa, t) for f, q, qa, t in rows[:2]]
+    u, w = np.linalg.solve([[f1 / rate, q1], [f2 / rate, q2]], [t1, t2])
+    if u < 1:                                  # faster than the matmul: e = 1, c from the narrow
+        u, w = 1.0, (t2 - f2 / rate) / q2
+    if w < 0:                                  # no element-wise share: e from the wide alone
+        u, w = max(1.0, t1 * rate / f1), 0.0
+    return float(u), float(w), float(w)
 
 
 def _update_step(optimizer: str, n: int, dtype: str, rng):
@@ -368,13 +396,17 @@ def cpu_name() -> str:
 def device_rates(rounds: int = 15) -> dict:
     """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
-    "elementwise.transformer": .., "forward.transformer": .., "split.transformer": (in, w),
+    "elementwise.transformer": .., "activation.linear": .., "forward.transformer": ..,
+    "split.transformer": (in, w),
     "update.adamw": ((max_params, seconds_per_param), ...)}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
     for kind in EFFICIENCY_SHAPES:
         (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"], rates[f"elementwise.{kind}"],
-         rates[f"forward.{kind}"], rates[f"split.{kind}"]) = block_costs(kind, "float32", rounds)
+         act, rates[f"forward.{kind}"], rates[f"split.{kind}"]) = block_costs(kind, "float32",
+                                                                               rounds)
+        if act is not None:
+            rates[f"activation.{kind}"] = act
     for optimizer in ("adamw", "sgd"):
         rates[f"update.{optimizer}"] = update_costs(optimizer)
     return rates
@@ -437,7 +469,7 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
         table = key.split(".", 1)[0] if "." in key else ""
         if table == "overhead":
             out[key] = value * slow["float32"]
-        elif table == "elementwise":
+        elif table in ("elementwise", "activation"):
             out[key] = value * slow["copy"]
         elif table == "update":
             out[key] = tuple((top, per * slow["float32"]) for top, per in value)
@@ -505,7 +537,8 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                     memory_bandwidth=tog["copy"],
                     memory_bytes=memory_bytes(meas["ranks_here"]),
                     efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"),
-                    elementwise=_kinds(tog, "elementwise"), forward=_kinds(tog, "forward"),
+                    elementwise=_kinds(tog, "elementwise"), activation=_kinds(tog, "activation"),
+                    forward=_kinds(tog, "forward"),
                     split=_kinds(tog, "split"), update=_kinds(tog, "update"))
     levels = ()
     if size > 1:
@@ -528,7 +561,9 @@ def machine_text(meas: dict, name: str, size: int) -> str:
             f"alone {_kinds(alone, 'efficiency')}, all at once {_kinds(tog, 'efficiency')}; "
             f"overhead alone {_kinds(alone, 'overhead')}, all at once {_kinds(tog, 'overhead')}; "
             f"elementwise alone {_kinds(alone, 'elementwise')}, all at once "
-            f"{_kinds(tog, 'elementwise')}; forward share {_kinds(alone, 'forward')}; backward "
+            f"{_kinds(tog, 'elementwise')}; activation (a ReLU's output) alone "
+            f"{_kinds(alone, 'activation')}, all at once {_kinds(tog, 'activation')}; forward "
+            f"share {_kinds(alone, 'forward')}; backward "
             f"halves (input, weight) {_kinds(alone, 'split')}.",
             "# Optimizer step alone, seconds per float32 parameter at [max_params, s]: "
             + "; ".join(f"{k} {list(v)}" for k, v in _kinds(alone, "update").items()) + "."]
