@@ -3,7 +3,8 @@
 - **Network level**: the ranks pair up (0-1, 2-3, ...) and every pair ping-pongs at once, so each
   size is timed while every device communicates (the BSP h-relation a symmetric level stands
   for); a size's one-way time is the median over repeats of the slowest pair. Every round trip
-  (and every allreduce below) follows a copy of :data:`COPY_BYTES` on each rank and a barrier:
+  (and every allreduce below) follows a copy of :data:`COPY_BYTES` on each rank and a barrier
+  (:func:`_call_seconds`), unless the node holds more ranks than cores (below):
   in training a message or a collective comes after a pass that evicted its buffers and the
   library's shared-memory cells from the caches, and timed back to back the same calls ran
   1.2-1.6x faster from 64 KiB to 16 MiB here (4-10x below 1 KiB, where the latency lives).
@@ -12,9 +13,9 @@
   1.06-1.15x for the others (Kendall tau 0.74; 0.89 calibrated cold). When the node holds more
   ranks than cores, the calls are timed back to back: there a copy and a barrier before each
   call measure the scheduler handing the cores over (1.2 ms one way at 8 B, 3.8 ms for a 1 KiB
-  allreduce on 4 ranks over 2 cores), not the caches, and priced so the GPT and MLP layouts
-  on 4 ranks measured 0.65-0.8x and 0.4-0.8x their price. The 8-byte time is
-  the latency L; each larger size s gives a bandwidth piece ending at s with
+  allreduce on 4 ranks over 2 cores), not the caches, and priced so the tensor-parallel GPT
+  layouts on 4 ranks measured 0.65-0.87x their price and the MLP layouts 0.40-1.17x. The
+  8-byte time is the latency L; each larger size s gives a bandwidth piece ending at s with
   bytes_per_s = s / (t(s) - L) (:func:`fit_level`). All ranks form one level "node" whose fan-out
   is the number of ranks: with the ranks at hand nothing finer or coarser can be told apart.
 - **Allreduce**: an in-place MPI allreduce per size over all ranks (:func:`allreduce_times`),
@@ -90,34 +91,52 @@ def _repeats(nbytes: int) -> int:
     return 200 if nbytes <= 1 << 10 else 50 if nbytes <= 1 << 16 else 10 if nbytes <= 1 << 20 else 5
 
 
+def _evictor():
+    """A function of no argument that copies :data:`COPY_BYTES` (its buffers made once): the
+    memory traffic of a forward or backward pass, which evicts what the next timed call uses."""
+    src = np.ones(COPY_BYTES // 8)
+    dst = np.empty_like(src)
+    return lambda: np.copyto(dst, src)
+
+
+def _call_seconds(comm, call, nbytes: int, evict=None) -> list:
+    """Seconds of each timed ``call()`` (a collective step every rank makes), after one untimed
+    warm-up call: :func:`_repeats` calls back to back, or with ``evict`` (:func:`_evictor`)
+    :data:`COLD_REPEATS` calls each after ``evict()`` and a barrier (cold, as in training)."""
+    comm.Barrier()
+    call()                                                   # warms the path
+    times = []
+    for _ in range(COLD_REPEATS if evict else _repeats(nbytes)):
+        if evict:
+            evict()
+            comm.Barrier()
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def pingpong(comm, sizes=SIZES, cold: bool = True) -> list:
-    """One-way seconds per size: all pairs (2i, 2i+1) at once, the slowest pair's median; with
-    ``cold`` each of :data:`COLD_REPEATS` round trips follows a copy of :data:`COPY_BYTES` and a
-    barrier (as in training), else :func:`_repeats` run back to back; an odd last rank waits.
-    Needs at least two ranks."""
+    """One-way seconds per size: all pairs (2i, 2i+1) at once, the slowest pair's median of half
+    a round trip (:func:`_call_seconds`: cold with ``cold``, else back to back); an odd last
+    rank waits. Needs at least two ranks."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
     peer = rank ^ 1 if (rank ^ 1) < size else None
+    evict = _evictor() if cold else None
     out = []
-    src = np.ones(COPY_BYTES // 8)
-    dst = np.empty_like(src)
     for n in sizes:
         buf = np.zeros(n, dtype=np.uint8)
-        times = []
-        comm.Barrier()
-        for _ in range(COLD_REPEATS + 1 if cold else _repeats(n) + 1):   # the first warms up
-            if cold:
-                np.copyto(dst, src)                  # cold, as after computing
-                comm.Barrier()
-            t0 = time.perf_counter()
+
+        def round_trip():
             if peer is not None and rank < peer:
                 comm.Send(buf, dest=peer, tag=7)
                 comm.Recv(buf, source=peer, tag=7)
             elif peer is not None:
                 comm.Recv(buf, source=peer, tag=7)
                 comm.Send(buf, dest=peer, tag=7)
-            times.append((time.perf_counter() - t0) / 2)
-        mine = float(np.median(times[1:])) if peer is not None else 0.0
+        times = _call_seconds(comm, round_trip, n, evict)
+        mine = float(np.median(times)) / 2 if peer is not None else 0.0
         out.append(comm.allreduce(mine, op=MPI.MAX))
     return out
 
@@ -138,29 +157,20 @@ def fit_level(sizes, seconds, fanout: int, name: str = "node") -> Level:
 
 def allreduce_times(comm, sizes=SIZES[1:], cold: bool = True) -> list:
     """Seconds of an in-place MPI allreduce (float32 sum, what Communicator.allreduce's default
-    runs) of each size over all ranks, as training meets it: after computing. Each call follows
-    a copy of :data:`COPY_BYTES` on every rank and a barrier (the copy evicts the buffer and the
-    library's shared-memory cells from the caches as a block's forward or backward does); the
-    figure is the median over :data:`COLD_REPEATS` calls of the slowest rank (without ``cold``,
-    over :func:`_repeats` calls back to back). Back to back the
-    same calls ran 1.2-1.6x faster from 64 KiB to 16 MiB here (4x at 1 KiB); a 1 MiB allreduce
-    between two transformer blocks' forwards took 0.26-0.48 ms against 0.17 ms back to back."""
+    runs) of each size over all ranks, as training meets it: after computing. With ``cold``
+    each call follows a copy of :data:`COPY_BYTES` on every rank and a barrier (the copy evicts
+    the buffer and the library's shared-memory cells from the caches as a block's forward or
+    backward does), else the calls run back to back (:func:`_call_seconds`); the figure is the
+    median of the slowest rank. Back to back the same calls ran 1.2-1.6x faster from 64 KiB to
+    16 MiB here (4x at 1 KiB); a 1 MiB allreduce between two transformer blocks' forwards took
+    0.26-0.48 ms against 0.17 ms back to back."""
     from mpi4py import MPI
+    evict = _evictor() if cold else None
     out = []
-    src = np.ones(COPY_BYTES // 8)
-    dst = np.empty_like(src)
     for n in sizes:
         buf = np.zeros(max(n // 4, 1), dtype=np.float32)
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)            # warms the path
-        times = []
-        comm.Barrier()
-        for _ in range(COLD_REPEATS if cold else _repeats(n)):
-            if cold:
-                np.copyto(dst, src)
-                comm.Barrier()
-            t0 = time.perf_counter()
-            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            times.append(time.perf_counter() - t0)
+        times = _call_seconds(comm, lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), n,
+                              evict)
         out.append(comm.allreduce(float(np.median(times)), op=MPI.MAX))
     return out
 
@@ -356,14 +366,13 @@ def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
         raise ValueError(f"update_costs: repeats = {repeats!r}: expected an integer >= 1")
     rng = np.random.default_rng(0)
     steps = [_update_step(optimizer, n, dtype, rng) for n in sizes]
-    src = np.ones(COPY_BYTES // 8)
-    dst = np.empty_like(src)
+    evict = _evictor()
     times = [[] for _ in sizes]
     for r in range(UPDATE_ROUNDS):
         count = repeats // UPDATE_ROUNDS + (r < repeats % UPDATE_ROUNDS)
         for step, out in zip(steps, times):
             for _ in range(count):
-                np.copyto(dst, src)                          # the forward and backward's traffic
+                evict()                                      # the forward and backward's traffic
                 out.append(_median_seconds(step, 1))
     pieces = tuple((float(n), float(np.median(t)) / n) for n, t in zip(sizes, times))
     return pieces + ((float("inf"), pieces[-1][1]),)
