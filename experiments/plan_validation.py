@@ -11,10 +11,10 @@ What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet
 
    - a GPT (``--gpt=L,D,H,T,B``: layers, width, heads, context, global batch; sonnet, float32):
      every dp x tp x pp of :func:`hpcnn.plan.hybrid.layouts` with one micro-batch when pp = 1 and
-     ``--microbatches`` (2, 4) with each schedule (1f1b, gpipe, zb_h1) when pp > 1, remat none
-     only: the planner's ``remat="full"`` (keep each block's input, recompute the whole block)
-     is not what ``hpcnn train --remat=sqrt`` runs (uniform checkpoints every sqrt(L) blocks), so
-     pricing one for the other would compare different programs;
+     ``--microbatches`` (2, 4) with each schedule (1f1b, gpipe, zb_h1) when pp > 1, each with
+     remat none and full (``hpcnn train --remat=full``: every block's input kept and its
+     forward run again, the planner's ``remat="full"``; not with zb_h1, which ``hpcnn train``
+     does not rematerialize), the remat none layouts first;
    - an MLP on digits (``--hidden``, float32, ``--mlp_batch``): per Linear one of the cuts
      whose parts are powers of two dividing p (:func:`cut_options`: on 2 ranks data parallel
      Cut(2,1,1), row Cut(1,2,1), column Cut(1,1,2) or replicated Cut(1,1,1); on 4 ranks ten,
@@ -109,8 +109,9 @@ def gpt_cases(shape, ranks: int, microbatches) -> list:
     n_layers, dim, heads, seq, batch = shape
     vocab = gpt_vocab()
     cases = []
-    for lay in hybrid.layouts(hybrid.Transformer(n_layers, dim, heads, seq, vocab, batch,
-                                                 "float32"), ranks, remat=("none",)):
+    every = hybrid.layouts(hybrid.Transformer(n_layers, dim, heads, seq, vocab, batch, "float32"),
+                           ranks, remat=hybrid.REMAT)
+    for lay in sorted(every, key=lambda lay: hybrid.REMAT.index(lay.remat)):   # stable
         if (lay.pp == 1 and lay.microbatches != 1) or (
                 lay.pp > 1 and lay.microbatches not in microbatches):
             continue

@@ -92,7 +92,7 @@ class TrainConfig:
     slowdown_mode: str = "sleep"        # sleep (independent slower device) | spin (burns the core)
     shard: str = "contiguous"           # contiguous | skewed (global batch sorted by class before splitting)
     # -- memory -----------------------------------------------------------------------------
-    remat: str = "none"                 # none | sqrt (uniform checkpoints) | optimal (rotor, within memory_budget)
+    remat: str = "none"                 # none | sqrt (uniform checkpoints) | full (every block) | optimal (rotor, within memory_budget)
     memory_budget: float = 0.0          # MiB of activations+caches per rank (a pipeline stage: all its micro-batches)
     offload_gbps: float = 0.0           # remat=optimal: also offload activations over a link of this many GB/s
     # -- numerics and reproducibility -------------------------------------------------------
@@ -153,7 +153,7 @@ CHOICES = {            # option -> its allowed values
     "balance": ("equal", "proportional"), "combine": ("weighted", "uniform"),
     "slowdown_mode": ("sleep", "spin"), "shard": ("contiguous", "skewed"),
     "partition": GRAPH_PARTITIONS,
-    "remat": ("none", "sqrt", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu"),
+    "remat": ("none", "sqrt", "full", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu"),
     "schedule": tuple(SCHEDULES), "stop_signal": STOP_SIGNALS,
     "coarsen": ("none", "heavy_edge", "spectral", "random"),
 }
@@ -325,9 +325,9 @@ def _tensor_parallel_errors(c: TrainConfig, need) -> None:
     need(not (c.machine and not gpt_auto), f"machine={c.machine!r} is read by --plan=auto for "
                                            f"model='gpt' (got model={c.model!r}, plan={c.plan!r})")
     if gpt_auto:          # the layout options are chosen (or constrained): hpcnn.plan.auto
-        need(c.remat == "none" and c.virtual == 1,
-             f"plan='auto' with model='gpt' prices remat none and one stage per rank: got "
-             f"remat={c.remat!r}, virtual={c.virtual}")
+        need(c.remat in ("none", "full") and c.virtual == 1,
+             f"plan='auto' with model='gpt' prices remat none or full and one stage per rank: "
+             f"got remat={c.remat!r}, virtual={c.virtual}")
     elif c.plan:
         need(c.model == "mlp" and c.dp == 1 and c.pp == 1,
              f"plan={c.plan!r}: per-layer layouts are built for model='mlp' over the --tp ranks "

@@ -98,6 +98,37 @@ def test_remat_trades_time_for_memory():
     assert full.step_s > plain.step_s and full.memory_bytes < plain.memory_bytes
 
 
+@pytest.mark.parametrize("stages,last", [((3, 5), False), ((3, 5), True), ((1, 7), False)])
+def test_remat_full_prices_the_forwards_train_runs_again(stages, last):
+    """remat="full" charges a stage pass the forwards hpcnn train --remat=full runs again: the
+    policy's sequence (a segment per chain block) recomputes every transformer block of a stage
+    with the LM head, and all but its last on a stage without it."""
+    from hpcnn.memory import sequence
+    from hpcnn.nn import models
+    from hpcnn.plan.hybrid import _pass_times, recomputed_forward
+    m = Machine()
+    chain = models.gpt(64, 16, sum(stages), 16, 2, dtype="float32")
+    stage = stages[1] if last else stages[0]
+    # the stage's chain blocks: the embedding and the first blocks, or the last blocks, the
+    # final LayerNorm and the LM head (then the loss joins them), as the pipeline cuts the chain
+    names = [b.name for b in (chain.blocks[1 + stages[0]:] if last else
+                              chain.blocks[:1 + stages[0]])]
+    n = len(names) + last
+    seq = sequence.segments(n, n, has_loss=last)
+    forwards = [op.block for op in seq if op.kind.startswith("F_")]
+    again = [names[i] for i in range(len(names)) if forwards.count(i) > 1]
+    transformer = [x for x in again if x.startswith("h")]
+    assert len(transformer) == (stage if last else stage - 1), again
+    for tp in (1, 2):
+        lay = Layout(1, tp, 2, 4, remat="none")
+        t_f, t_b, _, _ = _pass_times(SMALL, lay, m, stage, last)
+        head_f = _pass_times(SMALL, lay, m, 0, last)[0]
+        _, t_b_full, _, _ = _pass_times(SMALL, Layout(1, tp, 2, 4, remat="full"), m, stage, last)
+        blocks_f = t_f - head_f
+        assert t_b_full - t_b == pytest.approx(blocks_f * len(transformer) / stage, rel=1e-12)
+        assert recomputed_forward(blocks_f, stage, last) == pytest.approx(t_b_full - t_b)
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="n_heads dividing dim"):
         Transformer(n_layers=2, dim=100, n_heads=3)

@@ -58,11 +58,12 @@ def test_the_choice_follows_the_cost_of_tensor_parallel_traffic(tmp_path, cost, 
     vocab = for_config(cfg).vocab
     run, rec = choose_gpt_layout(cfg, 4, vocab)
     assert (run.tp > 1) == tp_used, rec
-    # the planner's own ranking, restricted to what hpcnn train runs (remat none, one
+    # the planner's own ranking, restricted to what hpcnn train runs (remat none or full, one
     # micro-batch without a pipeline); the vocabulary padded to 4 is the same for every tp
     model = hybrid.Transformer(2, 16, 4, 8, -(-vocab // 4) * 4, 8, "float32")
     ranked = [q for q in hybrid.plan(model, machine.load(path), 4)
-              if q.layout.remat == "none" and (q.layout.pp > 1 or q.layout.microbatches == 1)]
+              if q.layout.pp > 1 or q.layout.microbatches == 1]
+    assert {q.layout.remat for q in ranked} == {"none", "full"}
     first = next(q for q in ranked if q.feasible)
     assert rec["layout"] == str(first.layout) and rec["predicted_step_s"] == first.step_s
     assert (run.dp, run.tp, run.pp) == (first.layout.dp, first.layout.tp, first.layout.pp)
@@ -127,7 +128,7 @@ def test_refusals(tmp_path):
     code, _, err = run_cli(GPT + [f"--machine={tmp_path / 'nope.toml'}"], tmp_path)
     assert_refused(code, err, "nope.toml", "cannot read the machine file")
     code, _, err = run_cli(GPT + ["--remat=sqrt"], tmp_path)
-    assert_refused(code, err, "remat='sqrt'")
+    assert_refused(code, err, "remat='sqrt'", "remat none or full")
     code, _, err = run_cli(GPT + ["--dp=2"], tmp_path)          # one rank here
     assert_refused(code, err, "no layout", "on 1 rank(s)", "dp=2")
     code, _, err = run_cli(["--model=mlp", "--machine=x.toml"], tmp_path)
@@ -150,4 +151,33 @@ def test_a_serial_planned_run_says_so_and_logs_the_choice(tmp_path):
     assert "dp=1 x tp=1 x pp=1 on 1 rank(s) (planned: least predicted step on pairs)" in out
     from hpcnn.log import read_run
     rec = read_run(str(tmp_path / "run.h5")).plan["hybrid_layout"]
-    assert rec["layouts_considered"] == 1 and rec["machine"] == path, rec
+    assert rec["layouts_considered"] == 2 and rec["machine"] == path, rec   # remat none, full
+    assert rec["remat"] == "none" and read_run(str(tmp_path / "run.h5")).plan["remat"] == "none"
+
+
+def test_remat_full_is_chosen_where_only_it_fits_and_runs_as_priced(tmp_path):
+    """A device memory between what remat full and remat none need: the planner's choice keeps
+    each block's input (--remat=full), the run recomputes as the planner priced it, and
+    --remat=full given keeps only such layouts."""
+    from hpcnn.log import read_run
+    big = parse_overrides(GPT + ["--batch_size=64", "--block_size=32", "--n_layers=4"])
+    vocab = for_config(big.resolved()).vocab
+    model = hybrid.Transformer(4, 16, 4, 32, vocab, 64, "float32")
+    need = {r: hybrid.price(model, hybrid.Layout(1, 1, 1, 1, remat=r), machine.load(
+        write_machine(tmp_path, "probe", *CHEAP, pairs=1))).memory_bytes for r in ("none", "full")}
+    assert need["full"] < need["none"], need
+    path = write_machine(tmp_path, "m", *CHEAP, memory_bytes=(need["full"] + need["none"]) / 2,
+                         pairs=1)
+    run, rec = choose_gpt_layout(replace(big.resolved(), machine=path), 1, vocab)
+    assert (run.remat, rec["remat"]) == ("full", "full") and rec["layouts_feasible"] == 1, rec
+    code, _, err = run_cli(GPT + ["--batch_size=64", "--block_size=32", "--n_layers=4",
+                                  f"--machine={path}", "--steps=1", "--eval_batches=1"],
+                           tmp_path)
+    assert code == 0, err
+    plan = read_run(str(tmp_path / "run.h5")).plan
+    assert plan["remat"] == "full" and plan["hybrid_layout"]["remat"] == "full"
+    (seq,) = {r["sequence"] for r in plan["remat_plans"]}
+    assert plan["remat_plans"][0]["recomputed_forwards"] == 4 + 2, seq   # all but the head
+    roomy = write_machine(tmp_path, "roomy", *CHEAP, pairs=1)
+    run, rec = choose_gpt_layout(replace(big.resolved(), machine=roomy, remat="full"), 1, vocab)
+    assert run.remat == "full" and rec["layouts_considered"] == 1, rec

@@ -30,10 +30,10 @@ def _budget_mib(frac):
     return (s.least + frac * (s.top - s.least)) / 2**20
 
 
-@pytest.mark.parametrize("mode", ["sqrt", "optimal", "offload"])
+@pytest.mark.parametrize("mode", ["sqrt", "full", "optimal", "offload"])
 def test_remat_training_equals_plain_training(tmp_path, mode):
     ref = _run(tmp_path, "none.h5", *GPT)
-    extra = {"sqrt": ["--remat=sqrt"],
+    extra = {"sqrt": ["--remat=sqrt"], "full": ["--remat=full"],
              "optimal": ["--remat=optimal", f"--memory_budget={_budget_mib(0.1)}"],
              "offload": ["--remat=optimal", f"--memory_budget={_budget_mib(0.1)}",
                          "--offload_gbps=50"]}[mode]
@@ -43,7 +43,7 @@ def test_remat_training_equals_plain_training(tmp_path, mode):
     r0, r1 = read_run(tmp_path / "none.h5"), read_run(tmp_path / f"{mode}.h5")
     np.testing.assert_allclose(r1.metrics["loss"], r0.metrics["loss"], rtol=0, atol=1e-10)
     plan = r1.plan
-    assert plan["remat"] == ("sqrt" if mode == "sqrt" else "optimal")
+    assert plan["remat"] == (mode if mode in ("sqrt", "full") else "optimal")
     (rec,) = plan["remat_plans"]
     assert rec["recomputed_forwards"] > 0 and rec["sequence"].startswith("F_")
     (measured,) = plan["remat_measured_peak_bytes_per_rank"]
@@ -52,8 +52,10 @@ def test_remat_training_equals_plain_training(tmp_path, mode):
         assert measured <= rec["predicted_peak_bytes"]
     else:                            # a copy slower than modelled holds its value longer, but an
         assert measured <= plan["memory_budget_bytes"]    # op waits for it rather than overflow
-    if mode != "sqrt":
+    if mode not in ("sqrt", "full"):
         assert rec["predicted_peak_bytes"] <= plan["memory_budget_bytes"]
+    if mode == "full":      # a segment per block: every forward but the last block's runs again
+        assert rec["recomputed_forwards"] == len(ref["model"].blocks) - 1, rec["sequence"]
     if mode == "offload":
         assert "OFF(" in rec["sequence"] and "PRE(" in rec["sequence"]
     # the executor timed the recomputed forwards (4 passes, each recomputing some), and the

@@ -1,9 +1,12 @@
-"""The training loop's rematerialization policy: ``--remat {none,sqrt,optimal} --memory_budget``.
+"""The training loop's rematerialization policy: ``--remat {none,sqrt,full,optimal} --memory_budget``.
 
 One :class:`RematPolicy` per rank picks, per (chain, input shape), the sequence its chain runs and
 keeps its :class:`~.executor.Executor`:
 
 - ``sqrt``: uniform checkpointing in ⌈√blocks⌉ segments (:func:`.sequence.segments`), no budget;
+- ``full``: a segment per block (the same function): every block's input kept, every forward but
+  the last block's (which runs with the loss) run again in the backward, no budget; what the
+  planner's ``remat="full"`` prices (:mod:`hpcnn.plan.hybrid`);
 - ``optimal``: rotor's sequence (:class:`.rotor.Solver`, spec-based profile, roofline times with
   rates calibrated once at start-up) within the budget; with ``offload_gbps`` > 0, the combined
   remat + offloading heuristic (:mod:`.combine`) through a file channel (NumPy) or pinned host
@@ -27,11 +30,11 @@ from hpcnn.memory import combine, profile, rotor, sequence
 from hpcnn.memory.executor import Executor
 from hpcnn.memory.simulate import simulate
 
-MODES = ("none", "sqrt", "optimal")
+MODES = ("none", "sqrt", "full", "optimal")
 
 
 class RematPolicy:
-    """``mode`` (none | sqrt | optimal), the per-rank ``budget_bytes``, rotor's ``slots``, the
+    """``mode`` (none | sqrt | full | optimal), the per-rank ``budget_bytes``, rotor's ``slots``, the
     offload link's ``offload_gbps`` (0: no offloading) and the roofline ``rates`` (default:
     :func:`.profile.calibrate` at the first solve). False when ``mode`` is none."""
 
@@ -70,8 +73,9 @@ class RematPolicy:
         prof = profile.of_chain(chain, x_shape, need_dx=need_dx, rates=self.rates)
         t0 = time.perf_counter()
         budget, channel = None, None
-        if self.mode == "sqrt":
-            seq = sequence.segments(len(prof), has_loss=chain.loss is not None)
+        if self.mode in ("sqrt", "full"):
+            seq = sequence.segments(len(prof), len(prof) if self.mode == "full" else None,
+                                    has_loss=chain.loss is not None)
         else:
             budget = self.budget / inflight
             solver = rotor.Solver(prof, self.slots)

@@ -11,10 +11,13 @@ identically, before the process grid exists.
 
 What it offers is what ``hpcnn train`` runs as priced:
 
-- **remat none only.** The planner's ``remat="full"`` keeps each block's input and recomputes
-  every block; ``hpcnn train`` offers ``--remat=sqrt`` (a checkpoint every ~sqrt(n) blocks) and
-  ``optimal`` (rotor within a budget), neither of which is that program, so ``--plan=auto`` needs
-  ``--remat=none`` (:mod:`hpcnn.config` refuses the others).
+- **remat none or full.** The planner's ``remat="full"`` keeps each block's input and runs
+  every block's forward again in the backward but the last segment's, which is what
+  ``hpcnn train --remat=full`` runs (:func:`hpcnn.plan.hybrid.recomputed_forward`); a layout
+  chosen with it runs with ``--remat=full``. ``--remat=none`` (the default) leaves the choice
+  free (full is slower, so it wins only where nothing else fits the memory); ``--remat=full``
+  keeps only those layouts; ``sqrt`` and ``optimal`` are other programs than the planner prices
+  (:mod:`hpcnn.config` refuses them with ``--plan=auto``).
 - **One micro-batch without a pipeline.** With pp = 1 ``hpcnn train`` ignores ``--microbatches``
   and runs the whole local batch at once, so only M = 1 is offered there (as the planner's
   validation experiment does); ``--grad_accum`` is left as given.
@@ -98,14 +101,15 @@ def candidates(cfg, world_size: int, vocab: int, machine):
                  batch=cfg.batch_size, dtype=cfg.dtype)
     given = _given(cfg)
     cut = transformer_stages(cfg.layout) if cfg.layout else None
+    remat = ("full",) if cfg.remat == "full" else ("none", "full")
     for lay in hybrid.layouts(hybrid.Transformer(vocab=vocab, **shape), world_size,
-                              remat=("none",), machine=machine):
+                              remat=remat, machine=machine):
         if (lay.pp == 1 and lay.microbatches != 1) or not _matches(lay, given):
             continue
         if cut is not None and not (lay.stages and len(cut) == lay.pp and min(cut) >= 1
                                     and sum(cut) == cfg.n_layers):
             continue
-        run = dataclasses.replace(cfg, dp=lay.dp, tp=lay.tp, pp=lay.pp)
+        run = dataclasses.replace(cfg, dp=lay.dp, tp=lay.tp, pp=lay.pp, remat=lay.remat)
         if lay.pp > 1:
             run = dataclasses.replace(run, schedule=lay.schedule, microbatches=lay.microbatches)
         model = hybrid.Transformer(vocab=padded_vocab(vocab, run), **shape)
@@ -139,9 +143,9 @@ def choose_gpt_layout(cfg, world_size: int, vocab: int, machine=None):
         given = ", ".join(f"{k}={v}" for k, v in given.items()) or "none"
         raise ConfigError(f"invalid configuration: {where}: no layout of {shape} that hpcnn "
                           f"train runs (tp dividing n_heads, pp up to n_layers, dp x "
-                          f"microbatches dividing batch_size, remat none, a layout's stages "
-                          f"holding the embedding, >= 1 transformer block each and the final "
-                          f"LayerNorm and LM head) matches the options given ({given})")
+                          f"microbatches dividing batch_size, remat none or full, a layout's "
+                          f"stages holding the embedding, >= 1 transformer block each and the "
+                          f"final LayerNorm and LM head) matches the options given ({given})")
     feasible = [q for q in priced if q[0].feasible]
     if not feasible:
         least = min(q.memory_bytes for q, _ in priced)

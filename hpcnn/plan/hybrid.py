@@ -12,8 +12,9 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   block's cache per rank), both split between the passes by the device's measured ``forward``
   share (1/3 where the machine file has none: the FLOPs' split); the LM head
   (vocab-parallel over tp) on the last stage as a "linear" block on the stage's activation;
-  ``remat="full"`` keeps only each block's input and runs its forward again in the backward
-  (t_b += t_f);
+  ``remat="full"`` keeps only each block's input and runs its forward again in the backward,
+  the last segment's excepted, as ``hpcnn train --remat=full`` runs it
+  (:func:`recomputed_forward`);
 - **tensor parallelism** (Megatron): two allreduces of the block's activation (m x T x d) per block
   in the forward and two in the backward, each a ring over the tp group:
   2(n-1)/n x bytes x g + 2(n-1) L at the level that holds tp consecutive devices;
@@ -246,12 +247,13 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp)) * blocks
     # a block's fixed cost and element-wise seconds split between its passes by the device's
     # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them
-    t_f = dev.pass_seconds(blocks * f, dtype, "transformer", blocks, blocks * cache, True) + (
-        dev.pass_seconds(head_f, dtype, "linear", 1, act, True) if head else 0.0) + tp_s
+    blocks_f = dev.pass_seconds(blocks * f, dtype, "transformer", blocks, blocks * cache,
+                                True) + tp_s
+    t_f = blocks_f + (dev.pass_seconds(head_f, dtype, "linear", 1, act, True) if head else 0.0)
     t_b = dev.pass_seconds(blocks * b, dtype, "transformer", blocks, blocks * cache, False) + (
         dev.pass_seconds(2 * head_f, dtype, "linear", 1, act, False) if head else 0.0) + tp_s
     if layout.remat == "full":
-        t_b += t_f
+        t_b += recomputed_forward(blocks_f, blocks, head)
     t_w = 0.0
     if layout.schedule == "zb_h1":
         # zero bubble splits B into its input and weight halves, each the measured fraction of
@@ -261,6 +263,19 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
         t_w = b_w * (t_b - tp_s)
         t_b = b_in * (t_b - tp_s) + tp_s + t_w
     return t_f, t_b, t_w, tp_s
+
+
+def recomputed_forward(blocks_f: float, blocks: float, head: bool) -> float:
+    """Seconds of forward a stage pass runs again under ``remat="full"``, as ``hpcnn train
+    --remat=full`` runs it (:func:`hpcnn.memory.sequence.segments` with a segment per chain
+    block): every block's forward but the last segment's, which runs once with the loss. On a
+    stage with the head that segment is the LM head, so all ``blocks`` transformer blocks (their
+    forward ``blocks_f``, tensor-parallel allreduces included) run again; on a stage without it,
+    the last transformer block is the last segment and the other blocks - 1 run again (the
+    embedding and the final LayerNorm, also recomputed, are left out as their forward is)."""
+    if head or blocks <= 0:
+        return blocks_f
+    return blocks_f * (blocks - 1) / blocks
 
 
 def _messages(model: Transformer, layout: Layout, machine) -> tuple:
@@ -404,8 +419,9 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     from hpcnn.parallel import partition
     pp, n = layout.pp, model.n_layers
     uniform = dataclasses.replace(layout, stages=())
-    one = _pass_times(model, uniform, machine, 1, False)
     head = _pass_times(model, uniform, machine, 0, True)
+    # a block's passes as a stage of several prices them (under remat, its forward run again)
+    one = [a - h for a, h in zip(_pass_times(model, uniform, machine, 1, True), head)]
     block_params = _stage_params(model, uniform, 1, 1, False)
     memory = [[4 * block_params * model.word + _held_bytes(model, uniform, s, 1)
                - _held_bytes(model, uniform, s, 0)] * n for s in range(pp)]
@@ -492,5 +508,5 @@ def flops_per_step(model: Transformer) -> float:
 
 
 __all__ = ["Layout", "Priced", "StageTimes", "Transformer", "flops_per_step", "held_microbatches",
-           "layouts", "plan", "price", "ring_allreduce_s", "stage_cut", "stage_times",
-           "update_seconds"]
+           "layouts", "plan", "price", "recomputed_forward", "ring_allreduce_s", "stage_cut",
+           "stage_times", "update_seconds"]

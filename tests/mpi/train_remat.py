@@ -29,12 +29,12 @@ serial = train(cfg(f"serial-r{rank}.h5"), comm=None)
 ref = {q.name: q.data for q in serial["model"].params}
 layout = [f"--dp={dp}", f"--pp={pp}"]
 mib = 0.12 if pp == 1 else 0.2 / dp   # gpipe holds 4 micro-batches: a quarter each
-cases = [("sqrt", ["--remat=sqrt"]),
+cases = [("sqrt", ["--remat=sqrt"]), ("full", ["--remat=full"]),
          ("optimal", ["--remat=optimal", f"--memory_budget={mib}"]),
          ("offload", ["--remat=optimal", f"--memory_budget={mib}", "--offload_gbps=20"])]
 if pp > 1:
     cases = [(f"{n}-{s}", a + [f"--schedule={s}", "--microbatches=4"])
-             for n, a in cases for s in ("1f1b", "gpipe")]
+             for n, a in cases for s in ("1f1b", "gpipe") if (n, s) != ("full", "gpipe")]
 
 def check_step_schedule(run, schedule):
     """--show_schedule: each rank's traced first step is its schedule list, the F and B of a
