@@ -56,6 +56,7 @@ SCRIPT_SHORTEN = {
                                        "--kinds=contiguous,spectral", "--rounds=1", "--steps=3"],
     "benchmarks/graph_unite.py": ["--nodes=3000", "--rounds=1"],
     "benchmarks/plan_search.py": ["--tiny"],
+    "benchmarks/oversubscribed.py": ["--rounds=1", "--stream_mib=1"],
     "experiments/graph_features.py": ["--nodes=300", "--snrs=0,1", "--seeds=1", "--steps=20"],
     "experiments/graph_reduction.py": ["--nodes=300", "--ratios=1,0.3", "--seeds=1",
                                        "--steps=20"],
