@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn.log.results import save_table  # noqa: E402
+from hpcnn.parallel.collectives.measure import cores_here  # noqa: E402
 
 TAG = 7
 
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
                 for k in range(1, n + 1):
                     times.setdefault((name, how, k), []).append(one(comm, work, k, how))
     if comm.Get_rank() == 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = cores_here()
         rows = []
         for (name, how, k), ts in sorted(times.items()):
             all_n = np.median(times[(name, how, n)])
