@@ -36,11 +36,13 @@ What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet
    machine file holds the ranks: ``search.least_price``); the DRA's cuts (SAPP's volumes, the
    choice on larger machines) are recorded apart, in the summary's ``dra`` column.
 
-Memory: the GPT rows also hold the planner's memory per rank (``hybrid.price().memory_bytes``)
-and what the run logged: the largest ``peak_activation_bytes_per_rank`` and
-``param_bytes_per_rank`` of ``/plan`` (pipeline runs log them; ``meas_memory_bytes`` = activations
-+ 4 x parameters, see :func:`memory_from_log`) and the largest resident set size (``/ranks``
-peak_mem_bytes, which includes the interpreter and the data); -1 where not logged.
+Memory: every row holds the planner's memory per rank (``hybrid.price().memory_bytes`` for the
+GPT, ``cost.strategy_cost().memory_bytes`` for the MLP) and what the run logged
+(``meas_memory_bytes``, :func:`read_log`): per rank the engine's peak activation bytes (the
+caches its micro-batches hold between passes, a rematerialized pass's inside peak) plus the
+bytes of its parameter, gradient and optimizer arrays, the largest rank's; transients inside a
+pass (a product's output, message buffers) are in neither. Also the largest resident set size
+(``/ranks`` peak_mem_bytes, which includes the interpreter and the data).
 
     python experiments/plan_validation.py [--machine=FILE] [--out=runs/plan_validation]
         [--rounds=3] [--gpt_steps=12] [--mlp_steps=40] [--mlp_layouts=16]
@@ -198,18 +200,23 @@ def mlp_case(hidden, batch: int, ranks: int, names, folder: str, tag: str = "") 
 # ---------------------------------------------------------------- measuring
 
 def read_log(path: str) -> dict:
-    """The run's median step time after its first 20 % of steps and its logged peaks."""
+    """The run's median step time after its first 20 % of steps and its logged peaks: per rank
+    the engine's peak activation bytes plus its parameter, gradient and optimizer bytes
+    (``/plan``, :func:`hpcnn.engine.record.record_memory`), the largest rank's sum; the
+    largest resident set size (``/ranks``)."""
     with h5py.File(path, "r") as f:
         t = f["metrics/step_time"][...]
         rss = f["ranks"]["peak_mem_bytes"] if "ranks" in f else np.array([-1])
         plan = dict(f["plan"].attrs) if "plan" in f else {}
-    act = json.loads(plan["peak_activation_bytes_per_rank"]) \
-        if "peak_activation_bytes_per_rank" in plan else None
-    par = json.loads(plan["param_bytes_per_rank"]) if "param_bytes_per_rank" in plan else None
+    parts = [json.loads(plan[k]) if k in plan else None for k in
+             ("peak_activation_bytes_per_rank", "param_bytes_per_rank", "grad_bytes_per_rank",
+              "optimizer_bytes_per_rank")]
+    held = [sum(r) for r in zip(*parts)] if all(parts) else []
     return {"step_s": float(np.median(t[len(t) // 5:])),
             "rss_bytes": int(np.max(rss)) if len(rss) else -1,
-            "act_bytes": int(max(act)) if act else -1,
-            "param_bytes": int(max(par)) if par else -1}
+            "act_bytes": int(max(parts[0])) if parts[0] else -1,
+            "param_bytes": int(max(parts[1])) if parts[1] else -1,
+            "memory_bytes": int(max(held)) if held else -1}
 
 
 def measure(cases, ranks: int, steps: int, folder: str, tag: str) -> dict:
@@ -228,12 +235,9 @@ def measure(cases, ranks: int, steps: int, folder: str, tag: str) -> dict:
 
 
 def memory_from_log(got: list) -> float:
-    """The planner's memory per rank as the runs logged it: the largest peak activation bytes
-    plus 4 x the parameter bytes (weights, gradients and AdamW's two moments: the factor is the
-    planner's assumption, the bytes are measured); -1 where the run logged neither."""
-    act = max(g["act_bytes"] for g in got)
-    par = max(g["param_bytes"] for g in got)
-    return float(act + 4 * par) if act >= 0 and par >= 0 else -1.0
+    """The largest rank's activations, parameters, gradients and optimizer state as the runs
+    logged them (:func:`read_log`), the largest over rounds; -1 where not logged."""
+    return float(max(g["memory_bytes"] for g in got))
 
 
 def mape(pred, meas) -> float:
@@ -364,7 +368,7 @@ def main(argv=None) -> int:
                 "meas_s": statistics.median(meas), "meas_min_s": min(meas),
                 "meas_max_s": max(meas), "rounds": len(meas), "steps": steps,
                 "load1": statistics.mean(g["load1"] for g in got),
-                "pred_memory_bytes": float(first.memory_bytes) if m == "gpt" else -1.0,
+                "pred_memory_bytes": float(first.memory_bytes),
                 "meas_act_bytes": max(g["act_bytes"] for g in got),
                 "meas_param_bytes": max(g["param_bytes"] for g in got),
                 "meas_rss_bytes": max(g["rss_bytes"] for g in got),

@@ -111,7 +111,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     watch = watchdog.for_run(cfg.hang_timeout, cfg.log, ctx.world, log)
     try:
         last = _loop(cfg, ctx, task, opt, start, log, say, t_start, signals)
-        record_memory(ctx, task, log)
+        record_memory(ctx, task, opt, log)
         status, together = signals.status or "finished", True
     except BaseException as e:       # why the run failed, next to its status in the log
         together = isinstance(e, EVERY_RANK_ALIKE)     # raised on every rank at the same point

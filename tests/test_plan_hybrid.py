@@ -30,9 +30,10 @@ def test_parts_add_up_and_one_device_is_the_compute():
         assert q.step_s == pytest.approx(sum(q.parts.values()), rel=1e-12)
         assert q.parts["tp_comm"] == q.parts["dp_comm"] == q.parts["pp_comm"] == 0
     # one micro-batch of the whole batch: the model's FLOPs at the device's rate, then the update
+    # of every parameter (one stage holds both tables)
     one = price(SMALL, Layout(1, 1, 1, 1), m)
-    assert one.parts["optimizer"] == pytest.approx(update_seconds(
-        SMALL.params() - SMALL.seq * SMALL.dim - SMALL.vocab * SMALL.dim, 2, m.device), rel=1e-9)
+    assert one.parts["optimizer"] == pytest.approx(update_seconds(SMALL.params(), 2, m.device),
+                                                   rel=1e-9)
     assert one.step_s - one.parts["optimizer"] == pytest.approx(flops_per_step(SMALL) / 150e12,
                                                                 rel=1e-9)
     assert "dp allreduce" in one.formula and "adamw update" in one.formula
@@ -208,7 +209,7 @@ def test_zero_bubble_halves_are_the_devices_measured_split():
 def test_the_update_is_priced_from_the_measured_table_when_there_is_one():
     from dataclasses import replace
     plain = Machine(per_node=1, nodes=1)
-    n = SMALL.params() - SMALL.seq * SMALL.dim - SMALL.vocab * SMALL.dim   # not the embeddings
+    n = SMALL.params()                  # one stage: every parameter, both tables included
     # no table: 11 (AdamW) or 4 (SGD) passes of 3 words per parameter at 2e12 bytes/s
     assert update_seconds(1000, 4, plain.device) == 11 * 3 * 4 * 1000 / 2e12
     assert update_seconds(1000, 2, plain.device, "sgd") == 4 * 3 * 2 * 1000 / 2e12
@@ -253,8 +254,10 @@ def test_memory_counts_the_fullest_stage_with_the_last_stages_tail():
     gpipe = price(model, Layout(1, 1, 4, 4, "gpipe"), m)
     tail, tokens = _tail(64, 16, 4, 96, 4), 4 * 16 * 8      # 4 sequences a micro-batch
     assert tail > tokens
-    # 1F1B's fullest stage is the first (4 micro-batches and their tokens), GPipe's the last
-    assert gpipe.memory_bytes - f1b.memory_bytes == pytest.approx(4 * (tail - tokens),
+    # 1F1B's fullest stage is the first (4 micro-batches and their tokens), GPipe's the last;
+    # the first holds the embedding's and position tables on top (4 words a parameter)
+    tables = (96 + 16) * 64 * 4 * 4
+    assert gpipe.memory_bytes - f1b.memory_bytes == pytest.approx(4 * (tail - tokens) - tables,
                                                                   rel=1e-12)
 
 

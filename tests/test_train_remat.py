@@ -48,6 +48,8 @@ def test_remat_training_equals_plain_training(tmp_path, mode):
     assert rec["recomputed_forwards"] > 0 and rec["sequence"].startswith("F_")
     (measured,) = plan["remat_measured_peak_bytes_per_rank"]
     assert 0 < measured and rec["predicted_peak_bytes"] < rec["store_all_bytes"]
+    # one micro-batch: the rank's peak is the executor's, recomputed caches included
+    assert plan["peak_activation_bytes_per_rank"] == [measured]
     if mode != "offload":            # no channel: the account follows the model exactly
         assert measured <= rec["predicted_peak_bytes"]
     else:                            # a copy slower than modelled holds its value longer, but an
@@ -112,3 +114,28 @@ def remat_runs(tmp_path_factory):
 def test_remat_under_mpi_equals_serial(remat_runs, n, dp, pp):
     out = remat_runs.stdout(n, "train_remat", CaseRuns.FOLDER, dp, pp)
     assert f"train_remat OK on {n} ranks (dp={dp}, pp={pp})" in out
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_priced_memory_is_what_the_run_holds(tmp_path, remat):
+    """The planner's memory per rank (hybrid.price) against what a serial run logs: the engine's
+    peak activations, and the parameter, gradient and optimizer bytes of the real arrays (AdamW:
+    two moments and one scratch array the size of the largest parameter)."""
+    from hpcnn import data
+    from hpcnn.plan import hybrid, machine
+    out = _run(tmp_path, f"{remat}.h5", *GPT, f"--remat={remat}", "--dropout=0")
+    plan = read_run(tmp_path / f"{remat}.h5").plan
+    params = [q.data.nbytes for q in out["model"].params]
+    assert plan["param_bytes_per_rank"] == [sum(params)]
+    assert plan["grad_bytes_per_rank"] == [sum(params)]
+    assert plan["optimizer_bytes_per_rank"] == [2 * sum(params) + max(params)]
+    (act,) = plan["peak_activation_bytes_per_rank"]
+    if remat == "none":          # store-all: every cache of the one micro-batch, by spec
+        x = np.zeros((6, 16), dtype=np.int64)
+        assert act == sum(s.bytes_cache for s in out["model"].spec(x.shape))
+    vocab = data.shakespeare(fallback=True).vocab
+    priced = hybrid.price(hybrid.Transformer(4, 16, 2, 16, vocab, 6, "float64"),
+                          hybrid.Layout(1, 1, 1, 1, remat=remat),
+                          machine.load(machine.resolve("local-2vcpu"))).memory_bytes
+    held = act + 2 * sum(params) + plan["optimizer_bytes_per_rank"][0]
+    assert abs(priced / held - 1) < 0.10, (priced, held)

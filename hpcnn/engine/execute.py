@@ -66,6 +66,14 @@ class _Run:
         self.live[key] = nbytes
         self.peak_bytes = max(self.peak_bytes, self.held)
 
+    def _inside(self, key, st, state, since: int) -> None:
+        """A rematerialized stage's pass peaks inside it, recomputed caches on top of what the
+        micro-batch keeps (its executor's account, ``state.trace``): the others' held bytes
+        plus that peak count as the rank's too."""
+        if st.remat is not None:
+            inside = max((b for _, b in state.trace[since:]), default=0)
+            self.peak_bytes = max(self.peak_bytes, self.held - self.live.get(key, 0) + inside)
+
     def _count(self, s: int, d: int) -> None:
         """Micro-batches in flight on stage s change by d (F: +1, B: -1); peaks follow."""
         self.inflight[s] += d
@@ -84,6 +92,7 @@ class _Run:
             self.losses[mb] = out
         else:
             self.msgs[("ACT", mb, s)] = out
+        self._inside((s, mb), st, state, 0)
         self._hold((s, mb), st.held_bytes(state, self.shapes[mb][s]))
         self._count(s, 1)
         return _remat_ops(st, state, 0)
@@ -95,6 +104,7 @@ class _Run:
         state = self.caches.pop((s, mb))
         since = len(state.trace) if st.remat is not None else 0
         dx, self.pending[(s, mb)] = st.backward(dy, state, self.split, hook)
+        self._inside((s, mb), st, state, since)
         if not st.first:
             self.msgs[("GRAD", mb, s)] = dx
         self._hold((s, mb), st.cache_bytes(self.shapes[mb][s])[1] if self.split else 0)
@@ -141,7 +151,9 @@ def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dty
     rematerialized stage's sequence part, :mod:`hpcnn.engine.trace`).
 
     Returns a dict: ``loss`` (sum of micro-batch losses times dloss; None off the last stage),
-    ``losses`` {mb: loss}, ``events`` [(rank, kind, mb, t_start, t_end)], ``peak_bytes``,
+    ``losses`` {mb: loss}, ``events`` [(rank, kind, mb, t_start, t_end)], ``peak_bytes`` (the
+    largest sum of the caches the rank's micro-batches hold between their passes, a
+    rematerialized pass's inside peak in place of its micro-batch's share while it runs),
     ``peak_inflight`` (this rank), ``peak_inflight_stage`` {stage: peak}.
     """
     clock = clock or time.perf_counter

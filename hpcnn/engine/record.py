@@ -1,6 +1,6 @@
 """What a training run records about itself: the header line it prints, and rank 0's run log
 (its attributes, config and plan, every rank's per-step rows and timeline events, the measured
-memory of pipeline stages and remat plans), for :mod:`hpcnn.train`. Rank 0 alone writes the log
+memory of every rank and the remat plans), for :mod:`hpcnn.train`. Rank 0 alone writes the log
 (:class:`hpcnn.log.RunLog`); the other ranks send it what it writes."""
 from __future__ import annotations
 
@@ -89,15 +89,30 @@ def flush_ranks(ctx, log, rows, events) -> None:
         log.log_events([e for _, evs in gathered for e in evs])
 
 
-def record_memory(ctx, task, log) -> None:
-    """At the end of a run: pipeline ranks' peak live activations and parameter bytes, and the
-    remat plans with their predicted and measured peaks and recompute time, into the log."""
-    if ctx.pipelined:
-        held = sum(int(q.data.nbytes) for q in task.model.params if not is_placeholder(q.data))
-        peaks = ctx.world.gather_objects((ctx.peak_stage_bytes, held), root=0)
-        if log is not None:
-            log.set_plan({"peak_activation_bytes_per_rank": [a for a, _ in peaks],
-                          "param_bytes_per_rank": [b for _, b in peaks]})
+def held_state_bytes(params, opt) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer) bytes this rank holds: the distinct bytes of the
+    arrays (:func:`hpcnn.memory.executor.live_bytes`: a gradient that is a view of a flat bucket
+    counts once), placeholders left out; the optimizer's are its state arrays (moments) and its
+    scratch buffer."""
+    from hpcnn.memory.executor import live_bytes
+    mine = [q for q in params if not is_placeholder(q.data)]
+    return (live_bytes([q.data for q in mine]), live_bytes([q.grad for q in mine]),
+            live_bytes(opt.held_arrays()))
+
+
+def record_memory(ctx, task, opt, log) -> None:
+    """At the end of a run: every rank's peak activation bytes (the step engine's account of
+    what its micro-batches hold between F and B, from the blocks' ``spec``, which
+    tests/test_block_contract.py checks equal to the live caches), its parameter, gradient and
+    optimizer bytes (:func:`held_state_bytes`), and the remat plans with their predicted and
+    measured peaks and recompute time, into the log."""
+    held = held_state_bytes(task.model.params, opt)
+    peaks = ctx.world.gather_objects((ctx.peak_stage_bytes, *held), root=0)
+    if log is not None:
+        log.set_plan({"peak_activation_bytes_per_rank": [a for a, _, _, _ in peaks],
+                      "param_bytes_per_rank": [b for _, b, _, _ in peaks],
+                      "grad_bytes_per_rank": [g for _, _, g, _ in peaks],
+                      "optimizer_bytes_per_rank": [o for _, _, _, o in peaks]})
     if ctx.remat is not None:
         rm = ctx.remat
         recs = ctx.world.gather_objects((rm.records, rm.measured_peak, rm.recompute_seconds), 0)

@@ -44,6 +44,11 @@ class Optimizer:
     def step(self, lr: float) -> None:
         raise NotImplementedError
 
+    def held_arrays(self) -> list:
+        """Every array the optimizer keeps between steps: its state (moments) and scratch."""
+        return [v for v in self.state.values() if hasattr(v, "nbytes")] + list(
+            self._scratch.values())
+
     def state_dict(self) -> dict:
         return dict(self.state)
 

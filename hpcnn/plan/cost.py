@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hpcnn.parallel.layout import Cut   # the layout the executor runs (one definition)
-from hpcnn.plan.hybrid import DTYPE_BYTES, UPDATE_PASSES, update_seconds
+from hpcnn.plan.hybrid import DTYPE_BYTES, STATE_WORDS, UPDATE_PASSES, update_seconds
 
 MU = 0.25      # SAPP's weight of a batch cut (the gradient sync happens once per step)
 RHO = 16.0     # SAPP's weight of a redistribution between neighbours
@@ -204,7 +204,10 @@ class Term(NamedTuple):
 
 
 class StrategyCost(NamedTuple):
+    """The supersteps of one training step, and the bytes the fullest device holds
+    (:func:`strategy_memory`)."""
     terms: tuple
+    memory_bytes: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -326,4 +329,30 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
         nbytes = graph.ops[b].i / cb.batch * graph.ops[b].k / cb.reduce * size
         terms.append(Term(f"redistribute {a}->{b}", f"2*(L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
                           2 * lvl.message_seconds(nbytes), nbytes, span))
-    return StrategyCost(tuple(terms))
+    return StrategyCost(tuple(terms), strategy_memory(graph, cuts, dtype, optimizer))
+
+
+def strategy_memory(graph: Graph, cuts, dtype: str = "float32", optimizer: str = "adamw",
+                    loss: bool = True) -> float:
+    """Bytes the fullest device holds at the peak of a training step with one Cut per operator,
+    as the layout executor (:func:`hpcnn.parallel.layout.layout_mlp`) holds them: per operator
+    under Cut(nb, nk, nj) its weight part W[k/nk, j/nj] and bias part b[j/nj] with their
+    gradients and optimizer state (:data:`hpcnn.plan.hybrid.STATE_WORDS` words per parameter),
+    its cached input x[i/nb, k/nk] and, but after the last operator, the ReLU's output
+    y[i/nb, j/nj]; the optimizer's scratch array, the size of the largest local parameter;
+    with ``loss``, the softmax cross-entropy's probabilities of the last operator's output,
+    gathered whole on every device, and its 9 bytes per row (int64 target, row mask). A part
+    counts its largest size (ceil) where an extent does not divide. Transients (a product's
+    output, the [dW | db] buffer, message buffers) are not counted: they live inside one pass.
+    """
+    size = DTYPE_BYTES[dtype]
+    words, largest, n_ops = 0.0, 0.0, len(graph.ops)
+    for n, (op, c) in enumerate(zip(graph.ops, cuts)):
+        rows, k, j = -(-op.i // c.batch), -(-op.k // c.reduce), -(-op.j // c.out)
+        words += STATE_WORDS[optimizer] * (k + 1) * j + rows * k + (rows * j if n < n_ops - 1
+                                                                     else 0)
+        largest = max(largest, k * j)
+    if loss and n_ops:
+        last = graph.ops[-1]
+        words += last.i * last.j
+    return float((words + largest) * size + (9 * graph.ops[-1].i if loss and n_ops else 0))

@@ -33,12 +33,15 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   optimizer state through memory, :data:`UPDATE_PASSES` passes of 3 words per parameter (two
   read, one written) at the device's memory bandwidth;
 - **memory per rank**: parameters, gradients and two AdamW slots of its share (4 words per
-  parameter; the replicated LayerNorms count whole on every tp rank), plus the activations of
+  parameter; the replicated LayerNorms and the position table count whole on every tp rank;
+  both tables where one stage holds embedding and head), AdamW's scratch array (the size of
+  the largest local parameter), plus the activations of
   its fullest stage: one cache per micro-batch it holds (:func:`held_microbatches`: 1F1B
   min(pp - s, M) on stage s, ZB-H1 min(pp, M) on every stage, its W parts keeping the caches
   late, GPipe M), the tp block's ``spec().bytes_cache`` per block (what stays whole under tp,
   the LayerNorms and the column-parallel inputs, counts whole; ``remat="full"``: the block
-  inputs only, and one block's cache for the recomputation), the last stage's final LayerNorm,
+  inputs, one block's cache, the output until sent and, once per rank, the backward's gradient
+  pair), the last stage's final LayerNorm,
   LM head and loss caches (:func:`_tail`) and the first stage's tokens, as the pipeline
   executor's account counts them (:meth:`hpcnn.engine.stage.Stage.cache_bytes`).
 
@@ -70,6 +73,9 @@ REMAT = ("none", "full")
 # Passes over parameter-sized arrays per optimizer step (hpcnn.nn.optim): AdamW's 10 and its
 # decoupled decay; SGD's momentum (2), its update and the L2 decay (zero_grad is lazy: no pass).
 UPDATE_PASSES = {"adamw": 11, "sgd": 4}
+# Words held per parameter between steps: the parameter, its gradient and the optimizer's slots
+# (AdamW's two moments, SGD's momentum).
+STATE_WORDS = {"adamw": 4, "sgd": 3}
 
 
 def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw") -> float:
@@ -304,7 +310,9 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
         lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
         span = schedules.simulate(lists, t_f, t_b - t_w, t_w).makespan
     msg, pp_s = _messages(model, layout, machine)
-    local_params = per_stage * pbytes / model.word + model.vocab * model.dim / tp
+    # every stage priced as the last (the head's table): the fullest, the first, has the
+    # embedding's and position tables too
+    local_params = _stage_params(model, layout, 0, per_stage, True)
     dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp))
     opt_s = update_seconds(local_params, model.word, dev, optimizer)
     return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s), (cache, xbytes),
@@ -313,28 +321,51 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
 
 def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float) -> float:
     """Activation bytes stage ``stage`` of ``blocks`` transformer blocks holds at its peak: its
-    held micro-batches (:func:`held_microbatches`) x (the blocks' caches, or their inputs and one
-    block's cache under ``remat="full"``; the tail's caches on the last stage, the int64 tokens
-    on the first)."""
+    held micro-batches (:func:`held_microbatches`) x (the blocks' caches; the tail's caches on
+    the last stage, the int64 tokens on the first). Under ``remat="full"`` a micro-batch keeps
+    its blocks' inputs and its last segment's cache (one block's cache; the last stage's is the
+    tail, counted above, and one block's cache as well, for the recomputation) and, but on the
+    last stage, its output until it is sent; once per rank, a backward in progress holds its
+    gradient pair (dy, dx) on top: the rematerializing executor's account
+    (:meth:`hpcnn.memory.executor.Executor`), which counts these where a stored cache does not.
+    """
     rows = model.batch // (layout.dp * layout.microbatches)
     _, _, cache, _, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
                                     layout.tp)
-    held = (xbytes * blocks + cache) if layout.remat == "full" else cache * blocks
+    last = stage == layout.pp - 1
     tail = _tail(model.dim, model.seq, rows, model.vocab, model.word, layout.tp)
     tokens = rows * model.seq * 8                       # the first stage's int64 input
+    if layout.remat == "full":
+        held, pending = xbytes * blocks + cache + (0 if last else xbytes), 2 * xbytes
+    else:
+        held, pending = cache * blocks, 0
     return held_microbatches(layout.schedule, layout.pp, layout.microbatches, stage) * (
-        held + (tail if stage == layout.pp - 1 else 0) + (tokens if stage == 0 else 0))
+        held + (tail if last else 0) + (tokens if stage == 0 else 0)) + pending
 
 
 def _stage_params(model: Transformer, layout: Layout, stage: int, blocks: float,
                   head: bool) -> float:
-    """Parameters of one rank of stage ``stage``: its blocks' share and one vocab x dim / tp
-    table where it holds the vocab-parallel embedding (the first stage) or the LM head
-    (``head``); the position table and the LayerNorms' few words are left out, as the uniform
-    price leaves them out."""
+    """Parameters of one rank of stage ``stage``: its blocks' share, a vocab x dim / tp table
+    where it holds the LM head (``head``), and on the first stage the vocab-parallel
+    embedding's table and the position table (whole on every tp rank); the final LayerNorm's
+    2 x dim words are left out."""
     pbytes = _block(model.dim, model.n_heads, model.seq, 1, model.word, layout.tp)[3]
     table = model.vocab * model.dim / layout.tp
-    return blocks * pbytes / model.word + (table if head or stage == 0 else 0)
+    first = table + model.seq * model.dim if stage == 0 else 0
+    return blocks * pbytes / model.word + (table if head else 0) + first
+
+
+def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float, head: bool,
+                  optimizer: str) -> float:
+    """Bytes one rank of stage ``stage`` holds at its peak: its parameters (:func:`_stage_params`)
+    x :data:`STATE_WORDS` words (parameter, gradient, optimizer slots), the optimizer's scratch
+    array, the size of its largest parameter (an MLP weight, dim x 4 dim / tp, or a table), and
+    its held activations (:func:`_held_bytes`)."""
+    table = model.vocab * model.dim / layout.tp
+    largest = max(4 * model.dim * model.dim / layout.tp, table if head or stage == 0 else 0,
+                  model.seq * model.dim if stage == 0 else 0)
+    return (STATE_WORDS[optimizer] * _stage_params(model, layout, stage, blocks, head)
+            + largest) * model.word + _held_bytes(model, layout, stage, blocks)
 
 
 def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=None):
@@ -362,8 +393,8 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     level = machine.level_for_group(layout.tp * layout.dp)
     reduce = [(ring_allreduce_s(q * word, layout.dp, level),
                update_seconds(q, word, machine.device, optimizer)) for q in params]
-    memory = max(4 * q * word + _held_bytes(model, layout, s, n)
-                 for s, (q, n) in enumerate(zip(params, layout.stages)))
+    memory = max(_stage_memory(model, layout, s, n, s in heads, optimizer)
+                 for s, n in enumerate(layout.stages))
     busiest = max(times, key=lambda t: t[0] + t[1])
     return span, pp_s, busiest, max(reduce, key=sum), memory
 
@@ -383,8 +414,8 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     else:
         st, _, local_params = _priced_parts(model, layout, machine, optimizer)
         per_stage = model.n_layers / pp
-        memory = 4 * local_params * model.word + max(
-            _held_bytes(model, layout, s, per_stage) for s in range(pp))
+        memory = max(_stage_memory(model, layout, s, per_stage, True, optimizer)
+                     for s in range(pp))
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
     parts = {"compute": compute, "tp_comm": 2 * m_count * st.tp_s,
@@ -400,7 +431,7 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
 
 
 def stage_cut(model: Transformer, layout: Layout, machine,
-              memory_bytes: float | None = None) -> tuple:
+              memory_bytes: float | None = None, optimizer: str = "adamw") -> tuple:
     """Transformer blocks per stage of ``layout`` (pp > 1): the cut of least slowest stage whose
     every stage fits ``memory_bytes`` (default the device's), by the exact dynamic programme
     :func:`hpcnn.parallel.partition.by_cost_bounded`; where no cut fits, the uniform cut
@@ -411,9 +442,9 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     Our choices (the thesis is silent on stage cuts): a block costs its forward + backward
     seconds (:func:`_pass_times` of one block), the LM head is a fixed cost of the last stage;
     a block on stage s needs its parameters x 4 words plus its cache (its input under remat)
-    times the micro-batches stage s holds; the first stage carries the embedding's table and
-    the tokens, the last the head's table and the tail's caches (:func:`_held_bytes`,
-    :func:`_stage_params`), so the cut's memory per stage is what :func:`price` charges it.
+    times the micro-batches stage s holds; the first stage carries the embedding's and
+    position tables and the tokens, the last the head's table and the tail's caches
+    (:func:`_stage_memory`), so the cut's memory per stage is what :func:`price` charges it.
     The objective is the slowest stage, not the simulated span: the schedule's span grows
     with it, and it is what the existing ``by_cost`` cut balances."""
     from hpcnn.parallel import partition
@@ -423,10 +454,13 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     # a block's passes as a stage of several prices them (under remat, its forward run again)
     one = [a - h for a, h in zip(_pass_times(model, uniform, machine, 1, True), head)]
     block_params = _stage_params(model, uniform, 1, 1, False)
-    memory = [[4 * block_params * model.word + _held_bytes(model, uniform, s, 1)
+    words = STATE_WORDS[optimizer]
+    memory = [[words * block_params * model.word + _held_bytes(model, uniform, s, 1)
                - _held_bytes(model, uniform, s, 0)] * n for s in range(pp)]
-    fixed_memory = [4 * _stage_params(model, uniform, s, 0, s == pp - 1) * model.word
-                    + _held_bytes(model, uniform, s, 0) for s in range(pp)]
+    # a stage's fixed part: its _stage_memory without blocks (the scratch of one block's largest
+    # weight included: every stage holds a block)
+    fixed_memory = [_stage_memory(model, uniform, s, 0, s == pp - 1, optimizer)
+                    for s in range(pp)]
     fixed_cost = [0.0] * (pp - 1) + [head[0] + head[1]]
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     costs = [one[0] + one[1]] * n
