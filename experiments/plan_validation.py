@@ -11,7 +11,8 @@ What: on ``--ranks`` ranks of this machine (issue 13, "Done when", second bullet
 
    - a GPT (``--gpt=L,D,H,T,B``: layers, width, heads, context, global batch; sonnet, float32):
      every dp x tp x pp of :func:`hpcnn.plan.hybrid.layouts` with one micro-batch when pp = 1 and
-     ``--microbatches`` (2, 4) with each schedule (1f1b, gpipe, zb_h1) when pp > 1, each with
+     every micro-batch count it has (``--microbatches``: all, 1 to 32 at batch 32; or a list)
+     with each schedule (1f1b, gpipe, zb_h1) when pp > 1, each with
      remat none and full (``hpcnn train --remat=full``: every block's input kept and its
      forward run again, the planner's ``remat="full"``; not with zb_h1, which ``hpcnn train``
      does not rematerialize), the remat none layouts first;
@@ -115,7 +116,7 @@ def gpt_cases(shape, ranks: int, microbatches) -> list:
                            ranks, remat=hybrid.REMAT)
     for lay in sorted(every, key=lambda lay: hybrid.REMAT.index(lay.remat)):   # stable
         if (lay.pp == 1 and lay.microbatches != 1) or (
-                lay.pp > 1 and lay.microbatches not in microbatches):
+                lay.pp > 1 and microbatches is not None and lay.microbatches not in microbatches):
             continue
         # hpcnn train pads the vocabulary to a multiple of tp: price the model it runs
         model = hybrid.Transformer(n_layers, dim, heads, seq, -(-vocab // lay.tp) * lay.tp,
@@ -290,7 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gpt", default="4,128,4,64,32", help="layers,dim,heads,context,batch")
-    ap.add_argument("--microbatches", default="2,4", help="micro-batch counts when pp > 1")
+    ap.add_argument("--microbatches", default="all", help="micro-batch counts when pp > 1: "
+                    "all (every count hpcnn.plan.hybrid.layouts has), or a list")
     ap.add_argument("--gpt_steps", type=int, default=12)
     ap.add_argument("--gpt_layouts", default="all", help="all, or the first N")
     ap.add_argument("--hidden", default="1024,1024")
@@ -305,7 +307,8 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
 
     gpt = [int(v) for v in a.gpt.split(",")]
-    gcases = gpt_cases(gpt, a.ranks, [int(m) for m in a.microbatches.split(",")])
+    gcases = gpt_cases(gpt, a.ranks, None if a.microbatches == "all" else
+                       [int(m) for m in a.microbatches.split(",")])
     if a.gpt_layouts != "all":
         gcases = gcases[:int(a.gpt_layouts)]
     hidden = [int(v) for v in a.hidden.split(",")]

@@ -320,12 +320,13 @@ def test_calibrate_write_on_one_rank(tmp_path):
     assert set(m.device.flops) == {"float32", "float64"}
     assert all(0 < v < 1e14 for v in m.device.flops.values())
     assert 1e8 < m.device.memory_bandwidth < 1e13 and m.device.memory_bytes > 1e8
-    assert set(m.device.efficiency) == set(m.device.overhead) == {"transformer", "linear"}
+    assert set(m.device.efficiency) == set(m.device.overhead) - {"stage"} == {"transformer",
+                                                                              "linear"}
     assert set(m.device.elementwise) == {"transformer", "linear"}
     assert all(0 <= v < 1e-6 for v in m.device.elementwise.values())   # seconds per byte
     assert all(0 < v <= 1 for v in m.device.efficiency.values())
     assert all(1e-7 < v < 1e-1 for v in m.device.overhead.values())   # microseconds expected
-    assert set(m.device.forward) == {"transformer", "linear"}
+    assert set(m.device.forward) == set(m.device.overhead)       # "stage" where it measured
     assert all(0 < v < 1 for v in m.device.forward.values())
     assert set(m.device.split) == {"transformer", "linear"}
     assert all(0 < a < 2 and 0 < b < 2 for a, b in m.device.split.values())

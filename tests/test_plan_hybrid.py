@@ -345,3 +345,16 @@ def test_hpcnn_plan_prints_the_stage_cuts(capsys):
     first = staged[0]
     assert f"{first['layout']}" in capsys.readouterr().out
     assert first["layout"].endswith(f"stages {first['stages'][0]}|{first['stages'][1]}")
+
+
+def test_every_micro_batch_pass_pays_the_stage_figure():
+    """The device's "stage" kind (hpcnn calibrate's stage pass around the blocks) is paid by
+    every forward and backward pass of a micro-batch: once for one micro-batch without a
+    pipeline, (M + pp - 1) times each on a 1F1B span of uniform stages."""
+    base = Machine(per_node=2, nodes=1)
+    dev = replace(base.device, overhead={**base.device.overhead, "stage": 1e-3},
+                  forward={**base.device.forward, "stage": 0.4})
+    m = replace(base, device=dev)
+    for lay, passes in ((Layout(1, 1, 1, 1), 1), (Layout(1, 1, 2, 4), 4 + 2 - 1)):
+        more = price(SMALL, lay, m).step_s - price(SMALL, lay, base).step_s
+        assert more == pytest.approx(passes * 1e-3, rel=1e-9), lay

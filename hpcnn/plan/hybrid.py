@@ -15,6 +15,11 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   ``remat="full"`` keeps only each block's input and runs its forward again in the backward,
   the last segment's excepted, as ``hpcnn train --remat=full`` runs it
   (:func:`recomputed_forward`);
+- **a pass's own cost**: every micro-batch's forward and backward pass through a stage also
+  pays the device's ``"stage"`` figure (``overhead`` and ``forward`` share: the step engine's
+  instruction, the embedding, the tail's small calls and the loss, timed by ``hpcnn
+  calibrate`` at a tiny size, :func:`hpcnn.parallel.collectives.measure.stage_costs`; 0 on a
+  machine file without it);
 - **tensor parallelism** (Megatron): two allreduces of the block's activation (m x T x d) per block
   in the forward and two in the backward, each a ring over the tp group:
   2(n-1)/n x bytes x g + 2(n-1) L at the level that holds tp consecutive devices;
@@ -242,7 +247,8 @@ def stage_times(model: Transformer, layout: Layout, machine, optimizer: str = "a
 def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head: bool):
     """(t_f, t_b, t_w, tp_s) of one micro-batch's pass through a stage of ``blocks`` transformer
     blocks, with the LM head when ``head`` (module docstring: compute, tp allreduces, remat,
-    zero bubble's halves). Linear in ``blocks``: a block's figures times their count."""
+    zero bubble's halves, the pass's fixed cost). Affine in ``blocks``: a block's figures times
+    their count, plus the pass's own."""
     rows = model.batch // (layout.dp * layout.microbatches)     # sequences per micro-batch
     tp = layout.tp
     f, b, cache, _, _ = _block(model.dim, model.n_heads, model.seq, rows, model.word, tp)
@@ -255,9 +261,15 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them
     blocks_f = dev.pass_seconds(blocks * f, dtype, "transformer", blocks, blocks * cache,
                                 True) + tp_s
-    t_f = blocks_f + (dev.pass_seconds(head_f, dtype, "linear", 1, act, True) if head else 0.0)
+    # every pass of a micro-batch: the step engine's stage pass around its blocks (the device's
+    # "stage" kind: the instruction, embedding, the tail's small calls, the loss)
+    around_f, around_b = (dev.pass_seconds(0.0, dtype, "stage", 1, 0.0, fwd)
+                          for fwd in (True, False))
+    t_f = blocks_f + around_f + (dev.pass_seconds(head_f, dtype, "linear", 1, act, True)
+                                 if head else 0.0)
     t_b = dev.pass_seconds(blocks * b, dtype, "transformer", blocks, blocks * cache, False) + (
-        dev.pass_seconds(2 * head_f, dtype, "linear", 1, act, False) if head else 0.0) + tp_s
+        dev.pass_seconds(2 * head_f, dtype, "linear", 1, act, False) if head else 0.0) + tp_s \
+        + around_b
     if layout.remat == "full":
         t_b += recomputed_forward(blocks_f, blocks, head)
     t_w = 0.0
@@ -451,6 +463,7 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     pp, n = layout.pp, model.n_layers
     uniform = dataclasses.replace(layout, stages=())
     head = _pass_times(model, uniform, machine, 0, True)
+    bare = _pass_times(model, uniform, machine, 0, False)        # a pass's own fixed cost
     # a block's passes as a stage of several prices them (under remat, its forward run again)
     one = [a - h for a, h in zip(_pass_times(model, uniform, machine, 1, True), head)]
     block_params = _stage_params(model, uniform, 1, 1, False)
@@ -461,7 +474,7 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     # weight included: every stage holds a block)
     fixed_memory = [_stage_memory(model, uniform, s, 0, s == pp - 1, optimizer)
                     for s in range(pp)]
-    fixed_cost = [0.0] * (pp - 1) + [head[0] + head[1]]
+    fixed_cost = [bare[0] + bare[1]] * (pp - 1) + [head[0] + head[1]]
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     costs = [one[0] + one[1]] * n
     ranges = (partition.by_cost_bounded(costs, memory, pp, cap, fixed_cost, fixed_memory)

@@ -41,7 +41,9 @@ thesis leaves open, and what is chosen here:
   ``split`` maps a kind to the (input, weight) halves of its backward as a zero-bubble pipeline
   runs them, each a fraction of the whole backward (missing kinds (0.5, 0.5)): split, the two
   halves cost more than the whole (1.13x for a transformer block on this kind of machine).
-  micro-batches slow); calibration times a tiny block of the kind.
+  The kind ``"stage"`` in ``overhead`` and ``forward`` is a pipeline stage pass's cost around
+  its blocks (the step engine's instruction, embedding, the tail's small calls, the loss), per
+  micro-batch: calibration runs a tiny GPT through the step engine and subtracts its block.
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
   kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
   passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then

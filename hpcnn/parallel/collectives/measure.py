@@ -70,6 +70,9 @@ EFFICIENCY_SHAPES = {"transformer": ((256, 4, (8, 64, 256)), (64, 2, (32, 64, 64
                      "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)),
                                 (128, 1024, (512, 128)))}
 OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
+# The stage pass figure: a GPT of one block of the transformer overhead's size (vocabulary 16)
+# through the step engine, a one-rank 1F1B list of this many micro-batches of one sequence.
+STAGE_MICRO = 8
 # Parameter counts of the optimizer-update figures (16 Ki .. 8 Mi: in L2, in L3, past it) and the
 # arrays each count is split into (a layer's weights and biases are a few arrays).
 UPDATE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23)
@@ -304,6 +307,43 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
             float(np.median(share)), (float(split[0]), float(split[1])))
 
 
+def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
+    """(seconds per forward + backward of a pipeline stage pass beyond its transformer blocks,
+    the forward's share of them) in this process, or None where they measure nothing.
+
+    The step engine (:func:`hpcnn.parallel.pipeline.train_step`, the executor every ``hpcnn
+    train`` step runs) runs a one-rank 1F1B list of :data:`STAGE_MICRO` micro-batches of a tiny
+    GPT (token and position embedding, one transformer block of the overhead's size
+    :data:`OVERHEAD_SHAPES`, final LayerNorm, LM head, loss): each pass's F and B instruction
+    as its timeline times it, less the tiny block's own forward and backward timed alone; the
+    medians over ``repeats`` rounds. What is left is what every micro-batch's pass costs besides
+    its blocks: the instruction's handling, the embedding, the tail's small calls, the loss. A
+    figure of the framework on this machine, like the blocks' overhead, not of a model planned:
+    the GPT planned has none of these sizes."""
+    from hpcnn.nn.models import gpt
+    from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.pipeline import train_step
+    dim, heads, (rows, seq, _) = OVERHEAD_SHAPES["transformer"]
+    vocab = 16
+    chain = gpt(vocab, seq, 1, dim, heads, dtype=dtype)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, (STAGE_MICRO * rows, seq))
+    y = rng.integers(0, vocab, (STAGE_MICRO * rows, seq))
+    comm = Communicator.single("calibrate")
+    block = _blocks_pass("transformer", OVERHEAD_SHAPES["transformer"], dtype)[0]
+    train_step("1f1b", chain, comm, x, y, STAGE_MICRO)                      # warm-up
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        events = train_step("1f1b", chain, comm, x, y, STAGE_MICRO)["events"]
+        f, b = (float(np.median([t1 - t0 for _, kind, _, t0, t1 in events if kind == k]))
+                for k in ("F", "B"))
+        bf, bb = _median_pass(block, 5)
+        fwd.append(max(f - bf, 0.0))
+        bwd.append(max(b - bb, 0.0))
+    f, b = float(np.median(fwd)), float(np.median(bwd))
+    return (f + b, f / (f + b)) if f > 0 and b > 0 else None
+
+
 def _solve_round(rate: float, rows) -> tuple:
     """(1/e, c, a) of one round of :func:`block_costs` from its reference rows (FLOPs, cache
     bytes, ReLU output bytes, seconds beyond the overhead): the exact solution of all three
@@ -406,7 +446,8 @@ def device_rates(rounds: int = 15) -> dict:
     """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
     "elementwise.transformer": .., "activation.linear": .., "forward.transformer": ..,
-    "split.transformer": (in, w),
+    "split.transformer": (in, w), "overhead.stage": .., "forward.stage": .. (the stage pass,
+    :func:`stage_costs`),
     "update.adamw": ((max_params, seconds_per_param), ...)}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
@@ -416,6 +457,9 @@ def device_rates(rounds: int = 15) -> dict:
                                                                                rounds)
         if act is not None:
             rates[f"activation.{kind}"] = act
+    stage = stage_costs("float32", rounds)
+    if stage is not None:
+        rates["overhead.stage"], rates["forward.stage"] = stage
     for optimizer in ("adamw", "sgd"):
         rates[f"update.{optimizer}"] = update_costs(optimizer)
     return rates
