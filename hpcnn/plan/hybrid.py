@@ -389,7 +389,7 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     only; the embedding's gather is free, as in the uniform price); the span is the schedule
     simulated with these per-stage times (:func:`hpcnn.parallel.schedules.simulate`); the
     stages reduce their gradients and update in parallel, the slowest of them counting;
-    memory per rank is the fullest stage's parameters x 4 words plus its held activations.
+    memory per rank is the fullest stage's (:func:`_stage_memory`).
     ``heads`` = every stage is the uniform price's convention (every stage priced as the last):
     with uniform stages this prices exactly as :func:`price` prices the uniform layout."""
     from hpcnn.parallel import schedules
