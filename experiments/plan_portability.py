@@ -15,7 +15,9 @@ width and depth of an MLP on digits, over ``--ranks`` = 2 ranks, and of a GPT), 
    combines), it runs the local matmuls that cut leaves a rank (forward, input gradient, weight
    gradient, on random float32 data) and the collectives it needs (the gradient or partial-sum
    allreduces of the BSP terms, with their byte counts, on the real ranks); for every pair of
-   neighbours' cuts whose layouts differ, the exchange of the consumer's input (both ways). One
+   neighbours' cuts, the exchanges the BSP price counts (the consumer's input forward where it
+   crosses devices, the producer's output gradient backward where that does, the batch size),
+   and the last Linear's gather of the logits for the loss. One
    warm-up and ``--reps`` timed runs each, the median, the slowest rank's figure; identical
    shapes are timed once (a profiler caches them). It then picks the combination of least
    profiled time. Its time is the profiling and picking on the ranks, without ``mpiexec``'s
@@ -139,7 +141,7 @@ class Profiler:
             raise ValueError(f"{t.what}: a group of {t.devices} devices; the profiler runs "
                              f"collectives over all {self.comm.size} ranks only")
         if t.what.startswith("redistribute"):
-            return 2 * self.exchange(t.nbytes)       # the input forward, its gradient backward
+            return self.exchange(t.nbytes)       # one message: forward, gradient or batch size
         return self.allreduce(t.nbytes)
 
 
@@ -154,18 +156,20 @@ def profile_plan(graph: cost.Graph, prof: Profiler, mach) -> tuple:
     p = prof.comm.size
     options = search.cut_options(p)
     op_s = []
-    for op in graph.ops:
+    for n, op in enumerate(graph.ops):
         single = cost.Graph((op,), ())
+        last = n == len(graph.ops) - 1          # its output gathered for the loss
         op_s.append({c: sum(prof.term(t, op, c)
-                            for t in cost.strategy_cost(single, [c], mach).terms)
+                            for t in cost.strategy_cost(single, [c], mach, loss=last).terms)
                      for c in options if divides(op, c)})
     edge_s = {}
     for a, b in graph.edges:
         pair = cost.Graph((graph.ops[a], graph.ops[b]), ((0, 1),))
         for ca, cb in itertools.product(op_s[a], op_s[b]):
-            edge_s[a, b, ca, cb] = sum(prof.term(t, None, None)
-                                       for t in cost.strategy_cost(pair, [ca, cb], mach).terms
-                                       if t.what.startswith("redistribute"))
+            edge_s[a, b, ca, cb] = sum(
+                prof.term(t, None, None)
+                for t in cost.strategy_cost(pair, [ca, cb], mach, loss=False).terms
+                if t.what.startswith("redistribute"))
     best = None
     for combo in itertools.product(*op_s):
         s = sum(op_s[n][c] for n, c in enumerate(combo)) + sum(

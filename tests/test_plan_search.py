@@ -272,37 +272,53 @@ def test_strategy_cost_by_hand():
     # pure data parallelism: 3*2*8*4*2/4 FLOPs; gradient allreduce of W (4*2 floats = 32 B)
     # over 4 devices: 2*3 messages of 8 B at the node level
     # then AdamW's update of the whole W and bias (4*2 + 2 parameters)
-    dp = strategy_cost(g, [Cut(4, 1, 1)], m)
+    dp = strategy_cost(g, [Cut(4, 1, 1)], m, loss=False)
     assert dp.seconds == pytest.approx(96 / 1e9 + 6 * (1e-5 + 8e-9) + _update(10, 4), rel=1e-12)
     assert "L_node" in dp.formula() and "F_float32" in dp.formula() and "B_mem" in dp.formula()
     # Cut(1, 2, 2): y (8*1 floats = 32 B) reduced over nk=2 at stride 2 (span 4: node);
     # dx (8*2 floats = 64 B) reduced over nj=2 at stride 1 (span 2: socket); no weight replica;
     # the update of W[2 x 1] and one bias entry
-    tp = strategy_cost(g, [Cut(1, 2, 2)], m)
+    tp = strategy_cost(g, [Cut(1, 2, 2)], m, loss=False)
     assert tp.seconds == pytest.approx(96 / 1e9 + 2 * (1e-5 + 16e-9) + 2 * (1e-6 + 32e-10)
                                        + _update(3, 4), rel=1e-12)
     assert [t.what for t in tp.terms] == ["op0 compute", "op0 update", "op0 reduce y",
                                           "op0 reduce dx"]
     # float64: twice the bytes, half the rate
-    assert strategy_cost(g, [Cut(4, 1, 1)], m, "float64").seconds == pytest.approx(
+    assert strategy_cost(g, [Cut(4, 1, 1)], m, "float64", loss=False).seconds == pytest.approx(
         96 / 5e8 + 6 * (1e-5 + 16e-9) + _update(10, 8), rel=1e-12)
     with pytest.raises(ValueError, match="does not divide"):
         strategy_cost(g, [Cut(3, 1, 1)], m)
 
 
-def test_strategy_cost_redistributes_only_when_layouts_differ():
+def test_strategy_cost_redistributes_where_the_executor_moves_data():
     m = _Machine(2)
     g = chain([Matmul(8, 4, 4), Matmul(8, 4, 4)])
 
     def moved(cuts):
-        return [t for t in strategy_cost(g, cuts, m).terms if t.what.startswith("redistribute")]
+        return [t.what for t in strategy_cost(g, cuts, m, loss=False).terms
+                if t.what.startswith("redistribute")]
 
     assert moved([Cut(2, 1, 1), Cut(2, 1, 1)]) == []            # both data parallel
     assert moved([Cut(1, 1, 2), Cut(1, 2, 1)]) == []            # Megatron column then row
-    assert moved([Cut(1, 1, 1), Cut(1, 1, 2)]) == []            # replicated output: sliced
-    (t,) = moved([Cut(2, 1, 1), Cut(1, 1, 2)])                  # rows into a whole-input layer
-    assert t.seconds == pytest.approx(2 * (1e-5 + 8 * 4 * 4 * 1e-9), rel=1e-12)
-    assert len(moved([Cut(1, 1, 2), Cut(2, 1, 1)])) == 1       # columns into rows
+    assert moved([Cut(1, 1, 1), Cut(1, 1, 2)]) == []            # both hold the whole input
+    # replicated output into a layer cut on its input: sliced forward, but the replicated
+    # producer needs the whole gradient back (one message of its 8 x 4 output)
+    assert moved([Cut(1, 1, 1), Cut(1, 2, 1)]) == ["redistribute 0->1 gradient"]
+    # rows into a whole-input layer: gathered forward (and the batch size with it), sliced back
+    assert moved([Cut(2, 1, 1), Cut(1, 1, 2)]) == ["redistribute 0->1",
+                                                   "redistribute 0->1 batch size"]
+    t = strategy_cost(g, [Cut(2, 1, 1), Cut(1, 1, 2)], m, loss=False).terms
+    forward = next(x for x in t if x.what == "redistribute 0->1")
+    assert forward.seconds == pytest.approx(1e-5 + 8 * 4 * 4 * 1e-9, rel=1e-12)
+    # columns into rows: an exchange each way
+    assert moved([Cut(1, 1, 2), Cut(2, 1, 1)]) == ["redistribute 0->1",
+                                                   "redistribute 0->1 gradient"]
+    # the loss reads the whole logits: gathered where the last layer's output is cut
+    loss = [t.what for t in strategy_cost(g, [Cut(1, 1, 1), Cut(1, 1, 2)], m).terms
+            if "loss" in t.what]
+    assert loss == ["redistribute 1->loss"]
+    assert [t.what for t in strategy_cost(g, [Cut(1, 1, 1), Cut(1, 2, 1)], m).terms
+            if "loss" in t.what] == []                          # partial sums reduced: whole
 
 
 def test_least_price_is_the_cheapest_strategy_and_knows_its_limit():

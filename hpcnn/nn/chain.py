@@ -94,19 +94,26 @@ class Chain:
         rematerializing executor runs the same per-block step, :func:`backward_block`, one op
         at a time).
 
-        With ``need_dx=False`` the first block computes only its parameter gradients when it can
-        (a block with ``backward_weight``), saving one matmul; the return value is then None.
+        With ``need_dx=False`` the first block with parameters computes only its parameter
+        gradients when it can (a block with ``backward_weight``), saving one matmul, and the
+        parameterless blocks before it are not run backward; the return value is then None
+        (or what that block's whole backward returned).
         ``on_block_done(i)`` is called after block ``i``'s gradients are complete (data
         parallelism starts communicating a bucket as soon as its gradients are ready).
         ``defer``: a list receiving the weight halves (block, dy, cache) instead of running them
         (zero-bubble pipelines run them later as W).
         """
         blocks = self.blocks
+        # without dx, the leading blocks that hold no parameters (a laid-out MLP's input slice)
+        # have nothing to compute: the backward stops at the first block with parameters
+        first = 0 if need_dx else next((i for i, b in enumerate(blocks) if b.params), 0)
         for i in range(len(blocks) - 1, -1, -1):
-            if defer is None and i > 0:          # the common case, without the checks below
+            if i < first:
+                dy = None
+            elif defer is None and i > first:    # the common case, without the checks below
                 dy = blocks[i].backward(dy, caches[i])
             else:
-                dy = backward_block(blocks[i], dy, caches[i], need_dx=need_dx or i > 0,
+                dy = backward_block(blocks[i], dy, caches[i], need_dx=need_dx or i > first,
                                     defer=defer)
             if on_block_done is not None:
                 on_block_done(i)

@@ -44,9 +44,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import numpy as np
-
-from hpcnn.parallel.layout import Cut   # the layout the executor runs (one definition)
+from hpcnn.parallel.layout import Cut, Placement, crosses   # what the executor runs
 from hpcnn.plan.hybrid import DTYPE_BYTES, STATE_WORDS, UPDATE_PASSES, update_seconds
 
 MU = 0.25      # SAPP's weight of a batch cut (the gradient sync happens once per step)
@@ -234,25 +232,6 @@ def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term |
                 lvl.allreduce_seconds(nbytes, n), nbytes, n)
 
 
-def _matches(p: int, a: Cut, b: Cut) -> bool:
-    """True when every device already holds the part of a's output that b's input needs there.
-
-    Device d's coordinates are numpy.unravel_index(d, (r, nb, nk, nj)) (:meth:`hpcnn.parallel.layout.Cut.coords`); after the
-    reduction over nk a device holds y[b-part of nb, j-part of nj] of its producer and needs
-    x[b-part of nb', k-part of nk'] as the consumer. Parts nest when the finer count is a
-    multiple of the coarser one and the fine index falls inside the coarse one.
-    """
-    d = np.arange(p)
-    have_row = d // (a.reduce * a.out) % a.batch
-    have_col = d % a.out
-    need_row = d // (b.reduce * b.out) % b.batch
-    need_col = d // b.out % b.reduce
-    if b.batch % a.batch or b.reduce % a.out:
-        return False
-    return bool(np.all(need_row // (b.batch // a.batch) == have_row)
-                and np.all(need_col // (b.reduce // a.out) == have_col))
-
-
 def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
                     relu: bool) -> list:
     """The supersteps of operator ``n`` under Cut ``c`` (see :func:`strategy_cost`): compute,
@@ -284,7 +263,7 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
 
 
 def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
-                  optimizer: str = "adamw") -> StrategyCost:
+                  optimizer: str = "adamw", loss: bool = True) -> StrategyCost:
     """BSP seconds of one training step of ``graph`` with one Cut per operator on ``machine``.
 
     Supersteps per operator with Cut(nb, nk, nj), c = nb*nk*nj, r = p/c replicas:
@@ -301,11 +280,12 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
       - the optimizer's update of the local weight part W[k/nk, j/nj] and bias part b[j/nj]
         (:func:`hpcnn.plan.hybrid.update_seconds`: the device's measured seconds per parameter
         U(n), or passes over memory at its bandwidth);
-    and per edge whose layouts differ (:func:`_matches` false), a redistribution of the consumer's
-    local input x[i/nb', k/nk'] in the forward and of its gradient in the backward, one message
-    each at the level of the larger of the two operators' partition groups (our choice: the
-    thesis prices redistribution by volume only; we charge the consumer's whole local input as one
-    message, an upper bound for allgather/alltoall/slicing).
+    and per edge, the executor's redistribution of the producer's output y[i/nb, j/nj] into the
+    consumer's input x[i/nb', k/nk'] (:func:`_moves`): a message in the forward where a device
+    needs data it does not hold, one in the backward where the gradient's way back does, at the
+    level of the larger of the two operators' partition groups; with ``loss``, the last
+    operator's output gathered whole on every device for the softmax cross-entropy (the
+    executor's ``to_loss``), which costs nothing backward.
 
     A group of n devices spaced ``stride`` apart spans n*stride consecutive devices; its level is
     the one of the outermost bisection it crosses, machine.bisection_level(log2 p - log2 span).
@@ -322,14 +302,41 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
                                  relu=n < len(graph.ops) - 1)
     for a, b in graph.edges:
         ca, cb = cuts[a], cuts[b]
-        if _matches(p, ca, cb):
-            continue
-        span = max(x.batch * x.reduce * x.out for x in (ca, cb))
+        terms += _moves(f"{a}->{b}", Placement.output_of(ca, p), Placement.input_of(cb, p),
+                        graph.ops[b].i, graph.ops[b].k, size, machine,
+                        max(x.batch * x.reduce * x.out for x in (ca, cb)))
+    if loss and graph.ops:        # the logits gathered whole on every device, for the loss
+        last, c = graph.ops[-1], cuts[-1]
+        terms += _moves(f"{len(graph.ops) - 1}->loss", Placement.output_of(c, p),
+                        Placement.full(p), last.i, last.j, size, machine,
+                        c.batch * c.reduce * c.out)
+    return StrategyCost(tuple(terms), strategy_memory(graph, cuts, dtype, optimizer, loss))
+
+
+def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size: int,
+           machine, span: int) -> list:
+    """The messages of the executor's :class:`hpcnn.parallel.layout.Redistribute` of a
+    ``rows`` x ``cols`` activation from ``src`` to ``dst``: in the forward, one message of
+    ``dst``'s part where some device needs data it does not hold
+    (:func:`hpcnn.parallel.layout.crosses`), plus the batch size's all-gather where the source
+    cuts the rows differently; in the backward, one message of ``src``'s part where the
+    gradient's move back crosses (a replicated producer needs the whole gradient: a consumer
+    that only sliced its input in the forward gathers it in the backward). One message each,
+    at the level of ``span`` consecutive devices (our choice, an upper bound for the
+    all-to-all: the thesis prices redistribution by volume only)."""
+    out = []
+    for direction, a, b in (("", src, dst), (" gradient", dst, src)):
+        if crosses(a, b, rows, cols):
+            lvl = _level(machine, span)
+            nbytes = math.ceil(rows / b.rows) * math.ceil(cols / b.cols) * size
+            out.append(Term(f"redistribute {what}{direction}",
+                            f"(L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
+                            lvl.message_seconds(nbytes), nbytes, span))
+    if src.rows > 1 and not src.same_rows(dst):
         lvl = _level(machine, span)
-        nbytes = graph.ops[b].i / cb.batch * graph.ops[b].k / cb.reduce * size
-        terms.append(Term(f"redistribute {a}->{b}", f"2*(L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
-                          2 * lvl.message_seconds(nbytes), nbytes, span))
-    return StrategyCost(tuple(terms), strategy_memory(graph, cuts, dtype, optimizer))
+        out.append(Term(f"redistribute {what} batch size", f"(L_{lvl.name} + 8*g_{lvl.name})",
+                        lvl.message_seconds(8), 8, span))
+    return out
 
 
 def strategy_memory(graph: Graph, cuts, dtype: str = "float32", optimizer: str = "adamw",
