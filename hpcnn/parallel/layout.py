@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy
@@ -162,12 +163,14 @@ class Placement:
         return Placement(1, 1, (0,) * p, (0,) * p)
 
     @staticmethod
+    @lru_cache(maxsize=1024)        # pure: the planner asks for the same cuts many times
     def input_of(cut: Cut, p: int) -> "Placement":
         """x[b-part, k-part] of a Linear laid out by ``cut``."""
         c = [cut.coords(d, p) for d in range(p)]
         return Placement(cut.batch, cut.reduce, tuple(x[1] for x in c), tuple(x[2] for x in c))
 
     @staticmethod
+    @lru_cache(maxsize=1024)
     def output_of(cut: Cut, p: int) -> "Placement":
         """y[b-part, j-part] of a Linear laid out by ``cut``."""
         c = [cut.coords(d, p) for d in range(p)]
@@ -275,6 +278,7 @@ def run_move(comm, move: _Move, x):
     return out
 
 
+@lru_cache(maxsize=4096)            # pure, and asked again for every plan a search prices
 def crosses(src: Placement, dst: Placement, n_rows: int, n_cols: int) -> bool:
     """True if some device needs data it does not hold (the same answer on every rank)."""
     return any(moved_elements(src, dst, n_rows, n_cols))

@@ -359,7 +359,8 @@ def strategy_memory(graph: Graph, cuts, dtype: str = "float32", optimizer: str =
         words += STATE_WORDS[optimizer] * (k + 1) * j + rows * k + (rows * j if n < n_ops - 1
                                                                      else 0)
         largest = max(largest, k * j)
-    if loss and n_ops:
+    per_row = 0
+    if loss and n_ops:                  # the probabilities, and the target and mask per row
         last = graph.ops[-1]
-        words += last.i * last.j
-    return float((words + largest) * size + (9 * graph.ops[-1].i if loss and n_ops else 0))
+        words, per_row = words + last.i * last.j, 9 * last.i
+    return float((words + largest) * size + per_row)
