@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -285,9 +286,9 @@ def test_fit_level_from_measured_times():
 
 
 def test_shared_figures_slow_cpu_time_by_the_sustained_ratio():
-    """What a rank gets while every rank computes: rates divided by their own slowdown, the fixed
-    seconds multiplied by the float32 one, the element-wise seconds by the copy's, ratios
-    unchanged."""
+    """What a rank gets while every rank computes: rates divided by their own slowdown; without
+    the kinds' own factors the fixed seconds multiplied by the float32 one and the element-wise
+    seconds by the copy's; with them, by the kind's; ratios unchanged."""
     from hpcnn.parallel.collectives.measure import shared_figures
     alone = {"float32": 100.0, "float64": 50.0, "copy": 10.0, "efficiency.linear": 0.9,
              "overhead.linear": 2e-5, "elementwise.linear": 3e-10, "forward.linear": 0.45,
@@ -305,6 +306,25 @@ def test_shared_figures_slow_cpu_time_by_the_sustained_ratio():
                             {"float32": 104.0, "float64": 50.0, "copy": 11.0})
     assert faster["slowdown"] == 1.0 and faster["float32"] == 100.0 and faster["copy"] == 10.0
     assert faster["elementwise.linear"] == 3e-10
+    # with the kind's own reference blocks timed (block.linear), its fixed, element-wise and
+    # ReLU-output seconds slow by their factor (2.5 here, not the copy's 1.5 or the matmul's 2)
+    # and its efficiency by matmul / kind, so a block alone at t is priced 2.5 t
+    own = shared_figures({**alone, "activation.linear": 5e-10},
+                         {"float32": 120.0, "float64": 60.0, "copy": 12.0, "block.linear": 50.0},
+                         {"float32": 60.0, "float64": 20.0, "copy": 8.0, "block.linear": 20.0})
+    assert own["overhead.linear"] == pytest.approx(5e-5, rel=1e-12)
+    assert own["elementwise.linear"] == pytest.approx(7.5e-10, rel=1e-12)
+    assert own["activation.linear"] == pytest.approx(12.5e-10, rel=1e-12)
+    assert own["efficiency.linear"] == pytest.approx(0.9 * 2 / 2.5, rel=1e-12)
+    assert own["slowdown.linear"] == pytest.approx(2.5) and own["slowdown"] == 2.0
+    flops = 1e9                           # the matmul part: rate / 2, efficiency x 2 / 2.5
+    assert flops / (own["float32"] * own["efficiency.linear"]) == pytest.approx(
+        2.5 * flops / (alone["float32"] * alone["efficiency.linear"]), rel=1e-12)
+    # a kind slowing less than the matmul would be priced above 1: capped
+    capped = shared_figures(alone, {"float32": 120.0, "float64": 60.0, "copy": 12.0,
+                                    "block.linear": 50.0},
+                            {"float32": 60.0, "float64": 20.0, "copy": 8.0, "block.linear": 40.0})
+    assert capped["efficiency.linear"] == 1.0
 
 
 def test_calibrate_write_on_one_rank(tmp_path):
@@ -428,3 +448,27 @@ def test_a_calibration_round_separates_input_and_activation_bytes():
     u, w, v = _solve_round(rate, rows)
     assert w == v and u >= 1 and w >= 0
     assert _solve_round(rate, rows[:2]) == (u, w, v)
+
+
+def test_a_levels_handoff_is_paid_once_per_message_and_per_allreduce():
+    """``handoff_s`` (ranks sharing cores: a blocking exchange waits for its peer's core) adds
+    once to a message and once to an allreduce, whatever its ring steps; it round-trips through
+    the file, is written only when set, and bad values are named."""
+    plain = hm.Level("node", 4, 1e-6, ((math.inf, 1e10),), ((math.inf, 2e9),))
+    shared = replace(plain, handoff_s=2e-4)
+    assert shared.message_seconds(1000) == pytest.approx(plain.message_seconds(1000) + 2e-4,
+                                                         rel=1e-12)
+    for n in (2, 4):
+        assert shared.allreduce_seconds(4e6, n) == pytest.approx(
+            plain.allreduce_seconds(4e6, n) + 2e-4, rel=1e-12)
+    assert shared.reduce_step_seconds(1e5) == plain.reduce_step_seconds(1e5)
+    assert shared.allreduce_seconds(4e6, 1) == shared.allreduce_seconds(0, 4) == 0.0
+    dev = hm.Device("d", {"float32": 1.0}, 1.0, 1.0)
+    m = hm.Machine("m", (shared,), dev)
+    assert hm.loads(m.to_toml()) == m and "handoff_s = 0.0002" in m.to_toml()
+    assert "handoff_s" not in hm.Machine("m", (plain,), dev).to_toml()
+    for bad, message in ((-1e-4, "handoff_s = -0.0001: expected a number >= 0"),
+                         (math.inf, "handoff_s = inf: expected a finite number"),
+                         ("1e-4", "handoff_s = '1e-4': expected a number")):
+        with pytest.raises(ValueError, match=f"level 'node': {message}"):
+            replace(plain, handoff_s=bad)

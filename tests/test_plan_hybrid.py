@@ -358,3 +358,22 @@ def test_every_micro_batch_pass_pays_the_stage_figure():
     for lay, passes in ((Layout(1, 1, 1, 1), 1), (Layout(1, 1, 2, 4), 4 + 2 - 1)):
         more = price(SMALL, lay, m).step_s - price(SMALL, lay, base).step_s
         assert more == pytest.approx(passes * 1e-3, rel=1e-9), lay
+
+
+@pytest.mark.parametrize("lay, handoffs", [
+    (Layout(4, 1, 1, 1), 1),                         # the dp allreduce
+    (Layout(1, 4, 1, 1), 4 * 8),                     # 2 + 2 tp allreduces per block, 8 blocks
+    (Layout(1, 4, 1, 1, remat="full"), 6 * 8),       # and the forward's 2 again under remat
+    (Layout(1, 1, 4, 8), 2 * (8 + 4 - 1) + 2 * 3),   # a wait per pass, and the 2(pp-1) messages
+    (Layout(2, 1, 2, 4), 2 * (4 + 2 - 1) + 2 + 1),   # ... and the dp allreduce
+    (Layout(1, 2, 2, 2), (2 * 2 * 4 + 2) * (2 + 2 - 1) + 2)])   # 4 blocks a stage: 8 + 1 a pass
+def test_every_blocking_exchange_pays_the_levels_handoff(lay, handoffs):
+    """Where ranks share cores (a level's ``handoff_s``), every blocking exchange on the step's
+    path pays it once: a tensor-parallel allreduce, a pipeline pass's wait on its neighbour,
+    a pp message on the critical path, the dp allreduce. ``measure.handoff_seconds`` divides a
+    tiny pipeline's excess by this same count (the price's growth per second of handoff)."""
+    one = Machine(per_node=4, nodes=1)
+    h = 1e-4
+    shared = replace(one, levels=(replace(one.levels[0], handoff_s=h),))
+    more = price(SMALL, lay, shared).step_s - price(SMALL, lay, one).step_s
+    assert more == pytest.approx(handoffs * h, rel=1e-9), lay

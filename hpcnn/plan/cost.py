@@ -228,8 +228,13 @@ def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term |
         return None
     lvl = _level(machine, n * stride)
     g = "r" if lvl.reduce_bandwidth else "g"            # a reduce step's rate, or a message's
-    return Term(what, f"2*({n}-1)*(L_{lvl.name} + {nbytes / n:g}*{g}_{lvl.name})",
+    return Term(what, f"{_handoff(lvl)}2*({n}-1)*(L_{lvl.name} + {nbytes / n:g}*{g}_{lvl.name})",
                 lvl.allreduce_seconds(nbytes, n), nbytes, n)
+
+
+def _handoff(lvl) -> str:
+    """The handoff's symbol in a formula, where the level has one (ranks sharing cores)."""
+    return f"H_{lvl.name} + " if lvl.handoff_s else ""
 
 
 def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
@@ -290,7 +295,9 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     A group of n devices spaced ``stride`` apart spans n*stride consecutive devices; its level is
     the one of the outermost bisection it crosses, machine.bisection_level(log2 p - log2 span).
     Allreduces are rings, 2(n-1) steps of bytes/n at the level's calibrated reduce rate (one
-    message a step where the level has none). Supersteps add (no overlap).
+    message a step where the level has none). Where the level's ranks share cores, every
+    allreduce and message also pays its handoff once (``Level.handoff_s``, H in the formulas).
+    Supersteps add (no overlap).
     """
     p = machine.p
     size = DTYPE_BYTES[dtype]
@@ -330,11 +337,12 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
             lvl = _level(machine, span)
             nbytes = math.ceil(rows / b.rows) * math.ceil(cols / b.cols) * size
             out.append(Term(f"redistribute {what}{direction}",
-                            f"(L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
+                            f"({_handoff(lvl)}L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
                             lvl.message_seconds(nbytes), nbytes, span))
     if src.rows > 1 and not src.same_rows(dst):
         lvl = _level(machine, span)
-        out.append(Term(f"redistribute {what} batch size", f"(L_{lvl.name} + 8*g_{lvl.name})",
+        out.append(Term(f"redistribute {what} batch size",
+                        f"({_handoff(lvl)}L_{lvl.name} + 8*g_{lvl.name})",
                         lvl.message_seconds(8), 8, span))
     return out
 

@@ -31,6 +31,10 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   neighbours (tp x dp devices apart);
 - **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
   overlapped: pipelines reduce after their list), at the level holding tp x dp devices;
+- **handoffs** where ranks share cores (the level's ``handoff_s``, H: what a blocking exchange
+  waits for its peer to be given a core, :class:`hpcnn.plan.machine.Level`): once per
+  allreduce (tp and dp) and per pp message, and once per stage pass of a pipeline (its wait on
+  the neighbour's message; the passes' own messages are otherwise off the critical path);
 - **optimizer**: the update of the rank's parameters at the device's measured seconds per
   parameter of hpcnn's step (``Device.update``: :func:`hpcnn.parallel.collectives.measure.
   update_costs` at a few parameter counts, interpolated between them), scaled by word / 4 from
@@ -265,6 +269,9 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     # "stage" kind: the instruction, embedding, the tail's small calls, the loss)
     around_f, around_b = (dev.pass_seconds(0.0, dtype, "stage", 1, 0.0, fwd)
                           for fwd in (True, False))
+    if layout.pp > 1:     # each pass waits on its neighbour's message: where ranks share cores,
+        wait = _neighbours(layout, machine).handoff_s      # for that neighbour to get a core
+        around_f, around_b = around_f + wait, around_b + wait
     t_f = blocks_f + around_f + (dev.pass_seconds(head_f, dtype, "linear", 1, act, True)
                                  if head else 0.0)
     t_b = dev.pass_seconds(blocks * b, dtype, "transformer", blocks, blocks * cache, False) + (
@@ -296,12 +303,16 @@ def recomputed_forward(blocks_f: float, blocks: float, head: bool) -> float:
     return blocks_f * (blocks - 1) / blocks
 
 
+def _neighbours(layout: Layout, machine):
+    """The level that holds two pp neighbours (tp x dp devices apart)."""
+    return machine.level_for_group(min(machine.p, 2 * layout.tp * layout.dp))
+
+
 def _messages(model: Transformer, layout: Layout, machine) -> tuple:
     """(one activation message between pp neighbours, the 2(pp - 1) on the critical path)."""
     rows = model.batch // (layout.dp * layout.microbatches)
     act = rows * model.seq * model.dim * model.word
-    level = machine.level_for_group(min(machine.p, 2 * layout.tp * layout.dp))
-    msg = level.message_seconds(act) if layout.pp > 1 else 0
+    msg = _neighbours(layout, machine).message_seconds(act) if layout.pp > 1 else 0
     return msg, 2 * (layout.pp - 1) * msg
 
 

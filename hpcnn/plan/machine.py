@@ -20,6 +20,14 @@ thesis leaves open, and what is chosen here:
   the innermost level.
 - **The device** has a compute rate per dtype (FLOP/s), a memory bandwidth and a capacity; when
   several ranks share cores, calibration records the rate each gets while all compute at once.
+- **A handoff where ranks share cores.** When a level holds more ranks than cores, a rank that
+  blocks on a peer (a message, a collective) waits until the scheduler gives that peer a core,
+  which rates measured all at once and exchanges timed in step do not see. ``handoff_s`` on
+  the level (H_l, 0 by default) is paid once per message, per allreduce and per pipeline stage
+  pass; calibration measures it on a tiny pipeline over the ranks
+  (:func:`hpcnn.parallel.collectives.measure.handoff_seconds`): 0.08-0.15 ms on 4 ranks over 2
+  cores here, where the GPT's layouts had run 0.1-0.2 ms longer per tensor-parallel allreduce
+  and per pipeline pass than priced without it (Kendall tau 0.71 over 71 layouts).
 - **Efficiency per block kind.** The rate is a matmul's; a framework's block also runs element-wise
   passes (LayerNorm, GELU, softmax, the residual adds), which NumPy does not fuse into the
   matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the
@@ -98,12 +106,19 @@ class Level:
     ``reduce_bandwidth`` (optional, the same form) is the rate of one step of a ring allreduce
     at this level: a part sent, one received and summed into the buffer. Calibration fits it
     from the MPI allreduce it times, which on this kind of machine runs ~4x slower than the ring
-    of ping-pong messages (the sums, the library's copies); without it a step is one message."""
+    of ping-pong messages (the sums, the library's copies); without it a step is one message.
+    ``handoff_s`` (optional, >= 0; 0 where every device has a core of its own) is what one
+    blocking exchange (a message, a collective) waits for its peer to be given a core when the
+    level's devices outnumber its cores: paid once per message and per allreduce
+    (:meth:`message_seconds`, :meth:`allreduce_seconds`), and per pipeline stage pass
+    (:mod:`hpcnn.plan.hybrid`). Calibration measures it where ranks share cores
+    (:func:`hpcnn.parallel.collectives.measure.handoff_seconds`)."""
     name: str
     fanout: int
     latency_s: float
     bandwidth: tuple
     reduce_bandwidth: tuple = ()
+    handoff_s: float = 0.0
 
     def __post_init__(self):
         where = f"level {self.name!r}"
@@ -114,6 +129,10 @@ class Level:
         object.__setattr__(self, "latency_s", _positive(self.latency_s, f"{where}: latency_s",
                                                         allow_zero=True))
         object.__setattr__(self, "bandwidth", _pieces(self.bandwidth, f"{where}: bandwidth"))
+        object.__setattr__(self, "handoff_s", _positive(self.handoff_s, f"{where}: handoff_s",
+                                                        allow_zero=True))
+        if math.isinf(self.handoff_s):
+            raise ValueError(f"{where}: handoff_s = inf: expected a finite number")
         if self.reduce_bandwidth:
             object.__setattr__(self, "reduce_bandwidth", _pieces(
                 self.reduce_bandwidth, f"{where}: reduce_bandwidth"))
@@ -128,24 +147,26 @@ class Level:
         raise AssertionError("the last piece ends at infinity")     # checked in _pieces
 
     def message_seconds(self, nbytes: int) -> float:
-        """L_l + n g_l(n): one message of ``nbytes`` between two children of this level."""
-        return self.latency_s + nbytes * self.seconds_per_byte(nbytes)
+        """H_l + L_l + n g_l(n): one message of ``nbytes`` between two children of this level
+        (H_l the handoff, ``handoff_s``)."""
+        return self.handoff_s + self.latency_s + nbytes * self.seconds_per_byte(nbytes)
 
     def reduce_step_seconds(self, nbytes: float) -> float:
         """One step of a ring allreduce exchanging parts of ``nbytes``: L_l + n / its
         ``reduce_bandwidth`` piece's rate, or one message where the level has none."""
         if not self.reduce_bandwidth:
-            return self.message_seconds(nbytes)
+            return self.latency_s + nbytes * self.seconds_per_byte(nbytes)
         if nbytes < 0:
             raise ValueError(f"level {self.name!r}: nbytes = {nbytes}: expected >= 0")
         rate = next(r for top, r in self.reduce_bandwidth if nbytes <= top)
         return self.latency_s + nbytes / rate
 
     def allreduce_seconds(self, nbytes: float, n: int) -> float:
-        """A ring allreduce of ``nbytes`` over ``n`` children: 2(n-1) steps of n-th parts."""
+        """A ring allreduce of ``nbytes`` over ``n`` children: 2(n-1) steps of n-th parts, and
+        one handoff (``handoff_s``)."""
         if n == 1 or nbytes == 0:
             return 0.0
-        return 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
+        return self.handoff_s + 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
 
 
 def _pieces(pieces, what: str, names=("max_bytes", "bytes_per_s")) -> tuple:
@@ -424,6 +445,9 @@ class Machine:
             if lv.reduce_bandwidth:
                 lines.append(f"reduce_bandwidth = {_toml_pieces(lv.reduce_bandwidth)}"
                              "   # a ring allreduce's step")
+            if lv.handoff_s:
+                lines.append(f"handoff_s = {_toml_num(lv.handoff_s)}"
+                             "   # a blocking exchange's wait for its peer's core")
         return "\n".join(lines) + "\n"
 
 
@@ -491,7 +515,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
             levels.append(Level(name=_get(lv, "name", at), fanout=_get(lv, "fanout", at),
                                 latency_s=_get(lv, "latency_s", at),
                                 bandwidth=_get(lv, "bandwidth", at, list),
-                                reduce_bandwidth=lv.get("reduce_bandwidth", ())))
+                                reduce_bandwidth=lv.get("reduce_bandwidth", ()),
+                                handoff_s=lv.get("handoff_s", 0.0)))
     with _named(where):
         return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
                        source=str(doc.get("source", "")))

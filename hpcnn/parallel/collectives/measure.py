@@ -25,7 +25,13 @@
   below, timed on rank 0 alone; then the sustained matmul and copy rates over a wall-clock
   window, alone and on all ranks at once (:func:`sustained_rates`). The machine file records
   what a rank gets while all compute (:func:`shared_figures`): the figures alone slowed by the
-  ratio of the sustained rates, ~1 with a core per rank, ~2 with two ranks per core.
+  ratio of the sustained rates, ~1 with a core per rank, ~2 with two ranks per core; when the
+  ranks share cores, each block kind's by the ratio of its own reference blocks run over a
+  window alone and all at once.
+- **Handoff** (:func:`handoff_seconds`), only when the node holds more ranks than cores: a tiny
+  GPT as a 1F1B pipeline over all ranks through the step engine, its step over its price per
+  blocking exchange the price counts on it: the level's ``handoff_s``, what a rank waits for
+  a peer to be given a core.
 - **Per block kind** (:func:`block_costs`): hpcnn's own blocks, forward and backward, at a tiny
   size (their fixed cost: ``overhead``) and at two reference sizes per kind, a wide and a narrow
   one (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): each round times the
@@ -344,6 +350,63 @@ def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
     return (f + b, f / (f + b)) if f > 0 and b > 0 else None
 
 
+def handoff_seconds(comm, machine, steps: int = 30, shape=None) -> float:
+    """Seconds a blocking exchange waits for its peer to be given a core, on ranks that share
+    cores: the tiny pipeline's measured step over its price, per exchange on its critical path.
+
+    ``hpcnn train``'s step engine (:func:`hpcnn.engine.step.train_step` on the context
+    :func:`hpcnn.train.train` sets up) trains a tiny GPT on the bundled sonnet text: one
+    transformer block of the overhead's size (:data:`OVERHEAD_SHAPES`, or ``shape``) per rank,
+    a 1F1B pipeline over all of ``comm``'s ranks, :data:`STAGE_MICRO` micro-batches of one
+    sequence, AdamW. Its step (the slowest rank's, median over ``steps`` after the first fifth)
+    less :func:`hpcnn.plan.hybrid.price` of the same layout on ``machine`` (the figures measured
+    before, without a handoff), divided by the number of handoffs that price counts on this
+    pipeline (its growth per second of handoff: one per stage pass on the schedule's span,
+    2(M + p - 1), and one per message on the critical path, 2(p - 1)), so that the price of
+    this pipeline with the figure is its measured step. Floored at 0.
+
+    When a node holds more ranks than cores, a rank that blocks on a peer (a receive, a
+    collective) waits until the scheduler gives that peer a core: on 4 ranks over 2 cores the
+    GPT's layouts ran 0.1-0.2 ms longer per tensor-parallel allreduce and per pipeline pass than
+    priced without it, and the back-to-back timing of :func:`pingpong` (every rank in step)
+    does not see it. A figure of the machine's scheduler and the framework, like the stage
+    pass, not of a model planned. (The pipeline module's own ``train_step`` in a loop ran the
+    same pipelines 1.5x slower than ``hpcnn train`` here: the step engine is what is timed.)"""
+    from mpi4py import MPI
+
+    from hpcnn import data
+    from hpcnn.config import TrainConfig
+    from hpcnn.engine.step import train_step
+    from hpcnn.plan import hybrid
+    from hpcnn.train import _setup
+    p = comm.Get_size()
+    dim, heads, (rows, seq, _) = shape or OVERHEAD_SHAPES["transformer"]
+    cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
+                      block_size=seq, batch_size=STAGE_MICRO * rows, pp=p,
+                      microbatches=STAGE_MICRO, schedule="1f1b", dtype="float32",
+                      allreduce="mpi", progress=False, eval_interval=0, steps=steps).resolved()
+    cfg, ctx, task, opt, _ = _setup(cfg, comm, None)
+    times = []
+    try:
+        t0 = time.perf_counter()
+        for step in range(steps):
+            row = train_step(ctx, task, opt, step, t0)[0]
+            times.append(comm.allreduce(row["step_time"], op=MPI.MAX))
+    finally:
+        ctx.free()
+    model = hybrid.Transformer(p, dim, heads, seq, data.for_config(cfg).vocab,
+                               STAGE_MICRO * rows, "float32")
+    layout = hybrid.Layout(1, 1, p, STAGE_MICRO, "1f1b", "none")
+
+    def step_s(handoff: float) -> float:
+        m = replace(machine, levels=tuple(replace(lv, handoff_s=handoff)
+                                          for lv in machine.levels))
+        return hybrid.price(model, layout, m).step_s
+    bare = step_s(0.0)
+    exchanges = step_s(1.0) - bare              # handoffs the price counts on this pipeline
+    return max(0.0, (float(np.median(times[steps // 5:])) - bare) / exchanges)
+
+
 def _solve_round(rate: float, rows) -> tuple:
     """(1/e, c, a) of one round of :func:`block_costs` from its reference rows (FLOPs, cache
     bytes, ReLU output bytes, seconds beyond the overhead): the exact solution of all three
@@ -465,10 +528,12 @@ def device_rates(rounds: int = 15) -> dict:
     return rates
 
 
-def sustained_rates(seconds: float = SUSTAIN_S) -> dict:
-    """{"float32", "float64": matmul FLOP/s, "copy": bytes/s} as the work done over a wall-clock
-    window of ``seconds`` each: when ranks outnumber cores the scheduler shares a core in slices
-    of milliseconds, which the median of single calls misses and a window's mean counts."""
+def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False) -> dict:
+    """{"float32", "float64": matmul FLOP/s, "copy": bytes/s} and with ``blocks`` "block.KIND":
+    forward + backward passes per second of the kind's wide and narrow reference blocks
+    (:data:`EFFICIENCY_SHAPES`), as the work done over a wall-clock window of ``seconds`` each:
+    when ranks outnumber cores the scheduler shares a core in slices of milliseconds, which the
+    median of single calls misses and a window's mean counts."""
     out = {}
     rng = np.random.default_rng(0)
     for dt in DTYPES:
@@ -478,6 +543,9 @@ def sustained_rates(seconds: float = SUSTAIN_S) -> dict:
     src = np.ones(COPY_BYTES // 8)
     dst = np.empty_like(src)
     out["copy"] = 2.0 * src.nbytes / _window_seconds(lambda: np.copyto(dst, src), seconds)
+    for kind, shapes in EFFICIENCY_SHAPES.items() if blocks else ():   # wide and narrow refs
+        runs = [_blocks_pass(kind, shape, "float32")[0] for shape in shapes[:2]]
+        out[f"block.{kind}"] = 1.0 / _window_seconds(lambda: [run() for run in runs], seconds)
     return out
 
 
@@ -504,15 +572,27 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     """The device figures of a rank while every rank computes, from rank 0's figures alone and the
     sustained rates alone and all at once (:func:`sustained_rates`, slowest rank).
 
-    ``slow`` = sustained float32 rate alone / all at once is the factor by which a rank's
-    computing slows when all ranks compute: about 1 with a core per rank, ~2 with two ranks per
-    core. Matmul rates (per dtype) and the copy bandwidth divide by their own factor; the block
-    kinds' fixed seconds and the optimizer's seconds per parameter multiply by ``slow`` (they
-    are CPU time, shared as the matmul's is); the element-wise seconds per cache byte multiply
-    by the copy's factor (memory traffic: with both cores of this machine busy the copy slowed
-    1.2-1.3x where the matmul slowed 1.0-1.05x; a plan validation's GPT layouts on 2 ranks ran
-    1.11x their price with the matmul's factor, 1.06x with the copy's); efficiencies, forward
-    shares and backward splits are ratios of times slowed alike and stay.
+    Each sustained figure's ratio alone / all at once is the factor by which that work slows
+    when all ranks compute: about 1 with a core per rank, ~2 with two ranks per core. Matmul
+    rates (per dtype) and the copy bandwidth divide by their own factor.
+
+    With a core per rank the ranks share only the memory: a block kind's fixed seconds slow
+    as the float32 matmul, its element-wise and ReLU-output seconds as the copy (memory
+    traffic: with both cores of this machine busy the copy slowed 1.2-1.3x where the matmul
+    slowed 1.0-1.05x; a plan validation's GPT layouts on 2 ranks ran 1.11x their price with the
+    matmul's factor, 1.06x with the copy's; re-priced on one later 2-rank validation, the
+    copy's gave MAPE 4.4 % where the blocks' own factor below gave 10.4 %).
+    When ranks share cores (:func:`measure` passes the reference blocks' sustained rates,
+    ``block.KIND``, only then), a kind's fixed, element-wise and ReLU-output seconds multiply
+    by the factor of the kind's own reference blocks and its efficiency by the matmul's factor
+    over the kind's, capped at 1, so that a block priced alone at t is priced t times its kind's
+    factor: the copy of :data:`COPY_BYTES` streams from memory while its rank's core is
+    time-shared, and on 4 ranks over 2 cores it slowed 2.0-3.5x between calibrations where the
+    blocks slowed 2.1-2.3x, like the matmul (priced with the copy's 3.4x, the GPT layouts of
+    8-16 sequences per micro-batch measured 0.71-0.85x their price; re-priced on two 4-rank
+    validations, Kendall tau 0.72 -> 0.77 and 0.64 -> 0.66 with the blocks' factor). The optimizer's
+    seconds per parameter multiply by the float32 factor (CPU time, shared as the matmul's is);
+    forward shares and backward splits are ratios of times slowed alike and stay.
     A factor below 1 (all at once faster than alone: 0.97 in one calibration here, the two
     windows' noise) counts as 1.
     Timed all at once directly, the block figures would be medians of calls of 0.1-10 ms, which
@@ -521,18 +601,22 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     slow = {k: max(1.0, alone_sustained[k] / together_sustained[k]) for k in together_sustained}
     out = {}
     for key, value in alone.items():
-        table = key.split(".", 1)[0] if "." in key else ""
+        table, kind = key.split(".", 1) if "." in key else ("", "")
+        own = slow.get(f"block.{kind}")
         if table == "overhead":
-            out[key] = value * slow["float32"]
+            out[key] = value * (own or slow["float32"])
         elif table in ("elementwise", "activation"):
-            out[key] = value * slow["copy"]
+            out[key] = value * (own or slow["copy"])
+        elif table == "efficiency":
+            out[key] = min(1.0, value * slow["float32"] / own) if own else value
         elif table == "update":
             out[key] = tuple((top, per * slow["float32"]) for top, per in value)
-        elif table in ("efficiency", "forward", "split"):
+        elif table in ("forward", "split"):
             out[key] = value
         else:                                   # a dtype's matmul rate or "copy"
             out[key] = value / slow[key]
     out["slowdown"] = slow["float32"]
+    out.update({f"slowdown.{k[6:]}": v for k, v in slow.items() if k.startswith("block.")})
     return out
 
 
@@ -545,24 +629,29 @@ def measure(comm, rounds: int = 15) -> dict:
     memory), "cpu"."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
-    if rank == 0:
-        alone, alone_sustained = device_rates(rounds), sustained_rates()
-    else:
-        alone = alone_sustained = None
-    _quiet_barrier(comm)
-    mine = sustained_rates()                                 # every rank at once
-    together_sustained = {k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()}
-    alone, alone_sustained = comm.bcast((alone, alone_sustained), root=0)
-    together = shared_figures(alone, alone_sustained, together_sustained)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
     local.Free()
-    cold = ranks_here <= cores_here()
+    cold = comm.allreduce(ranks_here <= cores_here(), op=MPI.LAND)
+    if rank == 0:
+        alone, alone_sustained = device_rates(rounds), sustained_rates(blocks=not cold)
+    else:
+        alone = alone_sustained = None
+    _quiet_barrier(comm)
+    mine = sustained_rates(blocks=not cold)                  # every rank at once
+    together_sustained = {k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()}
+    alone, alone_sustained = comm.bcast((alone, alone_sustained), root=0)
+    together = shared_figures(alone, alone_sustained, together_sustained)
     seconds = pingpong(comm, cold=cold) if size > 1 else None
     reduce = allreduce_times(comm, cold=cold) if size > 1 else None
-    return {"alone": alone, "together": together, "sizes": list(SIZES),
+    meas = {"alone": alone, "together": together, "sizes": list(SIZES),
             "seconds": seconds, "reduce_sizes": list(SIZES[1:]), "reduce_seconds": reduce,
-            "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0)}
+            "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0),
+            "handoff": None}
+    if size > 1 and not cold:             # ranks share cores: what a blocking exchange waits
+        meas["handoff"] = comm.bcast(handoff_seconds(comm, machine_of(meas, "calibrating",
+                                                                      size)), root=0)
+    return meas
 
 
 def cores_here() -> int:
@@ -583,11 +672,11 @@ def _kinds(rates: dict, table: str) -> dict:
     return {k.split(".", 1)[1]: digits(v) for k, v in rates.items() if k.startswith(table + ".")}
 
 
-def machine_text(meas: dict, name: str, size: int) -> str:
-    """The machine file for what :func:`measure` returned on ``size`` ranks: header comments with
-    the raw figures, then :meth:`Machine.to_toml` of one level "node" of fan-out ``size`` (none
-    on one rank) over the all-at-once device."""
-    tog, alone = meas["together"], meas["alone"]
+def machine_of(meas: dict, name: str, size: int) -> Machine:
+    """The machine of what :func:`measure` returned on ``size`` ranks: one level "node" of
+    fan-out ``size`` (none on one rank), its handoff where measured, over the all-at-once
+    device."""
+    tog = meas["together"]
     device = Device(name=meas["cpu"], flops={dt: tog[dt] for dt in DTYPES},
                     memory_bandwidth=tog["copy"],
                     memory_bytes=memory_bytes(meas["ranks_here"]),
@@ -599,14 +688,26 @@ def machine_text(meas: dict, name: str, size: int) -> str:
     if size > 1:
         node = fit_level(meas["sizes"], meas["seconds"], size)
         levels = (replace(node, reduce_bandwidth=fit_reduce(
-            meas["reduce_sizes"], meas["reduce_seconds"], size, node.latency_s)),)
+            meas["reduce_sizes"], meas["reduce_seconds"], size, node.latency_s),
+            handoff_s=meas.get("handoff") or 0.0),)
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
+    return Machine(name=name, levels=levels, device=device, source=source)
+
+
+def machine_text(meas: dict, name: str, size: int) -> str:
+    """The machine file for what :func:`measure` returned on ``size`` ranks: header comments with
+    the raw figures, then :meth:`Machine.to_toml` of :func:`machine_of`."""
+    tog, alone = meas["together"], meas["alone"]
     head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
             f"({meas['ranks_here']} sharing this node's memory).",
             "# Device: what each rank gets while all ranks compute at once: rank 0's figures "
             "alone, slowed by the sustained rates' ratio alone / all at once (slowest rank), "
-            f"x{tog['slowdown']:.2f} (measure.shared_figures).",
+            f"x{tog['slowdown']:.2f}, "
+            + ("each block kind's figures by its reference blocks' (ranks share cores): "
+               + ", ".join(f"{k} x{v:.2f}" for k, v in _kinds(tog, "slowdown").items())
+               + "; " if _kinds(tog, "slowdown") else "the element-wise seconds by ")
+            + f"the copy x{alone['copy'] / tog['copy']:.2f} (measure.shared_figures).",
             "# Alone (rank 0 by itself): " + ", ".join(
                 f"matmul {dt} {alone[dt] / 1e9:.1f} GFLOP/s" for dt in DTYPES)
             + f", copy {alone['copy'] / 1e9:.1f} GB/s; all at once: " + ", ".join(
@@ -634,5 +735,8 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                     + ".")
     else:
         head.append("# One rank: no network level was measured.")
-    return "\n".join(head) + "\n\n" + Machine(name=name, levels=levels, device=device,
-                                              source=source).to_toml()
+    if meas.get("handoff") is not None:
+        head.append(f"# Handoff (ranks share cores): a tiny 1F1B pipeline over the {size} ranks "
+                    f"ran {meas['handoff'] * 1e6:.1f} us per exchange over its price "
+                    "(measure.handoff_seconds).")
+    return "\n".join(head) + "\n\n" + machine_of(meas, name, size).to_toml()
