@@ -25,9 +25,10 @@ thesis leaves open, and what is chosen here:
   which rates measured all at once and exchanges timed in step do not see. ``handoff_s`` on
   the level (H_l, 0 by default) is paid once per message, per allreduce and per pipeline stage
   pass; calibration measures it on a tiny pipeline over the ranks
-  (:func:`hpcnn.parallel.collectives.measure.handoff_seconds`): 0.08-0.15 ms on 4 ranks over 2
+  (:func:`hpcnn.parallel.collectives.measure.handoff_seconds`): 14-37 us on 4 ranks over 2
   cores here, where the GPT's layouts had run 0.1-0.2 ms longer per tensor-parallel allreduce
-  and per pipeline pass than priced without it (Kendall tau 0.71 over 71 layouts).
+  and per pipeline pass than priced without it (the waits grow with the compute between
+  exchanges, which a tiny pipeline's passes keep short: README, plan validation at 4 ranks).
 - **Efficiency per block kind.** The rate is a matmul's; a framework's block also runs element-wise
   passes (LayerNorm, GELU, softmax, the residual adds), which NumPy does not fuse into the
   matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the
