@@ -150,13 +150,17 @@ class Level:
     def message_seconds(self, nbytes: int) -> float:
         """H_l + L_l + n g_l(n): one message of ``nbytes`` between two children of this level
         (H_l the handoff, ``handoff_s``)."""
-        return self.handoff_s + self.latency_s + nbytes * self.seconds_per_byte(nbytes)
+        return self.handoff_s + self._wire_seconds(nbytes)
+
+    def _wire_seconds(self, nbytes: float) -> float:
+        """L_l + n g_l(n): a message's latency and bytes, without the handoff."""
+        return self.latency_s + nbytes * self.seconds_per_byte(nbytes)
 
     def reduce_step_seconds(self, nbytes: float) -> float:
         """One step of a ring allreduce exchanging parts of ``nbytes``: L_l + n / its
         ``reduce_bandwidth`` piece's rate, or one message where the level has none."""
         if not self.reduce_bandwidth:
-            return self.latency_s + nbytes * self.seconds_per_byte(nbytes)
+            return self._wire_seconds(nbytes)
         if nbytes < 0:
             raise ValueError(f"level {self.name!r}: nbytes = {nbytes}: expected >= 0")
         rate = next(r for top, r in self.reduce_bandwidth if nbytes <= top)

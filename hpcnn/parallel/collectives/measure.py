@@ -350,13 +350,13 @@ def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
     return (f + b, f / (f + b)) if f > 0 and b > 0 else None
 
 
-def handoff_seconds(comm, machine, steps: int = 30, shape=None) -> float:
+def handoff_seconds(comm, machine, steps: int = 30) -> float:
     """Seconds a blocking exchange waits for its peer to be given a core, on ranks that share
     cores: the tiny pipeline's measured step over its price, per exchange on its critical path.
 
     ``hpcnn train``'s step engine (:func:`hpcnn.engine.step.train_step` on the context
     :func:`hpcnn.train.train` sets up) trains a tiny GPT on the bundled sonnet text: one
-    transformer block of the overhead's size (:data:`OVERHEAD_SHAPES`, or ``shape``) per rank,
+    transformer block of the overhead's size (:data:`OVERHEAD_SHAPES`) per rank,
     a 1F1B pipeline over all of ``comm``'s ranks, :data:`STAGE_MICRO` micro-batches of one
     sequence, AdamW. Its step (the slowest rank's, median over ``steps`` after the first fifth)
     less :func:`hpcnn.plan.hybrid.price` of the same layout on ``machine`` (the figures measured
@@ -380,7 +380,7 @@ def handoff_seconds(comm, machine, steps: int = 30, shape=None) -> float:
     from hpcnn.plan import hybrid
     from hpcnn.train import _setup
     p = comm.Get_size()
-    dim, heads, (rows, seq, _) = shape or OVERHEAD_SHAPES["transformer"]
+    dim, heads, (rows, seq, _) = OVERHEAD_SHAPES["transformer"]
     cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
                       block_size=seq, batch_size=STAGE_MICRO * rows, pp=p,
                       microbatches=STAGE_MICRO, schedule="1f1b", dtype="float32",
@@ -699,15 +699,16 @@ def machine_text(meas: dict, name: str, size: int) -> str:
     """The machine file for what :func:`measure` returned on ``size`` ranks: header comments with
     the raw figures, then :meth:`Machine.to_toml` of :func:`machine_of`."""
     tog, alone = meas["together"], meas["alone"]
+    kinds = _kinds(tog, "slowdown")           # the blocks' own factors, where ranks share cores
+    blocks = ("each block kind's figures by its reference blocks' (ranks share cores): "
+              + ", ".join(f"{k} x{v:.2f}" for k, v in kinds.items()) + "; " if kinds
+              else "the element-wise seconds by ")
     head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
             f"({meas['ranks_here']} sharing this node's memory).",
             "# Device: what each rank gets while all ranks compute at once: rank 0's figures "
             "alone, slowed by the sustained rates' ratio alone / all at once (slowest rank), "
-            f"x{tog['slowdown']:.2f}, "
-            + ("each block kind's figures by its reference blocks' (ranks share cores): "
-               + ", ".join(f"{k} x{v:.2f}" for k, v in _kinds(tog, "slowdown").items())
-               + "; " if _kinds(tog, "slowdown") else "the element-wise seconds by ")
-            + f"the copy x{alone['copy'] / tog['copy']:.2f} (measure.shared_figures).",
+            f"x{tog['slowdown']:.2f}, {blocks}the copy x{alone['copy'] / tog['copy']:.2f} "
+            "(measure.shared_figures).",
             "# Alone (rank 0 by itself): " + ", ".join(
                 f"matmul {dt} {alone[dt] / 1e9:.1f} GFLOP/s" for dt in DTYPES)
             + f", copy {alone['copy'] / 1e9:.1f} GB/s; all at once: " + ", ".join(
