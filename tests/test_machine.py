@@ -451,24 +451,41 @@ def test_a_calibration_round_separates_input_and_activation_bytes():
 
 
 def test_a_levels_handoff_is_paid_once_per_message_and_per_allreduce():
-    """``handoff_s`` (ranks sharing cores: a blocking exchange waits for its peer's core) adds
-    once to a message and once to an allreduce, whatever its ring steps; it round-trips through
-    the file, is written only when set, and bad values are named."""
+    """``handoff`` (ranks sharing cores: a blocking exchange waits for its peer's core, longer
+    after longer compute) adds H(c) once to a message and once to an allreduce, whatever its
+    ring steps, c the compute before it: linear between the points, flat outside; it and the
+    ``bubble_weight`` round-trip through the file, are written only when set, an older file's
+    scalar ``handoff_s`` reads as one flat point, and bad values are named."""
     plain = hm.Level("node", 4, 1e-6, ((math.inf, 1e10),), ((math.inf, 2e9),))
-    shared = replace(plain, handoff_s=2e-4)
-    assert shared.message_seconds(1000) == pytest.approx(plain.message_seconds(1000) + 2e-4,
-                                                         rel=1e-12)
-    for n in (2, 4):
-        assert shared.allreduce_seconds(4e6, n) == pytest.approx(
-            plain.allreduce_seconds(4e6, n) + 2e-4, rel=1e-12)
+    shared = replace(plain, handoff=((1e-4, 2e-5), (1e-3, 2e-4)))
+    for after, h in ((0.0, 2e-5), (1e-4, 2e-5), (5.5e-4, 1.1e-4), (1e-3, 2e-4), (1.0, 2e-4)):
+        assert shared.handoff_after(after) == pytest.approx(h, rel=1e-12), after
+        assert shared.message_seconds(1000, after) == pytest.approx(
+            plain.message_seconds(1000) + h, rel=1e-12)
+        for n in (2, 4):
+            assert shared.allreduce_seconds(4e6, n, after) == pytest.approx(
+                plain.allreduce_seconds(4e6, n) + h, rel=1e-12)
+    assert plain.handoff_after(1.0) == 0.0 and plain.bubble_weight == 1.0
     assert shared.reduce_step_seconds(1e5) == plain.reduce_step_seconds(1e5)
     assert shared.allreduce_seconds(4e6, 1) == shared.allreduce_seconds(0, 4) == 0.0
     dev = hm.Device("d", {"float32": 1.0}, 1.0, 1.0)
-    m = hm.Machine("m", (shared,), dev)
-    assert hm.loads(m.to_toml()) == m and "handoff_s = 0.0002" in m.to_toml()
-    assert "handoff_s" not in hm.Machine("m", (plain,), dev).to_toml()
-    for bad, message in ((-1e-4, "handoff_s = -0.0001: expected a number >= 0"),
-                         (math.inf, "handoff_s = inf: expected a finite number"),
-                         ("1e-4", "handoff_s = '1e-4': expected a number")):
+    m = hm.Machine("m", (replace(shared, bubble_weight=0.4),), dev)
+    text = m.to_toml()
+    assert hm.loads(text) == m and "handoff = [[0.0001, 2e-05], [0.001, 0.0002]]" in text
+    assert "bubble_weight = 0.4" in text
+    assert "handoff" not in hm.Machine("m", (plain,), dev).to_toml()
+    assert "bubble_weight" not in hm.Machine("m", (plain,), dev).to_toml()
+    old = hm.loads(hm.Machine("m", (plain,), dev).to_toml().replace(
+        'latency_s', 'handoff_s = 3e-5\nlatency_s'))
+    assert old.levels[0].handoff == ((0.0, 3e-5),) and old.levels[0].handoff_after(1.0) == 3e-5
+    for field, bad, message in (
+            ("handoff", ((0.0, -1e-4),), r"handoff\[0\] seconds = -0.0001: expected a number >= 0"),
+            ("handoff", ((0.0, math.inf),), r"handoff\[0\] = \[0.0, inf\]: expected finite"),
+            ("handoff", ((1e-3, 1e-4), (1e-4, 1e-4)), r"handoff\[1\] after_s = 0.0001: the "
+             r"points' after_s must increase \(previous 0.001\)"),
+            ("handoff", (("x", 1e-4),), r"handoff\[0\] after_s = 'x': expected a number"),
+            ("handoff", 1e-4, r"handoff = 0.0001: expected a list of \[after_s, seconds\]"),
+            ("bubble_weight", 0.0, "bubble_weight = 0.0: expected a number > 0"),
+            ("bubble_weight", 1.5, r"bubble_weight = 1.5: expected a number in \(0, 1\]")):
         with pytest.raises(ValueError, match=f"level 'node': {message}"):
-            replace(plain, handoff_s=bad)
+            replace(plain, **{field: bad})

@@ -368,12 +368,40 @@ def test_every_micro_batch_pass_pays_the_stage_figure():
     (Layout(2, 1, 2, 4), 2 * (4 + 2 - 1) + 2 + 1),   # ... and the dp allreduce
     (Layout(1, 2, 2, 2), (2 * 2 * 4 + 2) * (2 + 2 - 1) + 2)])   # 4 blocks a stage: 8 + 1 a pass
 def test_every_blocking_exchange_pays_the_levels_handoff(lay, handoffs):
-    """Where ranks share cores (a level's ``handoff_s``), every blocking exchange on the step's
+    """Where ranks share cores (a level's ``handoff``), every blocking exchange on the step's
     path pays it once: a tensor-parallel allreduce, a pipeline pass's wait on its neighbour,
-    a pp message on the critical path, the dp allreduce. ``measure.handoff_seconds`` divides a
-    tiny pipeline's excess by this same count (the price's growth per second of handoff)."""
+    a pp message on the critical path, the dp allreduce. ``measure.handoff_points`` fits the
+    handoff by this same count (the price's growth per second of a flat handoff)."""
     one = Machine(per_node=4, nodes=1)
     h = 1e-4
-    shared = replace(one, levels=(replace(one.levels[0], handoff_s=h),))
+    shared = replace(one, levels=(replace(one.levels[0], handoff=((0.0, h),)),))
     more = price(SMALL, lay, shared).step_s - price(SMALL, lay, one).step_s
     assert more == pytest.approx(handoffs * h, rel=1e-9), lay
+
+
+def test_the_handoff_follows_the_compute_before_it_and_the_fill_and_drain_their_weight():
+    """A pipeline pass's handoff is H(its own length), a tp allreduce's H(the compute between
+    two of them: a quarter of a block's forward + backward), the dp allreduce's H(a backward
+    pass); with H(c) = k c every such wait grows with k as its compute does. The bubble weight
+    w scales what the span holds beyond a stage's own passes, (1 - w) x bubble less, and leaves
+    layouts without a pipeline alone."""
+    one = Machine(per_node=4, nodes=1)
+    k = 0.25
+    linear = replace(one, levels=(replace(one.levels[0], handoff=((0.0, 0.0), (1.0, k))),))
+    lay = Layout(1, 1, 4, 8)
+    st, sl = stage_times(SMALL, lay, one), stage_times(SMALL, lay, linear)
+    assert (sl.t_f, sl.t_b) == pytest.approx(((1 + k) * st.t_f, (1 + k) * st.t_b), rel=1e-12)
+    tp = Layout(1, 4, 1, 1)
+    st, sl = stage_times(SMALL, tp, one), stage_times(SMALL, tp, linear)
+    f, b, cache, _, _ = _block(SMALL.dim, SMALL.n_heads, SMALL.seq, SMALL.batch, SMALL.word, 4)
+    per_block = sum(one.device.pass_seconds(x, SMALL.dtype, "transformer", 1, cache, fwd)
+                    for x, fwd in ((f, True), (b, False)))
+    assert sl.tp_s - st.tp_s == pytest.approx(k * per_block / 4 * 2 * SMALL.n_layers, rel=1e-9)
+    for w in (0.5, 0.25):
+        weighted = replace(one, levels=(replace(one.levels[0], bubble_weight=w),))
+        for lay in (Layout(1, 1, 4, 8), Layout(2, 1, 2, 4, "zb_h1")):
+            base = price(SMALL, lay, one)
+            assert price(SMALL, lay, weighted).step_s == pytest.approx(
+                base.step_s - (1 - w) * base.parts["bubble"], rel=1e-12), (w, lay)
+        assert price(SMALL, Layout(4, 1, 1, 1), weighted).step_s == price(
+            SMALL, Layout(4, 1, 1, 1), one).step_s

@@ -321,6 +321,29 @@ def test_strategy_cost_redistributes_where_the_executor_moves_data():
             if "loss" in t.what] == []                          # partial sums reduced: whole
 
 
+def test_a_collective_and_a_redistribution_pay_the_handoff_after_the_product_before_them():
+    """Where ranks share cores (a level's ``handoff``, H(c) after c seconds of compute), an
+    operator's allreduces each follow one of its three products (a third of its compute), a
+    redistribution forward the producer's product and backward the consumer's: with H(c) = k c
+    each such term grows by exactly k times that compute."""
+    from dataclasses import replace as rep
+    from hpcnn.plan.machine import Device, Machine as Hsm
+    k = 0.5
+    level = Level("node", 2, 1e-5, ((math.inf, 1e9),))
+    dev = Device("d", {"float32": 1e9}, 1e12, 1e12)
+    plain = Hsm("m", (level,), dev)
+    shared = Hsm("m", (rep(level, handoff=((0.0, 0.0), (1.0, k))),), dev)
+    g = chain([Matmul(8, 4, 4), Matmul(8, 4, 4)])
+    cuts = [Cut(1, 1, 2), Cut(2, 1, 1)]     # columns then rows: reduce dx, moves both ways,
+    a, b = (strategy_cost(g, cuts, m, loss=False).terms for m in (plain, shared))   # grads
+    product = [t.seconds / 3 for t in a if t.what.endswith("compute")]
+    grown = {t.what: u.seconds - t.seconds for t, u in zip(a, b) if u.seconds != t.seconds}
+    assert grown == pytest.approx({"op0 reduce dx": k * product[0],
+                                   "op1 grad allreduce": k * product[1],
+                                   "redistribute 0->1": k * product[0],
+                                   "redistribute 0->1 gradient": k * product[1]}, rel=1e-12)
+
+
 def test_least_price_is_the_cheapest_strategy_and_knows_its_limit():
     from hpcnn.plan.search import least_price
     g = chain([Matmul(256, 64, 1024), Elementwise(), Matmul(256, 1024, 1024), Elementwise(),

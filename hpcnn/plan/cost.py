@@ -221,20 +221,22 @@ def _level(machine, span: int):
     return machine.bisection_level(L - log2_devices(span))
 
 
-def _allreduce(machine, what: str, n: int, stride: int, nbytes: float) -> Term | None:
+def _allreduce(machine, what: str, n: int, stride: int, nbytes: float,
+               after: float = 0.0) -> Term | None:
     """Ring allreduce of nbytes over n devices ``stride`` apart: 2(n-1) steps of nbytes/n
-    (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`)."""
+    (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`), its handoff after ``after`` seconds
+    of compute."""
     if n == 1 or nbytes == 0:
         return None
     lvl = _level(machine, n * stride)
     g = "r" if lvl.reduce_bandwidth else "g"            # a reduce step's rate, or a message's
     return Term(what, f"{_handoff(lvl)}2*({n}-1)*(L_{lvl.name} + {nbytes / n:g}*{g}_{lvl.name})",
-                lvl.allreduce_seconds(nbytes, n), nbytes, n)
+                lvl.allreduce_seconds(nbytes, n, after), nbytes, n)
 
 
 def _handoff(lvl) -> str:
     """The handoff's symbol in a formula, where the level has one (ranks sharing cores)."""
-    return f"H_{lvl.name} + " if lvl.handoff_s else ""
+    return f"H_{lvl.name} + " if any(h for _, h in lvl.handoff) else ""
 
 
 def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
@@ -253,15 +255,18 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
                   f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear"
                   f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else ""),
                   machine.device.compute_seconds(flops, dtype, "linear", 1, cache, act))]
+    after = terms[0].seconds / 3         # a product's share: each collective follows one
     local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
     measured = optimizer in getattr(machine.device, "update", {})
     terms.append(Term(f"op{n} update", f"{local:g}*U_{optimizer}({local:g})*{size}/4" if measured
                       else f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
                       update_seconds(local, size, machine.device, optimizer), local * size))
-    for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out, rows * op.j / c.out * size),
-              _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size),
+    for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out, rows * op.j / c.out * size,
+                         after),
+              _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size,
+                         after),
               _allreduce(machine, f"op{n} grad allreduce", c.batch, c.reduce * c.out,
-                         op.k / c.reduce * op.j / c.out * size)):
+                         op.k / c.reduce * op.j / c.out * size, after)):
         if t is not None:
             terms.append(t)
     return terms
@@ -296,32 +301,37 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     the one of the outermost bisection it crosses, machine.bisection_level(log2 p - log2 span).
     Allreduces are rings, 2(n-1) steps of bytes/n at the level's calibrated reduce rate (one
     message a step where the level has none). Where the level's ranks share cores, every
-    allreduce and message also pays its handoff once (``Level.handoff_s``, H in the formulas).
+    allreduce and message also pays its handoff once (``Level.handoff``, H in the formulas),
+    after one product of compute (a third of the operator's forward + backward: an operator's
+    collectives each follow one of its products; a redistribution forward follows the
+    producer's, backward the consumer's).
     Supersteps add (no overlap).
     """
     p = machine.p
     size = DTYPE_BYTES[dtype]
     if len(cuts) != len(graph.ops):
         raise ValueError(f"{len(cuts)} cuts for {len(graph.ops)} operators")
-    terms = []
+    terms, product = [], []       # product[n]: one of operator n's three products, seconds
     for n, (op, c) in enumerate(zip(graph.ops, cuts)):
-        terms += _operator_terms(n, op, c, machine, dtype, optimizer,
-                                 relu=n < len(graph.ops) - 1)
+        own = _operator_terms(n, op, c, machine, dtype, optimizer, relu=n < len(graph.ops) - 1)
+        product.append(own[0].seconds / 3)
+        terms += own
     for a, b in graph.edges:
         ca, cb = cuts[a], cuts[b]
         terms += _moves(f"{a}->{b}", Placement.output_of(ca, p), Placement.input_of(cb, p),
                         graph.ops[b].i, graph.ops[b].k, size, machine,
-                        max(x.batch * x.reduce * x.out for x in (ca, cb)))
+                        max(x.batch * x.reduce * x.out for x in (ca, cb)),
+                        (product[a], product[b]))
     if loss and graph.ops:        # the logits gathered whole on every device, for the loss
         last, c = graph.ops[-1], cuts[-1]
         terms += _moves(f"{len(graph.ops) - 1}->loss", Placement.output_of(c, p),
                         Placement.full(p), last.i, last.j, size, machine,
-                        c.batch * c.reduce * c.out)
+                        c.batch * c.reduce * c.out, (product[-1], 0.0))
     return StrategyCost(tuple(terms), strategy_memory(graph, cuts, dtype, optimizer, loss))
 
 
 def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size: int,
-           machine, span: int) -> list:
+           machine, span: int, after=(0.0, 0.0)) -> list:
     """The messages of the executor's :class:`hpcnn.parallel.layout.Redistribute` of a
     ``rows`` x ``cols`` activation from ``src`` to ``dst``: in the forward, one message of
     ``dst``'s part where some device needs data it does not hold
@@ -330,20 +340,22 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
     gradient's move back crosses (a replicated producer needs the whole gradient: a consumer
     that only sliced its input in the forward gathers it in the backward). One message each,
     at the level of ``span`` consecutive devices (our choice, an upper bound for the
-    all-to-all: the thesis prices redistribution by volume only)."""
+    all-to-all: the thesis prices redistribution by volume only). ``after``: the compute before
+    the forward's message and before the backward's (the producer's product, the consumer's),
+    for the level's handoff."""
     out = []
-    for direction, a, b in (("", src, dst), (" gradient", dst, src)):
+    for direction, a, b, before in (("", src, dst, after[0]), (" gradient", dst, src, after[1])):
         if crosses(a, b, rows, cols):
             lvl = _level(machine, span)
             nbytes = math.ceil(rows / b.rows) * math.ceil(cols / b.cols) * size
             out.append(Term(f"redistribute {what}{direction}",
                             f"({_handoff(lvl)}L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
-                            lvl.message_seconds(nbytes), nbytes, span))
+                            lvl.message_seconds(nbytes, before), nbytes, span))
     if src.rows > 1 and not src.same_rows(dst):
         lvl = _level(machine, span)
         out.append(Term(f"redistribute {what} batch size",
                         f"({_handoff(lvl)}L_{lvl.name} + 8*g_{lvl.name})",
-                        lvl.message_seconds(8), 8, span))
+                        lvl.message_seconds(8, after[0]), 8, span))
     return out
 
 

@@ -31,10 +31,15 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   neighbours (tp x dp devices apart);
 - **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
   overlapped: pipelines reduce after their list), at the level holding tp x dp devices;
-- **handoffs** where ranks share cores (the level's ``handoff_s``, H: what a blocking exchange
-  waits for its peer to be given a core, :class:`hpcnn.plan.machine.Level`): once per
-  allreduce (tp and dp) and per pp message, and once per stage pass of a pipeline (its wait on
-  the neighbour's message; the passes' own messages are otherwise off the critical path);
+- **handoffs** where ranks share cores (the level's ``handoff``, H(c): what a blocking exchange
+  waits for its peer to be given a core after c seconds of compute,
+  :class:`hpcnn.plan.machine.Level`): once per allreduce (tp: c a quarter of a block's forward
+  + backward compute, the stretch between two of its four allreduces; dp: c a backward pass)
+  and per pp message (c a forward pass), and once per stage pass of a pipeline (its wait on the
+  neighbour's message, c the pass; the passes' own messages are otherwise off the critical
+  path); and the level's ``bubble_weight`` w: a pipeline's span is a stage's own M passes plus
+  w times the rest (fill and drain: 1 but where ranks share cores, there the ranks that compute
+  while others wait run faster than the all-at-once rates);
 - **optimizer**: the update of the rank's parameters at the device's measured seconds per
   parameter of hpcnn's step (``Device.update``: :func:`hpcnn.parallel.collectives.measure.
   update_costs` at a few parameter counts, interpolated between them), scaled by word / 4 from
@@ -213,11 +218,11 @@ class Priced:
     formula: str = ""
 
 
-def ring_allreduce_s(nbytes: float, n: int, level) -> float:
+def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0) -> float:
     """A ring allreduce of ``nbytes`` over ``n`` ranks at ``level``: 2(n-1) steps of n-th parts
     (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`: at the level's calibrated reduce rate
-    where it has one)."""
-    return level.allreduce_seconds(nbytes, n)
+    where it has one; its handoff after ``after`` seconds of compute)."""
+    return level.allreduce_seconds(nbytes, n, after)
 
 
 class StageTimes(NamedTuple):
@@ -260,25 +265,24 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     dtype = model.dtype if model.dtype in dev.flops else max(dev.flops, key=dev.flops.get)
     head_f = 2.0 * rows * model.seq * model.dim * model.vocab / tp   # LM head forward FLOPs
     act = rows * model.seq * model.dim * model.word                  # one activation
-    tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp)) * blocks
     # a block's fixed cost and element-wise seconds split between its passes by the device's
     # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them
-    blocks_f = dev.pass_seconds(blocks * f, dtype, "transformer", blocks, blocks * cache,
-                                True) + tp_s
+    comp_f, comp_b = (dev.pass_seconds(blocks * flops, dtype, "transformer", blocks,
+                                       blocks * cache, fwd)
+                      for flops, fwd in ((f, True), (b, False)))
+    # two allreduces per block each way, each after the compute since the previous one
+    between = (comp_f + comp_b) / (4 * blocks) if blocks else 0.0
+    tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp), after=between) * blocks
     # every pass of a micro-batch: the step engine's stage pass around its blocks (the device's
     # "stage" kind: the instruction, embedding, the tail's small calls, the loss)
     around_f, around_b = (dev.pass_seconds(0.0, dtype, "stage", 1, 0.0, fwd)
                           for fwd in (True, False))
-    if layout.pp > 1:     # each pass waits on its neighbour's message: where ranks share cores,
-        wait = _neighbours(layout, machine).handoff_s      # for that neighbour to get a core
-        around_f, around_b = around_f + wait, around_b + wait
-    t_f = blocks_f + around_f + (dev.pass_seconds(head_f, dtype, "linear", 1, act, True)
-                                 if head else 0.0)
-    t_b = dev.pass_seconds(blocks * b, dtype, "transformer", blocks, blocks * cache, False) + (
-        dev.pass_seconds(2 * head_f, dtype, "linear", 1, act, False) if head else 0.0) + tp_s \
-        + around_b
+    t_f = comp_f + tp_s + around_f + (dev.pass_seconds(head_f, dtype, "linear", 1, act, True)
+                                      if head else 0.0)
+    t_b = comp_b + tp_s + around_b + (dev.pass_seconds(2 * head_f, dtype, "linear", 1, act,
+                                                       False) if head else 0.0)
     if layout.remat == "full":
-        t_b += recomputed_forward(blocks_f, blocks, head)
+        t_b += recomputed_forward(comp_f + tp_s, blocks, head)
     t_w = 0.0
     if layout.schedule == "zb_h1":
         # zero bubble splits B into its input and weight halves, each the measured fraction of
@@ -287,6 +291,9 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
         b_in, b_w = dev.backward_halves("transformer")
         t_w = b_w * (t_b - tp_s)
         t_b = b_in * (t_b - tp_s) + tp_s + t_w
+    if layout.pp > 1:     # each pass waits on its neighbour's message: where ranks share cores,
+        lvl = _neighbours(layout, machine)   # for that neighbour to get a core after its pass
+        t_f, t_b = t_f + lvl.handoff_after(t_f), t_b + lvl.handoff_after(t_b - t_w)
     return t_f, t_b, t_w, tp_s
 
 
@@ -308,12 +315,23 @@ def _neighbours(layout: Layout, machine):
     return machine.level_for_group(min(machine.p, 2 * layout.tp * layout.dp))
 
 
-def _messages(model: Transformer, layout: Layout, machine) -> tuple:
-    """(one activation message between pp neighbours, the 2(pp - 1) on the critical path)."""
+def _messages(model: Transformer, layout: Layout, machine, after: float = 0.0) -> tuple:
+    """(one activation message between pp neighbours, sent after ``after`` seconds of a stage
+    pass's compute, the 2(pp - 1) on the critical path)."""
     rows = model.batch // (layout.dp * layout.microbatches)
     act = rows * model.seq * model.dim * model.word
-    msg = _neighbours(layout, machine).message_seconds(act) if layout.pp > 1 else 0
+    msg = _neighbours(layout, machine).message_seconds(act, after) if layout.pp > 1 else 0
     return msg, 2 * (layout.pp - 1) * msg
+
+
+def _weighted(layout: Layout, machine, span: float, busy: float) -> float:
+    """The makespan ``span`` with its fill and drain (what it holds beyond a stage's ``busy``
+    passes) weighted by the pp neighbours' level's ``bubble_weight`` (1 but where ranks share
+    cores: :class:`hpcnn.plan.machine.Level`)."""
+    if layout.pp == 1:
+        return span
+    w = _neighbours(layout, machine).bubble_weight
+    return span if w == 1 else busy + w * (span - busy)
 
 
 def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
@@ -332,11 +350,13 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     if span is None:
         lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
         span = schedules.simulate(lists, t_f, t_b - t_w, t_w).makespan
-    msg, pp_s = _messages(model, layout, machine)
+    span = _weighted(layout, machine, span, m_count * (t_f + t_b))
+    msg, pp_s = _messages(model, layout, machine, t_f)
     # every stage priced as the last (the head's table): the fullest, the first, has the
     # embedding's and position tables too
     local_params = _stage_params(model, layout, 0, per_stage, True)
-    dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp))
+    dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp),
+                            after=t_b)
     opt_s = update_seconds(local_params, model.word, dev, optimizer)
     return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s), (cache, xbytes),
             local_params)
@@ -411,10 +431,11 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     t_f, t_b, t_w, _ = (list(t) for t in zip(*times))
     lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
     span = schedules.simulate(lists, t_f, [b - w for b, w in zip(t_b, t_w)], t_w).makespan
-    _, pp_s = _messages(model, layout, machine)
+    span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
+    _, pp_s = _messages(model, layout, machine, max(t_f))
     params = [_stage_params(model, layout, s, n, s in heads) for s, n in enumerate(layout.stages)]
     level = machine.level_for_group(layout.tp * layout.dp)
-    reduce = [(ring_allreduce_s(q * word, layout.dp, level),
+    reduce = [(ring_allreduce_s(q * word, layout.dp, level, after=max(t_b)),
                update_seconds(q, word, machine.device, optimizer)) for q in params]
     memory = max(_stage_memory(model, layout, s, n, s in heads, optimizer)
                  for s, n in enumerate(layout.stages))

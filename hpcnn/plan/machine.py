@@ -20,15 +20,19 @@ thesis leaves open, and what is chosen here:
   the innermost level.
 - **The device** has a compute rate per dtype (FLOP/s), a memory bandwidth and a capacity; when
   several ranks share cores, calibration records the rate each gets while all compute at once.
-- **A handoff where ranks share cores.** When a level holds more ranks than cores, a rank that
-  blocks on a peer (a message, a collective) waits until the scheduler gives that peer a core,
-  which rates measured all at once and exchanges timed in step do not see. ``handoff_s`` on
-  the level (H_l, 0 by default) is paid once per message, per allreduce and per pipeline stage
-  pass; calibration measures it on a tiny pipeline over the ranks
-  (:func:`hpcnn.parallel.collectives.measure.handoff_seconds`): 14-37 us on 4 ranks over 2
-  cores here, where the GPT's layouts had run 0.1-0.2 ms longer per tensor-parallel allreduce
-  and per pipeline pass than priced without it (the waits grow with the compute between
-  exchanges, which a tiny pipeline's passes keep short: README, plan validation at 4 ranks).
+- **A handoff and a bubble weight where ranks share cores.** When a level holds more ranks than
+  cores, a rank that blocks on a peer (a message, a collective) waits until the scheduler gives
+  that peer a core, which rates measured all at once and exchanges timed in step do not see, and
+  the longer the ranks computed since their last exchange, the longer (their turns drift apart).
+  ``handoff`` on the level (H_l(c), points of compute c and wait, none by default) is paid once
+  per message, per allreduce and per pipeline stage pass, after the compute before it; and
+  ``bubble_weight`` (1 by default) is the share of its length a pipeline's fill and drain take
+  (while some ranks wait for the first or last micro-batches, the others compute faster than
+  all at once). Calibration fits both to small pipelines through the step engine
+  (:func:`hpcnn.parallel.collectives.measure.handoff_points`): on 4 ranks over 2 cores here
+  40-90 us after 0.2 ms passes, 60-230 us after 0.8 ms, 230-760 us after 4 ms, and a weight of
+  0.26-0.37. With one pipeline the two cancel (a pipeline of p micro-batches and 1 ms passes ran
+  at its price without either), so each size is run with p and 4p micro-batches.
 - **Efficiency per block kind.** The rate is a matmul's; a framework's block also runs element-wise
   passes (LayerNorm, GELU, softmax, the residual adds), which NumPy does not fuse into the
   matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the
@@ -108,18 +112,25 @@ class Level:
     at this level: a part sent, one received and summed into the buffer. Calibration fits it
     from the MPI allreduce it times, which on this kind of machine runs ~4x slower than the ring
     of ping-pong messages (the sums, the library's copies); without it a step is one message.
-    ``handoff_s`` (optional, >= 0; 0 where every device has a core of its own) is what one
-    blocking exchange (a message, a collective) waits for its peer to be given a core when the
-    level's devices outnumber its cores: paid once per message and per allreduce
-    (:meth:`message_seconds`, :meth:`allreduce_seconds`), and per pipeline stage pass
-    (:mod:`hpcnn.plan.hybrid`). Calibration measures it where ranks share cores
-    (:func:`hpcnn.parallel.collectives.measure.handoff_seconds`)."""
+    ``handoff`` (optional; empty where every device has a core of its own) is what one blocking
+    exchange (a message, a collective) waits for its peer to be given a core when the level's
+    devices outnumber its cores, as points ((after_s, seconds), ...): the wait after
+    ``after_s`` seconds of compute since the rank's previous exchange, linear between the
+    points and flat outside them (:meth:`handoff_after`). Paid once per message and per
+    allreduce (:meth:`message_seconds`, :meth:`allreduce_seconds`, ``after`` the compute before
+    them), and per pipeline stage pass (:mod:`hpcnn.plan.hybrid`). ``bubble_weight`` (optional,
+    in (0, 1], 1 by default) is the share of its length a pipeline's fill and drain take there:
+    while some ranks wait for the first or last micro-batches, the others compute faster than
+    the all-at-once rates. Calibration measures both where ranks share cores
+    (:func:`hpcnn.parallel.collectives.measure.handoff_points`). A file's older scalar
+    ``handoff_s`` reads as one flat point."""
     name: str
     fanout: int
     latency_s: float
     bandwidth: tuple
     reduce_bandwidth: tuple = ()
-    handoff_s: float = 0.0
+    handoff: tuple = ()
+    bubble_weight: float = 1.0
 
     def __post_init__(self):
         where = f"level {self.name!r}"
@@ -130,10 +141,12 @@ class Level:
         object.__setattr__(self, "latency_s", _positive(self.latency_s, f"{where}: latency_s",
                                                         allow_zero=True))
         object.__setattr__(self, "bandwidth", _pieces(self.bandwidth, f"{where}: bandwidth"))
-        object.__setattr__(self, "handoff_s", _positive(self.handoff_s, f"{where}: handoff_s",
-                                                        allow_zero=True))
-        if math.isinf(self.handoff_s):
-            raise ValueError(f"{where}: handoff_s = inf: expected a finite number")
+        object.__setattr__(self, "handoff", _points(self.handoff, f"{where}: handoff"))
+        w = _positive(self.bubble_weight, f"{where}: bubble_weight")
+        if w > 1:
+            raise ValueError(f"{where}: bubble_weight = {self.bubble_weight!r}: expected a number "
+                             "in (0, 1]")
+        object.__setattr__(self, "bubble_weight", w)
         if self.reduce_bandwidth:
             object.__setattr__(self, "reduce_bandwidth", _pieces(
                 self.reduce_bandwidth, f"{where}: reduce_bandwidth"))
@@ -147,10 +160,23 @@ class Level:
                 return 1.0 / rate
         raise AssertionError("the last piece ends at infinity")     # checked in _pieces
 
-    def message_seconds(self, nbytes: int) -> float:
-        """H_l + L_l + n g_l(n): one message of ``nbytes`` between two children of this level
-        (H_l the handoff, ``handoff_s``)."""
-        return self.handoff_s + self._wire_seconds(nbytes)
+    def handoff_after(self, after: float = 0.0) -> float:
+        """H_l(c): the handoff after c = ``after`` seconds of compute (the ``handoff`` points,
+        linear between them, flat outside; 0 without points)."""
+        pts = self.handoff
+        if not pts:
+            return 0.0
+        if after <= pts[0][0]:
+            return pts[0][1]
+        for (c0, h0), (c1, h1) in zip(pts, pts[1:]):
+            if after <= c1:
+                return h0 + (h1 - h0) * (after - c0) / (c1 - c0)
+        return pts[-1][1]
+
+    def message_seconds(self, nbytes: int, after: float = 0.0) -> float:
+        """H_l(c) + L_l + n g_l(n): one message of ``nbytes`` between two children of this level
+        after c = ``after`` seconds of compute (H_l the handoff, :meth:`handoff_after`)."""
+        return self.handoff_after(after) + self._wire_seconds(nbytes)
 
     def _wire_seconds(self, nbytes: float) -> float:
         """L_l + n g_l(n): a message's latency and bytes, without the handoff."""
@@ -166,12 +192,40 @@ class Level:
         rate = next(r for top, r in self.reduce_bandwidth if nbytes <= top)
         return self.latency_s + nbytes / rate
 
-    def allreduce_seconds(self, nbytes: float, n: int) -> float:
+    def allreduce_seconds(self, nbytes: float, n: int, after: float = 0.0) -> float:
         """A ring allreduce of ``nbytes`` over ``n`` children: 2(n-1) steps of n-th parts, and
-        one handoff (``handoff_s``)."""
+        one handoff after ``after`` seconds of compute (:meth:`handoff_after`)."""
         if n == 1 or nbytes == 0:
             return 0.0
-        return self.handoff_s + 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
+        return self.handoff_after(after) + 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
+
+
+def _pairs(items, what: str, names: tuple):
+    """(i, pair) of each [a, b] pair in the list ``items``; ValueError naming ``what`` and the
+    two entries' ``names`` for anything else."""
+    a, b = names
+    if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):
+        raise ValueError(f"{what} = {items!r}: expected a list of [{a}, {b}]")
+    for i, pair in enumerate(items):
+        if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2:
+            raise ValueError(f"{what}[{i}] = {pair!r}: expected [{a}, {b}]")
+        yield i, pair
+
+
+def _points(points, what: str) -> tuple:
+    """Handoff points as a tuple of (float after_s, float seconds), checked: both finite and
+    >= 0, after_s strictly increasing; empty for none."""
+    out = []
+    for i, pt in _pairs(points, what, ("after_s", "seconds")):
+        after, sec = (_positive(x, f"{what}[{i}] {name}", allow_zero=True)
+                      for x, name in zip(pt, ("after_s", "seconds")))
+        if math.isinf(after) or math.isinf(sec):
+            raise ValueError(f"{what}[{i}] = {list(pt)!r}: expected finite numbers")
+        if out and after <= out[-1][0]:
+            raise ValueError(f"{what}[{i}] after_s = {pt[0]!r}: the points' after_s must "
+                             f"increase (previous {out[-1][0]!r})")
+        out.append((after, sec))
+    return tuple(out)
 
 
 def _pieces(pieces, what: str, names=("max_bytes", "bytes_per_s")) -> tuple:
@@ -179,12 +233,8 @@ def _pieces(pieces, what: str, names=("max_bytes", "bytes_per_s")) -> tuple:
     increasing, the last one infinite, every value finite and > 0. ``names`` name the two
     entries in the errors (a level's bandwidth: max_bytes, bytes_per_s)."""
     top_name, value_name = names
-    if isinstance(pieces, (str, bytes, dict)) or not hasattr(pieces, "__iter__"):
-        raise ValueError(f"{what} = {pieces!r}: expected a list of [{top_name}, {value_name}]")
     out = []
-    for i, piece in enumerate(pieces):
-        if isinstance(piece, (str, bytes)) or not hasattr(piece, "__len__") or len(piece) != 2:
-            raise ValueError(f"{what}[{i}] = {piece!r}: expected [{top_name}, {value_name}]")
+    for i, piece in _pairs(pieces, what, names):
         top = _positive(piece[0], f"{what}[{i}] {top_name}")
         if out and top <= out[-1][0]:
             raise ValueError(f"{what}[{i}] {top_name} = {piece[0]!r}: the pieces' {top_name} "
@@ -450,9 +500,13 @@ class Machine:
             if lv.reduce_bandwidth:
                 lines.append(f"reduce_bandwidth = {_toml_pieces(lv.reduce_bandwidth)}"
                              "   # a ring allreduce's step")
-            if lv.handoff_s:
-                lines.append(f"handoff_s = {_toml_num(lv.handoff_s)}"
-                             "   # a blocking exchange's wait for its peer's core")
+            if lv.handoff:
+                lines.append(f"handoff = {_toml_pieces(lv.handoff)}"
+                             "   # [after_s, seconds]: a blocking exchange's wait for its peer's "
+                             "core after that much compute")
+            if lv.bubble_weight != 1:
+                lines.append(f"bubble_weight = {_toml_num(lv.bubble_weight)}"
+                             "   # a pipeline's fill and drain, share of their length")
         return "\n".join(lines) + "\n"
 
 
@@ -521,7 +575,9 @@ def loads(text: str, where: str = "<string>") -> Machine:
                                 latency_s=_get(lv, "latency_s", at),
                                 bandwidth=_get(lv, "bandwidth", at, list),
                                 reduce_bandwidth=lv.get("reduce_bandwidth", ()),
-                                handoff_s=lv.get("handoff_s", 0.0)))
+                                handoff=lv.get("handoff", ()) if "handoff_s" not in lv
+                                else [[0.0, lv["handoff_s"]]],
+                                bubble_weight=lv.get("bubble_weight", 1.0)))
     with _named(where):
         return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
                        source=str(doc.get("source", "")))

@@ -48,14 +48,17 @@ assert "ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" i
 from hpcnn.parallel.collectives.measure import cores_here  # noqa: E402
 assert text.count("# Cold (each call after a copy" if p <= cores_here() else
                   "# Back to back (more ranks than cores here)") == 1, text
-# the handoff (a blocking exchange's wait for its peer's core) is measured only where ranks share
-# cores; measured here anyway, it is a finite figure >= 0, the same on every rank
-from hpcnn.parallel.collectives.measure import handoff_seconds  # noqa: E402
-assert ("# Handoff" in text) == (p > cores_here()) and (node.handoff_s >= 0)
+# the handoff (a blocking exchange's wait for its peer's core) and the pipeline's fill and drain
+# weight are measured only where ranks share cores; measured here anyway on one shape, finite,
+# in range and the same on every rank
+from hpcnn.parallel.collectives.measure import handoff_points  # noqa: E402
+assert ("# Handoff" in text) == (p > cores_here()) == bool(node.handoff), text
+assert (node.bubble_weight < 1 or not node.handoff) and node.bubble_weight > 0
 # a core per rank: element-wise seconds slowed as the copy; ranks sharing cores: by the blocks'
 assert ("each block kind's figures by its reference blocks'" in text) == (p > cores_here()), text
-h = handoff_seconds(world, m, steps=5)
-assert 0 <= h < 0.05 and len(set(world.allgather(h))) == 1, h
+pts, w = handoff_points(world, m, steps=5, shapes=((8, 2, 4, 1),))
+assert len(pts) == 1 and 0 < pts[0][0] < 0.05 and 0 <= pts[0][1] < 0.05 and 0 < w <= 1, (pts, w)
+assert len({repr((pts, w)) for _ in [0]} | set(map(repr, world.allgather((pts, w))))) == 1
 # a directory that does not exist: refused on every rank, before any collective
 assert cmd_calibrate([f"--write={os.path.join(sys.argv[1], 'no', 'x.toml')}"]) == 2
 world.Barrier()

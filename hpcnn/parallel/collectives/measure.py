@@ -28,10 +28,11 @@
   ratio of the sustained rates, ~1 with a core per rank, ~2 with two ranks per core; when the
   ranks share cores, each block kind's by the ratio of its own reference blocks run over a
   window alone and all at once.
-- **Handoff** (:func:`handoff_seconds`), only when the node holds more ranks than cores: a tiny
-  GPT as a 1F1B pipeline over all ranks through the step engine, its step over its price per
-  blocking exchange the price counts on it: the level's ``handoff_s``, what a rank waits for
-  a peer to be given a core.
+- **Handoff** (:func:`handoff_points`), only when the node holds more ranks than cores: small
+  GPTs of three sizes as 1F1B pipelines over all ranks through the step engine, each with p and
+  4p micro-batches, the wait per blocking exchange and the weight of the fill and drain that
+  price them all: the level's ``handoff`` points (what a rank waits for a peer to be given a
+  core after that much compute) and ``bubble_weight``.
 - **Per block kind** (:func:`block_costs`): hpcnn's own blocks, forward and backward, at a tiny
   size (their fixed cost: ``overhead``) and at two reference sizes per kind, a wide and a narrow
   one (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): each round times the
@@ -79,6 +80,12 @@ OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
 # The stage pass figure: a GPT of one block of the transformer overhead's size (vocabulary 16)
 # through the step engine, a one-rank 1F1B list of this many micro-batches of one sequence.
 STAGE_MICRO = 8
+# The handoff's pipelines (handoff_points): (width, heads, context, sequences per micro-batch)
+# of a GPT of one block per rank, passes from ~0.2 ms (the stage figure's block) to ~4 ms at
+# all-busy rates on 4 ranks over 2 cores here, each run with p and HANDOFF_MICRO x p
+# micro-batches.
+HANDOFF_SHAPES = ((8, 2, 4, 1), (64, 4, 64, 2), (128, 4, 64, 4))
+HANDOFF_MICRO = 4
 # Parameter counts of the optimizer-update figures (16 Ki .. 8 Mi: in L2, in L3, past it) and the
 # arrays each count is split into (a layer's weights and biases are a few arrays).
 UPDATE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23)
@@ -350,28 +357,31 @@ def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
     return (f + b, f / (f + b)) if f > 0 and b > 0 else None
 
 
-def handoff_seconds(comm, machine, steps: int = 30) -> float:
-    """Seconds a blocking exchange waits for its peer to be given a core, on ranks that share
-    cores: the tiny pipeline's measured step over its price, per exchange on its critical path.
+def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
+    """Where ranks share cores: (the level's ``handoff`` points [(after_s, seconds), ...], its
+    ``bubble_weight``), measured on pipelines through ``hpcnn train``'s step engine.
 
-    ``hpcnn train``'s step engine (:func:`hpcnn.engine.step.train_step` on the context
-    :func:`hpcnn.train.train` sets up) trains a tiny GPT on the bundled sonnet text: one
-    transformer block of the overhead's size (:data:`OVERHEAD_SHAPES`) per rank,
-    a 1F1B pipeline over all of ``comm``'s ranks, :data:`STAGE_MICRO` micro-batches of one
-    sequence, AdamW. Its step (the slowest rank's, median over ``steps`` after the first fifth)
-    less :func:`hpcnn.plan.hybrid.price` of the same layout on ``machine`` (the figures measured
-    before, without a handoff), divided by the number of handoffs that price counts on this
-    pipeline (its growth per second of handoff: one per stage pass on the schedule's span,
-    2(M + p - 1), and one per message on the critical path, 2(p - 1)), so that the price of
-    this pipeline with the figure is its measured step. Floored at 0.
+    Per shape of :data:`HANDOFF_SHAPES` (``shapes``; width, heads, context, sequences per
+    micro-batch), :func:`hpcnn.engine.step.train_step` (on the context :func:`hpcnn.train.train`
+    sets up) trains a GPT of one block per rank on the bundled sonnet text as a 1F1B pipeline
+    over all of ``comm``'s ranks, AdamW, twice: with p micro-batches (fill and drain are most of
+    the step) and with :data:`HANDOFF_MICRO` x p (the steady state is). Each step is the slowest
+    rank's, the median over ``steps`` after the first fifth. :func:`hpcnn.plan.hybrid.price` of
+    the same layouts on ``machine`` (the figures measured before) with a bubble weight w and a
+    constant handoff h is affine in h for a given w: one w for all shapes and one h per shape
+    price the steps best (least squares of the relative errors over all of them, w on a grid
+    of 0.01 in (0, 1], each h >= 0). A point is (the shape's stage pass, the mean of forward and
+    backward at its 4p micro-batches, its h).
 
     When a node holds more ranks than cores, a rank that blocks on a peer (a receive, a
-    collective) waits until the scheduler gives that peer a core: on 4 ranks over 2 cores the
-    GPT's layouts ran 0.1-0.2 ms longer per tensor-parallel allreduce and per pipeline pass than
-    priced without it, and the back-to-back timing of :func:`pingpong` (every rank in step)
-    does not see it. A figure of the machine's scheduler and the framework, like the stage
-    pass, not of a model planned. (The pipeline module's own ``train_step`` in a loop ran the
-    same pipelines 1.5x slower than ``hpcnn train`` here: the step engine is what is timed.)"""
+    collective) waits until the scheduler gives that peer a core, and the longer its pass, the
+    longer the wait (on 4 ranks over 2 cores here ~0.3 ms after 1 ms passes, against ~30 us
+    after 0.2 ms ones); during a pipeline's fill and drain the ranks that compute ran at about
+    twice the all-at-once rates (w ~0.5). With one pipeline both effects cancel (a
+    p-micro-batch pipeline of 1 ms passes ran at its price without either); two separate them.
+    Back-to-back timings (:func:`pingpong`, every rank in step) see neither. Figures of the
+    machine's scheduler and the framework, like the stage pass, not of a model planned: the
+    shapes are fixed here."""
     from mpi4py import MPI
 
     from hpcnn import data
@@ -380,31 +390,58 @@ def handoff_seconds(comm, machine, steps: int = 30) -> float:
     from hpcnn.plan import hybrid
     from hpcnn.train import _setup
     p = comm.Get_size()
-    dim, heads, (rows, seq, _) = OVERHEAD_SHAPES["transformer"]
-    cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
-                      block_size=seq, batch_size=STAGE_MICRO * rows, pp=p,
-                      microbatches=STAGE_MICRO, schedule="1f1b", dtype="float32",
-                      allreduce="mpi", progress=False, eval_interval=0, steps=steps).resolved()
-    cfg, ctx, task, opt, _ = _setup(cfg, comm, None)
-    times = []
-    try:
-        t0 = time.perf_counter()
-        for step in range(steps):
-            row = train_step(ctx, task, opt, step, t0)[0]
-            times.append(comm.allreduce(row["step_time"], op=MPI.MAX))
-    finally:
-        ctx.free()
-    model = hybrid.Transformer(p, dim, heads, seq, data.for_config(cfg).vocab,
-                               STAGE_MICRO * rows, "float32")
-    layout = hybrid.Layout(1, 1, p, STAGE_MICRO, "1f1b", "none")
 
-    def step_s(handoff: float) -> float:
-        m = replace(machine, levels=tuple(replace(lv, handoff_s=handoff)
+    def step_time(dim, heads, seq, rows, micro) -> tuple:
+        cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
+                          block_size=seq, batch_size=micro * rows, pp=p, microbatches=micro,
+                          schedule="1f1b", dtype="float32", allreduce="mpi", progress=False,
+                          eval_interval=0, steps=steps).resolved()
+        cfg, ctx, task, opt, _ = _setup(cfg, comm, None)
+        times = []
+        try:
+            t0 = time.perf_counter()
+            for step in range(steps):
+                row = train_step(ctx, task, opt, step, t0)[0]
+                times.append(comm.allreduce(row["step_time"], op=MPI.MAX))
+        finally:
+            ctx.free()
+        model = hybrid.Transformer(p, dim, heads, seq, data.for_config(cfg).vocab, micro * rows,
+                                   "float32")
+        return (float(np.median(times[steps // 5:])), model,
+                hybrid.Layout(1, 1, p, micro, "1f1b", "none"))
+
+    def priced(model, layout, w: float, h: float) -> float:
+        m = replace(machine, levels=tuple(replace(lv, handoff=((0.0, h),), bubble_weight=w)
                                           for lv in machine.levels))
         return hybrid.price(model, layout, m).step_s
-    bare = step_s(0.0)
-    exchanges = step_s(1.0) - bare              # handoffs the price counts on this pipeline
-    return max(0.0, (float(np.median(times[steps // 5:])) - bare) / exchanges)
+
+    shapes = [[step_time(dim, heads, seq, rows, micro) for micro in (p, HANDOFF_MICRO * p)]
+              for dim, heads, seq, rows in (HANDOFF_SHAPES if shapes is None else shapes)]
+    best = None
+    for w in np.arange(100, 0, -1) / 100:          # one weight for every shape
+        err, waits = 0.0, []
+        for runs in shapes:
+            bare = np.array([priced(mo, lay, w, 0.0) for _, mo, lay in runs])
+            grow = np.array([priced(mo, lay, w, 1.0) for _, mo, lay in runs]) - bare
+            meas = np.array([t for t, _, _ in runs])
+            # least squares of (bare + h grow - meas) / meas over h >= 0
+            h = max(0.0, float(np.sum(grow * (meas - bare) / meas**2)
+                               / np.sum(grow**2 / meas**2)))
+            err += float(np.sum(((bare + h * grow - meas) / meas) ** 2))
+            waits.append(h)
+        if best is None or err < best[0]:
+            best = (err, float(w), waits)
+    _, weight, waits = best
+    points = []
+    for runs, h in zip(shapes, waits):
+        st = hybrid.stage_times(runs[1][1], runs[1][2], machine)
+        points.append(((st.t_f + st.t_b) / 2, h))
+    points.sort()
+    out = []                                  # after_s strictly increasing (Level's check)
+    for after, wait in points:
+        if not out or after > out[-1][0]:
+            out.append((float(after), float(wait)))
+    return out, weight
 
 
 def _solve_round(rate: float, rows) -> tuple:
@@ -649,8 +686,8 @@ def measure(comm, rounds: int = 15) -> dict:
             "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0),
             "handoff": None}
     if size > 1 and not cold:             # ranks share cores: what a blocking exchange waits
-        meas["handoff"] = comm.bcast(handoff_seconds(comm, machine_of(meas, "calibrating",
-                                                                      size)), root=0)
+        meas["handoff"] = comm.bcast(handoff_points(comm, machine_of(meas, "calibrating",
+                                                                     size)), root=0)
     return meas
 
 
@@ -689,10 +726,19 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
         node = fit_level(meas["sizes"], meas["seconds"], size)
         levels = (replace(node, reduce_bandwidth=fit_reduce(
             meas["reduce_sizes"], meas["reduce_seconds"], size, node.latency_s),
-            handoff_s=meas.get("handoff") or 0.0),)
+            **handoff_fields(meas.get("handoff"))),)
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
     return Machine(name=name, levels=levels, device=device, source=source)
+
+
+def handoff_fields(handoff) -> dict:
+    """The level's ``handoff`` and ``bubble_weight`` from what :func:`handoff_points` returned
+    (None: none measured)."""
+    if not handoff:
+        return {}
+    points, weight = handoff
+    return {"handoff": tuple(map(tuple, points)), "bubble_weight": weight}
 
 
 def machine_text(meas: dict, name: str, size: int) -> str:
@@ -737,7 +783,11 @@ def machine_text(meas: dict, name: str, size: int) -> str:
     else:
         head.append("# One rank: no network level was measured.")
     if meas.get("handoff") is not None:
-        head.append(f"# Handoff (ranks share cores): a tiny 1F1B pipeline over the {size} ranks "
-                    f"ran {meas['handoff'] * 1e6:.1f} us per exchange over its price "
-                    "(measure.handoff_seconds).")
+        points, weight = meas["handoff"]
+        head.append(f"# Handoff (ranks share cores): 1F1B pipelines over the {size} ranks, each "
+                    f"with {size} and {HANDOFF_MICRO * size} micro-batches, ran as priced with a "
+                    "wait per exchange of " + ", ".join(
+                        f"{h * 1e6:.1f} us after {c * 1e3:.3g} ms passes" for c, h in points)
+                    + f" and their fill and drain at {weight:.2f} of their length "
+                    "(measure.handoff_points).")
     return "\n".join(head) + "\n\n" + machine_of(meas, name, size).to_toml()
