@@ -29,10 +29,11 @@ thesis leaves open, and what is chosen here:
   ``bubble_weight`` (1 by default) is the share of its length a pipeline's fill and drain take
   (while some ranks wait for the first or last micro-batches, the others compute faster than
   all at once). Calibration fits both to small pipelines through the step engine
-  (:func:`hpcnn.parallel.collectives.measure.handoff_points`): on 4 ranks over 2 cores here
-  40-90 us after 0.2 ms passes, 60-230 us after 0.8 ms, 230-760 us after 4 ms, and a weight of
-  0.26-0.37. With one pipeline the two cancel (a pipeline of p micro-batches and 1 ms passes ran
-  at its price without either), so each size is run with p and 4p micro-batches.
+  (:func:`hpcnn.parallel.collectives.measure.handoff_points`): on 4 ranks over 2 cores here, in
+  eight calibrations, 40-90 us after 0.2 ms passes, 30-230 us after 0.9 ms, 140-760 us after
+  4 ms, and a weight of 0.26-0.57. With one pipeline the two cancel (without either, a 4-stage
+  pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches, 1.22-1.24x at 32), so
+  each size is run with p and 4p micro-batches.
 - **Efficiency per block kind.** The rate is a matmul's; a framework's block also runs element-wise
   passes (LayerNorm, GELU, softmax, the residual adds), which NumPy does not fuse into the
   matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the

@@ -375,13 +375,24 @@ def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
 
     When a node holds more ranks than cores, a rank that blocks on a peer (a receive, a
     collective) waits until the scheduler gives that peer a core, and the longer its pass, the
-    longer the wait (on 4 ranks over 2 cores here ~0.3 ms after 1 ms passes, against ~30 us
-    after 0.2 ms ones); during a pipeline's fill and drain the ranks that compute ran at about
-    twice the all-at-once rates (w ~0.5). With one pipeline both effects cancel (a
-    p-micro-batch pipeline of 1 ms passes ran at its price without either); two separate them.
+    longer the wait (on 4 ranks over 2 cores here 50-220 us after 0.9 ms passes, 40-90 us after
+    0.2 ms ones); during a pipeline's fill and drain the ranks that compute ran faster than the
+    all-at-once rates (w 0.26-0.57). With one pipeline both effects cancel (without either, a
+    4-stage pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches, 1.22-1.24x at
+    32); two separate them.
     Back-to-back timings (:func:`pingpong`, every rank in step) see neither. Figures of the
     machine's scheduler and the framework, like the stage pass, not of a model planned: the
     shapes are fixed here."""
+    p = comm.Get_size()
+    runs = [[_pipeline_step(comm, shape, micro, steps) for micro in (p, HANDOFF_MICRO * p)]
+            for shape in (HANDOFF_SHAPES if shapes is None else shapes)]
+    return _fit_handoff(runs, machine)
+
+
+def _pipeline_step(comm, shape: tuple, micro: int, steps: int) -> tuple:
+    """(median step, hybrid.Transformer, hybrid.Layout) of a GPT of one block of ``shape``
+    (width, heads, context, sequences per micro-batch) per rank of ``comm``, a 1F1B pipeline of
+    ``micro`` micro-batches trained ``steps`` steps by the step engine (:func:`handoff_points`)."""
     from mpi4py import MPI
 
     from hpcnn import data
@@ -389,41 +400,44 @@ def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
     from hpcnn.engine.step import train_step
     from hpcnn.plan import hybrid
     from hpcnn.train import _setup
-    p = comm.Get_size()
+    p, (dim, heads, seq, rows) = comm.Get_size(), shape
+    cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
+                      block_size=seq, batch_size=micro * rows, pp=p, microbatches=micro,
+                      schedule="1f1b", dtype="float32", allreduce="mpi", progress=False,
+                      eval_interval=0, steps=steps).resolved()
+    cfg, ctx, task, opt, _ = _setup(cfg, comm, None)
+    times = []
+    try:
+        t0 = time.perf_counter()
+        for step in range(steps):
+            row = train_step(ctx, task, opt, step, t0)[0]
+            times.append(comm.allreduce(row["step_time"], op=MPI.MAX))
+    finally:
+        ctx.free()
+    model = hybrid.Transformer(p, dim, heads, seq, data.for_config(cfg).vocab, micro * rows,
+                               "float32")
+    return (float(np.median(times[steps // 5:])), model,
+            hybrid.Layout(1, 1, p, micro, "1f1b", "none"))
 
-    def step_time(dim, heads, seq, rows, micro) -> tuple:
-        cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
-                          block_size=seq, batch_size=micro * rows, pp=p, microbatches=micro,
-                          schedule="1f1b", dtype="float32", allreduce="mpi", progress=False,
-                          eval_interval=0, steps=steps).resolved()
-        cfg, ctx, task, opt, _ = _setup(cfg, comm, None)
-        times = []
-        try:
-            t0 = time.perf_counter()
-            for step in range(steps):
-                row = train_step(ctx, task, opt, step, t0)[0]
-                times.append(comm.allreduce(row["step_time"], op=MPI.MAX))
-        finally:
-            ctx.free()
-        model = hybrid.Transformer(p, dim, heads, seq, data.for_config(cfg).vocab, micro * rows,
-                                   "float32")
-        return (float(np.median(times[steps // 5:])), model,
-                hybrid.Layout(1, 1, p, micro, "1f1b", "none"))
+
+def _fit_handoff(runs, machine) -> tuple:
+    """(points, weight) pricing ``runs`` (per shape, the :func:`_pipeline_step` of its two
+    pipelines) best on ``machine``: one bubble weight for all, one flat handoff per shape
+    (:func:`handoff_points`)."""
+    from hpcnn.plan import hybrid
 
     def priced(model, layout, w: float, h: float) -> float:
         m = replace(machine, levels=tuple(replace(lv, handoff=((0.0, h),), bubble_weight=w)
                                           for lv in machine.levels))
         return hybrid.price(model, layout, m).step_s
 
-    shapes = [[step_time(dim, heads, seq, rows, micro) for micro in (p, HANDOFF_MICRO * p)]
-              for dim, heads, seq, rows in (HANDOFF_SHAPES if shapes is None else shapes)]
     best = None
     for w in np.arange(100, 0, -1) / 100:          # one weight for every shape
         err, waits = 0.0, []
-        for runs in shapes:
-            bare = np.array([priced(mo, lay, w, 0.0) for _, mo, lay in runs])
-            grow = np.array([priced(mo, lay, w, 1.0) for _, mo, lay in runs]) - bare
-            meas = np.array([t for t, _, _ in runs])
+        for pair in runs:
+            bare = np.array([priced(mo, lay, w, 0.0) for _, mo, lay in pair])
+            grow = np.array([priced(mo, lay, w, 1.0) for _, mo, lay in pair]) - bare
+            meas = np.array([t for t, _, _ in pair])
             # least squares of (bare + h grow - meas) / meas over h >= 0
             h = max(0.0, float(np.sum(grow * (meas - bare) / meas**2)
                                / np.sum(grow**2 / meas**2)))
@@ -433,12 +447,11 @@ def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
             best = (err, float(w), waits)
     _, weight, waits = best
     points = []
-    for runs, h in zip(shapes, waits):
-        st = hybrid.stage_times(runs[1][1], runs[1][2], machine)
+    for pair, h in zip(runs, waits):
+        st = hybrid.stage_times(pair[1][1], pair[1][2], machine)
         points.append(((st.t_f + st.t_b) / 2, h))
-    points.sort()
     out = []                                  # after_s strictly increasing (Level's check)
-    for after, wait in points:
+    for after, wait in sorted(points):
         if not out or after > out[-1][0]:
             out.append((float(after), float(wait)))
     return out, weight
