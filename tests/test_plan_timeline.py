@@ -50,6 +50,25 @@ def test_gpt_timeline_ends_at_the_priced_step(name, lay):
             assert a[3] <= b[2] + 1e-15          # one event at a time per rank
 
 
+@pytest.mark.parametrize("lay", [lay for lay in LAYOUTS if lay.pp > 1], ids=str)
+def test_gpt_timeline_of_ranks_sharing_cores_ends_at_the_priced_step(lay):
+    """With a bubble weight (ranks sharing cores) the fill and drain shrink as the price counts
+    them; the events keep their order on every rank."""
+    base = machine.load("dgx-a100-cluster").with_devices(lay.dp * lay.tp * lay.pp)
+    from dataclasses import replace
+    mach = replace(base, levels=tuple(replace(lv, bubble_weight=0.4, handoff=((0.0, 1e-5),))
+                                      for lv in base.levels))
+    events = timeline.gpt_events(GPT, lay, mach)
+    step = hybrid.price(GPT, lay, mach).step_s
+    assert timeline.makespan(events) == pytest.approx(step, rel=1e-12)
+    assert step < hybrid.price(GPT, lay, replace(mach, levels=tuple(
+        replace(lv, bubble_weight=1.0) for lv in mach.levels))).step_s
+    for r in {e[0] for e in events}:
+        mine = sorted((e for e in events if e[0] == r), key=lambda e: e[3])
+        assert all(e[3] <= e[4] for e in mine)
+        assert all(a[4] <= b[3] + 1e-15 for a, b in zip(mine, mine[1:]))
+
+
 def test_mlp_timeline_is_the_strategy_cost_on_every_rank():
     mach = machine.load("dgx-a100-cluster").with_devices(4)
     graph = cost.mlp_graph([64, 256, 256, 10], 128)

@@ -14,7 +14,11 @@ t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts 
   price counts them: the first micro-batch's activation relayed down the pipeline before the
   passes (SEND_ACT on each rank but the last), the last gradient relayed up after them
   (SEND_GRAD on each rank but the first). Then every rank runs the data-parallel allreduce
-  (``allreduce``) and the optimizer's update (``optimizer``). Every rank of dp x tp x pp gets its track, ranked as
+  (``allreduce``) and the optimizer's update (``optimizer``). Where the machine's ranks share
+  cores (a ``bubble_weight`` w < 1, :class:`.machine.Level`), the simulated times are mapped
+  t -> t - (1 - w) x (the first stage's idle time before t): its fill and drain shrink to w of
+  their length as the price counts them, the events keep their order, and those of other ranks
+  that overlap the first stage's idle shrink with it. Every rank of dp x tp x pp gets its track, ranked as
   :class:`hpcnn.parallel.grid.ProcessGrid` ranks them (tp fastest, then dp, then pp); the ranks
   of one pipeline stage run the same events.
 - **an MLP cut plan** (:func:`mlp_events`, :mod:`.cost`): :func:`.cost.strategy_cost`'s terms as
@@ -44,12 +48,14 @@ def gpt_events(model, layout, machine) -> list[Event]:
     pp, m_count = layout.pp, layout.microbatches
     lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
     sim = schedules.simulate(lists, st.t_f, st.t_b - st.t_w, st.t_w)
+    warp = _warp(sim, hybrid._neighbours(layout, machine).bubble_weight if pp > 1 else 1.0)
     fill = (pp - 1) * st.msg                       # activation of micro-batch 0, relayed down
     per_stage = []
     for s in range(pp):
         evs = [("SEND_ACT", 0, s * st.msg, (s + 1) * st.msg)] if s < pp - 1 else []
-        evs += [(ins.kind, ins.mb, fill + t0, fill + t1) for ins, t0, t1 in sim.timelines[s]]
-        end = fill + sim.makespan                  # the last gradient, relayed up
+        evs += [(ins.kind, ins.mb, fill + warp(t0), fill + warp(t1))
+                for ins, t0, t1 in sim.timelines[s]]
+        end = fill + warp(sim.makespan)            # the last gradient, relayed up
         if s > 0:
             k = pp - 1 - s
             evs.append(("SEND_GRAD", m_count - 1, end + k * st.msg, end + (k + 1) * st.msg))
@@ -61,6 +67,24 @@ def gpt_events(model, layout, machine) -> list[Event]:
     n_group = layout.dp * layout.tp                # ranks per stage: tp fastest, then dp
     return [(s * n_group + g, kind, mb, t0, t1) for s, evs in enumerate(per_stage)
             for g in range(n_group) for kind, mb, t0, t1 in evs]
+
+
+def _warp(sim, weight: float):
+    """t -> t - (1 - weight) x the first stage's idle time in [0, t] of the simulated run
+    ``sim`` (the identity for weight 1): see :func:`gpt_events`."""
+    if weight == 1:
+        return lambda t: t
+    gaps, last = [], 0.0                           # the first stage's idle intervals
+    for _, t0, t1 in sorted(sim.timelines[0], key=lambda e: e[1]):
+        if t0 > last:
+            gaps.append((last, t0))
+        last = max(last, t1)
+    gaps.append((last, sim.makespan))
+
+    def warp(t: float) -> float:
+        idle = sum(max(0.0, min(t, b) - a) for a, b in gaps)
+        return t - (1 - weight) * idle
+    return warp
 
 
 def term_kind(term) -> str:
