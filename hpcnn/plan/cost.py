@@ -239,6 +239,13 @@ def _handoff(lvl) -> str:
     return f"H_{lvl.name} + " if any(h for _, h in lvl.handoff) else ""
 
 
+def _product(compute: Term) -> float:
+    """Seconds of one of an operator's three products (forward, input gradient, weight
+    gradient) from its compute term: a third of it, the compute before each of its
+    collectives and redistributions (their handoff's ``after``)."""
+    return compute.seconds / 3
+
+
 def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
                     relu: bool) -> list:
     """The supersteps of operator ``n`` under Cut ``c`` (see :func:`strategy_cost`): compute,
@@ -255,7 +262,7 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
                   f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear"
                   f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else ""),
                   machine.device.compute_seconds(flops, dtype, "linear", 1, cache, act))]
-    after = terms[0].seconds / 3         # a product's share: each collective follows one
+    after = _product(terms[0])           # each collective follows one of the products
     local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
     measured = optimizer in getattr(machine.device, "update", {})
     terms.append(Term(f"op{n} update", f"{local:g}*U_{optimizer}({local:g})*{size}/4" if measured
@@ -314,7 +321,7 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     terms, product = [], []       # product[n]: one of operator n's three products, seconds
     for n, (op, c) in enumerate(zip(graph.ops, cuts)):
         own = _operator_terms(n, op, c, machine, dtype, optimizer, relu=n < len(graph.ops) - 1)
-        product.append(own[0].seconds / 3)
+        product.append(_product(own[0]))
         terms += own
     for a, b in graph.edges:
         ca, cb = cuts[a], cuts[b]
