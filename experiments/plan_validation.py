@@ -46,11 +46,19 @@ pass (a product's output, message buffers) are in neither. Also the largest resi
 (``/ranks`` peak_mem_bytes, which includes the interpreter and the data).
 
     python experiments/plan_validation.py [--machine=FILE] [--out=runs/plan_validation]
-        [--rounds=3] [--gpt_steps=12] [--mlp_steps=40] [--mlp_layouts=16]
+        [--rounds=3] [--gpt_steps=12] [--mlp_steps=40] [--mlp_layouts=16] [--confirm=0]
     python analysis/plan_validation.py runs/plan_validation/results.h5 docs/figures/plan_validation.png
 
+5. **confirm** (``--confirm=N``, ``--confirm_rounds=R``): the best of a sweep is the least of
+   many noisy medians, measured minutes away from the choice (under load, launch to launch
+   noise is 7-13 % here), so it is biased low. The planner's choice and the N fastest other
+   layouts are measured again, R rounds alternated, and the choice is compared with the best
+   of these round by round (``confirm_choice_over_best``: the median of per-round ratios).
+   The sweep's ``choice_over_best`` is kept as measured.
+
 Output: OUT/results.h5, tables ``layouts`` (one row per layout: ``pred_s`` the median prediction,
-``pred_min_s``/``pred_max_s`` its range over rounds) and ``summary`` (one per model), the machine
+``pred_min_s``/``pred_max_s`` its range over rounds), ``summary`` (one per model) and, with
+``--confirm``, ``confirm`` (one row per layout measured again), the machine
 files OUT/machine-rR.toml when calibrated here, the plan files and run logs under OUT/runs.
 """
 import argparse
@@ -272,6 +280,39 @@ def summarize(model: str, rows: list, choice: str) -> dict:
             "memory_max_error": max((abs(p / m - 1) for p, m in mem), default=math.nan)}
 
 
+def confirm_names(rows: list, choice: str, k: int) -> list:
+    """The planner's choice first, then the ``k`` layouts of least measured step time other
+    than it: the layouts :func:`confirm` measures again side by side."""
+    others = sorted((r for r in rows if r["layout"] != choice), key=lambda r: r["meas_s"])
+    return [choice] + [r["layout"] for r in others[:k]]
+
+
+def confirm(cases: list, names: list, ranks: int, steps: int, rounds: int, folder: str,
+            tag: str) -> dict:
+    """Each layout of ``names`` measured ``rounds`` more times, the order reversed every other
+    round; name -> step times, one per round (:func:`read_log`'s median)."""
+    order = [next(c for c in cases if c[0] == name) for name in names]
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        got = measure(order if r % 2 == 0 else order[::-1], ranks, steps, folder, f"{tag}-r{r}")
+        for name in names:
+            times[name].append(got[name]["step_s"])
+    return times
+
+
+def confirm_summary(times: dict, choice: str) -> dict:
+    """The confirmation's best (least median step time) and the choice against it: the median
+    over rounds of the choice's step time over the best's in the same round (1.0 when the
+    choice is the best). Empty figures (nan) without a confirmation."""
+    if not times:
+        return {"confirm_layouts": 0, "confirm_rounds": 0, "confirm_best": "",
+                "confirm_choice_over_best": math.nan}
+    best = min(times, key=lambda n: statistics.median(times[n]))
+    ratio = statistics.median(c / b for c, b in zip(times[choice], times[best]))
+    return {"confirm_layouts": len(times), "confirm_rounds": len(times[choice]),
+            "confirm_best": best, "confirm_choice_over_best": float(ratio)}
+
+
 def machine_for(path: str, ranks: int):
     """The machine file at ``path`` cut to ``ranks`` devices."""
     mach = machine.load(path)
@@ -299,6 +340,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp_batch", type=int, default=256)
     ap.add_argument("--mlp_steps", type=int, default=40)
     ap.add_argument("--mlp_layouts", default="16", help="all (4**layers), or N")
+    ap.add_argument("--confirm", type=int, default=0, help="after the sweep, measure the "
+                    "planner's choice and the N fastest other layouts again, side by side")
+    ap.add_argument("--confirm_rounds", type=int, default=5)
     a = ap.parse_args(argv)
     out_dir = os.path.abspath(a.out)
     folder = os.path.join(out_dir, "runs")
@@ -351,7 +395,7 @@ def main(argv=None) -> int:
     graph = mlp_graph(hidden, a.mlp_batch)
     dra = "-".join(cut_name(c, a.ranks) for c in search.dra(graph, a.ranks)[0])
 
-    rows, summary = [], []
+    rows, summary, confirmed = [], [], []
     for m, (cases, steps) in models.items():
         mrows = []
         for name, args, _ in cases:
@@ -379,6 +423,18 @@ def main(argv=None) -> int:
                 "planner_choice": int(name == choices[m])})
         if mrows:
             s = summarize(m, mrows, choices[m])
+            times = {}
+            if a.confirm and len(mrows) > 1:
+                names = confirm_names(mrows, choices[m], a.confirm)
+                times = confirm(cases, names, a.ranks, steps, a.confirm_rounds, folder,
+                                f"{m}-confirm")
+                sweep = {r["layout"]: r["meas_s"] for r in mrows}
+                confirmed += [{"model": m, "layout": n, "meas_s": statistics.median(t),
+                               "meas_min_s": min(t), "meas_max_s": max(t), "rounds": len(t),
+                               "sweep_meas_s": sweep[n], "pred_s": pred_s(m, n),
+                               "planner_choice": int(n == choices[m])}
+                              for n, t in times.items()]
+            s.update(confirm_summary(times, choices[m]))
             summary.append(s)
             print(f"{m}: {s['layouts']} layouts, Kendall tau {s['kendall_tau']:.3f} "
                   f"(p {s['tau_pvalue']:.2g}), MAPE {s['mape']:.1%} (after scale "
@@ -387,6 +443,11 @@ def main(argv=None) -> int:
                   f"{s['best_meas_s'] * 1e3:.1f} ms ({s['choice_over_best'] - 1:+.1%}); "
                   f"memory within {s['memory_max_error']:.1%} on {s['memory_rows']} layouts",
                   flush=True)
+            if times:
+                print(f"{m} confirmed ({s['confirm_layouts']} layouts, {s['confirm_rounds']} "
+                      f"rounds side by side): best {s['confirm_best']}, choice "
+                      f"{s['confirm_choice_over_best'] - 1:+.1%} (median of per-round ratios)",
+                      flush=True)
         rows += mrows
     load_after = os.getloadavg()[0]
     for s in summary:
@@ -397,6 +458,8 @@ def main(argv=None) -> int:
     out = os.path.join(a.out, "results.h5")
     save_table(out, "layouts", rows, attrs=attrs)
     save_table(out, "summary", summary, attrs=attrs)
+    if confirmed:
+        save_table(out, "confirm", confirmed, attrs=attrs)
     print(f"load average {load_before:.2f} before, {load_after:.2f} after; "
           f"{time.time() - t0:.0f} s; wrote {out}")
     return 0

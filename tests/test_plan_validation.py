@@ -22,7 +22,28 @@ LAYOUT_COLUMNS = {"model", "layout", "dp", "tp", "pp", "schedule", "microbatches
 SUMMARY_COLUMNS = {"model", "layouts", "kendall_tau", "tau_pvalue", "mape", "scale",
                    "mape_scaled", "choice", "choice_meas_s", "best", "best_meas_s",
                    "choice_over_best", "priced_best", "priced_best_over_best", "memory_rows",
-                   "memory_max_error", "rounds", "load_before", "load_after", "dra"}
+                   "memory_max_error", "rounds", "load_before", "load_after", "dra",
+                   "confirm_layouts", "confirm_rounds", "confirm_best",
+                   "confirm_choice_over_best"}
+CONFIRM_COLUMNS = {"model", "layout", "meas_s", "meas_min_s", "meas_max_s", "rounds",
+                   "sweep_meas_s", "pred_s", "planner_choice"}
+
+
+def test_confirmation_takes_the_choice_and_the_fastest_others_and_pairs_rounds():
+    rows = [{"layout": n, "meas_s": s} for n, s in
+            [("a", 5.0), ("b", 1.0), ("c", 3.0), ("d", 2.0), ("e", 4.0)]]
+    assert plan_validation.confirm_names(rows, "c", 2) == ["c", "b", "d"]
+    assert plan_validation.confirm_names(rows, "b", 2) == ["b", "d", "c"]
+    assert plan_validation.confirm_names(rows, "b", 9) == ["b", "d", "c", "e", "a"]
+    # the best is the least median; the choice's figure is the median of same-round ratios
+    times = {"c": [1.10, 1.30, 1.00], "b": [1.00, 1.00, 1.05], "d": [1.20, 0.90, 1.30]}
+    got = plan_validation.confirm_summary(times, "c")
+    assert got["confirm_best"] == "b" and got["confirm_layouts"] == 3
+    assert got["confirm_rounds"] == 3
+    assert np.isclose(got["confirm_choice_over_best"], 1.10)       # median of 1.1, 1.3, 0.952
+    assert plan_validation.confirm_summary({"c": [1.0, 2.0]}, "c")["confirm_choice_over_best"] == 1
+    empty = plan_validation.confirm_summary({}, "c")
+    assert empty["confirm_layouts"] == 0 and np.isnan(empty["confirm_choice_over_best"])
 
 
 def test_mlp_layouts_cover_the_uniform_and_the_planners_choice():
@@ -72,6 +93,18 @@ def test_experiment_and_figure(readme_run):
         assert abs(s["kendall_tau"][i]) == 1.0          # two layouts: concordant or not
         assert np.isclose(s["best_meas_s"][i], meas.min())
         assert s["choice_over_best"][i] >= 1.0
+    # the confirmation (--confirm=1, --confirm_rounds=1): the choice and the fastest other
+    # layout measured again, one row each per model
+    c, _ = load_table(out / "results.h5", "confirm")
+    assert set(c) == CONFIRM_COLUMNS and list(c["model"]) == ["gpt", "gpt", "mlp", "mlp"]
+    assert (c["meas_s"] > 0).all() and (c["rounds"] == 1).all()
+    for i, model in enumerate(s["model"]):
+        mine = c["model"] == model
+        assert c["planner_choice"][mine].sum() == 1
+        assert s["confirm_layouts"][i] == 2 and s["confirm_rounds"][i] == 1
+        assert s["confirm_best"][i] in set(c["layout"][mine])
+        choice = c["meas_s"][mine & (c["planner_choice"] == 1)][0]
+        assert np.isclose(s["confirm_choice_over_best"][i], choice / c["meas_s"][mine].min())
     # the MLP's plan files are what hpcnn train read: one Cut per Linear over 2 ranks
     plans = sorted((out / "runs").glob("plan-*.json"))
     assert len(plans) == 2
