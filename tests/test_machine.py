@@ -283,6 +283,13 @@ def test_fit_level_from_measured_times():
     assert noisy.bandwidth == ((math.inf, pytest.approx(1024 / 2.9e-7, rel=1e-12)),)
     with pytest.raises(ValueError, match="increasing sizes"):
         fit_level([1024, 8], [1e-6, 2e-6], fanout=2)
+    # a stall while the smallest size was timed (the 4-rank calibration's 1.4 ms at 8 B against
+    # 33 us at 1 KiB) is not taken as the latency: no size is priced above a larger one
+    stalled = fit_level(sizes, [1.4e-3] + seconds[1:], fanout=4)
+    assert stalled.latency_s == seconds[1]
+    assert all(stalled.message_seconds(a) <= stalled.message_seconds(b)
+               for a, b in zip(sizes, sizes[1:]))
+    assert fit_level(sizes, seconds, fanout=4) == lv                 # monotone times: unchanged
 
 
 def test_shared_figures_slow_cpu_time_by_the_sustained_ratio():
@@ -417,6 +424,10 @@ def test_a_levels_reduce_rate_prices_the_ring_steps():
     assert [p[1] for p in pieces] == pytest.approx([1e9, 3e9, 2e9], rel=1e-9)
     with pytest.raises(ValueError, match="expected >= 2 ranks"):
         fit_reduce(sizes, times, 1, 1e-6)
+    # a stalled small size is priced as the next larger one at most
+    stalled = fit_reduce(sizes, [1.0, *times[1:]], 4, 1e-6)
+    assert stalled[1:] == pieces[1:]
+    assert stalled[0][1] == pytest.approx(1024 / (times[1] / 6 - 1e-6), rel=1e-12)
 
 
 def test_activation_bytes_priced_apart_and_round_trip():
