@@ -6,6 +6,7 @@ import os
 import shlex
 import sys
 
+import h5py
 import numpy as np
 
 from hpcnn.log.results import load_table
@@ -118,3 +119,30 @@ def test_experiment_and_figure(readme_run):
     readme_run.succeeded(figure)
     png = shlex.split(readme_run.commands[figure], comments=True)[-1]
     assert (readme_run.scratch / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_phases_of_the_readme_runs(readme_run, capsys):
+    """analysis/plan_phases.py on the README's run of the experiment: one row per MLP run of
+    the sweep, its measured phases inside the run's steps, its priced terms summing to the
+    plan's price."""
+    sys.path.insert(0, os.path.join(ROOT, "analysis"))
+    import plan_phases
+    readme_run.succeeded(readme_run.command_running("experiments/plan_validation.py"))
+    out = readme_run.scratch / "runs" / "plan_validation"
+    assert plan_phases.main([str(out)]) == 0
+    assert "passes and gradient wait / compute + collectives" in capsys.readouterr().out
+    p, attrs = load_table(out / "phases.h5", "phases")
+    t, _ = load_table(out / "results.h5", "layouts")
+    assert sorted(p["layout"]) == sorted(t["layout"][t["model"] == "mlp"])
+    assert (p["round"] == 0).all() and np.isfinite(attrs["fit_compute"])
+    for row in range(len(p["layout"])):
+        assert p["meas_passes_s"][row] > 0 and p["meas_optimizer_s"][row] > 0
+        assert p["meas_wait_s"][row] >= 0
+        priced = p["pred_compute_s"][row] + p["pred_update_s"][row] + p["pred_comm_s"][row]
+        assert np.isclose(priced, p["pred_s"][row], rtol=1e-12)
+    # a run's phases lie inside its steps: their sum is at most its slowest step
+    for log in sorted((out / "runs").glob("mlp-r0-*.h5")):
+        got = plan_phases.run_phases(str(log))
+        with h5py.File(log, "r") as f:
+            slowest = float(f["metrics/step_time"][...].max())
+        assert 0 < got["passes"] + got["wait"] + got["optimizer"] <= slowest * 1.001

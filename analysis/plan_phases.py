@@ -1,0 +1,137 @@
+"""Where the MLP plans' measured time goes against their price: phases of experiments/plan_validation.py's runs.
+
+    python analysis/plan_phases.py runs/plan_validation_p4_all
+
+For every MLP run log of the validation (OUT/runs/mlp-rR-I.h5, the sweep's rounds; the
+confirmation's are left out), the run's ``/timeline`` gives per step and rank the seconds of its
+passes (forward and backward, with the collectives and redistributions the layout executor runs
+inside them), of its wait for the data-parallel gradients (``allreduce_wait``) and of its
+optimizer step; a step's phase is the slowest rank's, the run's the median over the steps after
+the first fifth (as the validation's step time). The same plan (the run's ``--plan`` file) is
+priced by :func:`hpcnn.plan.cost.strategy_cost` on that round's machine file (OUT/machine-rR.toml,
+or the one ``--machine`` gave) and its terms are summed by kind: compute, update, collectives
+(the operators' reductions and the redistributions, data-parallel gradients included) and their
+count. Prints the percentiles of measured over priced per phase and a least-squares fit of the
+passes' seconds on the priced compute, the priced collectives and one constant per collective
+(weighted by 1 / measured); writes OUT/phases.h5, table ``phases`` (one row per run).
+"""
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+import h5py
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
+import plan_validation  # noqa: E402
+
+from hpcnn.log.results import load_table, save_table  # noqa: E402
+from hpcnn.parallel.layout import read_plan  # noqa: E402
+from hpcnn.plan import cost  # noqa: E402
+
+PHASES = {"passes": ("F", "B"), "wait": ("allreduce_wait",), "optimizer": ("optimizer",)}
+
+
+def run_phases(path: str) -> dict:
+    """{phase: seconds} of one run log (the module docstring), plus its plan file, its batch
+    and its ranks."""
+    with h5py.File(path, "r") as f:
+        steps = len(f["metrics/step_time"])
+        t = f["timeline"][...]
+        names = json.loads(f["timeline"].attrs["kind_names"])
+        cfg = f["config"].attrs
+        plan, batch, ranks = str(cfg["plan"]), int(cfg["batch_size"]), int(cfg["tp"])
+    out = {"plan": plan, "batch": batch, "ranks": ranks}
+    for phase, kinds in PHASES.items():
+        codes = [names.index(k) for k in kinds if k in names]
+        per = np.zeros((ranks, steps))
+        for rank in range(ranks):
+            mine = t[(t["rank"] == rank) & np.isin(t["kind"], codes)]
+            if len(mine):
+                # the events of one step: those of a rank in time order, split by step start
+                step = np.searchsorted(_step_starts(t, rank, names, steps), mine["t_start"],
+                                       side="right") - 1
+                np.add.at(per[rank], step, mine["t_end"] - mine["t_start"])
+        out[phase] = float(np.median(per.max(axis=0)[steps // 5:]))
+    return out
+
+
+def _step_starts(t, rank: int, names: list, steps: int):
+    """Start time of each of the rank's steps: its optimizer events end a step, so the next one
+    starts after each of them (the first at -inf)."""
+    ends = np.sort(t[(t["rank"] == rank) & (t["kind"] == names.index("optimizer"))]["t_end"])
+    return np.concatenate([[-math.inf], ends[:steps - 1]])
+
+
+def priced_phases(graph, cuts, mach) -> dict:
+    """The plan's priced seconds by kind of term (the module docstring) and its collectives."""
+    sc = cost.strategy_cost(graph, cuts, mach, "float32")
+    out = {"pred_compute_s": 0.0, "pred_update_s": 0.0, "pred_comm_s": 0.0, "collectives": 0}
+    for term in sc.terms:
+        if term.what.endswith("compute"):
+            out["pred_compute_s"] += term.seconds
+        elif term.what.endswith("update"):
+            out["pred_update_s"] += term.seconds
+        else:
+            out["pred_comm_s"] += term.seconds
+            out["collectives"] += 1
+    out["pred_s"] = float(sc.seconds)
+    return out
+
+
+def hidden_of(command_line: str) -> list:
+    """The MLP's hidden widths the validation ran (its ``--hidden``, default 1024,1024)."""
+    got = re.search(r"--hidden[= ](\S+)", command_line)
+    return [int(v) for v in (got.group(1) if got else "1024,1024").split(",")]
+
+
+def main(argv) -> int:
+    if len(argv) != 1:
+        raise SystemExit(__doc__)
+    out = argv[0]
+    _, attrs = load_table(os.path.join(out, "results.h5"), "layouts")
+    machines = str(attrs["machine_file"]).split(",")
+    hidden = hidden_of(str(attrs["command_line"]))
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out, "runs", "mlp-r*-*.h5"))):
+        r = int(re.search(r"mlp-r(\d+)-\d+\.h5$", path).group(1))
+        got = run_phases(path)
+        mach = plan_validation.machine_for(machines[min(r, len(machines) - 1)], got["ranks"])
+        graph = plan_validation.mlp_graph(hidden, got["batch"])
+        cuts = read_plan(got["plan"], devices=got["ranks"])
+        name = os.path.basename(got["plan"])[len("plan-"):-len(".json")]
+        rows.append({"layout": name, "round": r, "meas_passes_s": got["passes"],
+                     "meas_wait_s": got["wait"], "meas_optimizer_s": got["optimizer"],
+                     **priced_phases(graph, cuts, mach)})
+    if not rows:
+        raise SystemExit(f"no MLP run logs under {out}/runs")
+    passes = np.array([x["meas_passes_s"] + x["meas_wait_s"] for x in rows])
+    opt = np.array([x["meas_optimizer_s"] for x in rows])
+    compute = np.array([x["pred_compute_s"] for x in rows])
+    comm = np.array([x["pred_comm_s"] for x in rows])
+    update = np.array([x["pred_update_s"] for x in rows])
+    count = np.array([x["collectives"] for x in rows], float)
+    pct = (5, 25, 50, 75, 95)
+    print(f"{len(rows)} runs; measured / priced, percentiles {pct}:")
+    print("  passes and gradient wait / compute + collectives:",
+          np.round(np.percentile(passes / (compute + comm), pct), 2))
+    print("  optimizer / update:", np.round(np.percentile(opt / update, pct), 2))
+    design = np.c_[compute, comm, count]
+    w = 1 / passes
+    coef = np.linalg.lstsq(design * w[:, None], passes * w, rcond=None)[0]
+    fit = design @ coef
+    print(f"  passes ~ {coef[0]:.3g} x compute + {coef[1]:.3g} x collectives + "
+          f"{coef[2] * 1e3:.3g} ms per collective (MAPE {np.mean(abs(fit - passes) / passes):.1%})")
+    save_table(os.path.join(out, "phases.h5"), "phases", rows,
+               attrs={"fit_compute": coef[0], "fit_collectives": coef[1],
+                      "fit_per_collective_s": coef[2]})
+    print(f"wrote {os.path.join(out, 'phases.h5')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
