@@ -17,7 +17,6 @@ passes' seconds on the priced compute, the priced collectives and one constant p
 """
 import glob
 import json
-import math
 import os
 import re
 import sys
@@ -38,33 +37,26 @@ PHASES = {"passes": ("F", "B"), "wait": ("allreduce_wait",), "optimizer": ("opti
 
 def run_phases(path: str) -> dict:
     """{phase: seconds} of one run log (the module docstring), plus its plan file, its batch
-    and its ranks."""
+    and its ranks. A rank's optimizer events end its steps: an event belongs to the step of
+    the first optimizer event that ends after it starts."""
     with h5py.File(path, "r") as f:
         steps = len(f["metrics/step_time"])
         t = f["timeline"][...]
         names = json.loads(f["timeline"].attrs["kind_names"])
         cfg = f["config"].attrs
         plan, batch, ranks = str(cfg["plan"]), int(cfg["batch_size"]), int(cfg["tp"])
+    per = {phase: np.zeros((ranks, steps)) for phase in PHASES}
+    for rank in range(ranks):
+        mine = t[t["rank"] == rank]
+        ends = np.sort(mine["t_end"][mine["kind"] == names.index("optimizer")])
+        step = np.searchsorted(ends[:steps - 1], mine["t_start"], side="right")
+        for phase, kinds in PHASES.items():
+            sel = np.isin(mine["kind"], [names.index(k) for k in kinds if k in names])
+            np.add.at(per[phase][rank], step[sel], (mine["t_end"] - mine["t_start"])[sel])
     out = {"plan": plan, "batch": batch, "ranks": ranks}
-    for phase, kinds in PHASES.items():
-        codes = [names.index(k) for k in kinds if k in names]
-        per = np.zeros((ranks, steps))
-        for rank in range(ranks):
-            mine = t[(t["rank"] == rank) & np.isin(t["kind"], codes)]
-            if len(mine):
-                # the events of one step: those of a rank in time order, split by step start
-                step = np.searchsorted(_step_starts(t, rank, names, steps), mine["t_start"],
-                                       side="right") - 1
-                np.add.at(per[rank], step, mine["t_end"] - mine["t_start"])
-        out[phase] = float(np.median(per.max(axis=0)[steps // 5:]))
+    out.update({phase: plan_validation.steady_median(seconds.max(axis=0))
+                for phase, seconds in per.items()})
     return out
-
-
-def _step_starts(t, rank: int, names: list, steps: int):
-    """Start time of each of the rank's steps: its optimizer events end a step, so the next one
-    starts after each of them (the first at -inf)."""
-    ends = np.sort(t[(t["rank"] == rank) & (t["kind"] == names.index("optimizer"))]["t_end"])
-    return np.concatenate([[-math.inf], ends[:steps - 1]])
 
 
 def priced_phases(graph, cuts, mach) -> dict:
@@ -84,9 +76,9 @@ def priced_phases(graph, cuts, mach) -> dict:
 
 
 def hidden_of(command_line: str) -> list:
-    """The MLP's hidden widths the validation ran (its ``--hidden``, default 1024,1024)."""
+    """The MLP's hidden widths the validation ran (its ``--hidden``, else its default)."""
     got = re.search(r"--hidden[= ](\S+)", command_line)
-    return [int(v) for v in (got.group(1) if got else "1024,1024").split(",")]
+    return [int(v) for v in (got.group(1) if got else plan_validation.HIDDEN).split(",")]
 
 
 def main(argv) -> int:
@@ -100,7 +92,7 @@ def main(argv) -> int:
     for path in sorted(glob.glob(os.path.join(out, "runs", "mlp-r*-*.h5"))):
         r = int(re.search(r"mlp-r(\d+)-\d+\.h5$", path).group(1))
         got = run_phases(path)
-        mach = plan_validation.machine_for(machines[min(r, len(machines) - 1)], got["ranks"])
+        mach = plan_validation.machine_for(machines[r], got["ranks"])      # one per round
         graph = plan_validation.mlp_graph(hidden, got["batch"])
         cuts = read_plan(got["plan"], devices=got["ranks"])
         name = os.path.basename(got["plan"])[len("plan-"):-len(".json")]

@@ -86,6 +86,7 @@ MPIEXEC = os.path.join(BIN, "mpiexec") if os.path.exists(os.path.join(BIN, "mpie
     else "mpiexec"
 TRAIN = ["-m", "hpcnn", "train", "--progress=false", "--eval_interval=0", "--allreduce=mpi",
          "--dtype=float32"]
+HIDDEN = "1024,1024"         # the MLP's hidden widths unless --hidden says otherwise
 DIGITS = (64, 10)            # features and classes of the digits data set the MLP trains on
 
 
@@ -208,6 +209,11 @@ def mlp_case(hidden, batch: int, ranks: int, names, folder: str, tag: str = "") 
 
 # ---------------------------------------------------------------- measuring
 
+def steady_median(per_step) -> float:
+    """The median of a run's per-step figures after its first 20 % of steps (the warm-up)."""
+    return float(np.median(np.asarray(per_step)[len(per_step) // 5:]))
+
+
 def read_log(path: str) -> dict:
     """The run's median step time after its first 20 % of steps and its logged peaks: per rank
     the engine's peak activation bytes plus its parameter, gradient and optimizer bytes
@@ -221,7 +227,7 @@ def read_log(path: str) -> dict:
              ("peak_activation_bytes_per_rank", "param_bytes_per_rank", "grad_bytes_per_rank",
               "optimizer_bytes_per_rank")]
     held = [sum(r) for r in zip(*parts)] if all(parts) else []
-    return {"step_s": float(np.median(t[len(t) // 5:])),
+    return {"step_s": steady_median(t),
             "rss_bytes": int(np.max(rss)) if len(rss) else -1,
             "act_bytes": int(max(parts[0])) if parts[0] else -1,
             "param_bytes": int(max(parts[1])) if parts[1] else -1,
@@ -336,7 +342,7 @@ def main(argv=None) -> int:
                     "all (every count hpcnn.plan.hybrid.layouts has), or a list")
     ap.add_argument("--gpt_steps", type=int, default=12)
     ap.add_argument("--gpt_layouts", default="all", help="all, or the first N")
-    ap.add_argument("--hidden", default="1024,1024")
+    ap.add_argument("--hidden", default=HIDDEN)
     ap.add_argument("--mlp_batch", type=int, default=256)
     ap.add_argument("--mlp_steps", type=int, default=40)
     ap.add_argument("--mlp_layouts", default="16", help="all (4**layers), or N")
