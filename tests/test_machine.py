@@ -500,3 +500,65 @@ def test_a_levels_handoff_is_paid_once_per_message_and_per_allreduce():
             ("bubble_weight", 1.5, r"bubble_weight = 1.5: expected a number in \(0, 1\]")):
         with pytest.raises(ValueError, match=f"level 'node': {message}"):
             replace(plain, **{field: bad})
+
+
+def test_a_levels_collectives_after_compute_are_read_off_their_curves():
+    """``after_compute`` (ranks sharing cores: what a collective took after a pass of compute)
+    gives a collective's seconds: on the curve of the measured group size nearest n (in log n),
+    linear in bytes between its sizes (the first size's seconds below, the last two sizes' slope
+    past them), linear in the compute c between the measured c (flat outside); no curve of the
+    kind: None. It round-trips through the file, is written only when set, and bad tables are
+    named."""
+    curves = {"allreduce.2": ((1e-3, 8, 1e-4), (1e-3, 1024, 2e-4), (1e-3, 2048, 4e-4),
+                              (4e-3, 8, 3e-4), (4e-3, 1024, 4e-4), (4e-3, 2048, 8e-4)),
+              "allreduce.8": ((1e-3, 8, 1e-3), (1e-3, 1024, 1e-3)),
+              "alltoall.8": ((2e-3, 16, 5e-5), (2e-3, 32, 6e-5))}
+    plain = hm.Level("node", 8, 1e-6, ((math.inf, 1e10),))
+    lv = replace(plain, after_compute=curves)
+    for n, nbytes, after, want in (
+            (2, 8, 1e-3, 1e-4), (2, 0, 0.0, 1e-4),               # below the first size, c
+            (2, 516, 1e-3, 1.5e-4), (2, 1536, 1e-3, 3e-4),       # between sizes
+            (2, 4096, 1e-3, 8e-4),                               # past the last: its slope
+            (2, 1024, 2.5e-3, 3e-4), (2, 1024, 1.0, 4e-4),       # between and past the c
+            (3, 1024, 1e-3, 2e-4),                               # nearest: 2 (log 3/2 < log 8/3)
+            (4, 1024, 1e-3, 1e-3),                               # a tie in log n: the larger
+            (16, 1024, 1e-3, 1e-3), (8, 24, 0.0, 5.5e-5)):
+        kind = "alltoall" if nbytes == 24 else "allreduce"
+        assert lv.collective_seconds(kind, n, nbytes, after) == pytest.approx(want, rel=1e-12), \
+            (n, nbytes, after)
+    assert plain.collective_seconds("allreduce", 2, 8) is None
+    assert replace(plain, after_compute={"alltoall.2": ((0, 8, 1e-4),)}).collective_seconds(
+        "allreduce", 2, 8) is None
+    dev = hm.Device("d", {"float32": 1.0}, 1.0, 1.0)
+    m = hm.Machine("m", (lv,), dev)
+    text = m.to_toml()
+    assert hm.loads(text) == m and "[levels.after_compute]" in text
+    assert '"alltoall.8" = [[0.002, 16, 5e-05], [0.002, 32, 6e-05]]' in text
+    assert "after_compute" not in hm.Machine("m", (plain,), dev).to_toml()
+    # collective_scale: every figure read off the curves times it; written only when not 1
+    scaled = replace(lv, collective_scale=2.5)
+    assert scaled.collective_seconds("allreduce", 2, 1536, 1e-3) == pytest.approx(7.5e-4)
+    assert scaled.collective_seconds("alltoall", 8, 24) == pytest.approx(2.5 * 5.5e-5)
+    m2 = hm.Machine("m", (scaled,), dev)
+    assert hm.loads(m2.to_toml()) == m2 and "collective_scale = 2.5" in m2.to_toml()
+    assert "collective_scale" not in text
+    for bad, message in ((0.0, "expected a number > 0"), (-1.0, "expected a number > 0"),
+                         (math.inf, "expected a finite number > 0"), ("x", "expected a number")):
+        with pytest.raises(ValueError, match=f"level 'node': collective_scale = .*: {message}"):
+            replace(plain, collective_scale=bad)
+    for bad, message in (
+            ({"gather.2": ((0, 8, 1e-4),)}, r"after_compute: key 'gather.2': expected \"allr"),
+            ({"allreduce.1": ((0, 8, 1e-4),)}, r"after_compute: key 'allreduce.1': expected"),
+            ({"allreduce.x": ((0, 8, 1e-4),)}, r"after_compute: key 'allreduce.x': expected"),
+            ({"allreduce.2": ()}, r"after_compute\['allreduce.2'\] = \(\): expected a list"),
+            ({"allreduce.2": ((0, 8),)}, r"after_compute\['allreduce.2'\]\[0\] = \(0, 8\): "
+             r"expected \[c, bytes, seconds\]"),
+            ({"allreduce.2": ((0, 8, -1e-4),)},
+             r"after_compute\['allreduce.2'\]\[0\] seconds = -0.0001: expected a number >= 0"),
+            ({"allreduce.2": ((0, 8, math.inf),)},
+             r"after_compute\['allreduce.2'\]\[0\] = \[0, 8, inf\]: expected finite"),
+            ({"allreduce.2": ((0, 8, 1e-4), (0, 8, 2e-4))}, r"after_compute\['allreduce.2'\]"
+             r"\[1\] bytes = 8: at c = 0 the bytes must increase \(previous 8.0\)"),
+            ([1], r"after_compute = \[1\]: expected a table")):
+        with pytest.raises(ValueError, match=f"level 'node': {message}"):
+            replace(plain, after_compute=bad)

@@ -344,6 +344,79 @@ def test_a_collective_and_a_redistribution_pay_the_handoff_after_the_product_bef
                                    "redistribute 0->1 gradient": k * product[1]}, rel=1e-12)
 
 
+def test_collectives_after_compute_and_the_update_of_every_part_a_device_holds():
+    """Where a level has ``after_compute`` curves (ranks sharing cores), an operator's
+    allreduce over n devices costs the "allreduce" curve's seconds for its bytes after one
+    product of compute, and a redistribution's exchange the "alltoall" curve's for the part a
+    device ends with (handoff included: no H term); where the level has none, the ring and the
+    message as before. An operator's update takes the seconds per parameter of every part the
+    device holds together (the steps run back to back over them)."""
+    from dataclasses import replace as rep
+    from hpcnn.plan.machine import Device, Machine as Hsm
+    level = Level("node", 2, 1e-5, ((math.inf, 1e9),), handoff=((0.0, 1e-3),))
+    curves = {"allreduce.2": ((0.0, 8, 1e-4), (0.0, 1 << 20, 1e-2 + 1e-4),
+                              (1.0, 8, 2e-4), (1.0, 1 << 20, 1e-2 + 2e-4)),
+              "alltoall.2": ((0.0, 8, 3e-4), (0.0, 1 << 20, 2e-2 + 3e-4))}
+    per = ((1e3, 4e-9), (1e5, 2e-9), (math.inf, 2e-9))      # seconds per parameter
+    dev = Device("d", {"float32": 1e9}, 1e12, 1e12, update={"adamw": per})
+    plain, shared = (Hsm("m", (lv,), dev) for lv in (level, rep(level, after_compute=curves)))
+    g = chain([Matmul(8, 4, 4), Matmul(8, 4, 4)])
+    cuts = [Cut(1, 1, 2), Cut(2, 1, 1)]     # columns then rows: reduce dx, moves both ways,
+    a, b = (strategy_cost(g, cuts, m, loss=False) for m in (plain, shared))       # grads
+    product = [t.seconds / 3 for t in a.terms if t.what.endswith("compute")]
+    got = {t.what: (t.seconds, t.formula) for t in b.terms}
+
+    def line(kind, nbytes, after):                    # the curves above at c = after
+        lo, hi = {"allreduce": (1e-4 + 1e-4 * after, 1e-2), "alltoall": (3e-4, 2e-2)}[kind]
+        return lo + hi * (nbytes - 8) / ((1 << 20) - 8)
+    assert got["op0 reduce dx"][0] == pytest.approx(line("allreduce", 8 * 4 * 4, product[0]))
+    assert got["op0 reduce dx"][1] == "A2_node(128)"
+    assert got["op1 grad allreduce"][0] == pytest.approx(
+        line("allreduce", 4 * 4 * 4, product[1]))           # the weight part's gradient
+    for what, nbytes in (("redistribute 0->1", 4 * 4 * 4), ("redistribute 0->1 gradient",
+                                                            8 * 2 * 4)):
+        assert got[what] == (pytest.approx(line("alltoall", nbytes, 0.0)), f"X2_node({nbytes})")
+    old = {t.what: t for t in a.terms}
+    assert old["op0 reduce dx"].seconds == pytest.approx(
+        level.allreduce_seconds(8 * 4 * 4, 2, product[0]))
+    assert "H_node" in old["op0 reduce dx"].formula
+    # the update: both operators' parts, (4 + 1) * 2 and (4 + 1) * 4 = 30 parameters, at the
+    # seconds per parameter of 30 (4e-9, below the first point), each its own share
+    ups = {t.what: t.seconds for t in b.terms if t.what.endswith("update")}
+    assert ups == pytest.approx({"op0 update": 10 * 4e-9, "op1 update": 20 * 4e-9}, rel=1e-12)
+    big = chain([Matmul(8, 1000, 100), Matmul(8, 100, 100)])
+    held = (1000 + 1) * 100 + (100 + 1) * 100           # 110200 held: 2e-9 a parameter
+    ups = [t.seconds for t in strategy_cost(big, [Cut(1, 1, 1)] * 2, plain, loss=False).terms
+           if t.what.endswith("update")]
+    assert ups == pytest.approx([100100 * 2e-9, 10100 * 2e-9], rel=1e-12)
+    assert sum(ups) == pytest.approx(dev.update_seconds(held, "adamw"), rel=1e-12)
+
+
+def test_the_collective_scale_fitted_on_reference_runs_prices_them_back():
+    """measure._fit_scale: steps made from the price with the collectives' curves times a known
+    k give k back; a machine whose price has no collective from the curves gives 1; the fit
+    never goes below 0.1."""
+    from dataclasses import replace as rep
+    from hpcnn.parallel.collectives.measure import LAYOUT_MLP, _fit_scale
+    from hpcnn.plan.cost import mlp_graph
+    from hpcnn.plan.machine import Device, Machine as Hsm
+    curves = {"allreduce.2": ((0.0, 8, 1e-4), (0.0, 1 << 20, 1e-3)),
+              "alltoall.2": ((0.0, 8, 2e-4), (0.0, 1 << 20, 2e-3))}
+    level = Level("node", 2, 1e-5, ((math.inf, 1e9),), after_compute=curves)
+    m = Hsm("m", (level,), Device("d", {"float32": 1e10}, 1e11, 1e12))
+    n_in, hidden, n_out, batch = LAYOUT_MLP
+    g = mlp_graph([n_in, *hidden, n_out], batch)
+    plans = [[Cut(1, 1, 2)] * 3, [Cut(1, 2, 1)] * 3, [Cut(2, 1, 1)] * 3, [Cut(1, 1, 1)] * 3]
+    for k in (0.7, 2.5):
+        km = rep(m, levels=(rep(level, collective_scale=k),))
+        runs = [(strategy_cost(g, cuts, km).seconds, cuts) for cuts in plans]
+        assert _fit_scale(runs, m) == pytest.approx(k, rel=1e-3)
+    fast = [(1e-6, cuts) for cuts in plans]                  # faster than the compute alone
+    assert _fit_scale(fast, m) == 0.1
+    bare = rep(m, levels=(rep(level, after_compute={}),))
+    assert _fit_scale([(1e-3, cuts) for cuts in plans], bare) == 1.0
+
+
 def test_least_price_is_the_cheapest_strategy_and_knows_its_limit():
     from hpcnn.plan.search import least_price
     g = chain([Matmul(256, 64, 1024), Elementwise(), Matmul(256, 1024, 1024), Elementwise(),

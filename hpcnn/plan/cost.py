@@ -229,6 +229,9 @@ def _allreduce(machine, what: str, n: int, stride: int, nbytes: float,
     if n == 1 or nbytes == 0:
         return None
     lvl = _level(machine, n * stride)
+    measured = lvl.collective_seconds("allreduce", n, nbytes, after)
+    if measured is not None:
+        return Term(what, f"{_scale(lvl)}A{n}_{lvl.name}({nbytes:g})", measured, nbytes, n)
     g = "r" if lvl.reduce_bandwidth else "g"            # a reduce step's rate, or a message's
     return Term(what, f"{_handoff(lvl)}2*({n}-1)*(L_{lvl.name} + {nbytes / n:g}*{g}_{lvl.name})",
                 lvl.allreduce_seconds(nbytes, n, after), nbytes, n)
@@ -239,6 +242,11 @@ def _handoff(lvl) -> str:
     return f"H_{lvl.name} + " if any(h for _, h in lvl.handoff) else ""
 
 
+def _scale(lvl) -> str:
+    """The symbol of the level's ``collective_scale`` in a formula, where it is not 1."""
+    return f"K_{lvl.name}*" if lvl.collective_scale != 1 else ""
+
+
 def _product(compute: Term) -> float:
     """Seconds of one of an operator's three products (forward, input gradient, weight
     gradient) from its compute term: a third of it, the compute before each of its
@@ -246,10 +254,17 @@ def _product(compute: Term) -> float:
     return compute.seconds / 3
 
 
+def _local_params(op, c: Cut) -> float:
+    """Parameters of operator ``op``'s weight part W[k/nk, j/nj] and bias part b[j/nj]."""
+    return (op.k / c.reduce + 1) * op.j / c.out
+
+
 def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
-                    relu: bool) -> list:
+                    relu: bool, held: float) -> list:
     """The supersteps of operator ``n`` under Cut ``c`` (see :func:`strategy_cost`): compute,
-    update, the reductions of y and dx and the gradient allreduce; ``relu``: a ReLU follows."""
+    update, the reductions of y and dx and the gradient allreduce; ``relu``: a ReLU follows;
+    ``held``: the parameters of every operator's part on a device, whose step's seconds per
+    parameter the update takes."""
     p, size = machine.p, DTYPE_BYTES[dtype]
     width = c.batch * c.reduce * c.out
     if p % width:
@@ -263,11 +278,12 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
                   f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else ""),
                   machine.device.compute_seconds(flops, dtype, "linear", 1, cache, act))]
     after = _product(terms[0])           # each collective follows one of the products
-    local = (op.k / c.reduce + 1) * op.j / c.out            # weight and bias parts
+    local = _local_params(op, c)                           # weight and bias parts
     measured = optimizer in getattr(machine.device, "update", {})
-    terms.append(Term(f"op{n} update", f"{local:g}*U_{optimizer}({local:g})*{size}/4" if measured
+    terms.append(Term(f"op{n} update", f"{local:g}*U_{optimizer}({held:g})*{size}/4" if measured
                       else f"{UPDATE_PASSES[optimizer]}*3*{local:g}*{size}/B_mem",
-                      update_seconds(local, size, machine.device, optimizer), local * size))
+                      local * update_seconds(held, size, machine.device, optimizer) / held,
+                      local * size))
     for t in (_allreduce(machine, f"op{n} reduce y", c.reduce, c.out, rows * op.j / c.out * size,
                          after),
               _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size,
@@ -296,7 +312,10 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
         hold the same gradient already (:class:`hpcnn.parallel.layout.LayoutLinear`);
       - the optimizer's update of the local weight part W[k/nk, j/nj] and bias part b[j/nj]
         (:func:`hpcnn.plan.hybrid.update_seconds`: the device's measured seconds per parameter
-        U(n), or passes over memory at its bandwidth);
+        U(n), or passes over memory at its bandwidth), at the seconds per parameter of all the
+        parts the device holds, n their count: the operators' steps run back to back and share
+        the caches (priced per operator alone, a 4-rank MLP's small layers paid the per-array
+        cost of 16 K-parameter steps);
     and per edge, the executor's redistribution of the producer's output y[i/nb, j/nj] into the
     consumer's input x[i/nb', k/nk'] (:func:`_moves`): a message in the forward where a device
     needs data it does not hold, one in the backward where the gradient's way back does, at the
@@ -311,7 +330,12 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     allreduce and message also pays its handoff once (``Level.handoff``, H in the formulas),
     after one product of compute (a third of the operator's forward + backward: an operator's
     collectives each follow one of its products; a redistribution forward follows the
-    producer's, backward the consumer's).
+    producer's, backward the consumer's). Where the level has ``after_compute`` curves
+    (calibrated where ranks share cores), an allreduce over n devices costs the "allreduce"
+    curve's seconds for its bytes after that product, and a redistribution's exchange the
+    "alltoall" curve's for the part a device ends with (:meth:`hpcnn.plan.machine.Level.
+    collective_seconds`, A and X in the formulas): measured after compute, they hold the wait
+    for the group's last rank, and replace the ring, the message and the handoff.
     Supersteps add (no overlap).
     """
     p = machine.p
@@ -319,8 +343,9 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     if len(cuts) != len(graph.ops):
         raise ValueError(f"{len(cuts)} cuts for {len(graph.ops)} operators")
     terms, product = [], []       # product[n]: one of operator n's three products, seconds
+    held = sum(_local_params(op, c) for op, c in zip(graph.ops, cuts))
     for n, (op, c) in enumerate(zip(graph.ops, cuts)):
-        own = _operator_terms(n, op, c, machine, dtype, optimizer, relu=n < len(graph.ops) - 1)
+        own = _operator_terms(n, op, c, machine, dtype, optimizer, n < len(graph.ops) - 1, held)
         product.append(_product(own[0]))
         terms += own
     for a, b in graph.edges:
@@ -353,17 +378,24 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
     out = []
     for direction, a, b, before in (("", src, dst, after[0]), (" gradient", dst, src, after[1])):
         if crosses(a, b, rows, cols):
-            lvl = _level(machine, span)
             nbytes = math.ceil(rows / b.rows) * math.ceil(cols / b.cols) * size
-            out.append(Term(f"redistribute {what}{direction}",
-                            f"({_handoff(lvl)}L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
-                            lvl.message_seconds(nbytes, before), nbytes, span))
+            out.append(_move_term(f"redistribute {what}{direction}", _level(machine, span),
+                                  nbytes, span, before))
     if src.rows > 1 and not src.same_rows(dst):
-        lvl = _level(machine, span)
-        out.append(Term(f"redistribute {what} batch size",
-                        f"({_handoff(lvl)}L_{lvl.name} + 8*g_{lvl.name})",
-                        lvl.message_seconds(8, after[0]), 8, span))
+        out.append(_move_term(f"redistribute {what} batch size", _level(machine, span), 8,
+                              span, after[0]))
     return out
+
+
+def _move_term(what: str, lvl, nbytes: float, span: int, after: float) -> Term:
+    """One redistribution's exchange of ``nbytes`` (the part a device ends with) over ``span``
+    devices after ``after`` seconds of compute: the level's measured all-to-all after compute
+    where it has one (:meth:`hpcnn.plan.machine.Level.collective_seconds`), else one message."""
+    measured = lvl.collective_seconds("alltoall", span, nbytes, after)
+    if measured is not None:
+        return Term(what, f"{_scale(lvl)}X{span}_{lvl.name}({nbytes:g})", measured, nbytes, span)
+    return Term(what, f"({_handoff(lvl)}L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
+                lvl.message_seconds(nbytes, after), nbytes, span)
 
 
 def strategy_memory(graph: Graph, cuts, dtype: str = "float32", optimizer: str = "adamw",

@@ -34,6 +34,15 @@ thesis leaves open, and what is chosen here:
   4 ms, and a weight of 0.26-0.57. With one pipeline the two cancel (without either, a 4-stage
   pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches, 1.22-1.24x at 32), so
   each size is run with p and 4p micro-batches.
+- **Collectives after compute where ranks share cores.** A collective over a group waits for
+  the last of its ranks to get a core, and a rank that waits spins on a core another needs: a
+  1 MiB allreduce over 4 ranks on 2 cores here took 0.8-1.05 ms after 0.5-8 ms of compute
+  against 0.55 ms back to back. ``after_compute`` on the level holds what an allreduce (per
+  group size) and an all-to-all took after c seconds of compute, per size
+  (:func:`hpcnn.parallel.collectives.measure.after_compute_points`); the MLP's cost
+  (:mod:`hpcnn.plan.cost`) prices the layout executor's collectives from it. The GPT's cost
+  (:mod:`hpcnn.plan.hybrid`) keeps the ring, the messages and the handoff: its 4-rank figures
+  were validated with them.
 - **Efficiency per block kind.** The rate is a matmul's; a framework's block also runs element-wise
   passes (LayerNorm, GELU, softmax, the residual adds), which NumPy does not fuse into the
   matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the
@@ -124,7 +133,19 @@ class Level:
     while some ranks wait for the first or last micro-batches, the others compute faster than
     the all-at-once rates. Calibration measures both where ranks share cores
     (:func:`hpcnn.parallel.collectives.measure.handoff_points`). A file's older scalar
-    ``handoff_s`` reads as one flat point."""
+    ``handoff_s`` reads as one flat point.
+
+    ``after_compute`` (optional; calibration measures it where the level's ranks share cores) is
+    what one collective took, as the layout executor calls it, after a pass of compute on every
+    rank: {"KIND.N": ((c, bytes, seconds), ...)} for KIND "allreduce" (in place, over groups of
+    N ranks, all groups at once) or "alltoall" (each of N ranks ends with ``bytes``, an
+    equal part from each), the extra seconds of a loop of compute c and the call over the same
+    loop without the call (:func:`hpcnn.parallel.collectives.measure.after_compute_points`).
+    Where it has a KIND, :meth:`collective_seconds` prices that collective from it (handoff
+    included) instead of from L, g and H, times ``collective_scale`` (1 by default): what the
+    layout executor's collectives took in training against these curves, fitted by calibration
+    on reference MLPs through the step engine
+    (:func:`hpcnn.parallel.collectives.measure.layout_scale`)."""
     name: str
     fanout: int
     latency_s: float
@@ -132,6 +153,8 @@ class Level:
     reduce_bandwidth: tuple = ()
     handoff: tuple = ()
     bubble_weight: float = 1.0
+    after_compute: dict = field(default_factory=dict, hash=False)
+    collective_scale: float = 1.0
 
     def __post_init__(self):
         where = f"level {self.name!r}"
@@ -151,6 +174,13 @@ class Level:
         if self.reduce_bandwidth:
             object.__setattr__(self, "reduce_bandwidth", _pieces(
                 self.reduce_bandwidth, f"{where}: reduce_bandwidth"))
+        object.__setattr__(self, "after_compute", _curves(self.after_compute,
+                                                          f"{where}: after_compute"))
+        scale = _positive(self.collective_scale, f"{where}: collective_scale")
+        if math.isinf(scale):
+            raise ValueError(f"{where}: collective_scale = {self.collective_scale!r}: expected a "
+                             "finite number > 0")
+        object.__setattr__(self, "collective_scale", scale)
 
     def seconds_per_byte(self, nbytes: int) -> float:
         """g_l(n): 1 / bytes_per_s of the first piece with n <= max_bytes."""
@@ -199,6 +229,76 @@ class Level:
         if n == 1 or nbytes == 0:
             return 0.0
         return self.handoff_after(after) + 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
+
+
+    def collective_seconds(self, kind: str, n: int, nbytes: float,
+                           after: float = 0.0) -> float | None:
+        """Seconds of one ``kind`` collective ("allreduce", "alltoall") of ``nbytes`` over ``n``
+        ranks after ``after`` seconds of compute, from ``after_compute`` (None where it has no
+        such kind): the curve of the measured group size nearest n (in log n, the larger on a
+        tie); per measured compute c, linear in bytes between the sizes, the first size's
+        seconds below it and the last two sizes' slope past the last; linear in c between the
+        measured c, flat outside them; times ``collective_scale``."""
+        sizes = [int(k.split(".")[1]) for k in self.after_compute if k.split(".")[0] == kind]
+        if not sizes:
+            return None
+        near = min(sizes, key=lambda m: (abs(math.log(m / max(n, 1))), -m))
+        rows = self.after_compute[f"{kind}.{near}"]
+        curves = {}
+        for c, b, t in rows:
+            curves.setdefault(c, []).append((b, t))
+        cs = sorted(curves)
+        at = [_along(curves[c], nbytes) for c in cs]
+        if after <= cs[0]:
+            return self.collective_scale * at[0]
+        for c0, c1, t0, t1 in zip(cs, cs[1:], at, at[1:]):
+            if after <= c1:
+                return self.collective_scale * (t0 + (t1 - t0) * (after - c0) / (c1 - c0))
+        return self.collective_scale * at[-1]
+
+
+def _along(curve, nbytes: float) -> float:
+    """Seconds at ``nbytes`` on a curve of (bytes, seconds), bytes increasing: linear between
+    its points, its first seconds below them, the last two points' slope past them."""
+    if nbytes <= curve[0][0] or len(curve) == 1:
+        return curve[0][1]
+    for (b0, t0), (b1, t1) in zip(curve, curve[1:]):
+        if nbytes <= b1:
+            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = curve[-2], curve[-1]
+    return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
+
+
+def _curves(table, what: str) -> dict:
+    """A level's ``after_compute`` checked: {"KIND.N": ((c, bytes, seconds), ...)} with KIND
+    "allreduce" or "alltoall", N an integer >= 2, every number finite and >= 0, and per c the
+    bytes strictly increasing; empty for none."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{what} = {table!r}: expected a table of \"KIND.N\" = [[c, bytes, "
+                         "seconds], ...]")
+    out = {}
+    for key, rows in table.items():
+        kind, _, n = str(key).partition(".")
+        if kind not in ("allreduce", "alltoall") or not n.isdigit() or int(n) < 2:
+            raise ValueError(f"{what}: key {key!r}: expected \"allreduce.N\" or \"alltoall.N\" "
+                             "with N an integer >= 2 (ranks)")
+        if isinstance(rows, (str, bytes, dict)) or not hasattr(rows, "__iter__") or not rows:
+            raise ValueError(f"{what}[{key!r}] = {rows!r}: expected a list of [c, bytes, seconds]")
+        checked, last = [], {}
+        for i, row in enumerate(rows):
+            if isinstance(row, (str, bytes, dict)) or not hasattr(row, "__len__") or len(row) != 3:
+                raise ValueError(f"{what}[{key!r}][{i}] = {row!r}: expected [c, bytes, seconds]")
+            c, b, t = (_positive(x, f"{what}[{key!r}][{i}] {name}", allow_zero=True)
+                       for x, name in zip(row, ("c", "bytes", "seconds")))
+            if any(math.isinf(x) for x in (c, b, t)):
+                raise ValueError(f"{what}[{key!r}][{i}] = {list(row)!r}: expected finite numbers")
+            if c in last and b <= last[c]:
+                raise ValueError(f"{what}[{key!r}][{i}] bytes = {row[1]!r}: at c = {row[0]!r} "
+                                 f"the bytes must increase (previous {last[c]!r})")
+            last[c] = b
+            checked.append((c, b, t))
+        out[f"{kind}.{int(n)}"] = tuple(checked)
+    return out
 
 
 def _pairs(items, what: str, names: tuple):
@@ -508,6 +608,15 @@ class Machine:
             if lv.bubble_weight != 1:
                 lines.append(f"bubble_weight = {_toml_num(lv.bubble_weight)}"
                              "   # a pipeline's fill and drain, share of their length")
+            if lv.collective_scale != 1:
+                lines.append(f"collective_scale = {_toml_num(lv.collective_scale)}"
+                             "   # the executor's collectives in training / after_compute")
+            if lv.after_compute:
+                lines += ["", "[levels.after_compute]".ljust(32) + "# a collective's seconds "
+                          "after c seconds of compute: [c, bytes, seconds]"]
+                lines += [f"{_toml_str(k)} = [" + ", ".join(
+                    f"[{_toml_num(c)}, {_toml_num(b)}, {_toml_num(t)}]" for c, b, t in rows)
+                    + "]" for k, rows in lv.after_compute.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -578,7 +687,9 @@ def loads(text: str, where: str = "<string>") -> Machine:
                                 reduce_bandwidth=lv.get("reduce_bandwidth", ()),
                                 handoff=lv.get("handoff", ()) if "handoff_s" not in lv
                                 else [[0.0, lv["handoff_s"]]],
-                                bubble_weight=lv.get("bubble_weight", 1.0)))
+                                bubble_weight=lv.get("bubble_weight", 1.0),
+                                after_compute=lv.get("after_compute", {}),
+                                collective_scale=lv.get("collective_scale", 1.0)))
     with _named(where):
         return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
                        source=str(doc.get("source", "")))

@@ -59,6 +59,32 @@ assert ("each block kind's figures by its reference blocks'" in text) == (p > co
 pts, w = handoff_points(world, m, steps=5, shapes=((8, 2, 4, 1),))
 assert len(pts) == 1 and 0 < pts[0][0] < 0.05 and 0 <= pts[0][1] < 0.05 and 0 < w <= 1, (pts, w)
 assert len({repr((pts, w)) for _ in [0]} | set(map(repr, world.allgather((pts, w))))) == 1
+# the optimizer timed all ranks at once and the collectives after compute: recorded only where
+# ranks share cores; measured here anyway on small settings, sane and the same on every rank
+from hpcnn.parallel.collectives.measure import after_compute_points, update_costs  # noqa: E402
+shared = p > cores_here()
+assert ("# Optimizer step all ranks at once" in text) == shared == bool(node.after_compute), text
+pieces = update_costs("adamw", sizes=(64, 1024), repeats=2, comm=world)
+assert [n for n, _ in pieces] == [64.0, 1024.0, math.inf] and all(0 < s < 1e-3 for _, s in pieces)
+assert len(set(map(repr, world.allgather(pieces)))) == 1, pieces
+curves = after_compute_points(world, sizes=(8, 1 << 12), matmuls=(1, 2), calls=2, rounds=1)
+assert set(curves) == {f"allreduce.{q}" for q in {2, p} if p % q == 0} | {f"alltoall.{p}"}, curves
+for rows in curves.values():
+    assert len(rows) == 4 and all(0 < c < 1 and 0 <= t < 1 for c, _, t in rows), rows
+    for c in {c for c, _, _ in rows}:
+        curve = [(b, t) for cc, b, t in rows if cc == c]
+        assert [b for b, _ in curve] == [8.0, 4096.0] and curve[0][1] <= curve[1][1], curve
+assert len(set(map(repr, world.allgather(curves)))) == 1
+lv = machine.Level("node", p, 1e-6, ((math.inf, 1e9),), after_compute=curves)
+assert lv.collective_seconds("allreduce", p, 1024) >= 0
+# the executor's collectives in training against those curves: reference MLPs through the engine
+from dataclasses import replace  # noqa: E402
+from hpcnn.parallel.collectives.measure import layout_scale  # noqa: E402
+with_curves = replace(m, levels=(replace(node, after_compute=curves),))
+k = layout_scale(world, with_curves, plans=(("col", "col", "col"), ("rep", "rep", "rep")),
+                 steps=5, rounds=1)
+assert 0.1 <= k < 1e4 and len(set(world.allgather(k))) == 1, k
+assert ("collective_scale" in text) == (shared and node.collective_scale != 1), text
 # a directory that does not exist: refused on every rank, before any collective
 assert cmd_calibrate([f"--write={os.path.join(sys.argv[1], 'no', 'x.toml')}"]) == 2
 world.Barrier()

@@ -33,6 +33,16 @@
   4p micro-batches, the wait per blocking exchange and the weight of the fill and drain that
   price them all: the level's ``handoff`` points (what a rank waits for a peer to be given a
   core after that much compute) and ``bubble_weight``.
+- **Collectives after compute** (:func:`after_compute_points`), only when the node holds more
+  ranks than cores: every rank loops over a few matmuls then one collective as the layout
+  executor calls it (an in-place allreduce over groups of 2 and of all ranks, an all-to-all over
+  all ranks), and the same loop without the call; the difference per call is the collective's
+  seconds after that much compute, the wait for the last rank of the group to get a core
+  included: the level's ``after_compute`` curves. Priced from the back-to-back figures and the
+  pipeline handoff, the 1000 MLP layouts of a 4-rank validation ranked at Kendall tau 0.77;
+  re-priced with these curves and the optimizer all at once (below), 0.83. Then a reference
+  MLP under five layouts through the step engine gives the ``collective_scale`` by which the
+  executor's collectives in training exceed the curves (:func:`layout_scale`).
 - **Per block kind** (:func:`block_costs`): hpcnn's own blocks, forward and backward, at a tiny
   size (their fixed cost: ``overhead``) and at two reference sizes per kind, a wide and a narrow
   one (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): each round times the
@@ -49,6 +59,11 @@
   step's rate depends on the size: small parameter sets stay in cache, and each array adds a
   fixed Python and dispatch cost, so one memory-bandwidth figure priced models of 1 M
   parameters 2.5-3x too slow here. Again a figure of the machine, not of the model planned.
+  Where the node holds more ranks than cores, every rank times its own steps at once (the
+  slowest rank's, :func:`update_costs` with ``comm``), as training runs them: there the
+  caches and the memory are shared, and rank 0's figures alone, slowed like the matmul,
+  priced a 4-rank MLP's AdamW step at 7.2 ns a parameter where it took 3.1 (300 K parameters
+  a rank) and at 5.4 where it took 7.7 (1.1 M).
 
 Every rank calls every function here (they contain collectives); medians keep one slow repeat
 on a shared machine from deciding the figure. """
@@ -91,6 +106,24 @@ HANDOFF_MICRO = 4
 UPDATE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23)
 UPDATE_ARRAYS = 4
 UPDATE_ROUNDS = 3               # rounds over the sizes the update figures' steps are timed in
+UPDATE_OPTIMIZERS = ("adamw", "sgd")
+# Collectives after compute (after_compute_points): bytes per call, float32 matmuls of
+# AFTER_MATMUL^3 before each call (~0.5, 2 and 8 ms on 4 ranks over 2 cores here), calls per
+# timed loop, rounds (loops with and without the call alternate in each).
+AFTER_SIZES = (8, 1 << 12, 1 << 16, 1 << 20, 1 << 22)
+AFTER_MATMUL = 256
+AFTER_MATMULS = (1, 4, 16)
+AFTER_CALLS = 8
+AFTER_ROUNDS = 3
+# The layout executor's reference MLPs (layout_scale): digits features, hidden widths, classes
+# and batch (apart from the validation's 64-1024-1024-10 on 256 rows), the per-Linear plans
+# ("col": each Linear's output cut over all ranks, "row": its input, "dp": its batch, "rep":
+# whole on every rank), the steps of each run and the rounds over them.
+LAYOUT_MLP = (64, (512, 512), 10, 128)
+LAYOUT_PLANS = (("col", "col", "col"), ("row", "row", "row"), ("dp", "dp", "dp"),
+                ("col", "row", "rep"), ("rep", "rep", "rep"))
+LAYOUT_STEPS = 16
+LAYOUT_ROUNDS = 2
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -373,6 +406,82 @@ def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
     return (f + b, f / (f + b)) if f > 0 and b > 0 else None
 
 
+def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
+                         calls: int = AFTER_CALLS, rounds: int = AFTER_ROUNDS) -> dict:
+    """The level's ``after_compute`` curves (:class:`hpcnn.plan.machine.Level`): {"KIND.N":
+    [(c, bytes, seconds), ...]}, the same on every rank, for an in-place float32 MPI allreduce
+    over groups of N consecutive ranks (N = 2 where the ranks pair up and there are more than
+    two, and N = all; all groups at once) and an MPI all-to-all over all ranks in which each
+    rank ends with ``bytes``, an equal part from every rank (what the layout executor's
+    redistributions run).
+
+    Per number k of ``matmuls`` (float32, :data:`AFTER_MATMUL` cubed), kind and size, ``rounds``
+    rounds each time four loops of ``calls`` iterations, between barriers: k matmuls alone, k
+    matmuls then the call, alone, then the call. A loop's seconds per iteration is the slowest
+    rank's; per round, the call's seconds are the mean of the two loops with it minus the mean
+    of the two without, and c is the mean of the two without. A curve's figures are the
+    medians over rounds, each size's seconds kept at most every larger size's
+    (:func:`never_slower`) and at least 0.
+
+    Back to back or after a barrier, a collective does not meet what it meets in training when
+    the ranks share cores: the ranks of a group reach it one by one, each as the scheduler lets
+    it finish its compute, and a rank that waits spins on a core another still needs. On 4
+    ranks over 2 cores here a 1 MiB allreduce over all took 0.80-1.05 ms after 0.5-8 ms of
+    compute against 0.55 ms back to back, an all-to-all of 1 MiB 0.45-0.75 ms. Figures of the
+    machine's scheduler and MPI, not of a model planned."""
+    from mpi4py import MPI
+    p, rank = comm.Get_size(), comm.Get_rank()
+    groups = {p: comm}
+    if p > 2 and p % 2 == 0:
+        groups[2] = comm.Split(color=rank // 2, key=rank)
+    a = np.ones((AFTER_MATMUL, AFTER_MATMUL), np.float32)
+    out = np.empty_like(a)
+    words = {s: max(s // 4, p) for s in sizes}
+    bufs = {s: np.zeros(words[s], np.float32) for s in sizes}
+    recv = {s: np.zeros(words[s], np.float32) for s in sizes}
+
+    def call(kind, n, s):
+        if kind == "allreduce":
+            return lambda: groups[n].Allreduce(MPI.IN_PLACE, bufs[s], op=MPI.SUM)
+        counts = [words[s] // p] * p
+        return lambda: comm.Alltoallv([bufs[s], counts], [recv[s], counts])
+
+    def loop(k, fn) -> float:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            for _ in range(k):
+                np.matmul(a, a, out=out)
+            if fn is not None:
+                fn()
+        return comm.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX)
+
+    kinds = [("allreduce", n) for n in sorted(groups)] + [("alltoall", p)]
+    got = {}
+    try:
+        for _ in range(rounds):
+            for k in matmuls:
+                for kind, n in kinds:
+                    for s in sizes:
+                        fn = call(kind, n, s)
+                        fn()                                          # warms the path
+                        t = [loop(k, f) for f in (None, fn, None, fn)]
+                        got.setdefault((kind, n, k), []).append(
+                            ((t[0] + t[2]) / 2, (t[1] + t[3] - t[0] - t[2]) / 2))
+    finally:
+        if 2 in groups and p > 2:
+            groups[2].Free()
+    curves = {}
+    for (kind, n, k), rows in got.items():
+        per = len(sizes)
+        c = float(np.median([r[0] for r in rows]))
+        secs = [max(0.0, float(np.median([rows[r * per + i][1] for r in range(rounds)])))
+                for i in range(per)]
+        curves.setdefault(f"{kind}.{n}", []).extend(
+            (c, float(s), t) for s, t in zip(sizes, never_slower(secs)))
+    return comm.bcast(curves, root=0)
+
+
 def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
     """Where ranks share cores: (the level's ``handoff`` points [(after_s, seconds), ...], its
     ``bubble_weight``), measured on pipelines through ``hpcnn train``'s step engine.
@@ -405,22 +514,92 @@ def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
     return _fit_handoff(runs, machine)
 
 
-def _pipeline_step(comm, shape: tuple, micro: int, steps: int) -> tuple:
-    """(median step, hybrid.Transformer, hybrid.Layout) of a GPT of one block of ``shape``
-    (width, heads, context, sequences per micro-batch) per rank of ``comm``, a 1F1B pipeline of
-    ``micro`` micro-batches trained ``steps`` steps by the step engine (:func:`handoff_points`)."""
+def layout_scale(comm, machine, plans=LAYOUT_PLANS, steps: int = LAYOUT_STEPS,
+                 rounds: int = LAYOUT_ROUNDS) -> float:
+    """Where ranks share cores: the level's ``collective_scale``, what the layout executor's
+    collectives took in training against the ``after_compute`` curves of ``machine`` (the
+    figures measured before), the same on every rank.
+
+    The reference MLP :data:`LAYOUT_MLP` is trained ``steps`` steps by the step engine on the
+    digits data under each of ``plans`` (per Linear "col", "row", "dp" or "rep" over all of
+    ``comm``'s ranks), ``rounds`` rounds in turn; each step is the slowest rank's, a run's the
+    median after the first fifth, a plan's the median over rounds.
+    :func:`hpcnn.plan.cost.strategy_cost` of the same plan on ``machine`` is affine in the
+    scale k (its collectives priced from the curves times k): the k >= 0.1 of least squares of
+    the relative errors over the plans.
+
+    The curves time a collective after a loop of matmuls, every rank alike; in training the
+    ranks reach the layout executor's collectives after its Linears, ReLUs and copies: on 4
+    ranks over 2 cores here, one calibration's curves priced the collectives of the
+    validation's 1000 MLP plans at 0.41x (median) the seconds the ranks spent inside them,
+    and re-priced with the curves times 1.5 their Kendall tau rose from 0.80 to 0.82 and their
+    MAPE fell from 12.7 % to 8.4 %. A figure of the executor on
+    this machine, like the handoff of the pipelines: the reference sizes are fixed here, and
+    re-planning another model reruns nothing."""
+    from hpcnn.parallel.layout import Cut
+    p = comm.Get_size()
+    make = {"col": Cut(1, 1, p), "row": Cut(1, p, 1), "dp": Cut(p, 1, 1), "rep": Cut(1, 1, 1)}
+    runs = {plan: [] for plan in plans}
+    for _ in range(rounds):
+        for plan in plans:
+            runs[plan].append(_layout_step(comm, [make[c] for c in plan], steps))
+    meas = {plan: float(np.median(t)) for plan, t in runs.items()}
+    return comm.bcast(_fit_scale([(meas[plan], [make[c] for c in plan]) for plan in plans],
+                                 machine), root=0)
+
+
+def _layout_step(comm, cuts, steps: int) -> float:
+    """The median step (slowest rank, after the first fifth) of :data:`LAYOUT_MLP` laid out by
+    ``cuts`` over ``comm``'s ranks, ``steps`` steps of ``hpcnn train``'s step engine (each rank
+    reads its own copy of the plan file)."""
+    import json
+    import tempfile
+
+    from hpcnn.config import TrainConfig
+    n_in, hidden, _, batch = LAYOUT_MLP
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="hpcnn-layout-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"devices": comm.Get_size(), "layers": [
+                {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
+        cfg = TrainConfig(model="mlp", dataset="digits", hidden=hidden, batch_size=batch,
+                          tp=comm.Get_size(), plan=path, dtype="float32", allreduce="mpi",
+                          progress=False, eval_interval=0, steps=steps).resolved()
+        return _engine_steps(comm, cfg, steps)
+    finally:
+        os.unlink(path)
+
+
+def _fit_scale(runs, machine) -> float:
+    """The ``collective_scale`` pricing ``runs`` ((measured step, cuts) of :data:`LAYOUT_MLP`)
+    best on ``machine`` (:func:`layout_scale`)."""
+    from hpcnn.plan import cost
+    n_in, hidden, n_out, batch = LAYOUT_MLP
+    graph = cost.mlp_graph([n_in, *hidden, n_out], batch)
+
+    def priced(cuts, k: float) -> float:
+        m = replace(machine, levels=tuple(replace(lv, collective_scale=k)
+                                          for lv in machine.levels))
+        return cost.strategy_cost(graph, cuts, m, "float32").seconds
+
+    meas = np.array([t for t, _ in runs])
+    base = np.array([priced(cuts, 1e-9) for _, cuts in runs])       # k -> 0: no collectives
+    grow = np.array([priced(cuts, 1.0) for _, cuts in runs]) - base
+    if not np.any(grow):
+        return 1.0
+    # least squares of (base + k grow - meas) / meas over k
+    k = float(np.sum(grow * (meas - base) / meas**2) / np.sum(grow**2 / meas**2))
+    return float(f"{max(k, 0.1):.4g}")
+
+
+def _engine_steps(comm, cfg, steps: int) -> float:
+    """The median over the steps after the first fifth of the slowest rank's step of ``cfg``
+    (resolved) trained ``steps`` steps by :func:`hpcnn.engine.step.train_step` on the context
+    :func:`hpcnn.train.train` sets up over ``comm``."""
     from mpi4py import MPI
 
-    from hpcnn import data
-    from hpcnn.config import TrainConfig
     from hpcnn.engine.step import train_step
-    from hpcnn.plan import hybrid
     from hpcnn.train import _setup
-    p, (dim, heads, seq, rows) = comm.Get_size(), shape
-    cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
-                      block_size=seq, batch_size=micro * rows, pp=p, microbatches=micro,
-                      schedule="1f1b", dtype="float32", allreduce="mpi", progress=False,
-                      eval_interval=0, steps=steps).resolved()
     cfg, ctx, task, opt, _ = _setup(cfg, comm, None)
     times = []
     try:
@@ -430,10 +609,25 @@ def _pipeline_step(comm, shape: tuple, micro: int, steps: int) -> tuple:
             times.append(comm.allreduce(row["step_time"], op=MPI.MAX))
     finally:
         ctx.free()
+    return float(np.median(times[steps // 5:]))
+
+
+def _pipeline_step(comm, shape: tuple, micro: int, steps: int) -> tuple:
+    """(median step, hybrid.Transformer, hybrid.Layout) of a GPT of one block of ``shape``
+    (width, heads, context, sequences per micro-batch) per rank of ``comm``, a 1F1B pipeline of
+    ``micro`` micro-batches trained ``steps`` steps by the step engine (:func:`handoff_points`)."""
+    from hpcnn import data
+    from hpcnn.config import TrainConfig
+    from hpcnn.plan import hybrid
+    p, (dim, heads, seq, rows) = comm.Get_size(), shape
+    cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
+                      block_size=seq, batch_size=micro * rows, pp=p, microbatches=micro,
+                      schedule="1f1b", dtype="float32", allreduce="mpi", progress=False,
+                      eval_interval=0, steps=steps).resolved()
+    step = _engine_steps(comm, cfg, steps)
     model = hybrid.Transformer(p, dim, heads, seq, data.for_config(cfg).vocab, micro * rows,
                                "float32")
-    return (float(np.median(times[steps // 5:])), model,
-            hybrid.Layout(1, 1, p, micro, "1f1b", "none"))
+    return step, model, hybrid.Layout(1, 1, p, micro, "1f1b", "none")
 
 
 def _fit_handoff(runs, machine) -> tuple:
@@ -515,7 +709,7 @@ def _update_step(optimizer: str, n: int, dtype: str, rng):
 
 
 def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
-                 repeats: int = 21) -> tuple:
+                 repeats: int = 21, comm=None) -> tuple:
     """Seconds per parameter of one step of hpcnn's ``optimizer`` ("adamw", "sgd") in this
     process, as pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param)) for
     :attr:`hpcnn.plan.machine.Device.update`: one piece per size N of ``sizes`` (increasing),
@@ -525,7 +719,9 @@ def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
     shared machine does not fall on all the steps of one size. Each timed step follows a copy
     of :data:`COPY_BYTES`: in training the forward and backward run between two updates and
     evict the optimizer's arrays from the caches (timed back to back, warm, AdamW on a 1 M-param
-    MLP took 1.8 ns a parameter; in its training runs 2.65; after such a copy 2.1-2.7)."""
+    MLP took 1.8 ns a parameter; in its training runs 2.65; after such a copy 2.1-2.7).
+    With ``comm`` (every rank calls), every rank steps its own parameters at once, each step
+    after the copy and a barrier, and a step's time is the slowest rank's."""
     sizes = list(sizes)
     if (not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < UPDATE_ARRAYS
                          for n in sizes) or sizes != sorted(set(sizes))):
@@ -542,7 +738,12 @@ def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
         for step, out in zip(steps, times):
             for _ in range(count):
                 evict()                                      # the forward and backward's traffic
-                out.append(_median_seconds(step, 1))
+                if comm is None:
+                    out.append(_median_seconds(step, 1))
+                else:
+                    from mpi4py import MPI
+                    comm.Barrier()
+                    out.append(comm.allreduce(_median_seconds(step, 1), op=MPI.MAX))
     pieces = tuple((float(n), float(np.median(t)) / n) for n, t in zip(sizes, times))
     return pieces + ((float("inf"), pieces[-1][1]),)
 
@@ -589,7 +790,7 @@ def device_rates(rounds: int = 15) -> dict:
     stage = stage_costs("float32", rounds)
     if stage is not None:
         rates["overhead.stage"], rates["forward.stage"] = stage
-    for optimizer in ("adamw", "sgd"):
+    for optimizer in UPDATE_OPTIMIZERS:
         rates[f"update.{optimizer}"] = update_costs(optimizer)
     return rates
 
@@ -692,7 +893,9 @@ def measure(comm, rounds: int = 15) -> dict:
     figures, "sizes" and one-way "seconds", "reduce_sizes" and allreduce "reduce_seconds" (both
     None on one rank), "cold" (whether those were timed cold: not when this node holds more
     ranks than cores, see the module docstring), "ranks_here" (ranks sharing this node's
-    memory), "cpu"."""
+    memory), "cpu"; where the ranks share cores, "update" (:func:`update_costs` all at once),
+    "after_compute" (:func:`after_compute_points`), "handoff" (:func:`handoff_points`) and
+    "collective_scale" (:func:`layout_scale`), else None."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -713,10 +916,13 @@ def measure(comm, rounds: int = 15) -> dict:
     meas = {"alone": alone, "together": together, "sizes": list(SIZES),
             "seconds": seconds, "reduce_sizes": list(SIZES[1:]), "reduce_seconds": reduce,
             "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0),
-            "handoff": None}
+            "handoff": None, "update": None, "after_compute": None, "collective_scale": None}
     if size > 1 and not cold:             # ranks share cores: what a blocking exchange waits
+        meas["update"] = {opt: update_costs(opt, comm=comm) for opt in UPDATE_OPTIMIZERS}
+        meas["after_compute"] = after_compute_points(comm)
         meas["handoff"] = comm.bcast(handoff_points(comm, machine_of(meas, "calibrating",
                                                                      size)), root=0)
+        meas["collective_scale"] = layout_scale(comm, machine_of(meas, "calibrating", size))
     return meas
 
 
@@ -740,8 +946,9 @@ def _kinds(rates: dict, table: str) -> dict:
 
 def machine_of(meas: dict, name: str, size: int) -> Machine:
     """The machine of what :func:`measure` returned on ``size`` ranks: one level "node" of
-    fan-out ``size`` (none on one rank), its handoff where measured, over the all-at-once
-    device."""
+    fan-out ``size`` (none on one rank), its handoff and collectives after compute where
+    measured, over the all-at-once device (its optimizer figures timed all at once where
+    measured so, else rank 0's alone slowed as :func:`shared_figures` says)."""
     tog = meas["together"]
     device = Device(name=meas["cpu"], flops={dt: tog[dt] for dt in DTYPES},
                     memory_bandwidth=tog["copy"],
@@ -749,12 +956,17 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
                     efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"),
                     elementwise=_kinds(tog, "elementwise"), activation=_kinds(tog, "activation"),
                     forward=_kinds(tog, "forward"),
-                    split=_kinds(tog, "split"), update=_kinds(tog, "update"))
+                    split=_kinds(tog, "split"),
+                    update=_kinds({f"update.{k}": v for k, v in meas["update"].items()}, "update")
+                    if meas.get("update") else _kinds(tog, "update"))
     levels = ()
     if size > 1:
         node = fit_level(meas["sizes"], meas["seconds"], size)
         levels = (replace(node, reduce_bandwidth=fit_reduce(
             meas["reduce_sizes"], meas["reduce_seconds"], size, node.latency_s),
+            after_compute={k: tuple((float(f"{c:.4g}"), b, float(f"{t:.4g}")) for c, b, t in v)
+                           for k, v in (meas.get("after_compute") or {}).items()},
+            collective_scale=meas.get("collective_scale") or 1.0,
             **handoff_fields(meas.get("handoff"))),)
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
@@ -811,6 +1023,16 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                     + ".")
     else:
         head.append("# One rank: no network level was measured.")
+    if meas.get("update"):
+        head.append("# Optimizer step all ranks at once (ranks share cores; slowest rank), seconds "
+                    "per float32 parameter at [max_params, s]: " + "; ".join(
+                        f"{k} {[(n, float(f'{t:.4g}')) for n, t in v]}"
+                        for k, v in meas["update"].items()) + " (measure.update_costs).")
+    if meas.get("after_compute"):
+        head.append("# Collectives after compute (ranks share cores): see [levels.after_compute] "
+                    "(measure.after_compute_points); the layout executor's in training took "
+                    f"{meas.get('collective_scale') or 1.0:.3g}x them on reference MLPs "
+                    "(collective_scale, measure.layout_scale).")
     if meas.get("handoff") is not None:
         points, weight = meas["handoff"]
         head.append(f"# Handoff (ranks share cores): 1F1B pipelines over the {size} ranks, each "
