@@ -225,7 +225,11 @@ def _allreduce(machine, what: str, n: int, stride: int, nbytes: float,
                after: float = 0.0) -> Term | None:
     """Ring allreduce of nbytes over n devices ``stride`` apart: 2(n-1) steps of nbytes/n
     (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`), its handoff after ``after`` seconds
-    of compute."""
+    of compute; or, where the level has ``after_compute`` curves (calibrated where ranks share
+    cores), the "allreduce" curve's seconds for its bytes after that compute
+    (:meth:`hpcnn.plan.machine.Level.collective_seconds`, A in the formulas): measured after
+    compute, they hold the wait for the group's last rank, and replace the ring and the
+    handoff."""
     if n == 1 or nbytes == 0:
         return None
     lvl = _level(machine, n * stride)
@@ -312,10 +316,7 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
         hold the same gradient already (:class:`hpcnn.parallel.layout.LayoutLinear`);
       - the optimizer's update of the local weight part W[k/nk, j/nj] and bias part b[j/nj]
         (:func:`hpcnn.plan.hybrid.update_seconds`: the device's measured seconds per parameter
-        U(n), or passes over memory at its bandwidth), at the seconds per parameter of all the
-        parts the device holds, n their count: the operators' steps run back to back and share
-        the caches (priced per operator alone, a 4-rank MLP's small layers paid the per-array
-        cost of 16 K-parameter steps);
+        U(n), or passes over memory at its bandwidth), at U of all the parts a device holds;
     and per edge, the executor's redistribution of the producer's output y[i/nb, j/nj] into the
     consumer's input x[i/nb', k/nk'] (:func:`_moves`): a message in the forward where a device
     needs data it does not hold, one in the backward where the gradient's way back does, at the
@@ -330,13 +331,8 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     allreduce and message also pays its handoff once (``Level.handoff``, H in the formulas),
     after one product of compute (a third of the operator's forward + backward: an operator's
     collectives each follow one of its products; a redistribution forward follows the
-    producer's, backward the consumer's). Where the level has ``after_compute`` curves
-    (calibrated where ranks share cores), an allreduce over n devices costs the "allreduce"
-    curve's seconds for its bytes after that product, and a redistribution's exchange the
-    "alltoall" curve's for the part a device ends with (:meth:`hpcnn.plan.machine.Level.
-    collective_seconds`, A and X in the formulas): measured after compute, they hold the wait
-    for the group's last rank, and replace the ring, the message and the handoff.
-    Supersteps add (no overlap).
+    producer's, backward the consumer's). Where the level has ``after_compute`` curves, they
+    price both instead (:func:`_allreduce`, :func:`_move_term`). Supersteps add (no overlap).
     """
     p = machine.p
     size = DTYPE_BYTES[dtype]
@@ -389,8 +385,9 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
 
 def _move_term(what: str, lvl, nbytes: float, span: int, after: float) -> Term:
     """One redistribution's exchange of ``nbytes`` (the part a device ends with) over ``span``
-    devices after ``after`` seconds of compute: the level's measured all-to-all after compute
-    where it has one (:meth:`hpcnn.plan.machine.Level.collective_seconds`), else one message."""
+    devices after ``after`` seconds of compute: the level's "alltoall" curve after compute
+    where it has one (:meth:`hpcnn.plan.machine.Level.collective_seconds`, X in the formulas;
+    the executor's redistributions are all-to-alls), else one message and its handoff."""
     measured = lvl.collective_seconds("alltoall", span, nbytes, after)
     if measured is not None:
         return Term(what, f"{_scale(lvl)}X{span}_{lvl.name}({nbytes:g})", measured, nbytes, span)

@@ -332,7 +332,9 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
 
     The forward share is the part of a block's time beyond its matmul FLOPs (fixed cost and
     element-wise passes) spent in its forward: sum over the tiny and reference blocks of
-    (t_fwd - FLOPs_fwd / (F e)) over the same sum for the whole pass, with each round's F and e.
+    (t_fwd - FLOPs_fwd / (F e)) over that sum plus the backward's alike, each term at least 0,
+    with each round's F and e (a loaded round, whose backward ran at most its FLOPs' time, had
+    put a share of 2.8 over the forward's and the whole pass's own differences).
     The FLOPs split 1 : 2 between forward and backward, the rest does not: layer norms, softmax
     and GELU cost about as much forward as backward (on this kind of machine a transformer
     block's forward is ~42 % of its time, not a third).
@@ -357,9 +359,8 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
         per_byte.append(w)
         per_act.append(v)
         fwd = o_fwd + sum(max(tf - ff * u / rate, 0.0) for ff, _, _, _, tf, _ in rows)
-        both = overhead + sum(max(tf + tb - (ff + fb) * u / rate, 0.0)
-                              for ff, fb, _, _, tf, tb in rows)
-        share.append(fwd / both)
+        bwd = o_bwd + sum(max(tb - fb * u / rate, 0.0) for _, fb, _, _, _, tb in rows)
+        share.append(fwd / (fwd + bwd))
         for (run, *_), (*_, tb) in zip(refs, rows):
             _, t_in, t_w = run(True)
             halves.append((t_in / tb, t_w / tb))
@@ -429,33 +430,13 @@ def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
     ranks over 2 cores here a 1 MiB allreduce over all took 0.80-1.05 ms after 0.5-8 ms of
     compute against 0.55 ms back to back, an all-to-all of 1 MiB 0.45-0.75 ms. Figures of the
     machine's scheduler and MPI, not of a model planned."""
-    from mpi4py import MPI
-    p, rank = comm.Get_size(), comm.Get_rank()
+    p = comm.Get_size()
     groups = {p: comm}
     if p > 2 and p % 2 == 0:
-        groups[2] = comm.Split(color=rank // 2, key=rank)
+        groups[2] = comm.Split(color=comm.Get_rank() // 2, key=comm.Get_rank())
+    calls_of = _collective_calls(comm, groups, sizes)
     a = np.ones((AFTER_MATMUL, AFTER_MATMUL), np.float32)
     out = np.empty_like(a)
-    words = {s: max(s // 4, p) for s in sizes}
-    bufs = {s: np.zeros(words[s], np.float32) for s in sizes}
-    recv = {s: np.zeros(words[s], np.float32) for s in sizes}
-
-    def call(kind, n, s):
-        if kind == "allreduce":
-            return lambda: groups[n].Allreduce(MPI.IN_PLACE, bufs[s], op=MPI.SUM)
-        counts = [words[s] // p] * p
-        return lambda: comm.Alltoallv([bufs[s], counts], [recv[s], counts])
-
-    def loop(k, fn) -> float:
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            for _ in range(k):
-                np.matmul(a, a, out=out)
-            if fn is not None:
-                fn()
-        return comm.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX)
-
     kinds = [("allreduce", n) for n in sorted(groups)] + [("alltoall", p)]
     got = {}
     try:
@@ -463,9 +444,10 @@ def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
             for k in matmuls:
                 for kind, n in kinds:
                     for s in sizes:
-                        fn = call(kind, n, s)
+                        fn = calls_of(kind, n, s)
                         fn()                                          # warms the path
-                        t = [loop(k, f) for f in (None, fn, None, fn)]
+                        t = [_matmul_loop(comm, a, out, k, calls, f)
+                             for f in (None, fn, None, fn)]
                         got.setdefault((kind, n, k), []).append(
                             ((t[0] + t[2]) / 2, (t[1] + t[3] - t[0] - t[2]) / 2))
     finally:
@@ -480,6 +462,38 @@ def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
         curves.setdefault(f"{kind}.{n}", []).extend(
             (c, float(s), t) for s, t in zip(sizes, never_slower(secs)))
     return comm.bcast(curves, root=0)
+
+
+def _collective_calls(comm, groups: dict, sizes):
+    """(kind, n, size) -> a function of no argument making that call of
+    :func:`after_compute_points` on its own buffers (made once): an in-place float32 allreduce
+    over ``groups[n]``, or an all-to-all over ``comm`` of an equal part from every rank."""
+    from mpi4py import MPI
+    p = comm.Get_size()
+    words = {s: max(s // 4, p) for s in sizes}
+    bufs = {s: np.zeros(words[s], np.float32) for s in sizes}
+    recv = {s: np.zeros(words[s], np.float32) for s in sizes}
+
+    def call(kind, n, s):
+        if kind == "allreduce":
+            return lambda: groups[n].Allreduce(MPI.IN_PLACE, bufs[s], op=MPI.SUM)
+        counts = [words[s] // p] * p
+        return lambda: comm.Alltoallv([bufs[s], counts], [recv[s], counts])
+    return call
+
+
+def _matmul_loop(comm, a, out, k: int, calls: int, fn=None) -> float:
+    """Seconds per iteration (slowest rank) of ``calls`` iterations of k matmuls a @ a into
+    ``out``, each followed by ``fn()`` where given, between barriers."""
+    from mpi4py import MPI
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        for _ in range(k):
+            np.matmul(a, a, out=out)
+        if fn is not None:
+            fn()
+    return comm.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX)
 
 
 def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
