@@ -63,7 +63,9 @@
   slowest rank's, :func:`update_costs` with ``comm``), as training runs them: there the
   caches and the memory are shared, and rank 0's figures alone, slowed like the matmul,
   priced a 4-rank MLP's AdamW step at 7.2 ns a parameter where it took 3.1 (300 K parameters
-  a rank) and at 5.4 where it took 7.7 (1.1 M).
+  a rank) and at 5.4 where it took 7.7 (1.1 M); all at once, 6.4-7.1 where it took 3.7-3.9
+  (0.3-0.6 M) and 7.8 where it took 7.7 (1.1 M): between the sizes timed, the interpolation
+  in log(count) misses where the ranks' optimizer state leaves the cache.
 
 Every rank calls every function here (they contain collectives); medians keep one slow repeat
 on a shared machine from deciding the figure. """
