@@ -194,15 +194,7 @@ class Level:
     def handoff_after(self, after: float = 0.0) -> float:
         """H_l(c): the handoff after c = ``after`` seconds of compute (the ``handoff`` points,
         linear between them, flat outside; 0 without points)."""
-        pts = self.handoff
-        if not pts:
-            return 0.0
-        if after <= pts[0][0]:
-            return pts[0][1]
-        for (c0, h0), (c1, h1) in zip(pts, pts[1:]):
-            if after <= c1:
-                return h0 + (h1 - h0) * (after - c0) / (c1 - c0)
-        return pts[-1][1]
+        return _between(self.handoff, after) if self.handoff else 0.0
 
     def message_seconds(self, nbytes: int, after: float = 0.0) -> float:
         """H_l(c) + L_l + n g_l(n): one message of ``nbytes`` between two children of this level
@@ -230,7 +222,6 @@ class Level:
             return 0.0
         return self.handoff_after(after) + 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
 
-
     def collective_seconds(self, kind: str, n: int, nbytes: float,
                            after: float = 0.0) -> float | None:
         """Seconds of one ``kind`` collective ("allreduce", "alltoall") of ``nbytes`` over ``n``
@@ -247,14 +238,19 @@ class Level:
         curves = {}
         for c, b, t in rows:
             curves.setdefault(c, []).append((b, t))
-        cs = sorted(curves)
-        at = [_along(curves[c], nbytes) for c in cs]
-        if after <= cs[0]:
-            return self.collective_scale * at[0]
-        for c0, c1, t0, t1 in zip(cs, cs[1:], at, at[1:]):
-            if after <= c1:
-                return self.collective_scale * (t0 + (t1 - t0) * (after - c0) / (c1 - c0))
-        return self.collective_scale * at[-1]
+        at = [(c, _along(curves[c], nbytes)) for c in sorted(curves)]
+        return self.collective_scale * _between(at, after)
+
+
+def _between(points, x: float) -> float:
+    """The value at ``x`` of points ((x, value), ...), x increasing: linear between them,
+    flat outside them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, v0), (x1, v1) in zip(points, points[1:]):
+        if x <= x1:
+            return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 def _along(curve, nbytes: float) -> float:

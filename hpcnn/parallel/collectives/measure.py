@@ -440,29 +440,25 @@ def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
     a = np.ones((AFTER_MATMUL, AFTER_MATMUL), np.float32)
     out = np.empty_like(a)
     kinds = [("allreduce", n) for n in sorted(groups)] + [("alltoall", p)]
-    got = {}
+    got = {(kind, n, k, s): [] for k in matmuls for kind, n in kinds for s in sizes}
     try:
         for _ in range(rounds):
-            for k in matmuls:
-                for kind, n in kinds:
-                    for s in sizes:
-                        fn = calls_of(kind, n, s)
-                        fn()                                          # warms the path
-                        t = [_matmul_loop(comm, a, out, k, calls, f)
-                             for f in (None, fn, None, fn)]
-                        got.setdefault((kind, n, k), []).append(
-                            ((t[0] + t[2]) / 2, (t[1] + t[3] - t[0] - t[2]) / 2))
+            for kind, n, k, s in got:
+                fn = calls_of(kind, n, s)
+                fn()                                                  # warms the path
+                t = [_matmul_loop(comm, a, out, k, calls, f) for f in (None, fn, None, fn)]
+                got[kind, n, k, s].append(((t[0] + t[2]) / 2, (t[1] + t[3] - t[0] - t[2]) / 2))
     finally:
         if 2 in groups and p > 2:
             groups[2].Free()
     curves = {}
-    for (kind, n, k), rows in got.items():
-        per = len(sizes)
-        c = float(np.median([r[0] for r in rows]))
-        secs = [max(0.0, float(np.median([rows[r * per + i][1] for r in range(rounds)])))
-                for i in range(per)]
-        curves.setdefault(f"{kind}.{n}", []).extend(
-            (c, float(s), t) for s, t in zip(sizes, never_slower(secs)))
+    for kind, n in kinds:
+        for k in matmuls:
+            rows = [got[kind, n, k, s] for s in sizes]
+            c = float(np.median([c for per_size in rows for c, _ in per_size]))
+            secs = [max(0.0, float(np.median([t for _, t in per_size]))) for per_size in rows]
+            curves.setdefault(f"{kind}.{n}", []).extend(
+                (c, float(s), t) for s, t in zip(sizes, never_slower(secs)))
     return comm.bcast(curves, root=0)
 
 
@@ -603,9 +599,13 @@ def _fit_scale(runs, machine) -> float:
     grow = np.array([priced(cuts, 1.0) for _, cuts in runs]) - base
     if not np.any(grow):
         return 1.0
-    # least squares of (base + k grow - meas) / meas over k
-    k = float(np.sum(grow * (meas - base) / meas**2) / np.sum(grow**2 / meas**2))
-    return float(f"{max(k, 0.1):.4g}")
+    return float(f"{max(_affine_fit(base, grow, meas), 0.1):.4g}")
+
+
+def _affine_fit(base, grow, meas) -> float:
+    """The x of least squares of the relative errors (base + x grow - meas) / meas, arrays of
+    prices affine in x and their measured steps (:func:`_fit_handoff`, :func:`_fit_scale`)."""
+    return float(np.sum(grow * (meas - base) / meas**2) / np.sum(grow**2 / meas**2))
 
 
 def _engine_steps(comm, cfg, steps: int) -> float:
@@ -664,9 +664,7 @@ def _fit_handoff(runs, machine) -> tuple:
             bare = np.array([priced(mo, lay, w, 0.0) for _, mo, lay in pair])
             grow = np.array([priced(mo, lay, w, 1.0) for _, mo, lay in pair]) - bare
             meas = np.array([t for t, _, _ in pair])
-            # least squares of (bare + h grow - meas) / meas over h >= 0
-            h = max(0.0, float(np.sum(grow * (meas - bare) / meas**2)
-                               / np.sum(grow**2 / meas**2)))
+            h = max(0.0, _affine_fit(bare, grow, meas))
             err += float(np.sum(((bare + h * grow - meas) / meas) ** 2))
             waits.append(h)
         if best is None or err < best[0]:
