@@ -64,8 +64,9 @@
   caches and the memory are shared, and rank 0's figures alone, slowed like the matmul,
   priced a 4-rank MLP's AdamW step at 7.2 ns a parameter where it took 3.1 (300 K parameters
   a rank) and at 5.4 where it took 7.7 (1.1 M); all at once, 6.4-7.1 where it took 3.7-3.9
-  (0.3-0.6 M) and 7.8 where it took 7.7 (1.1 M): between the sizes timed, the interpolation
-  in log(count) misses where the ranks' optimizer state leaves the cache.
+  (0.3-0.6 M) and 7.8 where it took 7.7 (1.1 M) while only 128 Ki and 1 Mi parameters were
+  timed between 16 Ki and 8 Mi: the interpolation in log(count) between them missed where the
+  ranks' optimizer state leaves the cache, hence the counts timed between them now.
 
 Every rank calls every function here (they contain collectives); medians keep one slow repeat
 on a shared machine from deciding the figure. """
@@ -103,9 +104,11 @@ STAGE_MICRO = 8
 # micro-batches.
 HANDOFF_SHAPES = ((8, 2, 4, 1), (64, 4, 64, 2), (128, 4, 64, 4))
 HANDOFF_MICRO = 4
-# Parameter counts of the optimizer-update figures (16 Ki .. 8 Mi: in L2, in L3, past it) and the
-# arrays each count is split into (a layer's weights and biases are a few arrays).
-UPDATE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23)
+# Parameter counts of the optimizer-update figures (16 Ki .. 8 Mi: in L2, in L3, past it; five
+# between 128 Ki and 1 Mi, where 4 ranks' AdamW state on 2 cores leaves the cache here: from 4.4
+# ns a parameter at 256 Ki to 7.4 at 768 Ki) and the arrays each count is split into (a layer's
+# weights and biases are a few arrays).
+UPDATE_SIZES = (1 << 14, 1 << 17, 1 << 18, 1 << 19, 3 << 18, 1 << 20, 1 << 23)
 UPDATE_ARRAYS = 4
 UPDATE_ROUNDS = 3               # rounds over the sizes the update figures' steps are timed in
 UPDATE_OPTIMIZERS = ("adamw", "sgd")
