@@ -13,7 +13,9 @@ or the one ``--machine`` gave) and its terms are summed by kind: compute, update
 (the operators' reductions and the redistributions, data-parallel gradients included) and their
 count. Prints the percentiles of measured over priced per phase and a least-squares fit of the
 passes' seconds on the priced compute, the priced collectives and one constant per collective
-(weighted by 1 / measured); writes OUT/phases.h5, table ``phases`` (one row per run).
+(weighted by 1 / measured), and per round a least-squares fit of the step time on the priced
+terms by kind, the collectives split into their kinds (:func:`fit_by_kind`); writes
+OUT/phases.h5, table ``phases`` (one row per run).
 """
 import glob
 import json
@@ -59,10 +61,16 @@ def run_phases(path: str) -> dict:
     return out
 
 
+# The collectives' kinds of cost.strategy_cost's terms, by the words of their names.
+COLLECTIVES = ("reduce y", "reduce dx", "grad allreduce", "redistribute")
+
+
 def priced_phases(graph, cuts, mach) -> dict:
-    """The plan's priced seconds by kind of term (the module docstring) and its collectives."""
+    """The plan's priced seconds by kind of term (the module docstring) and its collectives,
+    the collectives' seconds also by kind (:data:`COLLECTIVES`, columns ``pred_KIND_s``)."""
     sc = cost.strategy_cost(graph, cuts, mach, "float32")
     out = {"pred_compute_s": 0.0, "pred_update_s": 0.0, "pred_comm_s": 0.0, "collectives": 0}
+    out.update({_column(kind): 0.0 for kind in COLLECTIVES})
     for term in sc.terms:
         if term.what.endswith("compute"):
             out["pred_compute_s"] += term.seconds
@@ -71,7 +79,34 @@ def priced_phases(graph, cuts, mach) -> dict:
         else:
             out["pred_comm_s"] += term.seconds
             out["collectives"] += 1
+            kind = next((k for k in COLLECTIVES if k in term.what), None)
+            if kind is None:
+                raise ValueError(f"term {term.what!r}: not one of the kinds {COLLECTIVES}")
+            out[_column(kind)] += term.seconds
     out["pred_s"] = float(sc.seconds)
+    return out
+
+
+def _column(kind: str) -> str:
+    return f"pred_{kind.replace(' ', '_')}_s"
+
+
+def fit_by_kind(rows: list) -> dict:
+    """Per round, the least-squares factors (weighted by 1 / measured) of each priced kind of
+    term (compute, update, each of :data:`COLLECTIVES`) that best give the measured step time
+    (passes, gradient wait and optimizer): {round: (factors, MAPE of the fit)}. A factor above 1
+    is a kind the price under-counts on that round's machine file."""
+    out = {}
+    for r in sorted({x["round"] for x in rows}):
+        mine = [x for x in rows if x["round"] == r]
+        cols = ["pred_compute_s", "pred_update_s"] + [_column(k) for k in COLLECTIVES]
+        design = np.array([[x[c] for c in cols] for x in mine])
+        meas = np.array([x["meas_passes_s"] + x["meas_wait_s"] + x["meas_optimizer_s"]
+                         for x in mine])
+        w = 1 / meas
+        coef = np.linalg.lstsq(design * w[:, None], meas * w, rcond=None)[0]
+        out[r] = (dict(zip(["compute", "update", *COLLECTIVES], coef)),
+                  float(np.mean(abs(design @ coef - meas) / meas)))
     return out
 
 
@@ -118,6 +153,9 @@ def main(argv) -> int:
     fit = design @ coef
     print(f"  passes ~ {coef[0]:.3g} x compute + {coef[1]:.3g} x collectives + "
           f"{coef[2] * 1e3:.3g} ms per collective (MAPE {np.mean(abs(fit - passes) / passes):.1%})")
+    for r, (factors, err) in fit_by_kind(rows).items():
+        print(f"  round {r}: step ~ " + " + ".join(f"{v:.2f} x {k}" for k, v in factors.items())
+              + f" (MAPE {err:.1%})")
     save_table(os.path.join(out, "phases.h5"), "phases", rows,
                attrs={"fit_compute": coef[0], "fit_collectives": coef[1],
                       "fit_per_collective_s": coef[2]})

@@ -140,9 +140,34 @@ def test_phases_of_the_readme_runs(readme_run, capsys):
         assert p["meas_wait_s"][row] >= 0
         priced = p["pred_compute_s"][row] + p["pred_update_s"][row] + p["pred_comm_s"][row]
         assert np.isclose(priced, p["pred_s"][row], rtol=1e-12)
+        kinds = sum(p[plan_phases._column(k)][row] for k in plan_phases.COLLECTIVES)
+        assert np.isclose(kinds, p["pred_comm_s"][row], rtol=1e-12)
     # a run's phases lie inside its steps: their sum is at most its slowest step
     for log in sorted((out / "runs").glob("mlp-r0-*.h5")):
         got = plan_phases.run_phases(str(log))
         with h5py.File(log, "r") as f:
             slowest = float(f["metrics/step_time"][...].max())
         assert 0 < got["passes"] + got["wait"] + got["optimizer"] <= slowest * 1.001
+
+
+def test_fit_by_kind_recovers_the_factors_of_each_kind():
+    """Step times made from known factors of each priced kind come back per round."""
+    sys.path.insert(0, os.path.join(ROOT, "analysis"))
+    import plan_phases
+    rng = np.random.default_rng(3)
+    kinds = ["compute", "update", *plan_phases.COLLECTIVES]
+    truth = {0: [1.2, 0.7, 1.6, 0.9, 2.1, 0.5], 1: [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]}
+    rows = []
+    for r, factors in truth.items():
+        for _ in range(40):
+            priced = dict(zip(["pred_compute_s", "pred_update_s"]
+                              + [plan_phases._column(k) for k in plan_phases.COLLECTIVES],
+                              rng.uniform(1e-4, 5e-3, len(kinds))))
+            step = sum(f * v for f, v in zip(factors, priced.values()))
+            rows.append({"round": r, "meas_passes_s": 0.6 * step, "meas_wait_s": 0.1 * step,
+                         "meas_optimizer_s": 0.3 * step, **priced})
+    got = plan_phases.fit_by_kind(rows)
+    assert sorted(got) == [0, 1]
+    for r, factors in truth.items():
+        assert np.allclose([got[r][0][k] for k in kinds], factors, rtol=1e-9)
+        assert got[r][1] < 1e-9
