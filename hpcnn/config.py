@@ -17,6 +17,7 @@ import difflib
 import importlib.util
 import json
 import math
+import numbers
 import re
 import typing
 from dataclasses import dataclass
@@ -119,6 +120,9 @@ class TrainConfig:
     def resolved(self) -> "TrainConfig":
         """A copy with derived defaults filled in (dataset, log path), validated."""
         c = dataclasses.replace(self)
+        for f in dataclasses.fields(c):          # hidden=[64, 32] from Python: a tuple, as parsed
+            if isinstance(getattr(c, f.name), list):
+                setattr(c, f.name, tuple(getattr(c, f.name)))
         if not c.dataset:
             c.dataset = DEFAULT_DATASET.get(c.model, "")
         if not c.log:
@@ -134,7 +138,9 @@ class TrainConfig:
         takes the same decision before any communication. Those that need the data or the
         model's length are in :mod:`hpcnn.preflight`.
         """
-        errs = option_errors(self) + combination_errors(self)
+        errs = option_errors(self)
+        if all(isinstance(getattr(self, n), (numbers.Real, tuple)) for n in RANGES):
+            errs += combination_errors(self)       # they compare numbers: not on a string
         if errs:
             raise ConfigError("invalid configuration: " + "; ".join(errs))
 
@@ -170,6 +176,8 @@ class Range:
     open_hi: bool = False
 
     def __contains__(self, v) -> bool:
+        if not isinstance(v, numbers.Real):        # a string or a list from Python: no number
+            return False
         if isinstance(v, float) and not math.isfinite(v):
             return False
         if self.lo is not None and (v <= self.lo if self.open_lo else v < self.lo):

@@ -105,6 +105,18 @@ def test_config_overrides_and_types():
     assert r.dataset == "shakespeare" and r.log.endswith(".h5")
 
 
+def test_config_from_python_lists_and_strings():
+    """A list where a tuple is parsed resolves to the tuple; a value of no number type where a
+    range is checked is refused by name, not with a TypeError."""
+    from hpcnn.config import ConfigError, TrainConfig
+    r = TrainConfig(model="mlp", hidden=[32, 16]).resolved()
+    assert r.hidden == (32, 16) and r == TrainConfig(model="mlp", hidden=(32, 16)).resolved()
+    with pytest.raises(ConfigError, match=r"lr='0.1': must be > 0"):
+        TrainConfig(model="mlp", lr="0.1").resolved()
+    with pytest.raises(ConfigError, match=r"hidden=32,x: every entry must be >= 1"):
+        TrainConfig(model="mlp", hidden=[32, "x"]).resolved()
+
+
 @pytest.mark.parametrize("args,match", [
     (["--lrr=1"], r"unknown option --lrr \(did you mean --lr\?\)"),
     (["--steps=ten"], r"--steps='ten': expected int"),
