@@ -269,11 +269,12 @@ def test_dra_time_grows_about_linearly_in_the_operators():
 def test_strategy_cost_by_hand():
     m = _Machine(4)           # bisection 0 (groups spanning 4 devices) crosses "node"
     g = chain([Matmul(8, 4, 2)])
-    # pure data parallelism: 3*2*8*4*2/4 FLOPs; gradient allreduce of W (4*2 floats = 32 B)
-    # over 4 devices: 2*3 messages of 8 B at the node level
+    # pure data parallelism: 3*2*8*4*2/4 FLOPs; gradient allreduce of W and b in one buffer
+    # (4*2 + 2 floats = 40 B, as the executor sends it) over 4 devices: 2*3 messages of 10 B at
+    # the node level
     # then AdamW's update of the whole W and bias (4*2 + 2 parameters)
     dp = strategy_cost(g, [Cut(4, 1, 1)], m, loss=False)
-    assert dp.seconds == pytest.approx(96 / 1e9 + 6 * (1e-5 + 8e-9) + _update(10, 4), rel=1e-12)
+    assert dp.seconds == pytest.approx(96 / 1e9 + 6 * (1e-5 + 10e-9) + _update(10, 4), rel=1e-12)
     assert "L_node" in dp.formula() and "F_float32" in dp.formula() and "B_mem" in dp.formula()
     # Cut(1, 2, 2): y (8*1 floats = 32 B) reduced over nk=2 at stride 2 (span 4: node);
     # dx (8*2 floats = 64 B) reduced over nj=2 at stride 1 (span 2: socket); no weight replica;
@@ -285,7 +286,7 @@ def test_strategy_cost_by_hand():
                                           "op0 reduce dx"]
     # float64: twice the bytes, half the rate
     assert strategy_cost(g, [Cut(4, 1, 1)], m, "float64", loss=False).seconds == pytest.approx(
-        96 / 5e8 + 6 * (1e-5 + 16e-9) + _update(10, 8), rel=1e-12)
+        96 / 5e8 + 6 * (1e-5 + 20e-9) + _update(10, 8), rel=1e-12)
     with pytest.raises(ValueError, match="does not divide"):
         strategy_cost(g, [Cut(3, 1, 1)], m)
 
@@ -372,7 +373,7 @@ def test_collectives_after_compute_and_the_update_of_every_part_a_device_holds()
     assert got["op0 reduce dx"][0] == pytest.approx(line("allreduce", 8 * 4 * 4, product[0]))
     assert got["op0 reduce dx"][1] == "A2_node(128)"
     assert got["op1 grad allreduce"][0] == pytest.approx(
-        line("allreduce", 4 * 4 * 4, product[1]))           # the weight part's gradient
+        line("allreduce", (4 + 1) * 4 * 4, product[1]))     # the weight and bias part's gradient
     for what, nbytes in (("redistribute 0->1", 4 * 4 * 4), ("redistribute 0->1 gradient",
                                                             8 * 2 * 4)):
         assert got[what] == (pytest.approx(line("alltoall", nbytes, 0.0)), f"X2_node({nbytes})")
@@ -445,9 +446,10 @@ def test_replicas_do_not_reduce_their_gradients():
         return [(t.devices, t.nbytes) for t in strategy_cost(g, [cut], m).terms
                 if t.what.endswith("grad allreduce")]
     assert reductions(Cut(1, 1, 1)) == []                       # four replicas
-    assert reductions(Cut(2, 1, 1)) == [(2, 4 * 4 * 4)]         # two replicas of a 2-row cut
-    assert reductions(Cut(4, 1, 1)) == [(4, 4 * 4 * 4)]
-    assert reductions(Cut(2, 1, 2)) == [(2, 4 * 2 * 4)]         # W[:, j-half] over 2 rows
+    # one buffer [dW | db] of the part, as the executor sends it
+    assert reductions(Cut(2, 1, 1)) == [(2, (4 + 1) * 4 * 4)]   # two replicas of a 2-row cut
+    assert reductions(Cut(4, 1, 1)) == [(4, (4 + 1) * 4 * 4)]
+    assert reductions(Cut(2, 1, 2)) == [(2, (4 + 1) * 2 * 4)]   # [W | b][:, j-half], 2 rows
 
 
 def test_compute_prices_the_input_at_elementwise_and_the_relu_output_at_activation():

@@ -293,7 +293,7 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
               _allreduce(machine, f"op{n} reduce dx", c.out, 1, rows * op.k / c.reduce * size,
                          after),
               _allreduce(machine, f"op{n} grad allreduce", c.batch, c.reduce * c.out,
-                         op.k / c.reduce * op.j / c.out * size, after)):
+                         local * size, after)):          # one buffer [dW | db], as executed
         if t is not None:
             terms.append(t)
     return terms

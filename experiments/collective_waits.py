@@ -1,0 +1,162 @@
+"""Each collective of an MLP layout, timed call by call as training runs it, against its price.
+
+    mpiexec -n 4 python -m mpi4py experiments/collective_waits.py \
+        --plans=col-row-rep,col-col-row,row-col-row --machine=runs/plan_validation_p4_idle/machine-r0.toml
+
+For each plan (Linear cuts named as experiments/plan_validation.py names them, one per Linear),
+in ``--rounds`` rounds alternating the plans, the script trains the digits MLP of
+``--hidden`` and ``--batch`` through hpcnn's step engine (``hpcnn train``'s set-up, float32,
+``--steps`` steps) and times every call of every layout group's allreduce (a Linear's
+``reduce`` group: the output's partial sums; ``out``: the input gradient's; ``batch``: the
+weight gradients), each rank on its own clock. A call's seconds are those of the rank that
+made it: on ranks that share cores they are mostly the wait for the other ranks to arrive,
+which the bytes do not set. Per plan, Linear, group and rank it writes the median seconds of
+a call over the steps after the first fifth and the rounds, the calls per step and their
+bytes, and where ``--machine`` is given the price of that collective in
+:func:`hpcnn.plan.cost.strategy_cost` (its term "opN reduce y", "opN reduce dx" or "opN grad
+allreduce", the same bytes and group); table "calls" of ``--out``.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plan_validation  # noqa: E402
+
+from hpcnn.config import TrainConfig  # noqa: E402
+from hpcnn.engine.step import train_step  # noqa: E402
+from hpcnn.log.results import save_table  # noqa: E402
+from hpcnn.plan import cost  # noqa: E402
+from hpcnn.train import _setup  # noqa: E402
+
+# a layout group's label -> the word of its term in cost.strategy_cost
+TERMS = {"reduce": "reduce y", "out": "reduce dx", "batch": "grad allreduce"}
+
+
+def parse(argv, ranks: int):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plans", default="col-row-rep,col-col-row,row-col-row")
+    ap.add_argument("--hidden", default="1024,1024")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--machine", default="")
+    ap.add_argument("--out", default="runs/collective_waits/results.h5")
+    a = ap.parse_args(argv)
+    a.hidden = [int(v) for v in a.hidden.split(",")]
+    options = plan_validation.cut_options(ranks)
+    a.cuts = {}
+    for name in a.plans.split(","):
+        parts = name.split("-")
+        bad = [p for p in parts if p not in options]
+        if bad or len(parts) != len(a.hidden) + 1:
+            ap.error(f"--plans: {name!r}: expected {len(a.hidden) + 1} cuts of "
+                     f"{sorted(options)} joined by '-' on {ranks} ranks (unknown: {bad})")
+        a.cuts[name] = [options[p] for p in parts]
+    if a.steps < 5 or a.rounds < 1 or a.batch < ranks:
+        ap.error(f"--steps={a.steps} (>= 5), --rounds={a.rounds} (>= 1), --batch={a.batch} "
+                 f"(>= {ranks} ranks) expected")
+    if a.machine and not os.path.isfile(a.machine):
+        ap.error(f"--machine={a.machine!r}: no such file")
+    return a
+
+
+def timed_calls(comm, cuts, a) -> dict:
+    """{(op, label): [(seconds, bytes), ...]} of this rank's layout-group allreduces, steps
+    after the first fifth, one training run of ``cuts``."""
+    path = os.path.join(os.path.dirname(os.path.abspath(a.out)), f".plan-{comm.rank}.json")
+    with open(path, "w") as f:
+        json.dump({"devices": comm.size, "layers": [
+            {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
+    cfg = TrainConfig(model="mlp", dataset="digits", hidden=tuple(a.hidden), batch_size=a.batch,
+                      tp=comm.size, plan=path, dtype="float32", allreduce="mpi",
+                      progress=False, eval_interval=0, steps=a.steps, log="").resolved()
+    cfg, ctx, task, opt, _ = _setup(cfg, comm, None)
+    got, live = {}, [False]
+    linears = [b for b in ctx.local.blocks if hasattr(b, "groups")]
+    for op, block in enumerate(linears):
+        for label in TERMS:
+            group = getattr(block.groups, label)
+            if group.size > 1:
+                group.allreduce = _timer(group.allreduce, got.setdefault((op, label), []), live)
+    try:
+        t0 = time.perf_counter()
+        for step in range(a.steps):
+            live[0] = step >= a.steps // 5
+            train_step(ctx, task, opt, step, t0)
+    finally:
+        ctx.free()
+        os.unlink(path)
+    return got
+
+
+def _timer(call, out: list, live: list):
+    def timed(buf, *args, **kw):
+        t = time.perf_counter()
+        r = call(buf, *args, **kw)
+        if live[0]:
+            out.append((time.perf_counter() - t, buf.nbytes))
+        return r
+    return timed
+
+
+def priced(graph, cuts, machine) -> dict:
+    """{(op, label): (seconds, bytes, devices)} of the plan's allreduce terms."""
+    out = {}
+    for term in cost.strategy_cost(graph, cuts, machine, "float32").terms:
+        for label, word in TERMS.items():
+            if term.what.endswith(" " + word):
+                out[(int(term.what.split()[0][2:]), label)] = (term.seconds, term.nbytes,
+                                                                 term.devices)
+    return out
+
+
+def main(argv) -> int:
+    comm = MPI.COMM_WORLD
+    a = parse(argv, comm.size)                   # every rank refuses alike, before any call
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    timed = {name: {} for name in a.cuts}
+    for _ in range(a.rounds):
+        for name, cuts in a.cuts.items():
+            for key, calls in timed_calls(comm, cuts, a).items():
+                timed[name].setdefault(key, []).extend(calls)
+    everyone = comm.gather(timed, root=0)
+    if comm.rank:
+        return 0
+    graph = plan_validation.mlp_graph(a.hidden, a.batch)
+    machine = plan_validation.machine_for(a.machine, comm.size) if a.machine else None
+    steady = (a.steps - a.steps // 5) * a.rounds
+    rows = []
+    for name, cuts in a.cuts.items():
+        price = priced(graph, cuts, machine) if machine else {}
+        for rank, mine in enumerate(everyone):
+            for (op, label), calls in sorted(mine[name].items()):
+                s, b, n = price.get((op, label), (np.nan, np.nan, np.nan))
+                rows.append({"plan": name, "rank": rank, "op": op, "group": label,
+                             "bytes": int(calls[0][1]), "calls_per_step": len(calls) / steady,
+                             "median_s": float(np.median([t for t, _ in calls])),
+                             "priced_s": float(s), "priced_bytes": float(b),
+                             "priced_devices": float(n)})
+    for r in rows:
+        if r["rank"] == 0:
+            print(f"{r['plan']:24s} op{r['op']} {TERMS[r['group']]:15s} {r['bytes']:9d} B "
+                  f"{r['calls_per_step']:.0f}/step: "
+                  + " ".join(f"{x['median_s'] * 1e3:.2f}" for x in rows
+                             if (x['plan'], x['op'], x['group']) == (r['plan'], r['op'],
+                                                                      r['group']))
+                  + f" ms per rank, priced {r['priced_s'] * 1e3:.2f}")
+    save_table(a.out, "calls", rows, attrs={"ranks": comm.size, "steps": a.steps,
+                                             "rounds": a.rounds, "machine_file": a.machine,
+                                             "command_line": " ".join(sys.argv)})
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
