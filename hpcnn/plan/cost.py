@@ -311,7 +311,8 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
         (:class:`hpcnn.plan.machine.Device` efficiency, overhead, elementwise, activation);
       - forward reduction of the partial y[i/nb, j/nj] over the nk group (stride nj);
       - backward reduction of the partial dx[i/nb, k/nk] over the nj group (stride 1);
-      - gradient allreduce of the weight part W[k/nk, j/nj] over the batch group, the nb devices
+      - gradient allreduce of the weight and bias parts W[k/nk, j/nj] and b[j/nj] (one buffer,
+        as the executor sends it) over the batch group, the nb devices
         holding it for different rows (stride nk*nj); the r replicas computed the same rows and
         hold the same gradient already (:class:`hpcnn.parallel.layout.LayoutLinear`);
       - the optimizer's update of the local weight part W[k/nk, j/nj] and bias part b[j/nj]
