@@ -91,22 +91,28 @@ def _column(kind: str) -> str:
     return f"pred_{kind.replace(' ', '_')}_s"
 
 
+def _weighted_fit(design, measured) -> tuple:
+    """(factors, fitted) of the least squares of ``measured`` on the columns of ``design``,
+    each row weighted by 1 / measured (relative errors)."""
+    w = 1 / measured
+    coef = np.linalg.lstsq(design * w[:, None], measured * w, rcond=None)[0]
+    return coef, design @ coef
+
+
 def fit_by_kind(rows: list) -> dict:
     """Per round, the least-squares factors (weighted by 1 / measured) of each priced kind of
     term (compute, update, each of :data:`COLLECTIVES`) that best give the measured step time
     (passes, gradient wait and optimizer): {round: (factors, MAPE of the fit)}. A factor above 1
     is a kind the price under-counts on that round's machine file."""
+    kinds = ("compute", "update", *COLLECTIVES)            # columns pred_compute_s, ...
     out = {}
     for r in sorted({x["round"] for x in rows}):
         mine = [x for x in rows if x["round"] == r]
-        cols = ["pred_compute_s", "pred_update_s"] + [_column(k) for k in COLLECTIVES]
-        design = np.array([[x[c] for c in cols] for x in mine])
+        design = np.array([[x[_column(k)] for k in kinds] for x in mine])
         meas = np.array([x["meas_passes_s"] + x["meas_wait_s"] + x["meas_optimizer_s"]
                          for x in mine])
-        w = 1 / meas
-        coef = np.linalg.lstsq(design * w[:, None], meas * w, rcond=None)[0]
-        out[r] = (dict(zip(["compute", "update", *COLLECTIVES], coef)),
-                  float(np.mean(abs(design @ coef - meas) / meas)))
+        coef, fit = _weighted_fit(design, meas)
+        out[r] = (dict(zip(kinds, coef)), float(np.mean(abs(fit - meas) / meas)))
     return out
 
 
@@ -147,10 +153,7 @@ def main(argv) -> int:
     print("  passes and gradient wait / compute + collectives:",
           np.round(np.percentile(passes / (compute + comm), pct), 2))
     print("  optimizer / update:", np.round(np.percentile(opt / update, pct), 2))
-    design = np.c_[compute, comm, count]
-    w = 1 / passes
-    coef = np.linalg.lstsq(design * w[:, None], passes * w, rcond=None)[0]
-    fit = design @ coef
+    coef, fit = _weighted_fit(np.c_[compute, comm, count], passes)
     print(f"  passes ~ {coef[0]:.3g} x compute + {coef[1]:.3g} x collectives + "
           f"{coef[2] * 1e3:.3g} ms per collective (MAPE {np.mean(abs(fit - passes) / passes):.1%})")
     for r, (factors, err) in fit_by_kind(rows).items():

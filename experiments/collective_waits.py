@@ -17,7 +17,6 @@ bytes, and where ``--machine`` is given the price of that collective in
 allreduce", the same bytes and group); table "calls" of ``--out``.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ import plan_validation  # noqa: E402
 from hpcnn.config import TrainConfig  # noqa: E402
 from hpcnn.engine.step import train_step  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
+from hpcnn.parallel.layout import write_plan  # noqa: E402
 from hpcnn.plan import cost  # noqa: E402
 from hpcnn.train import _setup  # noqa: E402
 
@@ -71,9 +71,7 @@ def timed_calls(comm, cuts, a) -> dict:
     """{(op, label): [(seconds, bytes), ...]} of this rank's layout-group allreduces, steps
     after the first fifth, one training run of ``cuts``."""
     path = os.path.join(os.path.dirname(os.path.abspath(a.out)), f".plan-{comm.rank}.json")
-    with open(path, "w") as f:
-        json.dump({"devices": comm.size, "layers": [
-            {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
+    write_plan(path, cuts, comm.size)
     cfg = TrainConfig(model="mlp", dataset="digits", hidden=tuple(a.hidden), batch_size=a.batch,
                       tp=comm.size, plan=path, dtype="float32", allreduce="mpi",
                       progress=False, eval_interval=0, steps=a.steps, log="").resolved()
@@ -143,14 +141,14 @@ def main(argv) -> int:
                              "median_s": float(np.median([t for t, _ in calls])),
                              "priced_s": float(s), "priced_bytes": float(b),
                              "priced_devices": float(n)})
+    by_call = {}                                 # (plan, op, group) -> its rows, rank order
     for r in rows:
-        if r["rank"] == 0:
-            print(f"{r['plan']:24s} op{r['op']} {TERMS[r['group']]:15s} {r['bytes']:9d} B "
-                  f"{r['calls_per_step']:.0f}/step: "
-                  + " ".join(f"{x['median_s'] * 1e3:.2f}" for x in rows
-                             if (x['plan'], x['op'], x['group']) == (r['plan'], r['op'],
-                                                                      r['group']))
-                  + f" ms per rank, priced {r['priced_s'] * 1e3:.2f}")
+        by_call.setdefault((r["plan"], r["op"], r["group"]), []).append(r)
+    for (name, op, label), mine in by_call.items():
+        print(f"{name:24s} op{op} {TERMS[label]:15s} {mine[0]['bytes']:9d} B "
+              f"{mine[0]['calls_per_step']:.0f}/step: "
+              + " ".join(f"{r['median_s'] * 1e3:.2f}" for r in mine)
+              + f" ms per rank, priced {mine[0]['priced_s'] * 1e3:.2f}")
     save_table(a.out, "calls", rows, attrs={"ranks": comm.size, "steps": a.steps,
                                              "rounds": a.rounds, "machine_file": a.machine,
                                              "command_line": " ".join(sys.argv)})

@@ -77,7 +77,7 @@ import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.parallel.layout import Cut  # noqa: E402
+from hpcnn.parallel.layout import Cut, write_plan  # noqa: E402
 from hpcnn.plan import cost, hybrid, machine, search  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,9 +198,7 @@ def mlp_case(hidden, batch: int, ranks: int, names, folder: str, tag: str = "") 
     cuts = [options[c] for c in names]
     name = "-".join(names)
     path = os.path.join(folder, f"plan-{tag}{name}.json")
-    with open(path, "w") as f:
-        json.dump({"devices": ranks, "layers": [
-            {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
+    write_plan(path, cuts, ranks)
     args = ["--model=mlp", "--dataset=digits", f"--hidden={','.join(map(str, hidden))}",
             f"--batch_size={batch}", f"--tp={ranks}", f"--plan={path}"]
     graph = mlp_graph(hidden, batch)

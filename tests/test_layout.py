@@ -8,7 +8,8 @@ import pytest
 from gradcheck import check_block_gradients
 from hpcnn.nn import models
 from hpcnn.parallel.layout import (Cut, LayoutLinear, Placement, Redistribute, gather_full,
-                                   layout_mlp, moved_elements, part_range, read_plan)
+                                   layout_mlp, moved_elements, part_range, read_plan,
+                                   write_plan)
 from mpi_util import run_mpi, single
 
 
@@ -70,6 +71,9 @@ def test_read_plan(tmp_path):
     with pytest.raises(ValueError, match="a plan for 4 devices, run on 2"):
         read_plan(good, devices=2)
     assert read_plan(good, devices=4)[0] == Cut(2, 1, 2)
+    written = tmp_path / "written.json"                     # write_plan: what read_plan reads
+    write_plan(written, [Cut(2, 1, 2), Cut(1, 4, 1), Cut(1, 1, 1)], 4)
+    assert read_plan(written, devices=4) == read_plan(good)
     bad = tmp_path / "notjson.json"
     bad.write_text("{devices: 2")
     with pytest.raises(ValueError, match="not JSON"):

@@ -99,6 +99,13 @@ class Cut:
         return f"Cut(batch={self.batch}, reduce={self.reduce}, out={self.out})"
 
 
+def write_plan(path, cuts, devices: int) -> None:
+    """Write the JSON plan file :func:`read_plan` reads: ``devices`` and one Cut per Linear."""
+    with open(path, "w") as f:
+        json.dump({"devices": int(devices),
+                   "layers": [{axis: getattr(c, axis) for axis in AXES} for c in cuts]}, f)
+
+
 def read_plan(path, devices: int | None = None) -> list:
     """The list of :class:`Cut` (one per Linear, chain order) of a JSON plan file
     ``{"devices": p, "layers": [{"batch": nb, "reduce": nk, "out": nj}, ...]}``; ValueError

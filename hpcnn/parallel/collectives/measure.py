@@ -567,16 +567,15 @@ def _layout_step(comm, cuts, steps: int) -> float:
     """The median step (slowest rank, after the first fifth) of :data:`LAYOUT_MLP` laid out by
     ``cuts`` over ``comm``'s ranks, ``steps`` steps of ``hpcnn train``'s step engine (each rank
     reads its own copy of the plan file)."""
-    import json
     import tempfile
 
     from hpcnn.config import TrainConfig
+    from hpcnn.parallel.layout import write_plan
     n_in, hidden, _, batch = LAYOUT_MLP
     fd, path = tempfile.mkstemp(suffix=".json", prefix="hpcnn-layout-")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"devices": comm.Get_size(), "layers": [
-                {"batch": c.batch, "reduce": c.reduce, "out": c.out} for c in cuts]}, f)
+        write_plan(path, cuts, comm.Get_size())
         cfg = TrainConfig(model="mlp", dataset="digits", hidden=hidden, batch_size=batch,
                           tp=comm.Get_size(), plan=path, dtype="float32", allreduce="mpi",
                           progress=False, eval_interval=0, steps=steps).resolved()
