@@ -7,9 +7,9 @@ import pytest
 
 from gradcheck import check_block_gradients
 from hpcnn.nn import models
-from hpcnn.parallel.layout import (Cut, LayoutLinear, Placement, Redistribute, gather_full,
-                                   layout_mlp, moved_elements, part_range, read_plan,
-                                   write_plan)
+from hpcnn.parallel.layout import (Cut, LayoutLinear, Placement, Redistribute, exchange_group,
+                                   gather_full, layout_mlp, moved_elements, part_range,
+                                   plan_move, read_plan, write_plan)
 from mpi_util import run_mpi, single
 
 
@@ -50,6 +50,28 @@ def test_moved_elements_closed_forms():
     # needs (8, 2) of which it holds (4, 2)
     assert moved_elements(Placement.output_of(Cut(2, 1, 1), 2),
                           Placement.input_of(Cut(1, 2, 1), 2), 8, 4) == [8, 8]
+
+
+def test_exchange_group_is_the_largest_set_the_messages_join():
+    """The devices a redistribution's alltoallv connects (its zero counts post no message):
+    a gather along pairs joins 2 of 4, a gather of row parts all 4, a slice none; and the
+    sets are those of the pieces plan_move sends."""
+    out, inp, p = Placement.output_of, Placement.input_of, 4
+    cases = [(out(Cut(1, 1, 4), p), inp(Cut(1, 2, 2), p), 2),     # col -> k halves: pairs
+             (out(Cut(4, 1, 1), p), Placement.full(p), 4),         # rows gathered whole
+             (Placement.full(p), inp(Cut(1, 2, 2), p), 1),         # a slice of what it holds
+             (out(Cut(1, 1, 4), p), inp(Cut(1, 4, 1), p), 1),      # col feeds row in place
+             (out(Cut(1, 2, 2), p), inp(Cut(1, 1, 1), p), 2),      # j halves gathered in pairs
+             (out(Cut(2, 1, 2), p), inp(Cut(1, 2, 2), p), 4)]      # rows and columns trade
+    for src, dst, want in cases:
+        assert exchange_group(src, dst, 8, 12) == want, (src, dst)
+        peers = {(d, q) for d in range(p) for q, rects in enumerate(plan_move(
+            src, dst, 8, 12, d).sends) if rects and q != d}
+        sets = [{d} for d in range(p)]                  # merged along every message
+        for a, b in peers:
+            joined = next(x for x in sets if a in x) | next(x for x in sets if b in x)
+            sets = [x for x in sets if not x & joined] + [joined]
+        assert max(map(len, sets)) == want, (src, dst, peers)
 
 
 def test_read_plan(tmp_path):

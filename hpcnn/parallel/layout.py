@@ -218,30 +218,59 @@ class _Move(NamedTuple):
     need: tuple          # this device's target rectangle
 
 
-def plan_move(src: Placement, dst: Placement, n_rows: int, n_cols: int, me: int) -> _Move:
-    """Who sends what to whom so that every device gets its ``dst`` rectangle.
-
-    Every rank computes the same plan from the placements alone: for each target t (rank order)
-    and each source block (row part, col part) overlapping t's need, the piece comes from t
-    itself if t holds that block, else from holder number t mod (number of holders)."""
-    p = src.p
+def _pieces(src: Placement, dst: Placement, n_rows: int, n_cols: int):
+    """(source device, target device, rows, cols) of every piece of a redistribution, targets
+    in rank order: for each source block overlapping a target's need, the piece comes from the
+    target itself if it holds that block, else from the holder of least d XOR t, the one
+    inside the smallest aligned group of consecutive devices holding both (the machine's
+    bisections, :func:`hpcnn.plan.cost._level`), which keeps the devices a move joins few:
+    gathering the column halves of a 2 x 2 grid links the pairs (0, 1) and (2, 3) rather
+    than all four (:func:`exchange_group`)."""
     holders = {}
-    for d in range(p):
+    for d in range(src.p):
         holders.setdefault((src.row_of[d], src.col_of[d]), []).append(d)
-    sends, recvs = [[] for _ in range(p)], [[] for _ in range(p)]
-    for t in range(p):
+    for t in range(src.p):
         need = dst.block(t, n_rows, n_cols)
         for (i, j), hs in sorted(holders.items()):
             rows = _overlap(need[0], part_range(n_rows, src.rows, i))
             cols = _overlap(need[1], part_range(n_cols, src.cols, j))
-            if rows is None or cols is None:
-                continue
-            s = t if t in hs else hs[t % len(hs)]
-            if s == me:
-                sends[t].append((rows, cols))
-            if t == me:
-                recvs[s].append((rows, cols))
+            if rows is not None and cols is not None:
+                yield (t if t in hs else min(hs, key=lambda d: d ^ t)), t, rows, cols
+
+
+def plan_move(src: Placement, dst: Placement, n_rows: int, n_cols: int, me: int) -> _Move:
+    """Who sends what to whom so that every device gets its ``dst`` rectangle.
+
+    Every rank computes the same plan from the placements alone (:func:`_pieces`)."""
+    sends, recvs = [[] for _ in range(src.p)], [[] for _ in range(src.p)]
+    for s, t, rows, cols in _pieces(src, dst, n_rows, n_cols):
+        if s == me:
+            sends[t].append((rows, cols))
+        if t == me:
+            recvs[s].append((rows, cols))
     return _Move(sends, recvs, src.block(me, n_rows, n_cols), dst.block(me, n_rows, n_cols))
+
+
+@lru_cache(maxsize=4096)            # pure, and asked again for every plan a search prices
+def exchange_group(src: Placement, dst: Placement, n_rows: int, n_cols: int) -> int:
+    """Devices in the largest set that a redistribution's messages join (1 where none
+    crosses): the connected components of the graph whose edges are the pieces one device
+    sends another. The alltoallv of :func:`run_move` posts no message where a count is zero,
+    so a device waits only for the devices of its set (a gather along pairs joins 2, not p)."""
+    root = list(range(src.p))
+
+    def find(d):
+        while root[d] != d:
+            root[d] = root[root[d]]
+            d = root[d]
+        return d
+    for s, t, _, _ in _pieces(src, dst, n_rows, n_cols):
+        if s != t:
+            root[find(s)] = find(t)
+    sizes = {}
+    for d in range(src.p):
+        sizes[find(d)] = sizes.get(find(d), 0) + 1
+    return max(sizes.values())
 
 
 def _size(rect) -> int:

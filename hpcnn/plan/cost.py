@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from hpcnn.parallel.layout import Cut, Placement, crosses   # what the executor runs
+from hpcnn.parallel.layout import Cut, Placement, crosses, exchange_group  # as executed
 from hpcnn.plan.hybrid import DTYPE_BYTES, STATE_WORDS, UPDATE_PASSES, update_seconds
 
 MU = 0.25      # SAPP's weight of a batch cut (the gradient sync happens once per step)
@@ -369,7 +369,10 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
     gradient's move back crosses (a replicated producer needs the whole gradient: a consumer
     that only sliced its input in the forward gathers it in the backward). One message each,
     at the level of ``span`` consecutive devices (our choice, an upper bound for the
-    all-to-all: the thesis prices redistribution by volume only). ``after``: the compute before
+    all-to-all: the thesis prices redistribution by volume only), joining the devices of the
+    largest set its messages connect (:func:`hpcnn.parallel.layout.exchange_group`: a gather
+    along pairs is an exchange between 2 devices, priced on the curve of 2 where the level has
+    one); the batch size's all-gather joins all ``span``. ``after``: the compute before
     the forward's message and before the backward's (the producer's product, the consumer's),
     for the level's handoff."""
     out = []
@@ -377,23 +380,25 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
         if crosses(a, b, rows, cols):
             nbytes = math.ceil(rows / b.rows) * math.ceil(cols / b.cols) * size
             out.append(_move_term(f"redistribute {what}{direction}", _level(machine, span),
-                                  nbytes, span, before))
+                                  nbytes, exchange_group(a, b, rows, cols), before))
     if src.rows > 1 and not src.same_rows(dst):
         out.append(_move_term(f"redistribute {what} batch size", _level(machine, span), 8,
                               span, after[0]))
     return out
 
 
-def _move_term(what: str, lvl, nbytes: float, span: int, after: float) -> Term:
-    """One redistribution's exchange of ``nbytes`` (the part a device ends with) over ``span``
-    devices after ``after`` seconds of compute: the level's "alltoall" curve after compute
-    where it has one (:meth:`hpcnn.plan.machine.Level.collective_seconds`, X in the formulas;
-    the executor's redistributions are all-to-alls), else one message and its handoff."""
-    measured = lvl.collective_seconds("alltoall", span, nbytes, after)
+def _move_term(what: str, lvl, nbytes: float, group: int, after: float) -> Term:
+    """One redistribution's exchange of ``nbytes`` (the part a device ends with) among
+    ``group`` devices after ``after`` seconds of compute: the level's "alltoall" curve after
+    compute where it has one (:meth:`hpcnn.plan.machine.Level.collective_seconds`, X in the
+    formulas; the executor's redistributions are all-to-alls), else one message and its
+    handoff."""
+    measured = lvl.collective_seconds("alltoall", group, nbytes, after)
     if measured is not None:
-        return Term(what, f"{_scale(lvl)}X{span}_{lvl.name}({nbytes:g})", measured, nbytes, span)
+        return Term(what, f"{_scale(lvl)}X{group}_{lvl.name}({nbytes:g})", measured, nbytes,
+                    group)
     return Term(what, f"({_handoff(lvl)}L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
-                lvl.message_seconds(nbytes, after), nbytes, span)
+                lvl.message_seconds(nbytes, after), nbytes, group)
 
 
 def strategy_memory(graph: Graph, cuts, dtype: str = "float32", optimizer: str = "adamw",

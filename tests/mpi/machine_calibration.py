@@ -68,7 +68,8 @@ pieces = update_costs("adamw", sizes=(64, 1024), repeats=2, comm=world)
 assert [n for n, _ in pieces] == [64.0, 1024.0, math.inf] and all(0 < s < 1e-3 for _, s in pieces)
 assert len(set(map(repr, world.allgather(pieces)))) == 1, pieces
 curves = after_compute_points(world, sizes=(8, 1 << 12), matmuls=(1, 2), calls=2, rounds=1)
-assert set(curves) == {f"allreduce.{q}" for q in {2, p} if p % q == 0} | {f"alltoall.{p}"}, curves
+assert set(curves) == {f"{kind}.{q}" for kind in ("allreduce", "alltoall") for q in {2, p}
+                       if p % q == 0}, curves
 for rows in curves.values():
     assert len(rows) == 4 and all(0 < c < 1 and 0 <= t < 1 for c, _, t in rows), rows
     for c in {c for c, _, _ in rows}:

@@ -416,10 +416,10 @@ def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
                          calls: int = AFTER_CALLS, rounds: int = AFTER_ROUNDS) -> dict:
     """The level's ``after_compute`` curves (:class:`hpcnn.plan.machine.Level`): {"KIND.N":
     [(c, bytes, seconds), ...]}, the same on every rank, for an in-place float32 MPI allreduce
-    over groups of N consecutive ranks (N = 2 where the ranks pair up and there are more than
-    two, and N = all; all groups at once) and an MPI all-to-all over all ranks in which each
-    rank ends with ``bytes``, an equal part from every rank (what the layout executor's
-    redistributions run).
+    and an MPI all-to-all in which each rank ends with ``bytes``, an equal part from every
+    rank of its group (what the layout executor's redistributions run), each over groups of N
+    consecutive ranks (N = 2 where the ranks pair up and there are more than two, and N = all;
+    all groups at once).
 
     Per number k of ``matmuls`` (float32, :data:`AFTER_MATMUL` cubed), kind and size, ``rounds``
     rounds each time four loops of ``calls`` iterations, between barriers: k matmuls alone, k
@@ -442,7 +442,7 @@ def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
     calls_of = _collective_calls(comm, groups, sizes)
     a = np.ones((AFTER_MATMUL, AFTER_MATMUL), np.float32)
     out = np.empty_like(a)
-    kinds = [("allreduce", n) for n in sorted(groups)] + [("alltoall", p)]
+    kinds = [(kind, n) for kind in ("allreduce", "alltoall") for n in sorted(groups)]
     got = {(kind, n, k, s): [] for k in matmuls for kind, n in kinds for s in sizes}
     try:
         for _ in range(rounds):
@@ -468,7 +468,7 @@ def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
 def _collective_calls(comm, groups: dict, sizes):
     """(kind, n, size) -> a function of no argument making that call of
     :func:`after_compute_points` on its own buffers (made once): an in-place float32 allreduce
-    over ``groups[n]``, or an all-to-all over ``comm`` of an equal part from every rank."""
+    over ``groups[n]``, or an all-to-all over ``groups[n]`` of an equal part from every rank."""
     from mpi4py import MPI
     p = comm.Get_size()
     words = {s: max(s // 4, p) for s in sizes}
@@ -478,8 +478,8 @@ def _collective_calls(comm, groups: dict, sizes):
     def call(kind, n, s):
         if kind == "allreduce":
             return lambda: groups[n].Allreduce(MPI.IN_PLACE, bufs[s], op=MPI.SUM)
-        counts = [words[s] // p] * p
-        return lambda: comm.Alltoallv([bufs[s], counts], [recv[s], counts])
+        counts = [words[s] // n] * n
+        return lambda: groups[n].Alltoallv([bufs[s], counts], [recv[s], counts])
     return call
 
 
