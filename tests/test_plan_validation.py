@@ -8,6 +8,7 @@ import sys
 
 import h5py
 import numpy as np
+import pytest
 
 from hpcnn.log.results import load_table
 from hpcnn.parallel.layout import Cut, read_plan
@@ -171,3 +172,29 @@ def test_fit_by_kind_recovers_the_factors_of_each_kind():
     for r, factors in truth.items():
         assert np.allclose([got[r][0][k] for k in kinds], factors, rtol=1e-9)
         assert got[r][1] < 1e-9
+
+
+def test_confirmations_of_the_readme_run_and_across_runs(readme_run, capsys):
+    """analysis/plan_confirm.py: on the README's run (--confirm=1, --confirm_rounds=1) each
+    confirmed MLP plan's step times are the confirm table's; per-round ratios to the best and
+    the same two plans' ratios across folders, on made-up step times."""
+    sys.path.insert(0, os.path.join(ROOT, "analysis"))
+    import plan_confirm
+    readme_run.succeeded(readme_run.command_running("experiments/plan_validation.py"))
+    out = readme_run.scratch / "runs" / "plan_validation"
+    times = plan_confirm.confirm_times(str(out))
+    c, _ = load_table(out / "results.h5", "confirm")
+    mlp = c["model"] == "mlp"
+    assert times == {n: [m] for n, m in zip(c["layout"][mlp], c["meas_s"][mlp])}
+    assert plan_confirm.main([str(out), str(out)]) == 0      # the same folder twice: ratios equal
+    text = capsys.readouterr().out
+    assert "2 plans, 1 rounds side by side" in text and "in several validations" in text
+    assert plan_confirm.confirm_times(str(out / "runs")) == {}
+    a = {"x": [1.0, 2.0, 3.0], "y": [1.1, 2.0, 3.6], "z": [2.0, 2.0, 2.0]}
+    rows = plan_confirm.summarize(a)          # best by median: x (2.0), then z (2.0), then y
+    assert [r[0] for r in rows] == ["x", "z", "y"] and rows[0][2:] == (1.0, 1.0, 1.0)
+    assert np.allclose(rows[2][2:], [np.median([1.1, 1.0, 1.2]), 1.05, 1.15])
+    b = {"x": [1.0, 1.0], "y": [0.9, 0.95], "w": [5.0, 5.0]}
+    got = plan_confirm.across({"A": a, "B": b})
+    assert [(p, q) for p, q, _ in got] == [("y", "x")]      # w and z are in one folder only
+    assert got[0][2] == pytest.approx({"A": np.median([1.1, 1.0, 1.2]), "B": 0.925})

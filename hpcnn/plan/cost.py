@@ -321,7 +321,8 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     and per edge, the executor's redistribution of the producer's output y[i/nb, j/nj] into the
     consumer's input x[i/nb', k/nk'] (:func:`_moves`): a message in the forward where a device
     needs data it does not hold, one in the backward where the gradient's way back does, at the
-    level of the larger of the two operators' partition groups; with ``loss``, the last
+    level of the larger of the two operators' partition groups, joining the devices its
+    messages connect (:func:`hpcnn.parallel.layout.exchange_group`); with ``loss``, the last
     operator's output gathered whole on every device for the softmax cross-entropy (the
     executor's ``to_loss``), which costs nothing backward.
 
