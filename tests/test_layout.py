@@ -7,9 +7,9 @@ import pytest
 
 from gradcheck import check_block_gradients
 from hpcnn.nn import models
-from hpcnn.parallel.layout import (Cut, LayoutLinear, Placement, Redistribute, exchange_group,
-                                   gather_full, layout_mlp, moved_elements, part_range,
-                                   plan_move, read_plan, write_plan)
+from hpcnn.parallel.layout import (Cut, LayoutLinear, Placement, Redistribute, crosses,
+                                   exchange_group, gather_full, layout_mlp, moved_elements,
+                                   part_range, plan_move, read_plan, write_plan)
 from mpi_util import run_mpi, single
 
 
@@ -72,6 +72,17 @@ def test_exchange_group_is_the_largest_set_the_messages_join():
             joined = next(x for x in sets if a in x) | next(x for x in sets if b in x)
             sets = [x for x in sets if not x & joined] + [joined]
         assert max(map(len, sets)) == want, (src, dst, peers)
+    # more than one device exactly where some device needs data it does not hold (crosses),
+    # for every pair of cuts' placements at 2, 3 and 4 devices, parts empty ones included
+    for q in (2, 3, 4):
+        cuts = [Cut(b, k, j) for b in (1, 2, 4) for k in (1, 2, 4) for j in (1, 2, 4)
+                if q % (b * k * j) == 0]
+        places = [f(c, q) for c in cuts for f in (out, inp)] + [Placement.full(q)]
+        for src in places:
+            for dst in places:
+                for rows, cols in ((8, 12), (1, 3), (5, 1)):
+                    assert (exchange_group(src, dst, rows, cols) > 1) == crosses(
+                        src, dst, rows, cols), (src, dst, rows, cols)
 
 
 def test_read_plan(tmp_path):

@@ -49,6 +49,7 @@ target does not cut the same way, the full batch size is not known locally: one
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -267,10 +268,7 @@ def exchange_group(src: Placement, dst: Placement, n_rows: int, n_cols: int) -> 
     for s, t, _, _ in _pieces(src, dst, n_rows, n_cols):
         if s != t:
             root[find(s)] = find(t)
-    sizes = {}
-    for d in range(src.p):
-        sizes[find(d)] = sizes.get(find(d), 0) + 1
-    return max(sizes.values())
+    return max(Counter(find(d) for d in range(src.p)).values())
 
 
 def _size(rect) -> int:

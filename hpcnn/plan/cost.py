@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from hpcnn.parallel.layout import Cut, Placement, crosses, exchange_group  # as executed
+from hpcnn.parallel.layout import Cut, Placement, exchange_group   # what the executor runs
 from hpcnn.plan.hybrid import DTYPE_BYTES, STATE_WORDS, UPDATE_PASSES, update_seconds
 
 MU = 0.25      # SAPP's weight of a batch cut (the gradient sync happens once per step)
@@ -364,8 +364,8 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
            machine, span: int, after=(0.0, 0.0)) -> list:
     """The messages of the executor's :class:`hpcnn.parallel.layout.Redistribute` of a
     ``rows`` x ``cols`` activation from ``src`` to ``dst``: in the forward, one message of
-    ``dst``'s part where some device needs data it does not hold
-    (:func:`hpcnn.parallel.layout.crosses`), plus the batch size's all-gather where the source
+    ``dst``'s part where some device needs data it does not hold (where the move's exchange
+    group, below, has more than one device), plus the batch size's all-gather where the source
     cuts the rows differently; in the backward, one message of ``src``'s part where the
     gradient's move back crosses (a replicated producer needs the whole gradient: a consumer
     that only sliced its input in the forward gathers it in the backward). One message each,
@@ -378,10 +378,11 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
     for the level's handoff."""
     out = []
     for direction, a, b, before in (("", src, dst, after[0]), (" gradient", dst, src, after[1])):
-        if crosses(a, b, rows, cols):
+        group = exchange_group(a, b, rows, cols)     # > 1 exactly where a piece crosses
+        if group > 1:
             nbytes = math.ceil(rows / b.rows) * math.ceil(cols / b.cols) * size
             out.append(_move_term(f"redistribute {what}{direction}", _level(machine, span),
-                                  nbytes, exchange_group(a, b, rows, cols), before))
+                                  nbytes, group, before))
     if src.rows > 1 and not src.same_rows(dst):
         out.append(_move_term(f"redistribute {what} batch size", _level(machine, span), 8,
                               span, after[0]))
