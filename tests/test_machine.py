@@ -359,6 +359,10 @@ def test_calibrate_write_on_one_rank(tmp_path):
     assert all(0 < a < 2 and 0 < b < 2 for a, b in m.device.split.values())
     assert set(m.device.update) == {"adamw", "sgd"}            # seconds per parameter
     assert all(0 < s < 1e-6 for pieces in m.device.update.values() for _, s in pieces)
+    # the tokens ladder: 64 .. 512 tokens, 1 from its top rung on
+    assert [t for t, _ in m.device.tokens["transformer"]] == [64, 128, 256, 512, math.inf]
+    assert [f for _, f in m.device.tokens["transformer"]][-2:] == [1.0, 1.0]
+    assert all(0 < f < 3 for _, f in m.device.tokens["transformer"])
     assert "One rank: no network level" in path.read_text()
     bad = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate",
                           f"--write={tmp_path / 'no' / 'x.toml'}"],
@@ -562,3 +566,28 @@ def test_a_levels_collectives_after_compute_are_read_off_their_curves():
             ([1], r"after_compute = \[1\]: expected a table")):
         with pytest.raises(ValueError, match=f"level 'node': {message}"):
             replace(plain, after_compute=bad)
+
+
+def test_tokens_factor_scales_the_rate_by_tokens_per_call():
+    """The kind's rate at t tokens per call is its efficiency times the tokens factor,
+    interpolated in log(tokens) between rungs, the end rungs' below and above; 1 without a
+    tokens count or for a kind without pieces; the pieces round-trip and bad ones are refused."""
+    pieces = ((64, 0.5), (256, 0.9), (math.inf, 1.0))
+    dev = hm.Device("d", {"float32": 1e11}, 1.0, 1.0, efficiency={"transformer": 0.8},
+                    tokens={"transformer": pieces})
+    assert dev.rate("float32", "transformer", 32) == pytest.approx(1e11 * 0.8 * 0.5, rel=1e-12)
+    assert dev.rate("float32", "transformer", 128) == pytest.approx(1e11 * 0.8 * 0.7, rel=1e-12)
+    assert dev.rate("float32", "transformer", 4096) == pytest.approx(8e10, rel=1e-12)
+    assert dev.rate("float32", "transformer") == dev.rate("float32", "linear", 32) / 1.25 == 8e10
+    assert dev.pass_seconds(1e8, "float32", "transformer", 0, 0, True, tokens=64) == \
+        pytest.approx(1e8 / 4e10, rel=1e-12)
+    m = hm.Machine("m", (), dev)
+    assert hm.loads(m.to_toml()) == m
+    assert "[device.tokens]" in m.to_toml()
+    with pytest.raises(ValueError, match=r"tokens = -1: expected a finite number >= 0"):
+        dev.rate("float32", "transformer", -1)
+    for bad, message in ((((64, 0.5),), "the last piece's tokens must be inf"),
+                         (((64, -0.5), (math.inf, 1)), r"tokens.t\[0\] factor = -0.5"),
+                         (((64, 0.5), (32, 0.6), (math.inf, 1)), "tokens must increase")):
+        with pytest.raises(ValueError, match=message):
+            hm.Device("d", {"float32": 1.0}, 1.0, 1.0, tokens={"t": bad})

@@ -7,7 +7,9 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
 
 - **compute** of a stage and micro-batch of m rows: (L/pp) x the block's forward (backward) FLOPs
   per rank at the device's rate times its "transformer" efficiency (the share of the matmul rate
-  the block's matmuls attain, :class:`~hpcnn.plan.machine.Device`), plus (L/pp) x its fixed cost
+  the block's matmuls attain, :class:`~hpcnn.plan.machine.Device`) and its factor at m x T
+  tokens per call (``tokens``: a call of few tokens runs below the reference efficiency; 1 on a
+  machine file without it), plus (L/pp) x its fixed cost
   per call (``overhead``) and its element-wise passes (``elementwise`` seconds per byte of the
   block's cache per rank), both split between the passes by the device's measured ``forward``
   share (1/3 where the machine file has none: the FLOPs' split); the LM head
@@ -267,8 +269,9 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     act = rows * model.seq * model.dim * model.word                  # one activation
     # a block's fixed cost and element-wise seconds split between its passes by the device's
     # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them
+    # (at the rate of a call on the micro-batch's rows x seq tokens: Device.rate)
     comp_f, comp_b = (dev.pass_seconds(blocks * flops, dtype, "transformer", blocks,
-                                       blocks * cache, fwd)
+                                       blocks * cache, fwd, tokens=rows * model.seq)
                       for flops, fwd in ((f, True), (b, False)))
     # two allreduces per block each way, each after the compute since the previous one
     between = (comp_f + comp_b) / (4 * blocks) if blocks else 0.0

@@ -67,6 +67,17 @@ thesis leaves open, and what is chosen here:
   The kind ``"stage"`` in ``overhead`` and ``forward`` is a pipeline stage pass's cost around
   its blocks (the step engine's instruction, embedding, the tail's small calls, the loss), per
   micro-batch: calibration runs a tiny GPT through the step engine and subtracts its block.
+- **Small calls run below the reference efficiency.** ``tokens`` maps a kind to pieces
+  ((tokens, factor), ..., (inf, factor)): the factor by which a block called on that many tokens
+  (rows of its matmuls) attains less than its ``efficiency``, interpolated in log(tokens) as the
+  optimizer's pieces are. The efficiency and element-wise figures are fitted on references of
+  512-2048 tokens; a width-128 transformer block on one sequence of 64 tokens ran 1.22x the time
+  they price (its matmuls of 64 rows at ~0.8 of the rate, its attention's smaller still), which
+  left a pipeline of 32 one-sequence micro-batches 1.23-1.42x its price. Calibration times a
+  ladder of one block on 1 to 8 sequences (64-512 tokens) and gives each rung its
+  efficiency relative to the top rung's (1 there and above); the transformer kind only: the
+  linear kind's rows are priced at its reference efficiency (the MLP validation's figures were
+  met so).
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
   kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
   passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then
@@ -345,6 +356,22 @@ def _pieces(pieces, what: str, names=("max_bytes", "bytes_per_s")) -> tuple:
     return tuple(out)
 
 
+def _log_interp(pieces: tuple, n: float, what: str) -> float:
+    """The value of checked pieces ((x, value), ..., (inf, value)) at ``n`` (``what`` names it
+    in the error): each finite piece is a measured point, the value interpolated linearly in
+    log(x) between neighbouring points; below the first point it is its value, above the last
+    finite point the last (infinite) piece's."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not 0 <= n < math.inf:
+        raise ValueError(f"{what} = {n!r}: expected a finite number >= 0")
+    points = pieces[:-1]                         # the measured points; pieces[-1] ends at inf
+    if not points or n > points[-1][0]:
+        return pieces[-1][1]
+    if n <= points[0][0]:
+        return points[0][1]
+    (n0, s0), (n1, s1) = next((a, b) for a, b in zip(points, points[1:]) if n <= b[0])
+    return s0 + math.log(n / n0) / math.log(n1 / n0) * (s1 - s0)
+
+
 @dataclass(frozen=True)
 class Device:
     """One device (a core, a GPU): compute rate per dtype name (FLOP/s), memory bandwidth
@@ -358,7 +385,10 @@ class Device:
     optimizer name -> pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param))
     for float32 parameters; an optimizer not listed is priced from the memory bandwidth) and
     the seconds per byte of the output of the non-linearity that ends a block (``activation``,
-    kind -> seconds >= 0; missing kinds their ``elementwise`` figure)."""
+    kind -> seconds >= 0; missing kinds their ``elementwise`` figure) and the factor on a kind's
+    efficiency by tokens per call (``tokens``, kind -> pieces ((tokens, factor), ..., (inf,
+    factor)); missing kinds 1; a factor may exceed 1: it corrects the fitted figures at that
+    size, see the module docstring)."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
@@ -370,6 +400,7 @@ class Device:
     split: dict = field(default_factory=dict, hash=False)
     update: dict = field(default_factory=dict, hash=False)
     activation: dict = field(default_factory=dict, hash=False)
+    tokens: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -421,36 +452,48 @@ class Device:
         object.__setattr__(self, "update", {
             str(k): _pieces(v, f"device update.{k}", ("max_params", "seconds_per_param"))
             for k, v in self.update.items()})
+        if not isinstance(self.tokens, dict):
+            raise ValueError(f"device {self.name!r}: tokens = {self.tokens!r}: expected a table "
+                             "block kind -> [[tokens, factor], ..., [inf, factor]]")
+        object.__setattr__(self, "tokens", {
+            str(k): _pieces(v, f"device tokens.{k}", ("tokens", "factor"))
+            for k, v in self.tokens.items()})
 
-    def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
+    def rate(self, dtype: str = "float32", kind: str | None = None,
+             tokens: float | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
-        efficiency (1 for a kind not listed, or None)."""
+        efficiency (1 for a kind not listed, or None), called on ``tokens`` tokens (rows) at a
+        time, times its ``tokens`` factor there (1 if None or the kind has none)."""
         rate = self.flops.get(str(dtype))
         if rate is None:
             raise ValueError(f"device {self.name!r} has no rate for dtype {dtype!r} "
                              f"(has {', '.join(self.flops)})")
-        return rate * self.efficiency.get(kind, 1.0)
+        pieces = self.tokens.get(kind)
+        factor = 1.0 if tokens is None or pieces is None else _log_interp(
+            pieces, tokens, f"device {self.name!r}: tokens")
+        return rate * self.efficiency.get(kind, 1.0) * factor
 
     def compute_seconds(self, flops: float, dtype: str = "float32", kind: str | None = None,
                         calls: float = 0, cache_bytes: float = 0,
-                        activation_bytes: float = 0) -> float:
-        """Seconds for ``flops`` floating-point operations of ``kind`` blocks in ``dtype``, plus
-        ``calls`` times the kind's fixed cost of one block's forward + backward, plus its
-        element-wise seconds for ``cache_bytes`` of cache and ``activation_bytes`` of a
-        non-linearity's output (at the kind's ``activation`` figure, else its element-wise one)."""
+                        activation_bytes: float = 0, tokens: float | None = None) -> float:
+        """Seconds for ``flops`` floating-point operations of ``kind`` blocks in ``dtype``, each
+        called on ``tokens`` rows (:meth:`rate`), plus ``calls`` times the kind's fixed cost of
+        one block's forward + backward, plus its element-wise seconds for ``cache_bytes`` of
+        cache and ``activation_bytes`` of a non-linearity's output (at the kind's
+        ``activation`` figure, else its element-wise one)."""
         per_act = self.activation.get(kind, self.elementwise.get(kind, 0.0))
-        return (flops / self.rate(dtype, kind) + calls * self.overhead.get(kind, 0.0)
+        return (flops / self.rate(dtype, kind, tokens) + calls * self.overhead.get(kind, 0.0)
                 + cache_bytes * self.elementwise.get(kind, 0.0) + activation_bytes * per_act)
 
     def pass_seconds(self, flops: float, dtype: str, kind: str, calls: float,
-                     cache_bytes: float, forward: bool) -> float:
+                     cache_bytes: float, forward: bool, tokens: float | None = None) -> float:
         """Seconds of the forward (``forward``) or backward pass of ``calls`` blocks of ``kind``
-        doing ``flops`` FLOPs in that pass, whose forward + backward caches ``cache_bytes``: the
-        FLOPs at the kind's rate plus the pass's share (``forward``, default 1/3) of the fixed
-        and element-wise seconds."""
+        doing ``flops`` FLOPs in that pass, each called on ``tokens`` rows, whose forward +
+        backward caches ``cache_bytes``: the FLOPs at the kind's rate (:meth:`rate`) plus the
+        pass's share (``forward``, default 1/3) of the fixed and element-wise seconds."""
         share = self.forward.get(kind, 1 / 3)
         rest = calls * self.overhead.get(kind, 0.0) + cache_bytes * self.elementwise.get(kind, 0.0)
-        return flops / self.rate(dtype, kind) + (share if forward else 1 - share) * rest
+        return flops / self.rate(dtype, kind, tokens) + (share if forward else 1 - share) * rest
 
     def backward_halves(self, kind: str) -> tuple:
         """(input, weight): the zero-bubble halves of ``kind``'s backward as fractions of it."""
@@ -465,20 +508,7 @@ class Device:
         pieces = self.update.get(optimizer)
         if pieces is None:
             return None
-        if isinstance(n_params, bool) or not isinstance(n_params, numbers.Real) or not (
-                0 <= n_params < math.inf):
-            raise ValueError(f"device {self.name!r}: n_params = {n_params!r}: expected a "
-                             "finite number >= 0")
-        points = pieces[:-1]                     # the measured counts; pieces[-1] ends at inf
-        if not points or n_params > points[-1][0]:
-            per_param = pieces[-1][1]
-        elif n_params <= points[0][0]:
-            per_param = points[0][1]
-        else:
-            (n0, s0), (n1, s1) = next((a, b) for a, b in zip(points, points[1:])
-                                      if n_params <= b[0])
-            f = math.log(n_params / n0) / math.log(n1 / n0)
-            per_param = s0 + f * (s1 - s0)
+        per_param = _log_interp(pieces, n_params, f"device {self.name!r}: n_params")
         return n_params * per_param
 
     def stream_seconds(self, nbytes: float) -> float:
@@ -582,11 +612,13 @@ class Machine:
                 lines += [f"{_toml_str(k)} = " + (
                     f"[{', '.join(_toml_num(x) for x in v)}]" if isinstance(v, tuple)
                     else _toml_num(v)) for k, v in getattr(self.device, table).items()]
-        if self.device.update:
-            lines += ["", "[device.update]".ljust(32)
-                      + "# optimizer step: [max_params, seconds_per_param] (float32)"]
-            lines += [f"{_toml_str(k)} = {_toml_pieces(pieces)}"
-                      for k, pieces in self.device.update.items()]
+        for table, what in (("update", "optimizer step: [max_params, seconds_per_param] "
+                                       "(float32)"),
+                            ("tokens", "efficiency factor by tokens per call: [tokens, factor]")):
+            if getattr(self.device, table):
+                lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
+                lines += [f"{_toml_str(k)} = {_toml_pieces(pieces)}"
+                          for k, pieces in getattr(self.device, table).items()]
         if not self.levels:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
@@ -670,7 +702,7 @@ def loads(text: str, where: str = "<string>") -> Machine:
                         efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}),
                         elementwise=dev.get("elementwise", {}), forward=dev.get("forward", {}),
                         split=dev.get("split", {}), update=dev.get("update", {}),
-                        activation=dev.get("activation", {}))
+                        activation=dev.get("activation", {}), tokens=dev.get("tokens", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"

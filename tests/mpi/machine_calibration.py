@@ -41,6 +41,7 @@ assert all(0 < v < 1 for v in m.device.forward.values())
 assert set(m.device.forward) == set(m.device.overhead)
 assert set(m.device.update) == {"adamw", "sgd"}
 assert set(m.device.activation) == {"linear"} and 0 <= m.device.activation["linear"] < 1e-6
+assert set(m.device.tokens) == {"transformer"} and m.device.tokens["transformer"][-1][1] == 1.0
 with open(path) as f:
     text = f.read()
 assert "ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text

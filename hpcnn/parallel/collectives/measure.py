@@ -95,6 +95,12 @@ EFFICIENCY_SHAPES = {"transformer": ((256, 4, (8, 64, 256)), (64, 2, (32, 64, 64
                      "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)),
                                 (128, 1024, (512, 128)))}
 OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
+# The tokens ladder of the efficiency factor by tokens per call (Device.tokens): a GPT block of
+# width 192, 6 heads, context 64 (apart from the experiments' width 128) on 1 .. 8 sequences, 64
+# to 512 tokens; the transformer kind only (the module docstring of hpcnn.plan.machine). Wide
+# enough that its FLOPs outweigh the fixed cost at one sequence: a width-96 ladder's rungs of
+# 64 tokens, a residual of a few tenths of a millisecond, came out at 0.3-0.6 from run to run.
+TOKENS_LADDER = {"transformer": (192, 6, 64, (1, 2, 4, 8))}
 # The stage pass figure: a GPT of one block of the transformer overhead's size (vocabulary 16)
 # through the step engine, a one-rank 1F1B list of this many micro-batches of one sequence.
 STAGE_MICRO = 8
@@ -323,7 +329,8 @@ def _median_pass(run, repeats: int) -> tuple:
 def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     """(efficiency, overhead seconds, elementwise seconds per cache byte, activation seconds per
     byte of the ReLU's output (None for a kind without one), forward share, (input, weight)
-    split) of ``kind``'s blocks in this process.
+    split, tokens pieces (None for a kind without a :data:`TOKENS_LADDER`)) of ``kind``'s blocks
+    in this process.
 
     The overhead is the median forward + backward of the tiny blocks (:data:`OVERHEAD_SHAPES`).
     Each of ``repeats`` rounds then times the n x n matmul (its rate F) and the reference blocks
@@ -346,7 +353,13 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
 
     The split is what a zero-bubble pipeline's two backward halves each take as a fraction of the
     whole backward, medians over rounds and reference blocks: the halves add up to more than the
-    whole (each runs its own passes over dy and the caches; ~1.13 on this kind of machine)."""
+    whole (each runs its own passes over dy and the caches; ~1.13 on this kind of machine).
+
+    The tokens pieces ((tokens, factor), ..., (inf, 1)): each round also times the kind's
+    :data:`TOKENS_LADDER` blocks and takes each rung's efficiency as the rest of the equation
+    leaves it, FLOPs / (F (t - overhead - bytes c)) with that round's c, over the top rung's;
+    the medians over rounds. Here the rung of 64 tokens came out at 0.45-0.48 in three
+    calibrations, of 128 at 0.74-0.75, of 256 at 0.95-0.98."""
     tiny = _blocks_pass(kind, OVERHEAD_SHAPES[kind], dtype)[0]
     o_fwd, o_bwd = _median_pass(tiny, 10 * repeats)
     overhead = o_fwd + o_bwd
@@ -354,12 +367,18 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype) for _ in range(2))
     c = np.empty_like(a)
-    inv_eff, per_byte, per_act, share, halves = [], [], [], [], []
+    width, heads, seq, counts = TOKENS_LADDER.get(kind, (0, 0, 0, ()))
+    ladder = [_blocks_pass(kind, (width, heads, (n, seq, width)), dtype) for n in counts]
+    inv_eff, per_byte, per_act, share, halves, rungs = [], [], [], [], [], []
     for _ in range(repeats):
         rate = 2.0 * MATMUL_N ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), 1)
         rows = [(ff, fb, q, qa, *run()) for run, ff, fb, q, qa in refs]
         u, w, v = _solve_round(rate, [(ff + fb, q, qa, max(tf + tb - overhead, 1e-9))
                                       for ff, fb, q, qa, tf, tb in rows])
+        if ladder:
+            eff = [(ff + fb) / rate / max(sum(run()) - overhead - w * q, 1e-9)
+                   for run, ff, fb, q, _ in ladder]
+            rungs.append([e / eff[-1] for e in eff])
         inv_eff.append(u)
         per_byte.append(w)
         per_act.append(v)
@@ -371,8 +390,12 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
             halves.append((t_in / tb, t_w / tb))
     split = np.median(np.array(halves), axis=0)
     act = float(np.median(per_act)) if any(qa for *_, qa in refs) else None
+    tokens = None
+    if ladder:
+        factors = np.median(np.array(rungs), axis=0)
+        tokens = tuple((n * seq, float(f)) for n, f in zip(counts, factors)) + ((np.inf, 1.0),)
     return (1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte)), act,
-            float(np.median(share)), (float(split[0]), float(split[1])))
+            float(np.median(share)), (float(split[0]), float(split[1])), tokens)
 
 
 def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
@@ -793,16 +816,18 @@ def device_rates(rounds: int = 15) -> dict:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
     "elementwise.transformer": .., "activation.linear": .., "forward.transformer": ..,
     "split.transformer": (in, w), "overhead.stage": .., "forward.stage": .. (the stage pass,
-    :func:`stage_costs`),
+    :func:`stage_costs`), "tokens.transformer": ((tokens, factor), ...),
     "update.adamw": ((max_params, seconds_per_param), ...)}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
     for kind in EFFICIENCY_SHAPES:
         (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"], rates[f"elementwise.{kind}"],
-         act, rates[f"forward.{kind}"], rates[f"split.{kind}"]) = block_costs(kind, "float32",
-                                                                               rounds)
+         act, rates[f"forward.{kind}"], rates[f"split.{kind}"], tokens) = block_costs(
+            kind, "float32", rounds)
         if act is not None:
             rates[f"activation.{kind}"] = act
+        if tokens is not None:
+            rates[f"tokens.{kind}"] = tokens
     stage = stage_costs("float32", rounds)
     if stage is not None:
         rates["overhead.stage"], rates["forward.stage"] = stage
@@ -875,7 +900,7 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     8-16 sequences per micro-batch measured 0.71-0.85x their price; re-priced on two 4-rank
     validations, Kendall tau 0.72 -> 0.77 and 0.64 -> 0.66 with the blocks' factor). The optimizer's
     seconds per parameter multiply by the float32 factor (CPU time, shared as the matmul's is);
-    forward shares and backward splits are ratios of times slowed alike and stay.
+    forward shares, backward splits and tokens factors are ratios of times slowed alike and stay.
     A factor below 1 (all at once faster than alone: 0.97 in one calibration here, the two
     windows' noise) counts as 1.
     Timed all at once directly, the block figures would be medians of calls of 0.1-10 ms, which
@@ -894,7 +919,7 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
             out[key] = min(1.0, value * slow["float32"] / own) if own else value
         elif table == "update":
             out[key] = tuple((top, per * slow["float32"]) for top, per in value)
-        elif table in ("forward", "split"):
+        elif table in ("forward", "split", "tokens"):
             out[key] = value
         else:                                   # a dtype's matmul rate or "copy"
             out[key] = value / slow[key]
@@ -972,7 +997,7 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
                     efficiency=_kinds(tog, "efficiency"), overhead=_kinds(tog, "overhead"),
                     elementwise=_kinds(tog, "elementwise"), activation=_kinds(tog, "activation"),
                     forward=_kinds(tog, "forward"),
-                    split=_kinds(tog, "split"),
+                    split=_kinds(tog, "split"), tokens=_kinds(tog, "tokens"),
                     update=_kinds({f"update.{k}": v for k, v in meas["update"].items()}, "update")
                     if meas.get("update") else _kinds(tog, "update"))
     levels = ()
