@@ -362,7 +362,7 @@ def test_calibrate_write_on_one_rank(tmp_path):
     # the tokens ladder: 64 .. 512 tokens, 1 from its top rung on
     assert [t for t, _ in m.device.tokens["transformer"]] == [64, 128, 256, 512, math.inf]
     assert [f for _, f in m.device.tokens["transformer"]][-2:] == [1.0, 1.0]
-    assert all(0 < f < 3 for _, f in m.device.tokens["transformer"])
+    assert all(0.3 < f < 5 for _, f in m.device.tokens["transformer"])
     assert "One rank: no network level" in path.read_text()
     bad = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate",
                           f"--write={tmp_path / 'no' / 'x.toml'}"],
@@ -568,26 +568,32 @@ def test_a_levels_collectives_after_compute_are_read_off_their_curves():
             replace(plain, after_compute=bad)
 
 
-def test_tokens_factor_scales_the_rate_by_tokens_per_call():
-    """The kind's rate at t tokens per call is its efficiency times the tokens factor,
-    interpolated in log(tokens) between rungs, the end rungs' below and above; 1 without a
-    tokens count or for a kind without pieces; the pieces round-trip and bad ones are refused."""
-    pieces = ((64, 0.5), (256, 0.9), (math.inf, 1.0))
+def test_tokens_slowdown_scales_flop_and_elementwise_seconds():
+    """A kind's FLOP and element-wise seconds at t tokens per call are slowed by its tokens
+    pieces, interpolated in log(tokens) between rungs, the end rungs' below and above, the fixed
+    cost not; 1 without a tokens count or for a kind without pieces; the pieces round-trip and
+    bad ones are refused."""
+    pieces = ((64, 1.3), (256, 1.1), (math.inf, 1.0))
     dev = hm.Device("d", {"float32": 1e11}, 1.0, 1.0, efficiency={"transformer": 0.8},
-                    tokens={"transformer": pieces})
-    assert dev.rate("float32", "transformer", 32) == pytest.approx(1e11 * 0.8 * 0.5, rel=1e-12)
-    assert dev.rate("float32", "transformer", 128) == pytest.approx(1e11 * 0.8 * 0.7, rel=1e-12)
-    assert dev.rate("float32", "transformer", 4096) == pytest.approx(8e10, rel=1e-12)
-    assert dev.rate("float32", "transformer") == dev.rate("float32", "linear", 32) / 1.25 == 8e10
-    assert dev.pass_seconds(1e8, "float32", "transformer", 0, 0, True, tokens=64) == \
-        pytest.approx(1e8 / 4e10, rel=1e-12)
+                    overhead={"transformer": 1e-4}, elementwise={"transformer": 1e-9},
+                    forward={"transformer": 0.4}, tokens={"transformer": pieces})
+    assert dev.slowdown("transformer", 32) == 1.3 and dev.slowdown("transformer", 4096) == 1.0
+    assert dev.slowdown("transformer", 128) == pytest.approx(1.2, rel=1e-12)
+    assert dev.slowdown("transformer", None) == dev.slowdown("linear", 32) == 1.0
+    flops, cache = 8e7, 1e5                   # 1 ms of FLOPs, 0.1 ms element-wise, 0.1 ms fixed
+    assert dev.compute_seconds(flops, "float32", "transformer", 1, cache, tokens=64) == \
+        pytest.approx(1.1e-3 * 1.3 + 1e-4, rel=1e-12)
+    assert dev.pass_seconds(flops, "float32", "transformer", 1, cache, True, tokens=128) == \
+        pytest.approx(1e-3 * 1.2 + 0.4 * (1e-4 + 1e-4 * 1.2), rel=1e-12)
+    assert dev.pass_seconds(flops, "float32", "transformer", 1, cache, False) == \
+        pytest.approx(1e-3 + 0.6 * 2e-4, rel=1e-12)
     m = hm.Machine("m", (), dev)
     assert hm.loads(m.to_toml()) == m
     assert "[device.tokens]" in m.to_toml()
     with pytest.raises(ValueError, match=r"tokens = -1: expected a finite number >= 0"):
-        dev.rate("float32", "transformer", -1)
-    for bad, message in ((((64, 0.5),), "the last piece's tokens must be inf"),
-                         (((64, -0.5), (math.inf, 1)), r"tokens.t\[0\] factor = -0.5"),
-                         (((64, 0.5), (32, 0.6), (math.inf, 1)), "tokens must increase")):
+        dev.slowdown("transformer", -1)
+    for bad, message in ((((64, 1.5),), "the last piece's tokens must be inf"),
+                         (((64, -0.5), (math.inf, 1)), r"tokens.t\[0\] slowdown = -0.5"),
+                         (((64, 1.5), (32, 1.2), (math.inf, 1)), "tokens must increase")):
         with pytest.raises(ValueError, match=message):
             hm.Device("d", {"float32": 1.0}, 1.0, 1.0, tokens={"t": bad})

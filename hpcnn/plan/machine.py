@@ -67,17 +67,20 @@ thesis leaves open, and what is chosen here:
   The kind ``"stage"`` in ``overhead`` and ``forward`` is a pipeline stage pass's cost around
   its blocks (the step engine's instruction, embedding, the tail's small calls, the loss), per
   micro-batch: calibration runs a tiny GPT through the step engine and subtracts its block.
-- **Small calls run below the reference efficiency.** ``tokens`` maps a kind to pieces
-  ((tokens, factor), ..., (inf, factor)): the factor by which a block called on that many tokens
-  (rows of its matmuls) attains less than its ``efficiency``, interpolated in log(tokens) as the
-  optimizer's pieces are. The efficiency and element-wise figures are fitted on references of
-  512-2048 tokens; a width-128 transformer block on one sequence of 64 tokens ran 1.22x the time
-  they price (its matmuls of 64 rows at ~0.8 of the rate, its attention's smaller still), which
-  left a pipeline of 32 one-sequence micro-batches 1.23-1.42x its price. Calibration times a
-  ladder of one block on 1 to 8 sequences (64-512 tokens) and gives each rung its
-  efficiency relative to the top rung's (1 there and above); the transformer kind only: the
-  linear kind's rows are priced at its reference efficiency (the MLP validation's figures were
-  met so).
+- **Small calls run slower than the references price.** ``tokens`` maps a kind to pieces
+  ((tokens, slowdown), ..., (inf, slowdown)): the factor on a block's FLOP and element-wise
+  seconds when it is called on that many tokens (rows of its matmuls) at a time, interpolated
+  in log(tokens) as the optimizer's pieces are. Efficiency and element-wise figures are fitted
+  on references of 512-2048 tokens; a width-128 transformer block on one sequence of 64 tokens
+  ran 1.22x the time they price (its matmuls of 64 rows at ~0.8 of the rate, its attention's
+  smaller still), which left a pipeline of 32 one-sequence micro-batches 1.23-1.42x its price.
+  Calibration times a ladder of one block on 1 to 8 sequences (64-512 tokens) and gives each
+  rung its time beyond the fixed cost over what the figures price, relative to the top rung's
+  (1 there and above). Timed alone on one core, that ratio at 64 tokens was 1.16-1.34 across
+  widths 96-256 and 1.07-1.13 at 128 tokens, where a factor on the FLOPs alone came out 0.3-0.6
+  and moved with the width: the element-wise seconds, 25-65 % of such a block, slow alike. The
+  transformer kind only: the linear kind's rows are priced at its reference figures (the MLP
+  validation's targets were met so).
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
   kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
   passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then
@@ -386,9 +389,8 @@ class Device:
     for float32 parameters; an optimizer not listed is priced from the memory bandwidth) and
     the seconds per byte of the output of the non-linearity that ends a block (``activation``,
     kind -> seconds >= 0; missing kinds their ``elementwise`` figure) and the factor on a kind's
-    efficiency by tokens per call (``tokens``, kind -> pieces ((tokens, factor), ..., (inf,
-    factor)); missing kinds 1; a factor may exceed 1: it corrects the fitted figures at that
-    size, see the module docstring)."""
+    FLOP and element-wise seconds' slowdown by tokens per call (``tokens``, kind -> pieces
+    ((tokens, slowdown), ..., (inf, slowdown)); missing kinds 1)."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
@@ -454,46 +456,53 @@ class Device:
             for k, v in self.update.items()})
         if not isinstance(self.tokens, dict):
             raise ValueError(f"device {self.name!r}: tokens = {self.tokens!r}: expected a table "
-                             "block kind -> [[tokens, factor], ..., [inf, factor]]")
+                             "block kind -> [[tokens, slowdown], ..., [inf, slowdown]]")
         object.__setattr__(self, "tokens", {
-            str(k): _pieces(v, f"device tokens.{k}", ("tokens", "factor"))
+            str(k): _pieces(v, f"device tokens.{k}", ("tokens", "slowdown"))
             for k, v in self.tokens.items()})
 
-    def rate(self, dtype: str = "float32", kind: str | None = None,
-             tokens: float | None = None) -> float:
+    def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
-        efficiency (1 for a kind not listed, or None), called on ``tokens`` tokens (rows) at a
-        time, times its ``tokens`` factor there (1 if None or the kind has none)."""
+        efficiency (1 for a kind not listed, or None)."""
         rate = self.flops.get(str(dtype))
         if rate is None:
             raise ValueError(f"device {self.name!r} has no rate for dtype {dtype!r} "
                              f"(has {', '.join(self.flops)})")
+        return rate * self.efficiency.get(kind, 1.0)
+
+    def slowdown(self, kind: str | None, tokens: float | None) -> float:
+        """The factor on the FLOP and element-wise seconds of a ``kind`` block called on
+        ``tokens`` tokens (rows) at a time: its ``tokens`` pieces there, 1 if None or the kind
+        has none."""
         pieces = self.tokens.get(kind)
-        factor = 1.0 if tokens is None or pieces is None else _log_interp(
+        return 1.0 if tokens is None or pieces is None else _log_interp(
             pieces, tokens, f"device {self.name!r}: tokens")
-        return rate * self.efficiency.get(kind, 1.0) * factor
 
     def compute_seconds(self, flops: float, dtype: str = "float32", kind: str | None = None,
                         calls: float = 0, cache_bytes: float = 0,
                         activation_bytes: float = 0, tokens: float | None = None) -> float:
-        """Seconds for ``flops`` floating-point operations of ``kind`` blocks in ``dtype``, each
-        called on ``tokens`` rows (:meth:`rate`), plus ``calls`` times the kind's fixed cost of
-        one block's forward + backward, plus its element-wise seconds for ``cache_bytes`` of
-        cache and ``activation_bytes`` of a non-linearity's output (at the kind's
-        ``activation`` figure, else its element-wise one)."""
+        """Seconds for ``flops`` floating-point operations of ``kind`` blocks in ``dtype``, plus
+        ``calls`` times the kind's fixed cost of one block's forward + backward, plus its
+        element-wise seconds for ``cache_bytes`` of cache and ``activation_bytes`` of a
+        non-linearity's output (at the kind's ``activation`` figure, else its element-wise one),
+        the FLOP and element-wise seconds slowed for calls on ``tokens`` rows (:meth:`slowdown`)."""
         per_act = self.activation.get(kind, self.elementwise.get(kind, 0.0))
-        return (flops / self.rate(dtype, kind, tokens) + calls * self.overhead.get(kind, 0.0)
-                + cache_bytes * self.elementwise.get(kind, 0.0) + activation_bytes * per_act)
+        varying = (flops / self.rate(dtype, kind) + cache_bytes * self.elementwise.get(kind, 0.0)
+                   + activation_bytes * per_act)
+        return varying * self.slowdown(kind, tokens) + calls * self.overhead.get(kind, 0.0)
 
     def pass_seconds(self, flops: float, dtype: str, kind: str, calls: float,
                      cache_bytes: float, forward: bool, tokens: float | None = None) -> float:
         """Seconds of the forward (``forward``) or backward pass of ``calls`` blocks of ``kind``
-        doing ``flops`` FLOPs in that pass, each called on ``tokens`` rows, whose forward +
-        backward caches ``cache_bytes``: the FLOPs at the kind's rate (:meth:`rate`) plus the
-        pass's share (``forward``, default 1/3) of the fixed and element-wise seconds."""
+        doing ``flops`` FLOPs in that pass, whose forward + backward caches ``cache_bytes``: the
+        FLOPs at the kind's rate plus the pass's share (``forward``, default 1/3) of the fixed
+        and element-wise seconds, the FLOP and element-wise seconds slowed for calls on
+        ``tokens`` rows (:meth:`slowdown`)."""
         share = self.forward.get(kind, 1 / 3)
-        rest = calls * self.overhead.get(kind, 0.0) + cache_bytes * self.elementwise.get(kind, 0.0)
-        return flops / self.rate(dtype, kind, tokens) + (share if forward else 1 - share) * rest
+        slow = self.slowdown(kind, tokens)
+        rest = (calls * self.overhead.get(kind, 0.0)
+                + cache_bytes * self.elementwise.get(kind, 0.0) * slow)
+        return flops / self.rate(dtype, kind) * slow + (share if forward else 1 - share) * rest
 
     def backward_halves(self, kind: str) -> tuple:
         """(input, weight): the zero-bubble halves of ``kind``'s backward as fractions of it."""
@@ -614,7 +623,7 @@ class Machine:
                     else _toml_num(v)) for k, v in getattr(self.device, table).items()]
         for table, what in (("update", "optimizer step: [max_params, seconds_per_param] "
                                        "(float32)"),
-                            ("tokens", "efficiency factor by tokens per call: [tokens, factor]")):
+                            ("tokens", "slowdown by tokens per call: [tokens, slowdown]")):
             if getattr(self.device, table):
                 lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
                 lines += [f"{_toml_str(k)} = {_toml_pieces(pieces)}"

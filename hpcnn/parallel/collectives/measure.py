@@ -95,11 +95,9 @@ EFFICIENCY_SHAPES = {"transformer": ((256, 4, (8, 64, 256)), (64, 2, (32, 64, 64
                      "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)),
                                 (128, 1024, (512, 128)))}
 OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
-# The tokens ladder of the efficiency factor by tokens per call (Device.tokens): a GPT block of
-# width 192, 6 heads, context 64 (apart from the experiments' width 128) on 1 .. 8 sequences, 64
-# to 512 tokens; the transformer kind only (the module docstring of hpcnn.plan.machine). Wide
-# enough that its FLOPs outweigh the fixed cost at one sequence: a width-96 ladder's rungs of
-# 64 tokens, a residual of a few tenths of a millisecond, came out at 0.3-0.6 from run to run.
+# The tokens ladder of the slowdown by tokens per call (Device.tokens): a GPT block of width
+# 192, 6 heads, context 64 (apart from the experiments' width 128) on 1 .. 8 sequences, 64 to
+# 512 tokens; the transformer kind only (the module docstring of hpcnn.plan.machine).
 TOKENS_LADDER = {"transformer": (192, 6, 64, (1, 2, 4, 8))}
 # The stage pass figure: a GPT of one block of the transformer overhead's size (vocabulary 16)
 # through the step engine, a one-rank 1F1B list of this many micro-batches of one sequence.
@@ -355,11 +353,10 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     whole backward, medians over rounds and reference blocks: the halves add up to more than the
     whole (each runs its own passes over dy and the caches; ~1.13 on this kind of machine).
 
-    The tokens pieces ((tokens, factor), ..., (inf, 1)): each round also times the kind's
-    :data:`TOKENS_LADDER` blocks and takes each rung's efficiency as the rest of the equation
-    leaves it, FLOPs / (F (t - overhead - bytes c)) with that round's c, over the top rung's;
-    the medians over rounds. Here the rung of 64 tokens came out at 0.45-0.48 in three
-    calibrations, of 128 at 0.74-0.75, of 256 at 0.95-0.98."""
+    The tokens pieces ((tokens, slowdown), ..., (inf, 1)): each round also times the kind's
+    :data:`TOKENS_LADDER` blocks; a rung's ratio is its time beyond the overhead over what that
+    round's figures price it (FLOPs / (F e) + bytes c), each rung's over the top rung's; the
+    medians over rounds. Here: 1.2-1.3 at 64 tokens, ~1.1 at 128, ~1.02 at 256."""
     tiny = _blocks_pass(kind, OVERHEAD_SHAPES[kind], dtype)[0]
     o_fwd, o_bwd = _median_pass(tiny, 10 * repeats)
     overhead = o_fwd + o_bwd
@@ -376,9 +373,9 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
         u, w, v = _solve_round(rate, [(ff + fb, q, qa, max(tf + tb - overhead, 1e-9))
                                       for ff, fb, q, qa, tf, tb in rows])
         if ladder:
-            eff = [(ff + fb) / rate / max(sum(run()) - overhead - w * q, 1e-9)
-                   for run, ff, fb, q, _ in ladder]
-            rungs.append([e / eff[-1] for e in eff])
+            slow = [max(sum(run()) - overhead, 1e-9) / ((ff + fb) * u / rate + w * q)
+                    for run, ff, fb, q, _ in ladder]
+            rungs.append([x / slow[-1] for x in slow])
         inv_eff.append(u)
         per_byte.append(w)
         per_act.append(v)
@@ -816,7 +813,7 @@ def device_rates(rounds: int = 15) -> dict:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
     "elementwise.transformer": .., "activation.linear": .., "forward.transformer": ..,
     "split.transformer": (in, w), "overhead.stage": .., "forward.stage": .. (the stage pass,
-    :func:`stage_costs`), "tokens.transformer": ((tokens, factor), ...),
+    :func:`stage_costs`), "tokens.transformer": ((tokens, slowdown), ...),
     "update.adamw": ((max_params, seconds_per_param), ...)}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
