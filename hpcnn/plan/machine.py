@@ -75,12 +75,10 @@ thesis leaves open, and what is chosen here:
   ran 1.22x the time they price (its matmuls of 64 rows at ~0.8 of the rate, its attention's
   smaller still), which left a pipeline of 32 one-sequence micro-batches 1.23-1.42x its price.
   Calibration times a ladder of one block on 1 to 8 sequences (64-512 tokens) and gives each
-  rung its time beyond the fixed cost over what the figures price, relative to the top rung's
-  (1 there and above). Timed alone on one core, that ratio at 64 tokens was 1.16-1.34 across
-  widths 96-256 and 1.07-1.13 at 128 tokens, where a factor on the FLOPs alone came out 0.3-0.6
-  and moved with the width: the element-wise seconds, 25-65 % of such a block, slow alike. The
-  transformer kind only: the linear kind's rows are priced at its reference figures (the MLP
-  validation's targets were met so).
+  rung its time beyond the fixed cost per token over the top rung's (1 there and above): here
+  1.5-1.6 at 64 tokens and 1.14-1.18 at 128, for widths 128-256 alike (the element-wise seconds,
+  25-65 % of such a block, slow with the FLOPs'). The transformer kind only: the linear kind's
+  rows are priced at its reference figures (the MLP validation's targets were met so).
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
   kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
   passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then

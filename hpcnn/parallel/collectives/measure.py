@@ -354,9 +354,13 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     whole (each runs its own passes over dy and the caches; ~1.13 on this kind of machine).
 
     The tokens pieces ((tokens, slowdown), ..., (inf, 1)): each round also times the kind's
-    :data:`TOKENS_LADDER` blocks; a rung's ratio is its time beyond the overhead over what that
-    round's figures price it (FLOPs / (F e) + bytes c), each rung's over the top rung's; the
-    medians over rounds. Here: 1.2-1.3 at 64 tokens, ~1.1 at 128, ~1.02 at 256."""
+    :data:`TOKENS_LADDER` blocks, one width on 1 .. 8 sequences, whose FLOPs and cache bytes
+    grow with their tokens; a rung's slowdown is its time beyond the overhead per token over the
+    top rung's; the medians over rounds. Here: 1.5-1.6 at 64 tokens, 1.14-1.18 at 128, 0.95-1.02
+    at 256, alone or with both ranks timing at once. Taken instead as each rung's time over
+    its price with the round's figures, the ratio at 64 tokens came out 1.7-1.8 (spec()'s cache
+    bytes are not all per token) and priced the 2-rank validation's pipelines of 32
+    one-sequence micro-batches at 1.2x their time."""
     tiny = _blocks_pass(kind, OVERHEAD_SHAPES[kind], dtype)[0]
     o_fwd, o_bwd = _median_pass(tiny, 10 * repeats)
     overhead = o_fwd + o_bwd
@@ -373,9 +377,9 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
         u, w, v = _solve_round(rate, [(ff + fb, q, qa, max(tf + tb - overhead, 1e-9))
                                       for ff, fb, q, qa, tf, tb in rows])
         if ladder:
-            slow = [max(sum(run()) - overhead, 1e-9) / ((ff + fb) * u / rate + w * q)
-                    for run, ff, fb, q, _ in ladder]
-            rungs.append([x / slow[-1] for x in slow])
+            per_token = [max(sum(run()) - overhead, 1e-9) / (n * seq)
+                         for (run, *_), n in zip(ladder, counts)]
+            rungs.append([x / per_token[-1] for x in per_token])
         inv_eff.append(u)
         per_byte.append(w)
         per_act.append(v)
