@@ -597,3 +597,15 @@ def test_tokens_slowdown_scales_flop_and_elementwise_seconds():
                          (((64, 1.5), (32, 1.2), (math.inf, 1)), "tokens must increase")):
         with pytest.raises(ValueError, match=message):
             hm.Device("d", {"float32": 1.0}, 1.0, 1.0, tokens={"t": bad})
+
+
+def test_the_tokens_slowdown_is_written_only_where_each_rank_has_a_core():
+    """machine_of keeps the calibrated tokens pieces where ranks were timed cold (a core each)
+    and leaves them out where ranks share cores (the handoff figures price small passes there)."""
+    from hpcnn.parallel.collectives.measure import machine_of
+    pieces = ((64, 1.8), (128, 1.3), (512, 1.0), (math.inf, 1.0))
+    tog = {"float32": 1e11, "float64": 5e10, "copy": 1e10, "efficiency.transformer": 0.9,
+           "tokens.transformer": pieces}
+    meas = {"together": tog, "cpu": "cpu: test", "ranks_here": 1, "update": None}
+    assert machine_of({**meas, "cold": True}, "m", 1).device.tokens == {"transformer": pieces}
+    assert machine_of({**meas, "cold": False}, "m", 1).device.tokens == {}

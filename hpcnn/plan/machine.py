@@ -78,7 +78,8 @@ thesis leaves open, and what is chosen here:
   rung its time beyond the fixed cost per token over the top rung's (1 there and above): here
   1.5-1.6 at 64 tokens and 1.14-1.18 at 128, for widths 128-256 alike (the element-wise seconds,
   25-65 % of such a block, slow with the FLOPs'). The transformer kind only: the linear kind's
-  rows are priced at its reference figures (the MLP validation's targets were met so).
+  rows are priced at its reference figures (the MLP validation's targets were met so). Written
+  only where each rank has a core (:func:`hpcnn.parallel.collectives.measure.machine_of`).
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
   kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
   passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then

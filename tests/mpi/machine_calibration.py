@@ -41,12 +41,14 @@ assert all(0 < v < 1 for v in m.device.forward.values())
 assert set(m.device.forward) == set(m.device.overhead)
 assert set(m.device.update) == {"adamw", "sgd"}
 assert set(m.device.activation) == {"linear"} and 0 <= m.device.activation["linear"] < 1e-6
-assert set(m.device.tokens) == {"transformer"} and m.device.tokens["transformer"][-1][1] == 1.0
 with open(path) as f:
     text = f.read()
 assert "ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text
 # timed cold (after a copy) unless the node holds more ranks than cores
 from hpcnn.parallel.collectives.measure import cores_here  # noqa: E402
+# the tokens slowdown only where each rank has a core (measure.machine_of)
+assert set(m.device.tokens) == ({"transformer"} if p <= cores_here() else set()), m.device.tokens
+assert all(pieces[-1][1] == 1.0 for pieces in m.device.tokens.values())
 assert text.count("# Cold (each call after a copy" if p <= cores_here() else
                   "# Back to back (more ranks than cores here)") == 1, text
 # the handoff (a blocking exchange's wait for its peer's core) and the pipeline's fill and drain
