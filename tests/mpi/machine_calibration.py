@@ -34,12 +34,15 @@ assert all(1e8 < v < 1e14 for v in m.device.flops.values()) and len(m.device.flo
 assert 1e8 < m.device.memory_bandwidth < 1e13 and m.device.memory_bytes > 1e8
 assert all(0 < v <= 1 for v in m.device.efficiency.values()) and len(m.device.efficiency) == 2
 # the blocks' kinds, and the stage pass ("stage") where it measured above the block's own time
-assert all(0 < v < 1e-1 for v in m.device.overhead.values())
+assert all(1e-7 < v < 1e-1 for v in m.device.overhead.values())    # microseconds expected
 assert set(m.device.overhead) - {"stage"} == {"transformer", "linear"}
 assert all(0 <= v < 1e-6 for v in m.device.elementwise.values()) and len(m.device.elementwise) == 2
 assert all(0 < v < 1 for v in m.device.forward.values())
 assert set(m.device.forward) == set(m.device.overhead)
-assert set(m.device.update) == {"adamw", "sgd"}
+assert set(m.device.update) == {"adamw", "sgd"}                    # seconds per parameter
+assert all(0 < s < 1e-6 for pieces in m.device.update.values() for _, s in pieces)
+assert set(m.device.split) == {"transformer", "linear"}
+assert all(0 < a < 2 and 0 < b < 2 for a, b in m.device.split.values())
 assert set(m.device.activation) == {"linear"} and 0 <= m.device.activation["linear"] < 1e-6
 with open(path) as f:
     text = f.read()
@@ -48,7 +51,9 @@ assert "ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" i
 from hpcnn.parallel.collectives.measure import cores_here  # noqa: E402
 # the tokens slowdown only where each rank has a core (measure.machine_of)
 assert set(m.device.tokens) == ({"transformer"} if p <= cores_here() else set()), m.device.tokens
-assert all(pieces[-1][1] == 1.0 for pieces in m.device.tokens.values())
+for pieces in m.device.tokens.values():       # the ladder: 64 .. 512 tokens, 1 from its top on
+    assert [t for t, _ in pieces] == [64, 128, 256, 512, math.inf], pieces
+    assert [f for _, f in pieces][-2:] == [1.0, 1.0] and all(0.3 < f < 5 for _, f in pieces)
 assert text.count("# Cold (each call after a copy" if p <= cores_here() else
                   "# Back to back (more ranks than cores here)") == 1, text
 # the handoff (a blocking exchange's wait for its peer's core) and the pipeline's fill and drain

@@ -53,6 +53,10 @@
   over rounds. These are the machine's figures for the framework's
   element-wise passes and per-call cost, not a profile of the model being planned: re-planning
   another width or batch reruns nothing.
+- **Per tokens per call** (:func:`tokens_costs`): a ladder of one transformer block on 1 to 8
+  sequences (:data:`TOKENS_LADDER`), each rung's time per token beyond the fixed cost over the
+  top rung's: the machine's ``tokens`` slowdown of small calls (written only where each rank
+  has a core, :func:`machine_of`).
 - **Optimizer update** (:func:`update_costs`): hpcnn's own optimizer step, seconds per parameter
   at a few parameter counts (:data:`UPDATE_SIZES`, each split into :data:`UPDATE_ARRAYS` arrays
   as a layer's weights are), as pieces ((max_params, seconds_per_param), ..., (inf, ...)). A
@@ -327,8 +331,7 @@ def _median_pass(run, repeats: int) -> tuple:
 def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     """(efficiency, overhead seconds, elementwise seconds per cache byte, activation seconds per
     byte of the ReLU's output (None for a kind without one), forward share, (input, weight)
-    split, tokens pieces (None for a kind without a :data:`TOKENS_LADDER`)) of ``kind``'s blocks
-    in this process.
+    split) of ``kind``'s blocks in this process.
 
     The overhead is the median forward + backward of the tiny blocks (:data:`OVERHEAD_SHAPES`).
     Each of ``repeats`` rounds then times the n x n matmul (its rate F) and the reference blocks
@@ -351,16 +354,7 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
 
     The split is what a zero-bubble pipeline's two backward halves each take as a fraction of the
     whole backward, medians over rounds and reference blocks: the halves add up to more than the
-    whole (each runs its own passes over dy and the caches; ~1.13 on this kind of machine).
-
-    The tokens pieces ((tokens, slowdown), ..., (inf, 1)): each round also times the kind's
-    :data:`TOKENS_LADDER` blocks, one width on 1 .. 8 sequences, whose FLOPs and cache bytes
-    grow with their tokens; a rung's slowdown is its time beyond the overhead per token over the
-    top rung's; the medians over rounds. Here: 1.5-1.6 at 64 tokens, 1.14-1.18 at 128, 0.95-1.02
-    at 256, alone or with both ranks timing at once. Taken instead as each rung's time over
-    its price with the round's figures, the ratio at 64 tokens came out 1.7-1.8 (spec()'s cache
-    bytes are not all per token) and priced the 2-rank validation's pipelines of 32
-    one-sequence micro-batches at 1.2x their time."""
+    whole (each runs its own passes over dy and the caches; ~1.13 on this kind of machine)."""
     tiny = _blocks_pass(kind, OVERHEAD_SHAPES[kind], dtype)[0]
     o_fwd, o_bwd = _median_pass(tiny, 10 * repeats)
     overhead = o_fwd + o_bwd
@@ -368,18 +362,12 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype) for _ in range(2))
     c = np.empty_like(a)
-    width, heads, seq, counts = TOKENS_LADDER.get(kind, (0, 0, 0, ()))
-    ladder = [_blocks_pass(kind, (width, heads, (n, seq, width)), dtype) for n in counts]
-    inv_eff, per_byte, per_act, share, halves, rungs = [], [], [], [], [], []
+    inv_eff, per_byte, per_act, share, halves = [], [], [], [], []
     for _ in range(repeats):
         rate = 2.0 * MATMUL_N ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), 1)
         rows = [(ff, fb, q, qa, *run()) for run, ff, fb, q, qa in refs]
         u, w, v = _solve_round(rate, [(ff + fb, q, qa, max(tf + tb - overhead, 1e-9))
                                       for ff, fb, q, qa, tf, tb in rows])
-        if ladder:
-            per_token = [max(sum(run()) - overhead, 1e-9) / (n * seq)
-                         for (run, *_), n in zip(ladder, counts)]
-            rungs.append([x / per_token[-1] for x in per_token])
         inv_eff.append(u)
         per_byte.append(w)
         per_act.append(v)
@@ -391,12 +379,30 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
             halves.append((t_in / tb, t_w / tb))
     split = np.median(np.array(halves), axis=0)
     act = float(np.median(per_act)) if any(qa for *_, qa in refs) else None
-    tokens = None
-    if ladder:
-        factors = np.median(np.array(rungs), axis=0)
-        tokens = tuple((n * seq, float(f)) for n, f in zip(counts, factors)) + ((np.inf, 1.0),)
     return (1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte)), act,
-            float(np.median(share)), (float(split[0]), float(split[1])), tokens)
+            float(np.median(share)), (float(split[0]), float(split[1])))
+
+
+def tokens_costs(kind: str, dtype: str, overhead: float, repeats: int = 15) -> tuple:
+    """The tokens pieces ((tokens, slowdown), ..., (inf, 1)) of ``kind``'s blocks in this
+    process (:class:`hpcnn.plan.machine.Device` ``tokens``), given the kind's fixed seconds per
+    forward + backward ``overhead`` (:func:`block_costs`).
+
+    Each of ``repeats`` rounds times the kind's :data:`TOKENS_LADDER` blocks, one width on 1 .. 8
+    sequences, whose FLOPs and cache bytes grow with their tokens; a rung's slowdown is its time
+    beyond the overhead per token over the top rung's; the medians over rounds. Here: 1.5-1.9 at
+    64 tokens, 1.14-1.35 at 128, 0.95-1.08 at 256, alone or with both ranks timing at once.
+    Taken instead as each rung's time over its price with :func:`block_costs`' figures of the
+    round, the ratio at 64 tokens came out 1.7-1.8 (spec()'s cache bytes are not all per token)."""
+    width, heads, seq, counts = TOKENS_LADDER[kind]
+    ladder = [_blocks_pass(kind, (width, heads, (n, seq, width)), dtype)[0] for n in counts]
+    rungs = []
+    for _ in range(repeats):
+        per_token = [max(sum(run()) - overhead, 1e-9) / (n * seq)
+                     for run, n in zip(ladder, counts)]
+        rungs.append([x / per_token[-1] for x in per_token])
+    slowdown = np.median(np.array(rungs), axis=0)
+    return tuple((n * seq, float(f)) for n, f in zip(counts, slowdown)) + ((np.inf, 1.0),)
 
 
 def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
@@ -748,6 +754,13 @@ def _update_step(optimizer: str, n: int, dtype: str, rng):
     return lambda: opt.step(1e-3)
 
 
+def update_repeats(rounds: int) -> int:
+    """Timed optimizer steps per size for a calibration of ``rounds`` block rounds: 7/5 of them
+    (21 at the default 15), at least one per :data:`UPDATE_ROUNDS` round; each follows a 64 MiB
+    copy, so at a test's 3 rounds the 21 had been most of a one-rank calibration."""
+    return max(UPDATE_ROUNDS, 7 * rounds // 5)
+
+
 def update_costs(optimizer: str, dtype: str = "float32", sizes=UPDATE_SIZES,
                  repeats: int = 21, comm=None) -> tuple:
     """Seconds per parameter of one step of hpcnn's ``optimizer`` ("adamw", "sgd") in this
@@ -823,17 +836,18 @@ def device_rates(rounds: int = 15) -> dict:
     rates["copy"] = copy_bandwidth()
     for kind in EFFICIENCY_SHAPES:
         (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"], rates[f"elementwise.{kind}"],
-         act, rates[f"forward.{kind}"], rates[f"split.{kind}"], tokens) = block_costs(
-            kind, "float32", rounds)
+         act, rates[f"forward.{kind}"], rates[f"split.{kind}"]) = block_costs(kind, "float32",
+                                                                               rounds)
         if act is not None:
             rates[f"activation.{kind}"] = act
-        if tokens is not None:
-            rates[f"tokens.{kind}"] = tokens
+        if kind in TOKENS_LADDER:
+            rates[f"tokens.{kind}"] = tokens_costs(kind, "float32", rates[f"overhead.{kind}"],
+                                                   rounds)
     stage = stage_costs("float32", rounds)
     if stage is not None:
         rates["overhead.stage"], rates["forward.stage"] = stage
     for optimizer in UPDATE_OPTIMIZERS:
-        rates[f"update.{optimizer}"] = update_costs(optimizer)
+        rates[f"update.{optimizer}"] = update_costs(optimizer, repeats=update_repeats(rounds))
     return rates
 
 
@@ -960,7 +974,8 @@ def measure(comm, rounds: int = 15) -> dict:
             "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0),
             "handoff": None, "update": None, "after_compute": None, "collective_scale": None}
     if size > 1 and not cold:             # ranks share cores: what a blocking exchange waits
-        meas["update"] = {opt: update_costs(opt, comm=comm) for opt in UPDATE_OPTIMIZERS}
+        meas["update"] = {opt: update_costs(opt, repeats=update_repeats(rounds), comm=comm)
+                          for opt in UPDATE_OPTIMIZERS}
         meas["after_compute"] = after_compute_points(comm)
         meas["handoff"] = comm.bcast(handoff_points(comm, machine_of(meas, "calibrating",
                                                                      size)), root=0)
