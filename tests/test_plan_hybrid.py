@@ -405,3 +405,17 @@ def test_the_handoff_follows_the_compute_before_it_and_the_fill_and_drain_their_
                 base.step_s - (1 - w) * base.parts["bubble"], rel=1e-12), (w, lay)
         assert price(SMALL, Layout(4, 1, 1, 1), weighted).step_s == price(
             SMALL, Layout(4, 1, 1, 1), one).step_s
+
+
+def test_allreduces_read_the_collectives_after_compute_curves_where_the_level_has_them():
+    """Where ranks share cores (a level with after_compute curves) a GPT allreduce is priced
+    from the allreduce curve after its compute, the wait for the last rank included; elsewhere
+    it is the ring and its handoff; a group of one or no bytes costs nothing."""
+    from hpcnn.plan.hybrid import ring_allreduce_s
+    ring = Level("node", 4, 1e-6, ((math.inf, 1e9),))
+    curves = Level("node", 4, 1e-6, ((math.inf, 1e9),), after_compute={
+        "allreduce.4": ((0.0, 8, 1e-4), (0.0, 1 << 20, 1e-3), (1e-2, 8, 3e-4),
+                        (1e-2, 1 << 20, 2e-3))}, collective_scale=1.5)
+    assert ring_allreduce_s(1 << 20, 4, ring, 1e-3) == ring.allreduce_seconds(1 << 20, 4, 1e-3)
+    assert ring_allreduce_s(1 << 20, 4, curves, 5e-3) == pytest.approx(1.5 * 1.5e-3, rel=1e-12)
+    assert ring_allreduce_s(1 << 20, 1, curves) == ring_allreduce_s(0, 4, curves) == 0.0

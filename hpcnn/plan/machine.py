@@ -41,8 +41,8 @@ thesis leaves open, and what is chosen here:
   group size) and an all-to-all took after c seconds of compute, per size
   (:func:`hpcnn.parallel.collectives.measure.after_compute_points`); the MLP's cost
   (:mod:`hpcnn.plan.cost`) prices the layout executor's collectives from it. The GPT's cost
-  (:mod:`hpcnn.plan.hybrid`) keeps the ring, the messages and the handoff: its 4-rank figures
-  were validated with them.
+  (:mod:`hpcnn.plan.hybrid`) prices its allreduces from them too (tp and dp), and keeps the
+  messages and the handoff for its pipelines.
 - **Efficiency per block kind.** The rate is a matmul's; a framework's block also runs element-wise
   passes (LayerNorm, GELU, softmax, the residual adds), which NumPy does not fuse into the
   matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the
