@@ -7,11 +7,11 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
 
 - **compute** of a stage and micro-batch of m rows: (L/pp) x the block's forward (backward) FLOPs
   per rank at the device's rate times its "transformer" efficiency (the share of the matmul rate
-  the block's matmuls attain, :class:`~hpcnn.plan.machine.Device`) and its factor at m x T
-  tokens per call (``tokens``: a call of few tokens runs below the reference efficiency; 1 on a
-  machine file without it), plus (L/pp) x its fixed cost
+  the block's matmuls attain, :class:`~hpcnn.plan.machine.Device`), plus (L/pp) x its fixed cost
   per call (``overhead``) and its element-wise passes (``elementwise`` seconds per byte of the
-  block's cache per rank), both split between the passes by the device's measured ``forward``
+  block's cache per rank), the FLOP and element-wise seconds slowed for a call on m x T tokens
+  (``tokens``, ``Device.slowdown``: 1 on a machine file without it), the fixed and element-wise
+  seconds split between the passes by the device's measured ``forward``
   share (1/3 where the machine file has none: the FLOPs' split); the LM head
   (vocab-parallel over tp) on the last stage as a "linear" block on the stage's activation;
   ``remat="full"`` keeps only each block's input and runs its forward again in the backward,
@@ -38,9 +38,9 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   :class:`hpcnn.plan.machine.Level`): once per ring allreduce (tp: c a quarter of a block's
   forward + backward compute, the stretch between two of its four allreduces; dp: c a backward
   pass; where the level has collectives-after-compute curves, those price the allreduce after
-  that compute instead, :func:`ring_allreduce_s`) and per pp message (c a forward pass), and once per stage pass of a pipeline (its wait on the
-  neighbour's message, c the pass; the passes' own messages are otherwise off the critical
-  path); and the level's ``bubble_weight`` w: a pipeline's span is a stage's own M passes plus
+  that compute instead, :func:`ring_allreduce_s`) and per pp message (c a forward pass), and
+  once per stage pass of a pipeline (its wait on the neighbour's message, c the pass; the
+  passes' own messages are otherwise off the critical path); and the level's ``bubble_weight`` w: a pipeline's span is a stage's own M passes plus
   w times the rest (fill and drain: 1 but where ranks share cores, there the ranks that compute
   while others wait run faster than the all-at-once rates);
 - **optimizer**: the update of the rank's parameters at the device's measured seconds per
@@ -278,8 +278,8 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     head_f = 2.0 * rows * model.seq * model.dim * model.vocab / tp   # LM head forward FLOPs
     act = rows * model.seq * model.dim * model.word                  # one activation
     # a block's fixed cost and element-wise seconds split between its passes by the device's
-    # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them
-    # (at the rate of a call on the micro-batch's rows x seq tokens: Device.rate)
+    # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them, the FLOP
+    # and element-wise seconds slowed for a call on the micro-batch's rows x seq tokens
     comp_f, comp_b = (dev.pass_seconds(blocks * flops, dtype, "transformer", blocks,
                                        blocks * cache, fwd, tokens=rows * model.seq)
                       for flops, fwd in ((f, True), (b, False)))

@@ -76,8 +76,9 @@ thesis leaves open, and what is chosen here:
   smaller still), which left a pipeline of 32 one-sequence micro-batches 1.23-1.42x its price.
   Calibration times a ladder of one block on 1 to 8 sequences (64-512 tokens) and gives each
   rung its time beyond the fixed cost per token over the top rung's (1 there and above): here
-  1.5-1.6 at 64 tokens and 1.14-1.18 at 128, for widths 128-256 alike (the element-wise seconds,
-  25-65 % of such a block, slow with the FLOPs'). The transformer kind only: the linear kind's
+  1.5-1.9 at 64 tokens and 1.14-1.35 at 128 over a day's calibrations; 1.78-1.90 at 64 for
+  ladders of widths 128, 192 and 256 timed one after another (the element-wise seconds, 25-65 %
+  of such a block, slow with the FLOPs'). The transformer kind only: the linear kind's
   rows are priced at its reference figures (the MLP validation's targets were met so). Written
   only where each rank has a core (:func:`hpcnn.parallel.collectives.measure.machine_of`).
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
@@ -387,8 +388,8 @@ class Device:
     optimizer name -> pieces ((max_params, seconds_per_param), ..., (inf, seconds_per_param))
     for float32 parameters; an optimizer not listed is priced from the memory bandwidth) and
     the seconds per byte of the output of the non-linearity that ends a block (``activation``,
-    kind -> seconds >= 0; missing kinds their ``elementwise`` figure) and the factor on a kind's
-    FLOP and element-wise seconds' slowdown by tokens per call (``tokens``, kind -> pieces
+    kind -> seconds >= 0; missing kinds their ``elementwise`` figure) and the slowdown of a
+    kind's FLOP and element-wise seconds by tokens per call (``tokens``, kind -> pieces
     ((tokens, slowdown), ..., (inf, slowdown)); missing kinds 1)."""
     name: str
     flops: dict = field(hash=False)
@@ -447,18 +448,14 @@ class Device:
                                  "weight], fractions of the whole backward")
             halves[str(k)] = tuple(_positive(x, f"device split.{k}") for x in v)
         object.__setattr__(self, "split", halves)
-        if not isinstance(self.update, dict):
-            raise ValueError(f"device {self.name!r}: update = {self.update!r}: expected a table "
-                             "optimizer -> [[max_params, seconds_per_param], ..., [inf, ...]]")
-        object.__setattr__(self, "update", {
-            str(k): _pieces(v, f"device update.{k}", ("max_params", "seconds_per_param"))
-            for k, v in self.update.items()})
-        if not isinstance(self.tokens, dict):
-            raise ValueError(f"device {self.name!r}: tokens = {self.tokens!r}: expected a table "
-                             "block kind -> [[tokens, slowdown], ..., [inf, slowdown]]")
-        object.__setattr__(self, "tokens", {
-            str(k): _pieces(v, f"device tokens.{k}", ("tokens", "slowdown"))
-            for k, v in self.tokens.items()})
+        for table, key, names in (("update", "optimizer", ("max_params", "seconds_per_param")),
+                                  ("tokens", "block kind", ("tokens", "slowdown"))):
+            value = getattr(self, table)
+            if not isinstance(value, dict):
+                raise ValueError(f"device {self.name!r}: {table} = {value!r}: expected a table "
+                                 f"{key} -> [[{', '.join(names)}], ..., [inf, {names[1]}]]")
+            object.__setattr__(self, table, {
+                str(k): _pieces(v, f"device {table}.{k}", names) for k, v in value.items()})
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
