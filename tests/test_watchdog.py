@@ -2,8 +2,9 @@
 runs where the test-only fault hook HPCNN_FAULT makes one rank skip or never reach a call.
 
 The MPI runs must end with a nonzero exit (MPI_Abort), so they call mpiexec directly rather than
-through ``mpi_util.run_mpi`` (which fails on a nonzero exit); each is bounded by a timeout far
-above the 2 s hang timeout, and the fault comes at step 1 so that little runs before it."""
+through ``mpi_util.run_mpi`` (which fails on a nonzero exit); they start together, each is bounded
+by a timeout far above the 2 s hang timeout, and the fault comes at step 1 so that little runs
+before it."""
 import os
 import re
 import subprocess
@@ -114,42 +115,64 @@ GPT = ["--model=gpt", "--n_layers=1", "--dim=16", "--n_heads=2", "--block_size=8
        "--batch_size=4", "--max_plays=1"]
 
 
-def _hung_run(tmp_path, n, fault, args):
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcnn", "train",
-           *args, "--steps=6", "--eval_interval=0", "--hang_timeout=2",
-           f"--log={tmp_path / 'run.h5'}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCNN_FAULT=fault,
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
-    assert p.returncode != 0, p.stdout + p.stderr
+# name: (ranks, HPCNN_FAULT, arguments)
+HUNG = {"dp": (2, "skip_collective:rank=1:step=1:kind=iallreduce",
+               GPT + ["--dp=2", "--allreduce=mpi"]),
+        "tp": (2, "stall_collective:rank=1:step=1", GPT + ["--tp=2"]),
+        "pp": (4, "skip_collective:rank=1:step=1:kind=isend",
+               GPT + ["--pp=2", "--dp=2", "--microbatches=2", "--n_layers=2", "--allreduce=mpi"]),
+        "rank0": (4, "stall_collective:rank=0:step=1", GPT + ["--tp=2", "--dp=2"])}
+
+
+@pytest.fixture(scope="module")
+def hung_runs(tmp_path_factory):
+    """The four hung runs, started together: each spends most of its time waiting out the 2 s
+    timeout, so together they take little more than the longest one alone."""
+    runs = {}
+    for name, (n, fault, args) in HUNG.items():
+        log = tmp_path_factory.mktemp(f"hung_{name}") / "run.h5"
+        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcnn", "train",
+               *args, "--steps=6", "--eval_interval=0", "--hang_timeout=2", f"--log={log}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCNN_FAULT=fault,
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        runs[name] = (n, log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                               text=True, env=env, cwd=ROOT))
+    yield runs
+    for _, _, p in runs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def _hung_run(hung_runs, name):
+    n, log, p = hung_runs[name]
+    out, err = p.communicate(timeout=90)
+    assert p.returncode != 0, out + err
     rows = {int(m.group(1)): m.group(2) for m in
-            re.finditer(r"^\s+(\d+)\s+(waiting .*|not in call .*|no record.*)$", p.stderr, re.M)}
-    assert p.stderr.count("hpcnn: hang:") == 1, p.stderr            # one table, printed once
-    assert sorted(rows) == list(range(n)), p.stderr
-    return rows, p.stderr
+            re.finditer(r"^\s+(\d+)\s+(waiting .*|not in call .*|no record.*)$", err, re.M)}
+    assert err.count("hpcnn: hang:") == 1, err                      # one table, printed once
+    assert sorted(rows) == list(range(n)), err
+    return rows, err, log
 
 
-def test_dp_rank_skipping_its_gradient_allreduce_is_named(tmp_path):
+def test_dp_rank_skipping_its_gradient_allreduce_is_named(hung_runs):
     from hpcnn.log.runlog import read_run
-    rows, err = _hung_run(tmp_path, 2, "skip_collective:rank=1:step=1:kind=iallreduce",
-                          GPT + ["--dp=2", "--allreduce=mpi"])
+    rows, err, log = _hung_run(hung_runs, "dp")
     assert rows[0].startswith("waiting") and "wait iallreduce" in rows[0] and " dp " in rows[0]
     assert "wait iallreduce" not in rows[1], err           # rank 1 went on to the next call
-    run = read_run(str(tmp_path / "run.h5"))
+    run = read_run(str(log))
     assert run.status == "failed" and run.plan["failure"].startswith("hang: ranks [0")
 
 
-def test_tp_rank_that_never_enters_its_allreduce_is_named(tmp_path):
-    rows, err = _hung_run(tmp_path, 2, "stall_collective:rank=1:step=1", GPT + ["--tp=2"])
+def test_tp_rank_that_never_enters_its_allreduce_is_named(hung_runs):
+    rows, err, _ = _hung_run(hung_runs, "tp")
     assert rows[0].startswith("waiting") and "allreduce" in rows[0] and " tp " in rows[0]
     assert rows[1].startswith("not in call"), err
     assert "ranks [1] are in no communication call" in err
 
 
-def test_pp_rank_skipping_its_send_leaves_its_peer_in_irecv(tmp_path):
-    rows, err = _hung_run(tmp_path, 4, "skip_collective:rank=1:step=1:kind=isend",
-                          GPT + ["--pp=2", "--dp=2", "--microbatches=2", "--n_layers=2",
-                                 "--allreduce=mpi"])
+def test_pp_rank_skipping_its_send_leaves_its_peer_in_irecv(hung_runs):
+    rows, err, _ = _hung_run(hung_runs, "pp")
     # rank 1 skipped a send: its pipeline peer waits for it in irecv, rank 1 in its own next
     # irecv, and the other pipeline's ranks in the data-parallel allreduce that pairs them
     assert {r for r in rows if re.match(r"waiting\s+\d+\s+wait irecv\s+pp ", rows[r])} == \
@@ -158,9 +181,8 @@ def test_pp_rank_skipping_its_send_leaves_its_peer_in_irecv(tmp_path):
         {0, 2}, err
 
 
-def test_rank0_that_never_enters_a_call_still_reports(tmp_path):
-    rows, err = _hung_run(tmp_path, 4, "stall_collective:rank=0:step=1",
-                          GPT + ["--tp=2", "--dp=2"])
+def test_rank0_that_never_enters_a_call_still_reports(hung_runs):
+    rows, err, _ = _hung_run(hung_runs, "rank0")
     assert rows[0].startswith("not in call"), err
     assert rows[1].startswith("waiting") and " tp " in rows[1], err   # rank 0's tp peer
 
