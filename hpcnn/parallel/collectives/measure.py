@@ -91,6 +91,9 @@ MATMUL_N = 768                  # 2 n^3 = 0.9 GFLOP: ~10 ms fp32 on one core
 COPY_BYTES = 64 << 20           # 64 MiB: well past the caches
 COLD_REPEATS = 15               # ping-pongs and allreduces per size, each after a COPY_BYTES copy
 SUSTAIN_S = 0.5                 # wall-clock window of a sustained rate (many scheduler slices)
+# A calibration of fewer --rounds than this (a test's 3) also times fewer cold calls and shorter
+# windows, in proportion: measure() scales COLD_REPEATS and SUSTAIN_S by rounds / FULL_ROUNDS.
+FULL_ROUNDS = 15
 # Reference blocks of the efficiency figures, a wide and a narrow one per kind: GPT blocks of
 # width 256, 4 heads on 8 sequences of 64 tokens and of width 64, 2 heads on 32 sequences; a
 # Linear and its ReLU, 512 -> 512 on 256 rows and 64 -> 64 on 2048 rows. The overhead figures
@@ -161,14 +164,14 @@ def _evictor():
     return lambda: np.copyto(dst, src)
 
 
-def _call_seconds(comm, call, nbytes: int, evict=None) -> list:
+def _call_seconds(comm, call, nbytes: int, evict=None, cold_repeats: int = COLD_REPEATS) -> list:
     """Seconds of each timed ``call()`` (a collective step every rank makes), after one untimed
     warm-up call: :func:`_repeats` calls back to back, or with ``evict`` (:func:`_evictor`)
-    :data:`COLD_REPEATS` calls each after ``evict()`` and a barrier (cold, as in training)."""
+    ``cold_repeats`` calls each after ``evict()`` and a barrier (cold, as in training)."""
     comm.Barrier()
     call()                                                   # warms the path
     times = []
-    for _ in range(COLD_REPEATS if evict else _repeats(nbytes)):
+    for _ in range(cold_repeats if evict else _repeats(nbytes)):
         if evict:
             evict()
             comm.Barrier()
@@ -178,10 +181,10 @@ def _call_seconds(comm, call, nbytes: int, evict=None) -> list:
     return times
 
 
-def pingpong(comm, sizes=SIZES, cold: bool = True) -> list:
+def pingpong(comm, sizes=SIZES, cold: bool = True, repeats: int = COLD_REPEATS) -> list:
     """One-way seconds per size: all pairs (2i, 2i+1) at once, the slowest pair's median of half
-    a round trip (:func:`_call_seconds`: cold with ``cold``, else back to back); an odd last
-    rank waits. Needs at least two ranks."""
+    a round trip (:func:`_call_seconds`: ``repeats`` cold calls with ``cold``, else back to
+    back); an odd last rank waits. Needs at least two ranks."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
     peer = rank ^ 1 if (rank ^ 1) < size else None
@@ -197,7 +200,7 @@ def pingpong(comm, sizes=SIZES, cold: bool = True) -> list:
             elif peer is not None:
                 comm.Recv(buf, source=peer, tag=7)
                 comm.Send(buf, dest=peer, tag=7)
-        times = _call_seconds(comm, round_trip, n, evict)
+        times = _call_seconds(comm, round_trip, n, evict, repeats)
         mine = float(np.median(times)) / 2 if peer is not None else 0.0
         out.append(comm.allreduce(mine, op=MPI.MAX))
     return out
@@ -231,7 +234,7 @@ def fit_level(sizes, seconds, fanout: int, name: str = "node") -> Level:
     return Level(name=name, fanout=fanout, latency_s=latency, bandwidth=tuple(map(tuple, pieces)))
 
 
-def allreduce_times(comm, sizes=SIZES[1:], cold: bool = True) -> list:
+def allreduce_times(comm, sizes=SIZES[1:], cold: bool = True, repeats: int = COLD_REPEATS) -> list:
     """Seconds of an in-place MPI allreduce (float32 sum, what Communicator.allreduce's default
     runs) of each size over all ranks, as training meets it: after computing. With ``cold``
     each call follows a copy of :data:`COPY_BYTES` on every rank and a barrier (the copy evicts
@@ -246,7 +249,7 @@ def allreduce_times(comm, sizes=SIZES[1:], cold: bool = True) -> list:
     for n in sizes:
         buf = np.zeros(max(n // 4, 1), dtype=np.float32)
         times = _call_seconds(comm, lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), n,
-                              evict)
+                              evict, repeats)
         out.append(comm.allreduce(float(np.median(times)), op=MPI.MAX))
     return out
 
@@ -958,17 +961,19 @@ def measure(comm, rounds: int = 15) -> dict:
     ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
     local.Free()
     cold = comm.allreduce(ranks_here <= cores_here(), op=MPI.LAND)
+    repeats = max(1, COLD_REPEATS * rounds // FULL_ROUNDS)   # as many at the default 15 rounds
+    window = SUSTAIN_S * min(1.0, rounds / FULL_ROUNDS)
     if rank == 0:
-        alone, alone_sustained = device_rates(rounds), sustained_rates(blocks=not cold)
+        alone, alone_sustained = device_rates(rounds), sustained_rates(window, not cold)
     else:
         alone = alone_sustained = None
     _quiet_barrier(comm)
-    mine = sustained_rates(blocks=not cold)                  # every rank at once
+    mine = sustained_rates(window, not cold)                 # every rank at once
     together_sustained = {k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()}
     alone, alone_sustained = comm.bcast((alone, alone_sustained), root=0)
     together = shared_figures(alone, alone_sustained, together_sustained)
-    seconds = pingpong(comm, cold=cold) if size > 1 else None
-    reduce = allreduce_times(comm, cold=cold) if size > 1 else None
+    seconds = pingpong(comm, cold=cold, repeats=repeats) if size > 1 else None
+    reduce = allreduce_times(comm, cold=cold, repeats=repeats) if size > 1 else None
     meas = {"alone": alone, "together": together, "sizes": list(SIZES),
             "seconds": seconds, "reduce_sizes": list(SIZES[1:]), "reduce_seconds": reduce,
             "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0),
