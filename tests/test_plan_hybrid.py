@@ -419,3 +419,27 @@ def test_allreduces_read_the_collectives_after_compute_curves_where_the_level_ha
     assert ring_allreduce_s(1 << 20, 4, ring, 1e-3) == ring.allreduce_seconds(1 << 20, 4, 1e-3)
     assert ring_allreduce_s(1 << 20, 4, curves, 5e-3) == pytest.approx(1.5 * 1.5e-3, rel=1e-12)
     assert ring_allreduce_s(1 << 20, 1, curves) == ring_allreduce_s(0, 4, curves) == 0.0
+
+
+def test_held_activations_cost_their_fresh_bytes_beyond_one_micro_batch():
+    """With the device's ``elementwise["held"]`` a step pays it per byte of the activations its
+    fullest stage holds beyond one micro-batch's: on one stage, GPipe's M micro-batches against
+    1F1B's one are the difference of their memory accounts; nothing without the figure."""
+    plain = Machine(per_node=4, nodes=1)
+    held = replace(plain, device=replace(plain.device, elementwise={"held": 3e-10}))
+    model = Transformer(n_layers=4, dim=64, n_heads=4, seq=16, vocab=96, batch=16,
+                        dtype="float32")
+    gpipe, f1b = (price(model, Layout(1, 1, 1, 8, s), held) for s in ("gpipe", "1f1b"))
+    assert f1b.parts["held"] == 0 and f1b.step_s == price(model, f1b.layout, plain).step_s
+    assert gpipe.parts["held"] == pytest.approx(3e-10 * (gpipe.memory_bytes - f1b.memory_bytes),
+                                                rel=1e-12)
+    assert "held activations" in gpipe.formula and "held" not in f1b.formula
+    for lay in (Layout(1, 1, 4, 8, "gpipe"), Layout(2, 1, 2, 4, "1f1b", "full"),
+                Layout(1, 1, 4, 4, "zb_h1"), replace(Layout(1, 1, 2, 8, "gpipe"), stages=(1, 3))):
+        with_it, without = price(model, lay, held), price(model, lay, plain)
+        assert with_it.parts["held"] > 0 and with_it.memory_bytes == without.memory_bytes
+        assert with_it.step_s - without.step_s == pytest.approx(with_it.parts["held"], rel=1e-9)
+        assert with_it.step_s == pytest.approx(sum(with_it.parts.values()), rel=1e-12)
+    # 1F1B's first stage holds pp micro-batches, GPipe's every stage all M: GPipe pays more
+    assert (price(model, Layout(1, 1, 4, 8, "gpipe"), held).parts["held"]
+            > price(model, Layout(1, 1, 4, 8, "1f1b"), held).parts["held"] > 0)

@@ -53,12 +53,15 @@ def test_gpt_timeline_ends_at_the_priced_step(name, lay):
 @pytest.mark.parametrize("lay", [lay for lay in LAYOUTS if lay.pp > 1], ids=str)
 def test_gpt_timeline_of_ranks_sharing_cores_ends_at_the_priced_step(lay):
     """With a bubble weight (ranks sharing cores) the fill and drain shrink as the price counts
-    them; the events keep their order on every rank."""
+    them; the events keep their order on every rank; the held activations' cost is one event
+    a rank."""
     base = machine.load("dgx-a100-cluster").with_devices(lay.dp * lay.tp * lay.pp)
     from dataclasses import replace
     mach = replace(base, levels=tuple(replace(lv, bubble_weight=0.4, handoff=((0.0, 1e-5),))
-                                      for lv in base.levels))
+                                      for lv in base.levels),
+                   device=replace(base.device, elementwise={"held": 1e-10}))   # and its cost
     events = timeline.gpt_events(GPT, lay, mach)
+    assert sum(e[1] == "held" for e in events) == lay.dp * lay.tp * lay.pp   # one a rank
     step = hybrid.price(GPT, lay, mach).step_s
     assert timeline.makespan(events) == pytest.approx(step, rel=1e-12)
     assert step < hybrid.price(GPT, lay, replace(mach, levels=tuple(

@@ -236,7 +236,7 @@ def save_figure(fig, path, *, rect=None, dpi: int = 110) -> str:
 
 GANTT_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "compute": "tab:blue",
                 "optimizer": "tab:gray", "allreduce": "tab:purple", "allreduce_wait": "tab:purple",
-                "alltoall": "tab:red"}
+                "alltoall": "tab:red", "held": "tab:brown"}
 
 
 def step_events(run: RunData, step: int = -1) -> dict:

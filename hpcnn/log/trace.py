@@ -22,7 +22,7 @@ import numpy as np
 
 from hpcnn.log.runlog import read_run
 
-COMPUTE = ("F", "B", "W", "F_ck", "F_n", "F_all", "forward", "backward", "optimizer")
+COMPUTE = ("F", "B", "W", "F_ck", "F_n", "F_all", "forward", "backward", "optimizer", "held")
 COMMUNICATION = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD", "allreduce_wait", "AR",
                  "AR_WAIT", "allreduce", "allgather", "reduce_scatter", "bcast", "alltoall")
 

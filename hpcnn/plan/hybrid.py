@@ -43,6 +43,16 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   passes' own messages are otherwise off the critical path); and the level's ``bubble_weight`` w: a pipeline's span is a stage's own M passes plus
   w times the rest (fill and drain: 1 but where ranks share cores, there the ranks that compute
   while others wait run faster than the all-at-once rates);
+- **held activations**: a stage that holds k > 1 micro-batches' activations at its peak
+  (:func:`held_microbatches`: GPipe all M) takes (k - 1) micro-batches' of them in fresh memory
+  every step, memory one micro-batch's passes would reuse; each such byte costs the device's
+  ``elementwise["held"]`` seconds (0 on a machine file without it), once per step, the fullest
+  stage's (:func:`held_seconds`). ``hpcnn calibrate`` times it through the step engine,
+  GPipe against 1F1B on one rank (:func:`hpcnn.parallel.collectives.measure.held_costs`):
+  0.22-0.33 ns a byte here, where a fresh 64 MiB array cost 0.13 ns a byte more to fill than a
+  reused one and 64 MiB of 64 KiB arrays 0.45 (page faults, the allocator). On the 2- and
+  4-rank validations the GPT's GPipe layouts ran 1.03-1.13x the 1F1B ones at 8-32
+  micro-batches, which the price without it put equal;
 - **optimizer**: the update of the rank's parameters at the device's measured seconds per
   parameter of hpcnn's step (``Device.update``: :func:`hpcnn.parallel.collectives.measure.
   update_costs` at a few parameter counts, interpolated between them), scaled by word / 4 from
@@ -243,7 +253,8 @@ class StageTimes(NamedTuple):
     0), each including ``tp_s``, the pass's tensor-parallel allreduces; ``span`` the schedule's
     makespan in such passes (messages free), ``msg`` one activation message between stages,
     ``pp_s`` the 2(pp - 1) of them on the critical path, ``dp_s`` the data-parallel allreduce,
-    ``opt_s`` the optimizer's update."""
+    ``opt_s`` the optimizer's update, ``held_s`` the fresh memory of the activations held beyond
+    one micro-batch's (:func:`held_seconds`)."""
     t_f: float
     t_b: float
     t_w: float
@@ -253,6 +264,7 @@ class StageTimes(NamedTuple):
     pp_s: float
     dp_s: float
     opt_s: float
+    held_s: float = 0.0
 
 
 def stage_times(model: Transformer, layout: Layout, machine, optimizer: str = "adamw") -> StageTimes:
@@ -371,12 +383,15 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp),
                             after=t_b)
     opt_s = update_seconds(local_params, model.word, dev, optimizer)
-    return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s), (cache, xbytes),
-            local_params)
+    held_s = held_seconds(model, layout, machine)
+    return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
+            (cache, xbytes), local_params)
 
 
-def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float) -> float:
-    """Activation bytes stage ``stage`` of ``blocks`` transformer blocks holds at its peak: its
+def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float,
+                beyond_one: bool = False) -> float:
+    """Activation bytes stage ``stage`` of ``blocks`` transformer blocks holds at its peak
+    (with ``beyond_one``: those beyond one micro-batch's, without the gradient pair): its
     held micro-batches (:func:`held_microbatches`) x (the blocks' caches; the tail's caches on
     the last stage, the int64 tokens on the first). Under ``remat="full"`` a micro-batch keeps
     its blocks' inputs and its last segment's cache (one block's cache; the last stage's is the
@@ -395,8 +410,22 @@ def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float) -
         held, pending = xbytes * blocks + cache + (0 if last else xbytes), 2 * xbytes
     else:
         held, pending = cache * blocks, 0
-    return held_microbatches(layout.schedule, layout.pp, layout.microbatches, stage) * (
-        held + (tail if last else 0) + (tokens if stage == 0 else 0)) + pending
+    count = held_microbatches(layout.schedule, layout.pp, layout.microbatches, stage)
+    one = held + (tail if last else 0) + (tokens if stage == 0 else 0)
+    return (count - 1) * one if beyond_one else count * one + pending
+
+
+def held_seconds(model: Transformer, layout: Layout, machine, blocks=None) -> float:
+    """Seconds a step pays for the activations its fullest stage holds beyond one micro-batch's
+    (module docstring, "held activations"): the device's ``elementwise["held"]`` seconds per
+    byte times the most such bytes (:func:`_held_bytes`) over the stages of ``blocks``
+    transformer blocks each (default the uniform cut: n_layers / pp each)."""
+    per_byte = machine.device.elementwise.get("held", 0.0)
+    if per_byte == 0.0:
+        return 0.0
+    blocks = blocks or [model.n_layers / layout.pp] * layout.pp
+    return per_byte * max(_held_bytes(model, layout, s, n, beyond_one=True)
+                          for s, n in enumerate(blocks))
 
 
 def _stage_params(model: Transformer, layout: Layout, stage: int, blocks: float,
@@ -467,7 +496,8 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
                              f"blocks, the model has {model.n_layers}")
         span, pp_s, (t_f, t_b, _, tp_s), (dp_s, opt_s), memory = _staged(model, layout, machine,
                                                                           optimizer)
-        st = StageTimes(t_f, t_b, 0.0, tp_s, span, 0.0, pp_s, dp_s, opt_s)
+        st = StageTimes(t_f, t_b, 0.0, tp_s, span, 0.0, pp_s, dp_s, opt_s,
+                        held_seconds(model, layout, machine, layout.stages))
     else:
         st, _, local_params = _priced_parts(model, layout, machine, optimizer)
         per_stage = model.n_layers / pp
@@ -477,13 +507,15 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
     parts = {"compute": compute, "tp_comm": 2 * m_count * st.tp_s,
              "bubble": st.span - m_count * (st.t_f + st.t_b), "pp_comm": st.pp_s,
-             "dp_comm": st.dp_s, "optimizer": st.opt_s}
-    step = st.span + st.pp_s + st.dp_s + st.opt_s
+             "dp_comm": st.dp_s, "optimizer": st.opt_s, "held": st.held_s}
+    step = st.span + st.pp_s + st.dp_s + st.opt_s + st.held_s
     cut = f"stages {'|'.join(map(str, layout.stages))}, busiest " if layout.stages else ""
     formula = (f"({m_count} micro-batches, {pp} stages) {layout.schedule} span {st.span:.4g} s "
                f"[{cut}t_f {st.t_f:.3g} + t_b {st.t_b:.3g} per stage pass, of which tp "
                f"{st.tp_s:.3g}] + pp messages {st.pp_s:.3g} + dp allreduce {st.dp_s:.3g} "
-               f"+ {optimizer} update {st.opt_s:.3g} = {step:.4g} s")
+               f"+ {optimizer} update {st.opt_s:.3g}"
+               + (f" + held activations {st.held_s:.3g}" if st.held_s else "")
+               + f" = {step:.4g} s")
     return Priced(layout, step, parts, memory, memory <= cap, formula)
 
 

@@ -380,7 +380,9 @@ class Device:
     """One device (a core, a GPU): compute rate per dtype name (FLOP/s), memory bandwidth
     (bytes/s), memory capacity (bytes), the fraction of the rate each block kind attains
     (``efficiency``, kind -> (0, 1]; missing kinds 1), its seconds per cache byte
-    (``elementwise``, kind -> seconds >= 0; missing kinds 0), its fixed seconds per forward +
+    (``elementwise``, kind -> seconds >= 0; missing kinds 0; the pseudo-kind "held": seconds
+    per byte of the activations a pipeline stage holds beyond one micro-batch's,
+    :func:`hpcnn.plan.hybrid.held_seconds`), its fixed seconds per forward +
     backward (``overhead``, kind -> seconds >= 0; missing kinds 0), the forward's share of
     those two (``forward``, kind -> (0, 1); missing kinds 1/3), its backward's zero-bubble
     halves (``split``, kind -> (input, weight) fractions of the whole backward; missing kinds
@@ -608,7 +610,8 @@ class Machine:
         lines += [f"{_toml_str(k)} = {_toml_num(v)}" for k, v in self.device.flops.items()]
         for table, what in (("efficiency", "fraction of the rate per block kind"),
                             ("overhead", "seconds per forward + backward of one block"),
-                            ("elementwise", "seconds per byte of a block's cache"),
+                            ("elementwise", "seconds per byte of a block's cache (held: of "
+                                            "activations held beyond one micro-batch's)"),
                             ("activation", "seconds per byte of a ReLU's output"),
                             ("forward", "share of overhead + elementwise in the forward"),
                             ("split", "zero-bubble backward halves [input, weight]")):

@@ -14,7 +14,9 @@ t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts 
   price counts them: the first micro-batch's activation relayed down the pipeline before the
   passes (SEND_ACT on each rank but the last), the last gradient relayed up after them
   (SEND_GRAD on each rank but the first). Then every rank runs the data-parallel allreduce
-  (``allreduce``) and the optimizer's update (``optimizer``). Where the machine's ranks share
+  (``allreduce``) and the optimizer's update (``optimizer``), after, where the price has one,
+  the cost of the activations it holds beyond one micro-batch's (``held``: paid in the
+  forwards that take fresh memory, drawn as one block since the price adds it once per step). Where the machine's ranks share
   cores (a ``bubble_weight`` w < 1, :class:`.machine.Level`), the simulated times are mapped
   t -> t - (1 - w) x (the first stage's idle time before t): its fill and drain shrink to w of
   their length as the price counts them, the events keep their order, and those of other ranks
@@ -60,6 +62,9 @@ def gpt_events(model, layout, machine) -> list[Event]:
             k = pp - 1 - s
             evs.append(("SEND_GRAD", m_count - 1, end + k * st.msg, end + (k + 1) * st.msg))
         end += st.pp_s - fill
+        if st.held_s > 0:                          # fresh memory of the activations held
+            evs.append(("held", -1, end, end + st.held_s))
+            end += st.held_s
         if st.dp_s > 0:
             evs.append(("allreduce", -1, end, end + st.dp_s))
         evs.append(("optimizer", -1, end + st.dp_s, end + st.dp_s + st.opt_s))

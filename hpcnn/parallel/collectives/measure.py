@@ -57,6 +57,10 @@
   sequences (:data:`TOKENS_LADDER`), each rung's time per token beyond the fixed cost over the
   top rung's: the machine's ``tokens`` slowdown of small calls (written only where each rank
   has a core, :func:`machine_of`).
+- **Held activations** (:func:`held_costs`): a GPT through the step engine on one rank, GPipe
+  (every micro-batch's activations held at once) against 1F1B (one at a time), the difference
+  per byte of the activations held beyond one micro-batch's: ``elementwise["held"]``, what
+  fresh memory costs a pipeline that holds many micro-batches.
 - **Optimizer update** (:func:`update_costs`): hpcnn's own optimizer step, seconds per parameter
   at a few parameter counts (:data:`UPDATE_SIZES`, each split into :data:`UPDATE_ARRAYS` arrays
   as a layer's weights are), as pieces ((max_params, seconds_per_param), ..., (inf, ...)). A
@@ -109,6 +113,10 @@ TOKENS_LADDER = {"transformer": (192, 6, 64, (1, 2, 4, 8))}
 # The stage pass figure: a GPT of one block of the transformer overhead's size (vocabulary 16)
 # through the step engine, a one-rank 1F1B list of this many micro-batches of one sequence.
 STAGE_MICRO = 8
+# The held-activations figure (held_costs): a GPT of 2 blocks of width 128, 4 heads, context 64
+# (vocabulary 16) on 16 sequences in 16 micro-batches through the step engine, GPipe (20 MB of
+# activations held) against 1F1B (1.3 MB): (n_layers, width, heads, context, sequences).
+HELD_SHAPE = (2, 128, 4, 64, 16)
 # The handoff's pipelines (handoff_points): (width, heads, context, sequences per micro-batch)
 # of a GPT of one block per rank, passes from ~0.2 ms (the stage figure's block) to ~4 ms at
 # all-busy rates on 4 ranks over 2 cores here, each run with p and HANDOFF_MICRO x p
@@ -443,6 +451,42 @@ def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
         bwd.append(max(b - bb, 0.0))
     f, b = float(np.median(fwd)), float(np.median(bwd))
     return (f + b, f / (f + b)) if f > 0 and b > 0 else None
+
+
+def held_costs(dtype: str, repeats: int = 15) -> float:
+    """Seconds per byte of the activations a pipeline stage holds beyond one micro-batch's
+    (:func:`hpcnn.plan.hybrid.held_seconds`), in this process: each of ``repeats`` rounds runs
+    one step of a one-rank GPipe list and one of a 1F1B list of the step engine
+    (:func:`hpcnn.parallel.pipeline.train_step`) over the same :data:`HELD_SHAPE` GPT, one
+    micro-batch a sequence, and takes the difference of their times over the difference of
+    their held bytes as the price counts them (:func:`hpcnn.plan.hybrid._held_bytes`); the
+    median over rounds, at least 0. Both lists run the same passes: what differs is that
+    GPipe's forwards take fresh memory for every micro-batch's caches, and its backwards read
+    them long after. 0.22-0.33 ns a byte here for 8-32 micro-batches of 16-64 sequences."""
+    from hpcnn.nn.models import gpt
+    from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.pipeline import train_step
+    from hpcnn.plan import hybrid
+    layers, dim, heads, seq, rows = HELD_SHAPE
+    vocab = 16
+    chain = gpt(vocab, seq, layers, dim, heads, dtype=dtype)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, vocab, (rows, seq)) for _ in range(2))
+    comm = Communicator.single("calibrate")
+    model = hybrid.Transformer(layers, dim, heads, seq, vocab, rows, dtype)
+    held = {s: hybrid._held_bytes(model, hybrid.Layout(1, 1, 1, rows, s), 0, layers)
+            for s in ("gpipe", "1f1b")}
+    for schedule in held:                                                # warm-up
+        train_step(schedule, chain, comm, x, y, rows)
+    per_byte = []
+    for _ in range(repeats):
+        t = {}
+        for schedule in held:
+            t0 = time.perf_counter()
+            train_step(schedule, chain, comm, x, y, rows)
+            t[schedule] = time.perf_counter() - t0
+        per_byte.append((t["gpipe"] - t["1f1b"]) / (held["gpipe"] - held["1f1b"]))
+    return max(0.0, float(np.median(per_byte)))
 
 
 def after_compute_points(comm, sizes=AFTER_SIZES, matmuls=AFTER_MATMULS,
@@ -833,7 +877,8 @@ def device_rates(rounds: int = 15) -> dict:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
     "elementwise.transformer": .., "activation.linear": .., "forward.transformer": ..,
     "split.transformer": (in, w), "overhead.stage": .., "forward.stage": .. (the stage pass,
-    :func:`stage_costs`), "tokens.transformer": ((tokens, slowdown), ...),
+    :func:`stage_costs`), "elementwise.held": .. (:func:`held_costs`),
+    "tokens.transformer": ((tokens, slowdown), ...),
     "update.adamw": ((max_params, seconds_per_param), ...)}."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
@@ -849,6 +894,7 @@ def device_rates(rounds: int = 15) -> dict:
     stage = stage_costs("float32", rounds)
     if stage is not None:
         rates["overhead.stage"], rates["forward.stage"] = stage
+    rates["elementwise.held"] = held_costs("float32", rounds)
     for optimizer in UPDATE_OPTIMIZERS:
         rates[f"update.{optimizer}"] = update_costs(optimizer, repeats=update_repeats(rounds))
     return rates
