@@ -74,11 +74,12 @@ thesis leaves open, and what is chosen here:
   on references of 512-2048 tokens; a width-128 transformer block on one sequence of 64 tokens
   ran 1.22x the time they price (its matmuls of 64 rows at ~0.8 of the rate, its attention's
   smaller still), which left a pipeline of 32 one-sequence micro-batches 1.23-1.42x its price.
-  Calibration times a ladder of one block on 1 to 8 sequences (64-512 tokens) and gives each
-  rung its time beyond the fixed cost per token over the top rung's (1 there and above): here
-  1.5-1.9 at 64 tokens and 1.14-1.35 at 128 over a day's calibrations; 1.78-1.90 at 64 for
-  ladders of widths 128, 192 and 256 timed one after another (the element-wise seconds, 25-65 %
-  of such a block, slow with the FLOPs'). The transformer kind only: the linear kind's
+  Calibration runs a ladder of one-block GPTs through the step engine on micro-batches of 1
+  to 8 sequences (64-512 tokens) and gives each rung its pass time beyond the fixed cost per
+  token over the top rung's (1 there and above): here 1.39-1.44 at 64 tokens, 1.12-1.19 at
+  128 (the element-wise seconds, 25-65 % of such a block, slow with the FLOPs'). The same
+  block timed bare gave 1.67-1.90 at 64 tokens for widths 128-256, and priced the one-sequence
+  pipelines 10-25 % above their measured times. The transformer kind only: the linear kind's
   rows are priced at its reference figures (the MLP validation's targets were met so). Written
   only where each rank has a core (:func:`hpcnn.parallel.collectives.measure.machine_of`).
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a

@@ -54,8 +54,8 @@
   element-wise passes and per-call cost, not a profile of the model being planned: re-planning
   another width or batch reruns nothing.
 - **Per tokens per call** (:func:`tokens_costs`): a ladder of one transformer block on 1 to 8
-  sequences (:data:`TOKENS_LADDER`), each rung's time per token beyond the fixed cost over the
-  top rung's: the machine's ``tokens`` slowdown of small calls (written only where each rank
+  sequences a micro-batch (:data:`TOKENS_LADDER`) through the step engine, each rung's time per
+  token beyond the fixed cost over the top rung's: the machine's ``tokens`` slowdown of small calls (written only where each rank
   has a core, :func:`machine_of`).
 - **Held activations** (:func:`held_costs`): a GPT through the step engine on one rank, GPipe
   (every micro-batch's activations held at once) against 1F1B (one at a time), the difference
@@ -106,9 +106,9 @@ EFFICIENCY_SHAPES = {"transformer": ((256, 4, (8, 64, 256)), (64, 2, (32, 64, 64
                      "linear": ((512, 512, (256, 512)), (64, 64, (2048, 64)),
                                 (128, 1024, (512, 128)))}
 OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
-# The tokens ladder of the slowdown by tokens per call (Device.tokens): a GPT block of width
-# 192, 6 heads, context 64 (apart from the experiments' width 128) on 1 .. 8 sequences, 64 to
-# 512 tokens; the transformer kind only (the module docstring of hpcnn.plan.machine).
+# The tokens ladder of the slowdown by tokens per call (Device.tokens): a GPT of one block of
+# width 192, 6 heads, context 64 (apart from the experiments' width 128) through the step
+# engine, micro-batches of 1 .. 8 sequences, 64 to 512 tokens; the transformer kind only.
 TOKENS_LADDER = {"transformer": (192, 6, 64, (1, 2, 4, 8))}
 # The stage pass figure: a GPT of one block of the transformer overhead's size (vocabulary 16)
 # through the step engine, a one-rank 1F1B list of this many micro-batches of one sequence.
@@ -394,25 +394,44 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
             float(np.median(share)), (float(split[0]), float(split[1])))
 
 
-def tokens_costs(kind: str, dtype: str, overhead: float, repeats: int = 15) -> tuple:
+def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = 15) -> tuple:
     """The tokens pieces ((tokens, slowdown), ..., (inf, 1)) of ``kind``'s blocks in this
-    process (:class:`hpcnn.plan.machine.Device` ``tokens``), given the kind's fixed seconds per
-    forward + backward ``overhead`` (:func:`block_costs`).
+    process (:class:`hpcnn.plan.machine.Device` ``tokens``), given the fixed seconds of one
+    micro-batch's forward + backward through a one-block stage, ``fixed`` (the block's
+    overhead, :func:`block_costs`, plus the stage pass's, :func:`stage_costs`).
 
-    Each of ``repeats`` rounds times the kind's :data:`TOKENS_LADDER` blocks, one width on 1 .. 8
-    sequences, whose FLOPs and cache bytes grow with their tokens; a rung's slowdown is its time
-    beyond the overhead per token over the top rung's; the medians over rounds. Here: 1.5-1.9 at
-    64 tokens, 1.14-1.35 at 128, 0.95-1.08 at 256, alone or with both ranks timing at once.
-    Taken instead as each rung's time over its price with :func:`block_costs`' figures of the
-    round, the ratio at 64 tokens came out 1.7-1.8 (spec()'s cache bytes are not all per token)."""
+    The ladder runs through the step engine, as training runs a pipeline's passes: for each of
+    the kind's :data:`TOKENS_LADDER` rungs, a one-rank 1F1B list of :data:`STAGE_MICRO`
+    micro-batches of that many sequences through a GPT of one such block (vocabulary 16,
+    :func:`hpcnn.parallel.pipeline.train_step`); a rung's figure is its passes' median F + B
+    beyond ``fixed`` per token, its slowdown that over the top rung's; the medians over
+    ``repeats`` rounds. Here 1.39-1.44 at 64 tokens, 1.12-1.19 at 128, 0.96-1.03 at 256. The
+    same block timed bare (``block_costs``' form) gave 1.67-1.85 at 64 tokens: priced with that,
+    a 2-rank validation's pipelines of 32 one-sequence micro-batches ran 0.76-0.90x their price;
+    re-priced with a slowdown to the power 0.7 (1.45 at 64 tokens, as through the engine), its
+    Kendall tau went 0.79 -> 0.87 and MAPE 11.3 -> 7.5 %."""
+    from hpcnn.nn.models import gpt
+    from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.pipeline import train_step
+    if kind != "transformer":
+        raise ValueError(f"tokens_costs: kind {kind!r}: the ladder runs transformer blocks only")
     width, heads, seq, counts = TOKENS_LADDER[kind]
-    ladder = [_blocks_pass(kind, (width, heads, (n, seq, width)), dtype)[0] for n in counts]
-    rungs = []
+    vocab, comm, rng = 16, Communicator.single("calibrate"), np.random.default_rng(0)
+    rungs = [(n, gpt(vocab, seq, 1, width, heads, dtype=dtype),
+              *(rng.integers(0, vocab, (STAGE_MICRO * n, seq)) for _ in range(2)))
+             for n in counts]
+    for _, chain, x, y in rungs:
+        train_step("1f1b", chain, comm, x, y, STAGE_MICRO)                  # warm-up
+    ratios = []
     for _ in range(repeats):
-        per_token = [max(sum(run()) - overhead, 1e-9) / (n * seq)
-                     for run, n in zip(ladder, counts)]
-        rungs.append([x / per_token[-1] for x in per_token])
-    slowdown = np.median(np.array(rungs), axis=0)
+        per_token = []
+        for n, chain, x, y in rungs:
+            events = train_step("1f1b", chain, comm, x, y, STAGE_MICRO)["events"]
+            f, b = (float(np.median([t1 - t0 for _, k, _, t0, t1 in events if k == want]))
+                    for want in ("F", "B"))
+            per_token.append(max(f + b - fixed, 1e-9) / (n * seq))
+        ratios.append([x / per_token[-1] for x in per_token])
+    slowdown = np.median(np.array(ratios), axis=0)
     return tuple((n * seq, float(f)) for n, f in zip(counts, slowdown)) + ((np.inf, 1.0),)
 
 
@@ -888,12 +907,12 @@ def device_rates(rounds: int = 15) -> dict:
                                                                                rounds)
         if act is not None:
             rates[f"activation.{kind}"] = act
-        if kind in TOKENS_LADDER:
-            rates[f"tokens.{kind}"] = tokens_costs(kind, "float32", rates[f"overhead.{kind}"],
-                                                   rounds)
     stage = stage_costs("float32", rounds)
     if stage is not None:
         rates["overhead.stage"], rates["forward.stage"] = stage
+    for kind in TOKENS_LADDER:                  # through the step engine: the stage pass too
+        rates[f"tokens.{kind}"] = tokens_costs(
+            kind, "float32", rates[f"overhead.{kind}"] + (stage[0] if stage else 0.0), rounds)
     rates["elementwise.held"] = held_costs("float32", rounds)
     for optimizer in UPDATE_OPTIMIZERS:
         rates[f"update.{optimizer}"] = update_costs(optimizer, repeats=update_repeats(rounds))
