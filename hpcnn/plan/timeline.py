@@ -16,11 +16,12 @@ t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts 
   (SEND_GRAD on each rank but the first). Then every rank runs the data-parallel allreduce
   (``allreduce``) and the optimizer's update (``optimizer``), after, where the price has one,
   the cost of the activations it holds beyond one micro-batch's (``held``: paid in the
-  forwards that take fresh memory, drawn as one block since the price adds it once per step). Where the machine's ranks share
-  cores (a ``bubble_weight`` w < 1, :class:`.machine.Level`), the simulated times are mapped
-  t -> t - (1 - w) x (the first stage's idle time before t): its fill and drain shrink to w of
-  their length as the price counts them, the events keep their order, and those of other ranks
-  that overlap the first stage's idle shrink with it. Every rank of dp x tp x pp gets its track, ranked as
+  forwards that take fresh memory, drawn as one block since the price adds it once per step).
+  Where the machine's ranks share cores (a ``bubble_weight`` w < 1, :class:`.machine.Level`),
+  the simulated times are mapped t -> t - (1 - w) x (the first stage's idle time before t):
+  its fill and drain shrink to w of their length as the price counts them, the events keep
+  their order, and those of other ranks that overlap the first stage's idle shrink with it.
+  Every rank of dp x tp x pp gets its track, ranked as
   :class:`hpcnn.parallel.grid.ProcessGrid` ranks them (tp fastest, then dp, then pp); the ranks
   of one pipeline stage run the same events.
 - **an MLP cut plan** (:func:`mlp_events`, :mod:`.cost`): :func:`.cost.strategy_cost`'s terms as
@@ -28,7 +29,8 @@ t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts 
   forward and backward, ``optimizer`` for its update, ``allreduce`` for its reductions and
   gradient allreduce, ``alltoall`` for a redistribution between neighbours.
 
-Either way the last event ends at the predicted step time (:func:`makespan`; tests/test_plan_timeline.py).
+Either way the last event ends at the predicted step time (:func:`makespan`;
+tests/test_plan_timeline.py).
 """
 from __future__ import annotations
 

@@ -55,8 +55,8 @@
   another width or batch reruns nothing.
 - **Per tokens per call** (:func:`tokens_costs`): a ladder of one transformer block on 1 to 8
   sequences a micro-batch (:data:`TOKENS_LADDER`) through the step engine, each rung's time per
-  token beyond the fixed cost over the top rung's: the machine's ``tokens`` slowdown of small calls (written only where each rank
-  has a core, :func:`machine_of`).
+  token beyond the fixed cost over the top rung's: the machine's ``tokens`` slowdown of small
+  calls (written only where each rank has a core, :func:`machine_of`).
 - **Held activations** (:func:`held_costs`): a GPT through the step engine on one rank, GPipe
   (every micro-batch's activations held at once) against 1F1B (one at a time), the difference
   per byte of the activations held beyond one micro-batch's: ``elementwise["held"]``, what
@@ -430,7 +430,7 @@ def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = 15) -> tupl
             f, b = (float(np.median([t1 - t0 for _, k, _, t0, t1 in events if k == want]))
                     for want in ("F", "B"))
             per_token.append(max(f + b - fixed, 1e-9) / (n * seq))
-        ratios.append([x / per_token[-1] for x in per_token])
+        ratios.append([v / per_token[-1] for v in per_token])
     slowdown = np.median(np.array(ratios), axis=0)
     return tuple((n * seq, float(f)) for n, f in zip(counts, slowdown)) + ((np.inf, 1.0),)
 
