@@ -394,6 +394,30 @@ def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
             float(np.median(share)), (float(split[0]), float(split[1])))
 
 
+ENGINE_VOCAB = 16               # the vocabulary of the step-engine GPTs the calibration runs
+
+
+def _engine_step(layers: int, dim: int, heads: int, seq: int, sequences: int, dtype: str):
+    """``step(schedule, micro)`` -> the result of one step of the one-rank step engine
+    (:func:`hpcnn.parallel.pipeline.train_step`) over a GPT of ``layers`` blocks (vocabulary
+    :data:`ENGINE_VOCAB`) on ``sequences`` random sequences of ``seq`` tokens in ``micro``
+    micro-batches: what :func:`stage_costs`, :func:`tokens_costs` and :func:`held_costs` time."""
+    from hpcnn.nn.models import gpt
+    from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.pipeline import train_step
+    chain = gpt(ENGINE_VOCAB, seq, layers, dim, heads, dtype=dtype)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, ENGINE_VOCAB, (sequences, seq)) for _ in range(2))
+    comm = Communicator.single("calibrate")
+    return lambda schedule, micro: train_step(schedule, chain, comm, x, y, micro)
+
+
+def _pass_medians(events) -> tuple:
+    """(median F, median B) seconds of a step engine run's timeline ``events``."""
+    return tuple(float(np.median([t1 - t0 for _, kind, _, t0, t1 in events if kind == want]))
+                 for want in ("F", "B"))
+
+
 def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = 15) -> tuple:
     """The tokens pieces ((tokens, slowdown), ..., (inf, 1)) of ``kind``'s blocks in this
     process (:class:`hpcnn.plan.machine.Device` ``tokens``), given the fixed seconds of one
@@ -410,25 +434,17 @@ def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = 15) -> tupl
     a 2-rank validation's pipelines of 32 one-sequence micro-batches ran 0.76-0.90x their price;
     re-priced with a slowdown to the power 0.7 (1.45 at 64 tokens, as through the engine), its
     Kendall tau went 0.79 -> 0.87 and MAPE 11.3 -> 7.5 %."""
-    from hpcnn.nn.models import gpt
-    from hpcnn.parallel.collectives import Communicator
-    from hpcnn.parallel.pipeline import train_step
     if kind != "transformer":
         raise ValueError(f"tokens_costs: kind {kind!r}: the ladder runs transformer blocks only")
     width, heads, seq, counts = TOKENS_LADDER[kind]
-    vocab, comm, rng = 16, Communicator.single("calibrate"), np.random.default_rng(0)
-    rungs = [(n, gpt(vocab, seq, 1, width, heads, dtype=dtype),
-              *(rng.integers(0, vocab, (STAGE_MICRO * n, seq)) for _ in range(2)))
-             for n in counts]
-    for _, chain, x, y in rungs:
-        train_step("1f1b", chain, comm, x, y, STAGE_MICRO)                  # warm-up
+    rungs = [(n, _engine_step(1, width, heads, seq, STAGE_MICRO * n, dtype)) for n in counts]
+    for _, step in rungs:
+        step("1f1b", STAGE_MICRO)                                           # warm-up
     ratios = []
     for _ in range(repeats):
         per_token = []
-        for n, chain, x, y in rungs:
-            events = train_step("1f1b", chain, comm, x, y, STAGE_MICRO)["events"]
-            f, b = (float(np.median([t1 - t0 for _, k, _, t0, t1 in events if k == want]))
-                    for want in ("F", "B"))
+        for n, step in rungs:
+            f, b = _pass_medians(step("1f1b", STAGE_MICRO)["events"])
             per_token.append(max(f + b - fixed, 1e-9) / (n * seq))
         ratios.append([v / per_token[-1] for v in per_token])
     slowdown = np.median(np.array(ratios), axis=0)
@@ -448,23 +464,13 @@ def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
     its blocks: the instruction's handling, the embedding, the tail's small calls, the loss. A
     figure of the framework on this machine, like the blocks' overhead, not of a model planned:
     the GPT planned has none of these sizes."""
-    from hpcnn.nn.models import gpt
-    from hpcnn.parallel.collectives import Communicator
-    from hpcnn.parallel.pipeline import train_step
     dim, heads, (rows, seq, _) = OVERHEAD_SHAPES["transformer"]
-    vocab = 16
-    chain = gpt(vocab, seq, 1, dim, heads, dtype=dtype)
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, vocab, (STAGE_MICRO * rows, seq))
-    y = rng.integers(0, vocab, (STAGE_MICRO * rows, seq))
-    comm = Communicator.single("calibrate")
+    step = _engine_step(1, dim, heads, seq, STAGE_MICRO * rows, dtype)
     block = _blocks_pass("transformer", OVERHEAD_SHAPES["transformer"], dtype)[0]
-    train_step("1f1b", chain, comm, x, y, STAGE_MICRO)                      # warm-up
+    step("1f1b", STAGE_MICRO)                                               # warm-up
     fwd, bwd = [], []
     for _ in range(repeats):
-        events = train_step("1f1b", chain, comm, x, y, STAGE_MICRO)["events"]
-        f, b = (float(np.median([t1 - t0 for _, kind, _, t0, t1 in events if kind == k]))
-                for k in ("F", "B"))
+        f, b = _pass_medians(step("1f1b", STAGE_MICRO)["events"])
         bf, bb = _median_pass(block, 5)
         fwd.append(max(f - bf, 0.0))
         bwd.append(max(b - bb, 0.0))
@@ -482,27 +488,20 @@ def held_costs(dtype: str, repeats: int = 15) -> float:
     median over rounds, at least 0. Both lists run the same passes: what differs is that
     GPipe's forwards take fresh memory for every micro-batch's caches, and its backwards read
     them long after. 0.22-0.33 ns a byte here for 8-32 micro-batches of 16-64 sequences."""
-    from hpcnn.nn.models import gpt
-    from hpcnn.parallel.collectives import Communicator
-    from hpcnn.parallel.pipeline import train_step
     from hpcnn.plan import hybrid
     layers, dim, heads, seq, rows = HELD_SHAPE
-    vocab = 16
-    chain = gpt(vocab, seq, layers, dim, heads, dtype=dtype)
-    rng = np.random.default_rng(0)
-    x, y = (rng.integers(0, vocab, (rows, seq)) for _ in range(2))
-    comm = Communicator.single("calibrate")
-    model = hybrid.Transformer(layers, dim, heads, seq, vocab, rows, dtype)
+    step = _engine_step(layers, dim, heads, seq, rows, dtype)
+    model = hybrid.Transformer(layers, dim, heads, seq, ENGINE_VOCAB, rows, dtype)
     held = {s: hybrid._held_bytes(model, hybrid.Layout(1, 1, 1, rows, s), 0, layers)
             for s in ("gpipe", "1f1b")}
     for schedule in held:                                                # warm-up
-        train_step(schedule, chain, comm, x, y, rows)
+        step(schedule, rows)
     per_byte = []
     for _ in range(repeats):
         t = {}
         for schedule in held:
             t0 = time.perf_counter()
-            train_step(schedule, chain, comm, x, y, rows)
+            step(schedule, rows)
             t[schedule] = time.perf_counter() - t0
         per_byte.append((t["gpipe"] - t["1f1b"]) / (held["gpipe"] - held["1f1b"]))
     return max(0.0, float(np.median(per_byte)))
