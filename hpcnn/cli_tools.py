@@ -277,11 +277,12 @@ CALIBRATE = {"dtype": ("float32", str, "float32 | float64: the dtype of the runs
              "write": ("", str, "machines/NAME.toml: measure these ranks and write a machine "
                                 "file instead (one rank: the device alone)"),
              "rounds": (15, int, "with --write: timing rounds per block figure (efficiency, "
-                                 "element-wise cost), the medians taken; fewer than 15 also "
-                                 "time fewer cold messages and shorter windows, in proportion")}
+                                 "element-wise cost), the medians taken; cold messages and "
+                                 "sustained windows in proportion (fewer and shorter windows "
+                                 "below 15, more above)")}
 
 
-def calibrate_machine(path: str, rounds: int = 15) -> int:
+def calibrate_machine(path: str, rounds: int = CALIBRATE["rounds"][0]) -> int:
     """``hpcnn calibrate --write=PATH``: ping-pong per size, matmul and copy rates (alone and all
     ranks at once) measured on these ranks (any number, one included), written by rank 0 as the
     machine file PATH, named after the file."""

@@ -334,6 +334,25 @@ def test_shared_figures_slow_cpu_time_by_the_sustained_ratio():
     assert capped["efficiency.linear"] == 1.0
 
 
+def test_sustained_medians_alternate_alone_and_together_windows(monkeypatch):
+    """Rank 0's window alone, then every rank's at once, alternated: each figure the median over
+    its rounds (one burst of load on a window does not set the calibration)."""
+    from mpi4py import MPI
+
+    from hpcnn.parallel.collectives import measure
+    calls = []
+    script = iter([{"float32": 100.0}, {"float32": 50.0}, {"float32": 300.0},
+                   {"float32": 10.0}, {"float32": 200.0}, {"float32": 60.0}])
+
+    def fake(seconds, blocks=False):
+        calls.append((seconds, blocks))
+        return next(script)
+    monkeypatch.setattr(measure, "sustained_rates", fake)
+    alone, together = measure.sustained_medians(MPI.COMM_SELF, 0.25, True, 3)
+    assert alone == {"float32": 200.0} and together == {"float32": 50.0}
+    assert calls == [(0.25, True)] * 6
+
+
 def test_calibrate_write_on_one_rank(tmp_path):
     """One rank writes a file without a network level (the figures themselves are timed and
     checked by the two-rank calibration below, the same function); the command refuses a
@@ -363,6 +382,9 @@ def test_calibrate_write_on_one_rank(tmp_path):
                            f"--write={tmp_path / 'x.toml'}", "--rounds=0"],
                           capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert zero.returncode == 2 and "--rounds=0" in zero.stderr
+    from hpcnn.cli_tools import CALIBRATE        # the CLI's default is the full calibration
+    from hpcnn.parallel.collectives.measure import FULL_ROUNDS
+    assert CALIBRATE["rounds"][0] == FULL_ROUNDS
 
 
 def test_calibrate_write_on_two_ranks(tmp_path):

@@ -23,7 +23,8 @@
   library's sums and copies make it several times slower than the ring of ping-pong messages.
 - **Device**: the matmul rate per dtype, a large copy's memory bandwidth and the block figures
   below, timed on rank 0 alone; then the sustained matmul and copy rates over a wall-clock
-  window, alone and on all ranks at once (:func:`sustained_rates`). The machine file records
+  window, alone and on all ranks at once, alternated over rounds, medians
+  (:func:`sustained_medians`). The machine file records
   what a rank gets while all compute (:func:`shared_figures`): the figures alone slowed by the
   ratio of the sustained rates, ~1 with a core per rank, ~2 with two ranks per core; when the
   ranks share cores, each block kind's by the ratio of its own reference blocks run over a
@@ -95,8 +96,10 @@ MATMUL_N = 768                  # 2 n^3 = 0.9 GFLOP: ~10 ms fp32 on one core
 COPY_BYTES = 64 << 20           # 64 MiB: well past the caches
 COLD_REPEATS = 15               # ping-pongs and allreduces per size, each after a COPY_BYTES copy
 SUSTAIN_S = 0.5                 # wall-clock window of a sustained rate (many scheduler slices)
-# A calibration of fewer --rounds than this (a test's 3) also times fewer cold calls and shorter
-# windows, in proportion: measure() scales COLD_REPEATS and SUSTAIN_S by rounds / FULL_ROUNDS.
+SUSTAIN_ROUNDS = 5              # windows alone and all at once, alternated (sustained_medians)
+# The default --rounds. measure() scales COLD_REPEATS and SUSTAIN_ROUNDS by rounds / FULL_ROUNDS
+# (a test's 3 times fewer cold calls and windows, 30 twice as many) and SUSTAIN_S by it up to 1
+# (shorter windows below 15; a window is already many scheduler slices).
 FULL_ROUNDS = 15
 # Reference blocks of the efficiency figures, a wide and a narrow one per kind: GPT blocks of
 # width 256, 4 heads on 8 sequences of 64 tokens and of width 64, 2 heads on 32 sequences; a
@@ -339,7 +342,7 @@ def _median_pass(run, repeats: int) -> tuple:
     return float(np.median(times[:, 0])), float(np.median(times[:, 1]))
 
 
-def block_costs(kind: str, dtype: str, repeats: int = 15) -> tuple:
+def block_costs(kind: str, dtype: str, repeats: int = FULL_ROUNDS) -> tuple:
     """(efficiency, overhead seconds, elementwise seconds per cache byte, activation seconds per
     byte of the ReLU's output (None for a kind without one), forward share, (input, weight)
     split) of ``kind``'s blocks in this process.
@@ -418,7 +421,7 @@ def _pass_medians(events) -> tuple:
                  for want in ("F", "B"))
 
 
-def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = 15) -> tuple:
+def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = FULL_ROUNDS) -> tuple:
     """The tokens pieces ((tokens, slowdown), ..., (inf, 1)) of ``kind``'s blocks in this
     process (:class:`hpcnn.plan.machine.Device` ``tokens``), given the fixed seconds of one
     micro-batch's forward + backward through a one-block stage, ``fixed`` (the block's
@@ -451,7 +454,7 @@ def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = 15) -> tupl
     return tuple((n * seq, float(f)) for n, f in zip(counts, slowdown)) + ((np.inf, 1.0),)
 
 
-def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
+def stage_costs(dtype: str, repeats: int = FULL_ROUNDS) -> tuple | None:
     """(seconds per forward + backward of a pipeline stage pass beyond its transformer blocks,
     the forward's share of them) in this process, or None where they measure nothing.
 
@@ -478,7 +481,7 @@ def stage_costs(dtype: str, repeats: int = 15) -> tuple | None:
     return (f + b, f / (f + b)) if f > 0 and b > 0 else None
 
 
-def held_costs(dtype: str, repeats: int = 15) -> float:
+def held_costs(dtype: str, repeats: int = FULL_ROUNDS) -> float:
     """Seconds per byte of the activations a pipeline stage holds beyond one micro-batch's
     (:func:`hpcnn.plan.hybrid.held_seconds`), in this process: each of ``repeats`` rounds runs
     one step of a one-rank GPipe list and one of a 1F1B list of the step engine
@@ -890,7 +893,7 @@ def cpu_name() -> str:
     return "cpu: " + (platform.processor() or platform.machine())
 
 
-def device_rates(rounds: int = 15) -> dict:
+def device_rates(rounds: int = FULL_ROUNDS) -> dict:
     """Matmul FLOP/s per dtype, copy bytes/s and the float32 block figures of this process:
     {"float32": .., "copy": .., "efficiency.transformer": .., "overhead.transformer": ..,
     "elementwise.transformer": .., "activation.linear": .., "forward.transformer": ..,
@@ -937,6 +940,30 @@ def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False) -> dict:
         runs = [_blocks_pass(kind, shape, "float32")[0] for shape in shapes[:2]]
         out[f"block.{kind}"] = 1.0 / _window_seconds(lambda: [run() for run in runs], seconds)
     return out
+
+
+def sustained_medians(comm, window: float, blocks: bool, rounds: int) -> tuple:
+    """(alone, together) sustained rates (:func:`sustained_rates` over ``window`` seconds, with
+    the reference blocks when ``blocks``): rank 0's by itself and the slowest rank's while every
+    rank runs at once, alternated ``rounds`` times, each figure the median over its rounds, the
+    same on every rank (:func:`shared_figures` takes their ratios).
+
+    On 4 ranks over 2 cores here one pair of 0.5 s windows put the float32 rate all at once at
+    61-71 GFLOP/s within a minute, and four calibrations' per-kind factors ranged 2.02-2.35
+    (linear) and 2.13-3.06 (transformer); every figure priced on the shared cores divides by
+    these. Alternated rounds and medians, as the benchmarks measure, so that a burst of load on
+    one window does not set the calibration's level."""
+    from mpi4py import MPI
+    alone, together = [], []
+    for _ in range(rounds):
+        if comm.Get_rank() == 0:
+            alone.append(sustained_rates(window, blocks))
+        _quiet_barrier(comm)                               # the others sleep meanwhile
+        mine = sustained_rates(window, blocks)             # every rank at once
+        together.append({k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()})
+    alone = comm.bcast(alone, root=0)
+    return tuple({k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+                 for runs in (alone, together))
 
 
 def _window_seconds(fn, seconds: float) -> float:
@@ -1010,7 +1037,7 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     return out
 
 
-def measure(comm, rounds: int = 15) -> dict:
+def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
     """Everything ``calibrate --write`` records, the same dict on every rank: "alone" (rank 0 by
     itself) and "together" (:func:`shared_figures`: what a rank gets while all compute) device
     figures, "sizes" and one-way "seconds", "reduce_sizes" and allreduce "reduce_seconds" (both
@@ -1027,15 +1054,11 @@ def measure(comm, rounds: int = 15) -> dict:
     cold = comm.allreduce(ranks_here <= cores_here(), op=MPI.LAND)
     repeats = max(1, COLD_REPEATS * rounds // FULL_ROUNDS)   # as many at the default 15 rounds
     window = SUSTAIN_S * min(1.0, rounds / FULL_ROUNDS)
-    if rank == 0:
-        alone, alone_sustained = device_rates(rounds), sustained_rates(window, not cold)
-    else:
-        alone = alone_sustained = None
-    _quiet_barrier(comm)
-    mine = sustained_rates(window, not cold)                 # every rank at once
-    together_sustained = {k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()}
-    alone, alone_sustained = comm.bcast((alone, alone_sustained), root=0)
-    together = shared_figures(alone, alone_sustained, together_sustained)
+    alone = device_rates(rounds) if rank == 0 else None
+    _quiet_barrier(comm)                      # the others sleep while rank 0 times alone
+    alone = comm.bcast(alone, root=0)
+    together = shared_figures(alone, *sustained_medians(
+        comm, window, not cold, max(1, SUSTAIN_ROUNDS * rounds // FULL_ROUNDS)))
     seconds = pingpong(comm, cold=cold, repeats=repeats) if size > 1 else None
     reduce = allreduce_times(comm, cold=cold, repeats=repeats) if size > 1 else None
     meas = {"alone": alone, "together": together, "sizes": list(SIZES),
@@ -1126,9 +1149,9 @@ def machine_text(meas: dict, name: str, size: int) -> str:
     head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
             f"({meas['ranks_here']} sharing this node's memory).",
             "# Device: what each rank gets while all ranks compute at once: rank 0's figures "
-            "alone, slowed by the sustained rates' ratio alone / all at once (slowest rank), "
-            f"x{tog['slowdown']:.2f}, {blocks}the copy x{alone['copy'] / tog['copy']:.2f} "
-            "(measure.shared_figures).",
+            "alone, slowed by the sustained rates' ratio alone / all at once (slowest rank, medians"
+            f" of alternated windows), x{tog['slowdown']:.2f}, {blocks}the copy "
+            f"x{alone['copy'] / tog['copy']:.2f} (measure.shared_figures).",
             "# Alone (rank 0 by itself): " + ", ".join(
                 f"matmul {dt} {alone[dt] / 1e9:.1f} GFLOP/s" for dt in DTYPES)
             + f", copy {alone['copy'] / 1e9:.1f} GB/s; all at once: " + ", ".join(
