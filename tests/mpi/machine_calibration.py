@@ -65,7 +65,7 @@ assert ("# Handoff" in text) == (p > cores_here()) == bool(node.handoff), text
 assert (node.bubble_weight < 1 or not node.handoff) and node.bubble_weight > 0
 # a core per rank: element-wise seconds slowed as the copy; ranks sharing cores: by the blocks'
 assert ("each block kind's figures by its reference blocks'" in text) == (p > cores_here()), text
-pts, w = handoff_points(world, m, steps=5, shapes=((8, 2, 4, 1),))
+pts, w = handoff_points(world, m, steps=5, shapes=((8, 2, 4, 1),), rounds=2)
 assert len(pts) == 1 and 0 < pts[0][0] < 0.05 and 0 <= pts[0][1] < 0.05 and 0 < w <= 1, (pts, w)
 assert len({repr((pts, w)) for _ in [0]} | set(map(repr, world.allgather((pts, w))))) == 1
 # the optimizer timed all ranks at once and the collectives after compute: recorded only where

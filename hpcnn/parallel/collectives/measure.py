@@ -126,6 +126,7 @@ HELD_SHAPE = (2, 128, 4, 64, 16)
 # micro-batches.
 HANDOFF_SHAPES = ((8, 2, 4, 1), (64, 4, 64, 2), (128, 4, 64, 4))
 HANDOFF_MICRO = 4
+HANDOFF_ROUNDS = 3              # rounds over the pipelines, each's step the median over them
 # Parameter counts of the optimizer-update figures (16 Ki .. 8 Mi: in L2, in L3, past it; five
 # between 128 Ki and 1 Mi, where 4 ranks' AdamW state on 2 cores leaves the cache here: from 4.4
 # ns a parameter at 256 Ki to 7.4 at 768 Ki) and the arrays each count is split into (a layer's
@@ -595,7 +596,8 @@ def _matmul_loop(comm, a, out, k: int, calls: int, fn=None) -> float:
     return comm.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX)
 
 
-def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
+def handoff_points(comm, machine, steps: int = 16, shapes=None,
+                   rounds: int = HANDOFF_ROUNDS) -> tuple:
     """Where ranks share cores: (the level's ``handoff`` points [(after_s, seconds), ...], its
     ``bubble_weight``), measured on pipelines through ``hpcnn train``'s step engine.
 
@@ -603,8 +605,11 @@ def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
     micro-batch), :func:`hpcnn.engine.step.train_step` (on the context :func:`hpcnn.train.train`
     sets up) trains a GPT of one block per rank on the bundled sonnet text as a 1F1B pipeline
     over all of ``comm``'s ranks, AdamW, twice: with p micro-batches (fill and drain are most of
-    the step) and with :data:`HANDOFF_MICRO` x p (the steady state is). Each step is the slowest
-    rank's, the median over ``steps`` after the first fifth. :func:`hpcnn.plan.hybrid.price` of
+    the step) and with :data:`HANDOFF_MICRO` x p (the steady state is), all of them in turn in
+    each of ``rounds`` rounds. Each step is the slowest rank's, a run's the median over
+    ``steps`` after the first fifth, a pipeline's the median over rounds (fitted on one round
+    each, four in a row here gave w 0.25-0.41; the calibrations of the 4-rank validations
+    ranged 0.16-0.76). :func:`hpcnn.plan.hybrid.price` of
     the same layouts on ``machine`` (the figures measured before) with a bubble weight w and a
     constant handoff h is affine in h for a given w: one w for all shapes and one h per shape
     price the steps best (least squares of the relative errors over all of them, w on a grid
@@ -622,9 +627,13 @@ def handoff_points(comm, machine, steps: int = 16, shapes=None) -> tuple:
     machine's scheduler and the framework, like the stage pass, not of a model planned: the
     shapes are fixed here."""
     p = comm.Get_size()
-    runs = [[_pipeline_step(comm, shape, micro, steps) for micro in (p, HANDOFF_MICRO * p)]
-            for shape in (HANDOFF_SHAPES if shapes is None else shapes)]
-    return _fit_handoff(runs, machine)
+    pipes = [(shape, micro) for shape in (HANDOFF_SHAPES if shapes is None else shapes)
+             for micro in (p, HANDOFF_MICRO * p)]
+    timed = [[_pipeline_step(comm, shape, micro, steps) for shape, micro in pipes]
+             for _ in range(rounds)]                       # the pipelines in turn, each round
+    runs = [(float(np.median([t[i][0] for t in timed])),) + timed[0][i][1:]
+            for i in range(len(pipes))]
+    return _fit_handoff([runs[i:i + 2] for i in range(0, len(runs), 2)], machine)
 
 
 def layout_scale(comm, machine, plans=LAYOUT_PLANS, steps: int = LAYOUT_STEPS,
@@ -1069,8 +1078,9 @@ def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
         meas["update"] = {opt: update_costs(opt, repeats=update_repeats(rounds), comm=comm)
                           for opt in UPDATE_OPTIMIZERS}
         meas["after_compute"] = after_compute_points(comm)
-        meas["handoff"] = comm.bcast(handoff_points(comm, machine_of(meas, "calibrating",
-                                                                     size)), root=0)
+        meas["handoff"] = comm.bcast(handoff_points(
+            comm, machine_of(meas, "calibrating", size),
+            rounds=max(1, HANDOFF_ROUNDS * rounds // FULL_ROUNDS)), root=0)
         meas["collective_scale"] = layout_scale(comm, machine_of(meas, "calibrating", size))
     return meas
 
