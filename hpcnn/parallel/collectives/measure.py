@@ -346,7 +346,7 @@ def _median_pass(run, repeats: int) -> tuple:
 def block_costs(kind: str, dtype: str, repeats: int = FULL_ROUNDS) -> tuple:
     """(efficiency, overhead seconds, elementwise seconds per cache byte, activation seconds per
     byte of the ReLU's output (None for a kind without one), forward share, (input, weight)
-    split) of ``kind``'s blocks in this process.
+    split, the rounds' matmul rates F) of ``kind``'s blocks in this process.
 
     The overhead is the median forward + backward of the tiny blocks (:data:`OVERHEAD_SHAPES`).
     Each of ``repeats`` rounds then times the n x n matmul (its rate F) and the reference blocks
@@ -377,9 +377,10 @@ def block_costs(kind: str, dtype: str, repeats: int = FULL_ROUNDS) -> tuple:
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype) for _ in range(2))
     c = np.empty_like(a)
-    inv_eff, per_byte, per_act, share, halves = [], [], [], [], []
+    inv_eff, per_byte, per_act, share, halves, rates = [], [], [], [], [], []
     for _ in range(repeats):
         rate = 2.0 * MATMUL_N ** 3 / _median_seconds(lambda: np.matmul(a, b, out=c), 1)
+        rates.append(rate)
         rows = [(ff, fb, q, qa, *run()) for run, ff, fb, q, qa in refs]
         u, w, v = _solve_round(rate, [(ff + fb, q, qa, max(tf + tb - overhead, 1e-9))
                                       for ff, fb, q, qa, tf, tb in rows])
@@ -395,7 +396,7 @@ def block_costs(kind: str, dtype: str, repeats: int = FULL_ROUNDS) -> tuple:
     split = np.median(np.array(halves), axis=0)
     act = float(np.median(per_act)) if any(qa for *_, qa in refs) else None
     return (1.0 / float(np.median(inv_eff)), overhead, float(np.median(per_byte)), act,
-            float(np.median(share)), (float(split[0]), float(split[1])))
+            float(np.median(share)), (float(split[0]), float(split[1])), rates)
 
 
 ENGINE_VOCAB = 16               # the vocabulary of the step-engine GPTs the calibration runs
@@ -909,15 +910,28 @@ def device_rates(rounds: int = FULL_ROUNDS) -> dict:
     "split.transformer": (in, w), "overhead.stage": .., "forward.stage": .. (the stage pass,
     :func:`stage_costs`), "elementwise.held": .. (:func:`held_costs`),
     "tokens.transformer": ((tokens, slowdown), ...),
-    "update.adamw": ((max_params, seconds_per_param), ...)}."""
+    "update.adamw": ((max_params, seconds_per_param), ...)}.
+
+    The float32 matmul rate is the median of the rates :func:`block_costs` timed in its rounds
+    (30 at the default 15 rounds, spread over the block timings), the rate every efficiency is
+    a fraction of; float64's is its own median of five calls moved in the same proportion as
+    float32's. Taken as five calls at one moment, rank 0's float32 rate alone had ranged
+    139-179 GFLOP/s within one 4-rank validation's three calibrations (128-186 over four
+    validations) and, with the transformer's efficiency at its cap of 1, set the GPT's compute
+    price alone."""
     rates = {dt: matmul_rate(dt) for dt in DTYPES}
     rates["copy"] = copy_bandwidth()
+    rounds_f32 = []
     for kind in EFFICIENCY_SHAPES:
         (rates[f"efficiency.{kind}"], rates[f"overhead.{kind}"], rates[f"elementwise.{kind}"],
-         act, rates[f"forward.{kind}"], rates[f"split.{kind}"]) = block_costs(kind, "float32",
-                                                                               rounds)
+         act, rates[f"forward.{kind}"], rates[f"split.{kind}"], got) = block_costs(
+            kind, "float32", rounds)
+        rounds_f32 += got
         if act is not None:
             rates[f"activation.{kind}"] = act
+    # the matmul rate the efficiencies were solved against (above)
+    level = float(np.median(rounds_f32)) / rates["float32"]
+    rates = {**rates, **{dt: rates[dt] * level for dt in DTYPES}}
     stage = stage_costs("float32", rounds)
     if stage is not None:
         rates["overhead.stage"], rates["forward.stage"] = stage
