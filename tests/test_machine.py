@@ -353,6 +353,33 @@ def test_sustained_medians_alternate_alone_and_together_windows(monkeypatch):
     assert calls == [(0.25, True)] * 6
 
 
+def test_fit_handoff_recovers_the_wait_at_the_given_bubble_weight():
+    """The handoff fit: pipelines priced with a known wait per exchange at the given bubble
+    weight give that wait back, one point per shape at its stage pass, and the weight."""
+    from dataclasses import replace
+
+    from hpcnn.parallel.collectives.measure import _fit_handoff
+    from hpcnn.plan import hybrid
+    base = hm.load(os.path.join(ROOT, "machines", "local-2vcpu.toml"))
+
+    def step(model, layout, h):
+        m = replace(base, levels=tuple(replace(lv, handoff=((0.0, h),), bubble_weight=0.5)
+                                       for lv in base.levels))
+        return hybrid.price(model, layout, m).step_s
+
+    runs, waits = [], (2e-4, 5e-4)
+    for dim, h in zip((64, 128), waits):
+        pair = []
+        for micro in (2, 8):
+            model = hybrid.Transformer(2, dim, 4, 64, 16, micro, "float32")
+            layout = hybrid.Layout(1, 1, 2, micro, "1f1b", "none")
+            pair.append((step(model, layout, h), model, layout))
+        runs.append(pair)
+    points, weight = _fit_handoff(runs, base, 0.5)
+    assert weight == 0.5 and [w for _, w in points] == pytest.approx(waits, rel=1e-6)
+    assert [a for a, _ in points] == sorted(a for a, _ in points)
+
+
 def test_calibrate_write_on_one_rank(tmp_path):
     """One rank writes a file without a network level (the figures themselves are timed and
     checked by the two-rank calibration below, the same function); the command refuses a

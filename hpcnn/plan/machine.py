@@ -28,7 +28,8 @@ thesis leaves open, and what is chosen here:
   per message, per allreduce and per pipeline stage pass, after the compute before it; and
   ``bubble_weight`` (1 by default) is the share of its length a pipeline's fill and drain take
   (while some ranks wait for the first or last micro-batches, the others compute faster than
-  all at once). Calibration fits both to small pipelines through the step engine
+  all at once). Calibration sets the weight to cores / ranks and fits the handoff to small
+  pipelines through the step engine
   (:func:`hpcnn.parallel.collectives.measure.handoff_points`): on 4 ranks over 2 cores here, in
   eight calibrations, 40-90 us after 0.2 ms passes, 30-230 us after 0.9 ms, 140-760 us after
   4 ms, and a weight of 0.26-0.57. With one pipeline the two cancel (without either, a 4-stage
@@ -146,9 +147,9 @@ class Level:
     them), and per pipeline stage pass (:mod:`hpcnn.plan.hybrid`). ``bubble_weight`` (optional,
     in (0, 1], 1 by default) is the share of its length a pipeline's fill and drain take there:
     while some ranks wait for the first or last micro-batches, the others compute faster than
-    the all-at-once rates. Calibration measures both where ranks share cores
-    (:func:`hpcnn.parallel.collectives.measure.handoff_points`). A file's older scalar
-    ``handoff_s`` reads as one flat point.
+    the all-at-once rates. Calibration writes both where ranks share cores: the weight cores /
+    ranks, the handoff measured (:func:`hpcnn.parallel.collectives.measure.handoff_points`).
+    A file's older scalar ``handoff_s`` reads as one flat point.
 
     ``after_compute`` (optional; calibration measures it where the level's ranks share cores) is
     what one collective took, as the layout executor calls it, after a pass of compute on every
