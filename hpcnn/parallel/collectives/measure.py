@@ -1124,8 +1124,8 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
     measured so, else rank 0's alone slowed as :func:`shared_figures` says).
 
     The tokens slowdown only where each rank has a core: where ranks share cores, the handoff
-    is fitted (the bubble weight, then, too) on pipelines whose passes run 4-256 tokens, and with the
-    slowdown beside them a 4-rank validation's 71 GPT layouts ranked at Kendall tau 0.59 (its
+    (and then the bubble weight) is fitted on pipelines whose passes run 4-256 tokens, and with
+    the slowdown beside them a 4-rank validation's 71 GPT layouts ranked at Kendall tau 0.59 (its
     pipelines of 16-32 micro-batches at 0.76-0.95x their price, of 2-4 at 1.2-1.5x), against
     0.77 re-priced on the same measurements without it."""
     tog = meas["together"]
