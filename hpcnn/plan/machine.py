@@ -32,9 +32,9 @@ thesis leaves open, and what is chosen here:
   pipelines through the step engine
   (:func:`hpcnn.parallel.collectives.measure.handoff_points`): on 4 ranks over 2 cores here, in
   eight calibrations, 40-90 us after 0.2 ms passes, 30-230 us after 0.9 ms, 140-760 us after
-  4 ms, and a weight of 0.26-0.57. With one pipeline the two cancel (without either, a 4-stage
-  pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches, 1.22-1.24x at 32), so
-  each size is run with p and 4p micro-batches.
+  4 ms, and a weight (fitted then) of 0.26-0.57. With one pipeline the two cancel (without
+  either, a 4-stage pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches,
+  1.22-1.24x at 32), so each size is run with p and 4p micro-batches.
 - **Collectives after compute where ranks share cores.** A collective over a group waits for
   the last of its ranks to get a core, and a rank that waits spins on a core another needs: a
   1 MiB allreduce over 4 ranks on 2 cores here took 0.8-1.05 ms after 0.5-8 ms of compute

@@ -608,9 +608,9 @@ def handoff_points(comm, machine, weight: float, steps: int = 16, shapes=None,
     over all of ``comm``'s ranks, AdamW, twice: with p micro-batches (fill and drain are most of
     the step) and with :data:`HANDOFF_MICRO` x p (the steady state is), all of them in turn in
     each of ``rounds`` rounds. Each step is the slowest rank's, a run's the median over
-    ``steps`` after the first fifth, a pipeline's the median over rounds (fitted on one round
-    each, four in a row here gave w 0.25-0.41; the calibrations of the 4-rank validations
-    ranged 0.16-0.76). :func:`hpcnn.plan.hybrid.price` of
+    ``steps`` after the first fifth, a pipeline's the median over rounds (when the weight was
+    fitted too, one round each, four fits in a row here gave w 0.25-0.41, and the calibrations
+    of the 4-rank validations 0.16-0.76). :func:`hpcnn.plan.hybrid.price` of
     the same layouts on ``machine`` (the figures measured before) with a bubble weight w and a
     constant handoff h is affine in h: with w = ``weight`` (what :func:`measure` passes:
     cores / ranks of the node, below), one h per shape (>= 0) prices its two steps best (least
@@ -629,9 +629,9 @@ def handoff_points(comm, machine, weight: float, steps: int = 16, shapes=None,
     collective) waits until the scheduler gives that peer a core, and the longer its pass, the
     longer the wait (on 4 ranks over 2 cores here 50-220 us after 0.9 ms passes, 40-90 us after
     0.2 ms ones); during a pipeline's fill and drain the ranks that compute ran faster than the
-    all-at-once rates (w 0.26-0.57). With one pipeline both effects cancel (without either, a
-    4-stage pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches, 1.22-1.24x at
-    32); two separate them.
+    all-at-once rates (fitted, w 0.26-0.57). With one pipeline both effects cancel (without
+    either, a 4-stage pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches,
+    1.22-1.24x at 32); two separate them.
     Back-to-back timings (:func:`pingpong`, every rank in step) see neither. Figures of the
     machine's scheduler and the framework, like the stage pass, not of a model planned: the
     shapes are fixed here."""
@@ -931,7 +931,8 @@ def device_rates(rounds: int = FULL_ROUNDS) -> dict:
             rates[f"activation.{kind}"] = act
     # the matmul rate the efficiencies were solved against (above)
     level = float(np.median(rounds_f32)) / rates["float32"]
-    rates = {**rates, **{dt: rates[dt] * level for dt in DTYPES}}
+    for dt in DTYPES:
+        rates[dt] *= level
     stage = stage_costs("float32", rounds)
     if stage is not None:
         rates["overhead.stage"], rates["forward.stage"] = stage
@@ -1075,13 +1076,13 @@ def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
     ranks_here = comm.allreduce(local.Get_size(), op=MPI.MAX)
     local.Free()
     cold = comm.allreduce(ranks_here <= cores_here(), op=MPI.LAND)
-    repeats = max(1, COLD_REPEATS * rounds // FULL_ROUNDS)   # as many at the default 15 rounds
+    repeats = _in_proportion(COLD_REPEATS, rounds)           # as many at the default 15 rounds
     window = SUSTAIN_S * min(1.0, rounds / FULL_ROUNDS)
     alone = device_rates(rounds) if rank == 0 else None
     _quiet_barrier(comm)                      # the others sleep while rank 0 times alone
     alone = comm.bcast(alone, root=0)
     together = shared_figures(alone, *sustained_medians(
-        comm, window, not cold, max(1, SUSTAIN_ROUNDS * rounds // FULL_ROUNDS)))
+        comm, window, not cold, _in_proportion(SUSTAIN_ROUNDS, rounds)))
     seconds = pingpong(comm, cold=cold, repeats=repeats) if size > 1 else None
     reduce = allreduce_times(comm, cold=cold, repeats=repeats) if size > 1 else None
     meas = {"alone": alone, "together": together, "sizes": list(SIZES),
@@ -1094,9 +1095,15 @@ def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
         meas["after_compute"] = after_compute_points(comm)
         meas["handoff"] = comm.bcast(handoff_points(
             comm, machine_of(meas, "calibrating", size), min(1.0, cores_here() / ranks_here),
-            rounds=max(1, HANDOFF_ROUNDS * rounds // FULL_ROUNDS)), root=0)
+            rounds=_in_proportion(HANDOFF_ROUNDS, rounds)), root=0)
         meas["collective_scale"] = layout_scale(comm, machine_of(meas, "calibrating", size))
     return meas
+
+
+def _in_proportion(count: int, rounds: int) -> int:
+    """``count`` (what a calibration of :data:`FULL_ROUNDS` rounds times) for one of ``rounds``
+    rounds, in proportion, at least 1."""
+    return max(1, count * rounds // FULL_ROUNDS)
 
 
 def cores_here() -> int:
