@@ -327,6 +327,16 @@ def test_shared_figures_slow_cpu_time_by_the_sustained_ratio():
     flops = 1e9                           # the matmul part: rate / 2, efficiency x 2 / 2.5
     assert flops / (own["float32"] * own["efficiency.linear"]) == pytest.approx(
         2.5 * flops / (alone["float32"] * alone["efficiency.linear"]), rel=1e-12)
+    # with the step engine's GPT timed (engine.transformer), that kind's element-wise and
+    # ReLU-output seconds slow as its steps (1.25 here), not as the copy (1.5); others as before
+    eng = shared_figures({**alone, "elementwise.transformer": 4e-10, "activation.linear": 5e-10},
+                         {"float32": 120.0, "float64": 60.0, "copy": 12.0,
+                          "engine.transformer": 10.0},
+                         {"float32": 60.0, "float64": 20.0, "copy": 8.0, "engine.transformer": 8.0})
+    assert eng["elementwise.transformer"] == pytest.approx(5e-10, rel=1e-12)
+    assert eng["elementwise.linear"] == pytest.approx(4.5e-10, rel=1e-12)
+    assert eng["activation.linear"] == pytest.approx(7.5e-10, rel=1e-12)
+    assert eng["engine.transformer"] == pytest.approx(1.25) and eng["slowdown"] == 2.0
     # a kind slowing less than the matmul would be priced above 1: capped
     capped = shared_figures(alone, {"float32": 120.0, "float64": 60.0, "copy": 12.0,
                                     "block.linear": 50.0},
@@ -344,13 +354,13 @@ def test_sustained_medians_alternate_alone_and_together_windows(monkeypatch):
     script = iter([{"float32": 100.0}, {"float32": 50.0}, {"float32": 300.0},
                    {"float32": 10.0}, {"float32": 200.0}, {"float32": 60.0}])
 
-    def fake(seconds, blocks=False):
-        calls.append((seconds, blocks))
+    def fake(seconds, blocks=False, engine=False):
+        calls.append((seconds, blocks, engine))
         return next(script)
     monkeypatch.setattr(measure, "sustained_rates", fake)
     alone, together = measure.sustained_medians(MPI.COMM_SELF, 0.25, True, 3)
     assert alone == {"float32": 200.0} and together == {"float32": 50.0}
-    assert calls == [(0.25, True)] * 6
+    assert calls == [(0.25, True, False)] * 6
 
 
 def test_fit_handoff_recovers_the_wait_at_the_given_bubble_weight():

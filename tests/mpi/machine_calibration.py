@@ -63,8 +63,11 @@ assert text.count("# Cold (each call after a copy" if p <= cores_here() else
 from hpcnn.parallel.collectives.measure import handoff_points  # noqa: E402
 assert ("# Handoff" in text) == (p > cores_here()) == bool(node.handoff), text
 assert node.bubble_weight == (min(1.0, cores_here() / p) if node.handoff else 1.0), node
-# a core per rank: element-wise seconds slowed as the copy; ranks sharing cores: by the blocks'
+# a core per rank: the transformer's element-wise seconds slowed as the step engine's GPT, the
+# others' as the copy; ranks sharing cores: by the blocks'
 assert ("each block kind's figures by its reference blocks'" in text) == (p > cores_here()), text
+assert ("the transformer element-wise seconds by the step engine's GPT x" in text) == (
+    1 < p <= cores_here()), text
 pts, w = handoff_points(world, m, 0.5, steps=5, shapes=((8, 2, 4, 1),), rounds=2)
 assert len(pts) == 1 and 0 < pts[0][0] < 0.05 and 0 <= pts[0][1] < 0.05 and w == 0.5, (pts, w)
 assert len({repr((pts, w)) for _ in [0]} | set(map(repr, world.allgather((pts, w))))) == 1

@@ -28,7 +28,8 @@
   what a rank gets while all compute (:func:`shared_figures`): the figures alone slowed by the
   ratio of the sustained rates, ~1 with a core per rank, ~2 with two ranks per core; when the
   ranks share cores, each block kind's by the ratio of its own reference blocks run over a
-  window alone and all at once.
+  window alone and all at once; with a core per rank, the transformer's element-wise seconds
+  by that of a one-block GPT's steps through the step engine.
 - **Handoff** (:func:`handoff_points`), only when the node holds more ranks than cores: small
   GPTs of three sizes as 1F1B pipelines over all ranks through the step engine, each with p and
   4p micro-batches, the wait per blocking exchange and the weight of the fill and drain that
@@ -945,12 +946,15 @@ def device_rates(rounds: int = FULL_ROUNDS) -> dict:
     return rates
 
 
-def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False) -> dict:
-    """{"float32", "float64": matmul FLOP/s, "copy": bytes/s} and with ``blocks`` "block.KIND":
+def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False,
+                    engine: bool = False) -> dict:
+    """{"float32", "float64": matmul FLOP/s, "copy": bytes/s}, with ``blocks`` "block.KIND":
     forward + backward passes per second of the kind's wide and narrow reference blocks
-    (:data:`EFFICIENCY_SHAPES`), as the work done over a wall-clock window of ``seconds`` each:
-    when ranks outnumber cores the scheduler shares a core in slices of milliseconds, which the
-    median of single calls misses and a window's mean counts."""
+    (:data:`EFFICIENCY_SHAPES`), with ``engine`` "engine.KIND": steps per second of the kind's
+    top :data:`TOKENS_LADDER` rung through the one-rank step engine (a one-block GPT, 1F1B over
+    :data:`STAGE_MICRO` micro-batches), as the work done over a wall-clock window of
+    ``seconds`` each: when ranks outnumber cores the scheduler shares a core in slices of
+    milliseconds, which the median of single calls misses and a window's mean counts."""
     out = {}
     rng = np.random.default_rng(0)
     for dt in DTYPES:
@@ -963,12 +967,16 @@ def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False) -> dict:
     for kind, shapes in EFFICIENCY_SHAPES.items() if blocks else ():   # wide and narrow refs
         runs = [_blocks_pass(kind, shape, "float32")[0] for shape in shapes[:2]]
         out[f"block.{kind}"] = 1.0 / _window_seconds(lambda: [run() for run in runs], seconds)
+    for kind, (width, heads, seq, counts) in TOKENS_LADDER.items() if engine else ():
+        step = _engine_step(1, width, heads, seq, STAGE_MICRO * counts[-1], "float32")
+        out[f"engine.{kind}"] = 1.0 / _window_seconds(lambda: step("1f1b", STAGE_MICRO), seconds)
     return out
 
 
-def sustained_medians(comm, window: float, blocks: bool, rounds: int) -> tuple:
+def sustained_medians(comm, window: float, blocks: bool, rounds: int,
+                      engine: bool = False) -> tuple:
     """(alone, together) sustained rates (:func:`sustained_rates` over ``window`` seconds, with
-    the reference blocks when ``blocks``): rank 0's by itself and the slowest rank's while every
+    the reference blocks when ``blocks``, the step engine's GPT when ``engine``): rank 0's by itself and the slowest rank's while every
     rank runs at once, alternated ``rounds`` times, each figure the median over its rounds, the
     same on every rank (:func:`shared_figures` takes their ratios).
 
@@ -981,9 +989,9 @@ def sustained_medians(comm, window: float, blocks: bool, rounds: int) -> tuple:
     alone, together = [], []
     for _ in range(rounds):
         if comm.Get_rank() == 0:
-            alone.append(sustained_rates(window, blocks))
+            alone.append(sustained_rates(window, blocks, engine))
         _quiet_barrier(comm)                               # the others sleep meanwhile
-        mine = sustained_rates(window, blocks)             # every rank at once
+        mine = sustained_rates(window, blocks, engine)     # every rank at once
         together.append({k: comm.allreduce(v, op=MPI.MIN) for k, v in mine.items()})
     alone = comm.bcast(alone, root=0)
     return tuple({k: float(np.median([r[k] for r in runs])) for k in runs[0]}
@@ -1022,7 +1030,13 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
     traffic: with both cores of this machine busy the copy slowed 1.2-1.3x where the matmul
     slowed 1.0-1.05x; a plan validation's GPT layouts on 2 ranks ran 1.11x their price with the
     matmul's factor, 1.06x with the copy's; re-priced on one later 2-rank validation, the
-    copy's gave MAPE 4.4 % where the blocks' own factor below gave 10.4 %).
+    copy's gave MAPE 4.4 % where the blocks' own factor below gave 10.4 %), except where
+    :func:`measure` passes the step engine's GPT (``engine.KIND``, a core per rank): that
+    kind's element-wise and ReLU-output seconds slow as its steps. The copy of 64 MiB streams
+    from memory, which the host shares: on one day here it slowed 1.40-1.65x all at once
+    (1.74-1.79x in probes) while copies of 1-16 MiB, the reference blocks and the engine's GPT
+    slowed 1.00-1.10x, and a 2-rank validation's GPT layouts ran 0.85x their price (MAPE 17 %;
+    with the element-wise at no slowdown, 4.0 %); the days before, the copy had slowed 1.01-1.25x.
     When ranks share cores (:func:`measure` passes the reference blocks' sustained rates,
     ``block.KIND``, only then), a kind's fixed, element-wise and ReLU-output seconds multiply
     by the factor of the kind's own reference blocks and its efficiency by the matmul's factor
@@ -1047,7 +1061,7 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
         if table == "overhead":
             out[key] = value * (own or slow["float32"])
         elif table in ("elementwise", "activation"):
-            out[key] = value * (own or slow["copy"])
+            out[key] = value * (own or slow.get(f"engine.{kind}") or slow["copy"])
         elif table == "efficiency":
             out[key] = min(1.0, value * slow["float32"] / own) if own else value
         elif table == "update":
@@ -1058,6 +1072,7 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
             out[key] = value / slow[key]
     out["slowdown"] = slow["float32"]
     out.update({f"slowdown.{k[6:]}": v for k, v in slow.items() if k.startswith("block.")})
+    out.update({k: v for k, v in slow.items() if k.startswith("engine.")})
     return out
 
 
@@ -1081,8 +1096,8 @@ def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
     alone = device_rates(rounds) if rank == 0 else None
     _quiet_barrier(comm)                      # the others sleep while rank 0 times alone
     alone = comm.bcast(alone, root=0)
-    together = shared_figures(alone, *sustained_medians(
-        comm, window, not cold, _in_proportion(SUSTAIN_ROUNDS, rounds)))
+    together = shared_figures(alone, *sustained_medians(          # engine: a core per rank
+        comm, window, not cold, _in_proportion(SUSTAIN_ROUNDS, rounds), cold and size > 1))
     seconds = pingpong(comm, cold=cold, repeats=repeats) if size > 1 else None
     reduce = allreduce_times(comm, cold=cold, repeats=repeats) if size > 1 else None
     meas = {"alone": alone, "together": together, "sizes": list(SIZES),
@@ -1174,9 +1189,11 @@ def machine_text(meas: dict, name: str, size: int) -> str:
     the raw figures, then :meth:`Machine.to_toml` of :func:`machine_of`."""
     tog, alone = meas["together"], meas["alone"]
     kinds = _kinds(tog, "slowdown")           # the blocks' own factors, where ranks share cores
+    engine = _kinds(tog, "engine")            # a core per rank: the step engine's GPT
     blocks = ("each block kind's figures by its reference blocks' (ranks share cores): "
               + ", ".join(f"{k} x{v:.2f}" for k, v in kinds.items()) + "; " if kinds
-              else "the element-wise seconds by ")
+              else "".join(f"the {k} element-wise seconds by the step engine's GPT x{v:.2f}, "
+                           for k, v in engine.items()) + "the other element-wise seconds by ")
     head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
             f"({meas['ranks_here']} sharing this node's memory).",
             "# Device: what each rank gets while all ranks compute at once: rank 0's figures "
