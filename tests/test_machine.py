@@ -424,6 +424,10 @@ def test_calibrate_write_on_one_rank(tmp_path):
     assert CALIBRATE["rounds"][0] == FULL_ROUNDS
 
 
+def test_layout_scale_fits_the_pairs_scale_apart_on_four_ranks():
+    assert "layout_scale_pairs OK on 4 ranks" in run_mpi("layout_scale_pairs", 4, timeout=120)
+
+
 def test_calibrate_write_on_two_ranks(tmp_path):
     out = run_mpi("machine_calibration", 2, tmp_path)
     assert "machine_calibration OK on 2 ranks" in out
@@ -602,6 +606,22 @@ def test_a_levels_collectives_after_compute_are_read_off_their_curves():
                          (math.inf, "expected a finite number > 0"), ("x", "expected a number")):
         with pytest.raises(ValueError, match=f"level 'node': collective_scale = .*: {message}"):
             replace(plain, collective_scale=bad)
+    # group_scales: the curves of that group size times their own scale, the others' as before
+    own = replace(scaled, group_scales=((2, 0.5),))
+    assert own.collective_seconds("allreduce", 2, 1536, 1e-3) == pytest.approx(1.5e-4)
+    assert own.collective_seconds("alltoall", 8, 24) == pytest.approx(2.5 * 5.5e-5)
+    assert own.scale_of(2) == 0.5 and own.scale_of(8) == 2.5
+    assert own.curve_group("allreduce", 3) == 2
+    assert own.curve_group("allreduce", 4) == 8 and own.curve_group("gather", 2) is None
+    m3 = hm.Machine("m", (own,), dev)
+    assert hm.loads(m3.to_toml()) == m3 and "group_scales = [[2, 0.5]]" in m3.to_toml()
+    for bad, message in (([[3, 0.5]], r"\[0\] n = 3: expected the group size of an after_c"),
+                         ([[2, 0.0]], r"\[0\] k = 0.0: expected a number > 0"),
+                         ([[2, math.inf]], r"\[0\] k = inf: expected a finite number > 0"),
+                         ([[8, 1.0], [2, 1.0]], r"\[1\] n = 2: the group sizes must increase"),
+                         ([2, 0.5], r"\[0\] = 2: expected \[n, k\]")):
+        with pytest.raises(ValueError, match=f"level 'node': group_scales{message}"):
+            replace(lv, group_scales=bad)
     for bad, message in (
             ({"gather.2": ((0, 8, 1e-4),)}, r"after_compute: key 'gather.2': expected \"allr"),
             ({"allreduce.1": ((0, 8, 1e-4),)}, r"after_compute: key 'allreduce.1': expected"),
@@ -652,12 +672,44 @@ def test_tokens_slowdown_scales_flop_and_elementwise_seconds():
 
 
 def test_the_tokens_slowdown_is_written_only_where_each_rank_has_a_core():
-    """machine_of keeps the calibrated tokens pieces where ranks were timed cold (a core each)
-    and leaves them out where ranks share cores (the handoff figures price small passes there)."""
+    """machine_of keeps the calibrated transformer tokens pieces where ranks were timed cold (a
+    core each) and leaves them out where ranks share cores (the handoff figures price small
+    passes there); the linear kind's rows pieces are kept either way."""
     from hpcnn.parallel.collectives.measure import machine_of
     pieces = ((64, 1.8), (128, 1.3), (512, 1.0), (math.inf, 1.0))
+    rows = ((32, 1.8), (64, 1.4), (256, 1.0), (math.inf, 1.0))
     tog = {"float32": 1e11, "float64": 5e10, "copy": 1e10, "efficiency.transformer": 0.9,
-           "tokens.transformer": pieces}
+           "tokens.transformer": pieces, "tokens.linear": rows}
     meas = {"together": tog, "cpu": "cpu: test", "ranks_here": 1, "update": None}
-    assert machine_of({**meas, "cold": True}, "m", 1).device.tokens == {"transformer": pieces}
-    assert machine_of({**meas, "cold": False}, "m", 1).device.tokens == {}
+    assert machine_of({**meas, "cold": True}, "m", 1).device.tokens == {"transformer": pieces,
+                                                                         "linear": rows}
+    assert machine_of({**meas, "cold": False}, "m", 1).device.tokens == {"linear": rows}
+
+
+def test_rows_costs_give_the_linear_kinds_slowdown_by_rows():
+    """The rows ladder: one piece per rung of LINEAR_ROWS and one to infinity, 1 at the top rung
+    and above, every factor positive and finite (their size is the machine's)."""
+    from hpcnn.parallel.collectives.measure import LINEAR_ROWS, rows_costs
+    got = rows_costs("float32", 1e-5, repeats=2)
+    assert [n for n, _ in got] == [*LINEAR_ROWS[2], math.inf]
+    assert [f for _, f in got][-2:] == [1.0, 1.0] and all(0.2 < f < 10 for _, f in got), got
+
+
+def test_a_linears_compute_is_slowed_by_its_rows_per_rank():
+    """cost.strategy_cost prices a Linear's FLOP and element-wise seconds at the linear kind's
+    rows slowdown for the rows each rank computes (the batch over its batch parts), the fixed
+    cost not, and names it S_linear(rows) in the formula."""
+    from dataclasses import replace
+    from hpcnn.parallel.layout import Cut
+    from hpcnn.plan.cost import mlp_graph, strategy_cost
+    dev = hm.Device("d", {"float32": 1e10}, 1e10, 1e12, efficiency={"linear": 0.5},
+                    overhead={"linear": 1e-5}, elementwise={"linear": 1e-10})
+    m = hm.Machine("m", (hm.Level("node", 4, 1e-6, ((math.inf, 1e9),)),), dev)
+    slow = replace(m, device=replace(dev, tokens={"linear": ((64, 2.0), (256, 1.0),
+                                                             (math.inf, 1.0))}))
+    g = mlp_graph([64, 128, 10], 256)
+    for cuts, factor in (([Cut(4, 1, 1)] * 2, 2.0), ([Cut(1, 1, 4)] * 2, 1.0)):
+        plain, slowed = (strategy_cost(g, cuts, mm).terms[0] for mm in (m, slow))
+        assert slowed.seconds - 1e-5 == pytest.approx(factor * (plain.seconds - 1e-5), rel=1e-12)
+        assert slowed.formula.startswith(f"S_linear({256 // cuts[0].batch})*(")
+        assert "S_linear" not in plain.formula

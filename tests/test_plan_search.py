@@ -25,12 +25,13 @@ def _Level(name, latency_s, seconds_per_byte):
 
 class _Device:
     memory_bandwidth = 1e12
+    tokens = {}                                  # no slowdown by rows
 
     def __init__(self, flops):
         self.flops = flops
 
     def compute_seconds(self, flops, dtype="float32", kind=None, calls=0, cache_bytes=0,
-                        activation_bytes=0):
+                        activation_bytes=0, tokens=None):
         return flops / self.flops[dtype]
 
     def stream_seconds(self, nbytes):
@@ -411,11 +412,25 @@ def test_the_collective_scale_fitted_on_reference_runs_prices_them_back():
     for k in (0.7, 2.5):
         km = rep(m, levels=(rep(level, collective_scale=k),))
         runs = [(strategy_cost(g, cuts, km).seconds, cuts) for cuts in plans]
-        assert _fit_scale(runs, m) == pytest.approx(k, rel=1e-3)
+        assert _fit_scale(runs, m) == (pytest.approx(k, rel=1e-3), ())
     fast = [(1e-6, cuts) for cuts in plans]                  # faster than the compute alone
-    assert _fit_scale(fast, m) == 0.1
+    assert _fit_scale(fast, m) == (0.1, ())
     bare = rep(m, levels=(rep(level, after_compute={}),))
-    assert _fit_scale([(1e-3, cuts) for cuts in plans], bare) == 1.0
+    assert _fit_scale([(1e-3, cuts) for cuts in plans], bare) == (1.0, ())
+    # 4 ranks, curves over pairs and over all: each group's scale back, from plans of both
+    curves4 = {**curves, "allreduce.4": ((0.0, 8, 3e-4), (0.0, 1 << 20, 3e-3)),
+               "alltoall.4": ((0.0, 8, 4e-4), (0.0, 1 << 20, 4e-3))}
+    level4 = Level("node", 4, 1e-5, ((math.inf, 1e9),), after_compute=curves4)
+    m4 = Hsm("m", (level4,), Device("d", {"float32": 1e10}, 1e11, 1e12))
+    plans4 = [[Cut(1, 1, 4)] * 3, [Cut(1, 4, 1)] * 3, [Cut(4, 1, 1)] * 3,
+              [Cut(1, 1, 4), Cut(1, 2, 2), Cut(1, 2, 1)], [Cut(1, 2, 2), Cut(1, 2, 2), Cut(1, 4, 1)],
+              [Cut(2, 1, 2), Cut(1, 1, 4), Cut(1, 4, 1)]]
+    km4 = rep(m4, levels=(rep(level4, collective_scale=1.3, group_scales=((2, 0.9),)),))
+    runs4 = [(strategy_cost(g, cuts, km4).seconds, cuts) for cuts in plans4]
+    k, own = _fit_scale(runs4, m4, (2,))
+    assert k == pytest.approx(1.3, rel=1e-3) and own == ((2, pytest.approx(0.9, rel=1e-3)),)
+    only_all = _fit_scale(runs4[:3], m4, (2,))               # no plan over pairs: no own scale
+    assert only_all[1] == ()
 
 
 def test_least_price_is_the_cheapest_strategy_and_knows_its_limit():

@@ -235,7 +235,8 @@ def _allreduce(machine, what: str, n: int, stride: int, nbytes: float,
     lvl = _level(machine, n * stride)
     measured = lvl.collective_seconds("allreduce", n, nbytes, after)
     if measured is not None:
-        return Term(what, f"{_scale(lvl)}A{n}_{lvl.name}({nbytes:g})", measured, nbytes, n)
+        return Term(what, f"{_scale(lvl, 'allreduce', n)}A{n}_{lvl.name}({nbytes:g})", measured,
+                    nbytes, n)
     g = "r" if lvl.reduce_bandwidth else "g"            # a reduce step's rate, or a message's
     return Term(what, f"{_handoff(lvl)}2*({n}-1)*(L_{lvl.name} + {nbytes / n:g}*{g}_{lvl.name})",
                 lvl.allreduce_seconds(nbytes, n, after), nbytes, n)
@@ -246,8 +247,13 @@ def _handoff(lvl) -> str:
     return f"H_{lvl.name} + " if any(h for _, h in lvl.handoff) else ""
 
 
-def _scale(lvl) -> str:
-    """The symbol of the level's ``collective_scale`` in a formula, where it is not 1."""
+def _scale(lvl, kind: str, n: int) -> str:
+    """The symbol of the scale of the level's curve for a ``kind`` collective over ``n`` ranks
+    in a formula, where it is not 1: K_level (``collective_scale``), KN_level for a curve of N
+    ranks with its own (``group_scales``)."""
+    group = lvl.curve_group(kind, n)
+    if group in dict(lvl.group_scales):
+        return f"K{group}_{lvl.name}*" if lvl.scale_of(group) != 1 else ""
     return f"K_{lvl.name}*" if lvl.collective_scale != 1 else ""
 
 
@@ -277,10 +283,15 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
     rows = op.i / c.batch
     cache = rows * op.k / c.reduce * size                    # the cached input x
     act = rows * op.j / c.out * size if relu else 0.0       # the ReLU's output y
+    slow = f"S_linear({rows:g})*" if "linear" in machine.device.tokens else ""
     terms = [Term(f"op{n} compute",
+                  f"{slow}(3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear)"
+                  f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else "")
+                  + ") + o_linear" if slow else
                   f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear"
                   f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else ""),
-                  machine.device.compute_seconds(flops, dtype, "linear", 1, cache, act))]
+                  machine.device.compute_seconds(flops, dtype, "linear", 1, cache, act,
+                                                 tokens=rows))]
     after = _product(terms[0])           # each collective follows one of the products
     local = _local_params(op, c)                           # weight and bias parts
     measured = optimizer in getattr(machine.device, "update", {})
@@ -397,7 +408,8 @@ def _move_term(what: str, lvl, nbytes: float, group: int, after: float) -> Term:
     handoff."""
     measured = lvl.collective_seconds("alltoall", group, nbytes, after)
     if measured is not None:
-        return Term(what, f"{_scale(lvl)}X{group}_{lvl.name}({nbytes:g})", measured, nbytes,
+        return Term(what, f"{_scale(lvl, 'alltoall', group)}X{group}_{lvl.name}({nbytes:g})",
+                    measured, nbytes,
                     group)
     return Term(what, f"({_handoff(lvl)}L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
                 lvl.message_seconds(nbytes, after), nbytes, group)

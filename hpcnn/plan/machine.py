@@ -161,7 +161,11 @@ class Level:
     included) instead of from L, g and H, times ``collective_scale`` (1 by default): what the
     layout executor's collectives took in training against these curves, fitted by calibration
     on reference MLPs through the step engine
-    (:func:`hpcnn.parallel.collectives.measure.layout_scale`)."""
+    (:func:`hpcnn.parallel.collectives.measure.layout_scale`). ``group_scales`` ((n, k), ...)
+    gives the curves of group size n their own scale k in place of ``collective_scale``:
+    calibration fits one for the groups of 2 where the ranks pair up (on 4 ranks over 2 cores
+    here the reference MLPs' collectives over pairs took 0.69x the scale of those over all
+    ranks, 0.905 against 1.32)."""
     name: str
     fanout: int
     latency_s: float
@@ -171,6 +175,7 @@ class Level:
     bubble_weight: float = 1.0
     after_compute: dict = field(default_factory=dict, hash=False)
     collective_scale: float = 1.0
+    group_scales: tuple = ()
 
     def __post_init__(self):
         where = f"level {self.name!r}"
@@ -197,6 +202,8 @@ class Level:
             raise ValueError(f"{where}: collective_scale = {self.collective_scale!r}: expected a "
                              "finite number > 0")
         object.__setattr__(self, "collective_scale", scale)
+        object.__setattr__(self, "group_scales", _group_scales(
+            self.group_scales, f"{where}: group_scales", self.after_compute))
 
     def seconds_per_byte(self, nbytes: int) -> float:
         """g_l(n): 1 / bytes_per_s of the first piece with n <= max_bytes."""
@@ -246,16 +253,26 @@ class Level:
         tie); per measured compute c, linear in bytes between the sizes, the first size's
         seconds below it and the last two sizes' slope past the last; linear in c between the
         measured c, flat outside them; times ``collective_scale``."""
-        sizes = [int(k.split(".")[1]) for k in self.after_compute if k.split(".")[0] == kind]
-        if not sizes:
+        near = self.curve_group(kind, n)
+        if near is None:
             return None
-        near = min(sizes, key=lambda m: (abs(math.log(m / max(n, 1))), -m))
-        rows = self.after_compute[f"{kind}.{near}"]
         curves = {}
-        for c, b, t in rows:
+        for c, b, t in self.after_compute[f"{kind}.{near}"]:
             curves.setdefault(c, []).append((b, t))
         at = [(c, _along(curves[c], nbytes)) for c in sorted(curves)]
-        return self.collective_scale * _between(at, after)
+        return self.scale_of(near) * _between(at, after)
+
+    def curve_group(self, kind: str, n: int) -> int | None:
+        """The group size of the ``after_compute`` curve that prices a ``kind`` collective over
+        ``n`` ranks: the measured size nearest n in log n, the larger on a tie (None: no
+        curve of that kind)."""
+        sizes = [int(k.split(".")[1]) for k in self.after_compute if k.split(".")[0] == kind]
+        return min(sizes, key=lambda m: (abs(math.log(m / max(n, 1))), -m)) if sizes else None
+
+    def scale_of(self, group: int) -> float:
+        """The scale of the curves of ``group`` ranks: its ``group_scales`` entry, else
+        ``collective_scale``."""
+        return dict(self.group_scales).get(group, self.collective_scale)
 
 
 def _between(points, x: float) -> float:
@@ -311,6 +328,26 @@ def _curves(table, what: str) -> dict:
             checked.append((c, b, t))
         out[f"{kind}.{int(n)}"] = tuple(checked)
     return out
+
+
+def _group_scales(items, what: str, curves: dict) -> tuple:
+    """A level's ``group_scales`` checked: ((int n, float k), ...), n an integer >= 2 with an
+    ``after_compute`` curve of that group size, k finite and > 0, n increasing; empty for
+    none."""
+    out = []
+    sizes = {int(key.split(".")[1]) for key in curves}
+    for i, (n, k) in _pairs(items, what, ("n", "k")):
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n not in sizes:
+            raise ValueError(f"{what}[{i}] n = {n!r}: expected the group size of an "
+                             f"after_compute curve ({sorted(sizes)})")
+        k = _positive(k, f"{what}[{i}] k")
+        if math.isinf(k):
+            raise ValueError(f"{what}[{i}] k = {k!r}: expected a finite number > 0")
+        if out and int(n) <= out[-1][0]:
+            raise ValueError(f"{what}[{i}] n = {n!r}: the group sizes must increase (previous "
+                             f"{out[-1][0]})")
+        out.append((int(n), k))
+    return tuple(out)
 
 
 def _pairs(items, what: str, names: tuple):
@@ -649,6 +686,10 @@ class Machine:
             if lv.collective_scale != 1:
                 lines.append(f"collective_scale = {_toml_num(lv.collective_scale)}"
                              "   # the executor's collectives in training / after_compute")
+            if lv.group_scales:
+                lines.append("group_scales = [" + ", ".join(
+                    f"[{n}, {_toml_num(k)}]" for n, k in lv.group_scales)
+                    + "]   # [n, k]: the scale of the curves of n ranks, where not the one above")
             if lv.after_compute:
                 lines += ["", "[levels.after_compute]".ljust(32) + "# a collective's seconds "
                           "after c seconds of compute: [c, bytes, seconds]"]
@@ -727,7 +768,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
                                 else [[0.0, lv["handoff_s"]]],
                                 bubble_weight=lv.get("bubble_weight", 1.0),
                                 after_compute=lv.get("after_compute", {}),
-                                collective_scale=lv.get("collective_scale", 1.0)))
+                                collective_scale=lv.get("collective_scale", 1.0),
+                                group_scales=lv.get("group_scales", ())))
     with _named(where):
         return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
                        source=str(doc.get("source", "")))

@@ -50,11 +50,13 @@ with open(path) as f:
 assert "ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text
 # timed cold (after a copy) unless the node holds more ranks than cores
 from hpcnn.parallel.collectives.measure import cores_here  # noqa: E402
-# the tokens slowdown only where each rank has a core (measure.machine_of)
-assert set(m.device.tokens) == ({"transformer"} if p <= cores_here() else set()), m.device.tokens
-for pieces in m.device.tokens.values():       # the ladder: 64 .. 512 tokens, 1 from its top on
-    assert [t for t, _ in pieces] == [64, 128, 256, 512, math.inf], pieces
-    assert [f for _, f in pieces][-2:] == [1.0, 1.0] and all(0.3 < f < 5 for _, f in pieces)
+# the transformer's tokens slowdown only where each rank has a core, the linear kind's rows
+# slowdown everywhere (measure.machine_of)
+assert set(m.device.tokens) == ({"transformer", "linear"} if p <= cores_here() else {"linear"})
+for kind, pieces in m.device.tokens.items():  # the ladders: 64 .. 512 tokens, 32 .. 256 rows
+    assert [t for t, _ in pieces] == ([64, 128, 256, 512, math.inf] if kind == "transformer"
+                                      else [32, 64, 128, 256, math.inf]), pieces
+    assert [f for _, f in pieces][-2:] == [1.0, 1.0] and all(0.2 < f < 10 for _, f in pieces)
 assert text.count("# Cold (each call after a copy" if p <= cores_here() else
                   "# Back to back (more ranks than cores here)") == 1, text
 # the handoff (a blocking exchange's wait for its peer's core) and the pipeline's fill and drain
@@ -94,9 +96,10 @@ assert lv.collective_seconds("allreduce", p, 1024) >= 0
 from dataclasses import replace  # noqa: E402
 from hpcnn.parallel.collectives.measure import layout_scale  # noqa: E402
 with_curves = replace(m, levels=(replace(node, after_compute=curves),))
-k = layout_scale(world, with_curves, plans=(("col", "col", "col"), ("rep", "rep", "rep")),
-                 steps=5, rounds=1)
+k, own = layout_scale(world, with_curves, plans=(("col", "col", "col"), ("rep", "rep", "rep")),
+                      steps=5, rounds=1)
 assert 0.1 <= k < 1e4 and len(set(world.allgather(k))) == 1, k
+assert own == (), own                   # on 2 ranks the pairs are all ranks: one scale
 assert ("collective_scale" in text) == (shared and node.collective_scale != 1), text
 # a directory that does not exist: refused on every rank, before any collective
 assert cmd_calibrate([f"--write={os.path.join(sys.argv[1], 'no', 'x.toml')}"]) == 2

@@ -114,6 +114,10 @@ OVERHEAD_SHAPES = {"transformer": (8, 2, (1, 4, 8)), "linear": (8, 8, (1, 8))}
 # width 192, 6 heads, context 64 (apart from the experiments' width 128) through the step
 # engine, micro-batches of 1 .. 8 sequences, 64 to 512 tokens; the transformer kind only.
 TOKENS_LADDER = {"transformer": (192, 6, 64, (1, 2, 4, 8))}
+# The rows ladder of the linear kind's slowdown by rows per call (Device.tokens["linear"]): a
+# Linear and its ReLU, 512 -> 512, on 32 .. 256 rows (the wide efficiency reference's 256 the
+# top rung).
+LINEAR_ROWS = (512, 512, (32, 64, 128, 256))
 # The stage pass figure: a GPT of one block of the transformer overhead's size (vocabulary 16)
 # through the step engine, a one-rank 1F1B list of this many micro-batches of one sequence.
 STAGE_MICRO = 8
@@ -151,6 +155,11 @@ AFTER_ROUNDS = 3
 LAYOUT_MLP = (64, (512, 512), 10, 128)
 LAYOUT_PLANS = (("col", "col", "col"), ("row", "row", "row"), ("dp", "dp", "dp"),
                 ("col", "row", "rep"), ("rep", "rep", "rep"))
+# Plans whose collectives run over pairs of ranks where they pair up (p > 2, even; "k2": the
+# input in 2 parts and the output in p / 2, "k2r": the input in 2 parts, replicated p / 2
+# times, "b2": the batch in 2 and the output in p / 2): layout_scale fits their own scale.
+LAYOUT_PAIR_PLANS = (("col", "k2", "k2r"), ("k2", "k2", "row"), ("b2", "col", "row"),
+                     ("col", "k2", "rep"))
 LAYOUT_STEPS = 16
 LAYOUT_ROUNDS = 2
 
@@ -457,6 +466,34 @@ def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = FULL_ROUNDS
     return tuple((n * seq, float(f)) for n, f in zip(counts, slowdown)) + ((np.inf, 1.0),)
 
 
+def rows_costs(dtype: str, fixed: float, repeats: int = FULL_ROUNDS) -> tuple:
+    """The linear kind's tokens pieces ((rows, slowdown), ..., (inf, 1)) in this process
+    (:class:`hpcnn.plan.machine.Device` ``tokens``; a Linear's tokens are its rows), given the
+    fixed seconds of one forward + backward of a Linear and its ReLU, ``fixed`` (the kind's
+    overhead, :func:`block_costs`).
+
+    Each of ``repeats`` rounds times, for each rung of :data:`LINEAR_ROWS`, a Linear and its
+    ReLU on that many rows (the median forward + backward of five); a rung's figure is its
+    seconds beyond ``fixed`` per row, its slowdown that over the top rung's; the medians over
+    rounds. The efficiency is fitted on references of 256-2048 rows, and a matmul's rate falls
+    with its rows whatever its weight's shape: here one of 64 rows ran at 0.70-0.76x the rate
+    of one of 256 for weights of 512 x 512 to 1024 x 1024 (0.85-0.88x at 128). Without it the
+    MLP plans whose middle Linear is cut on its batch (64 or 128 rows a rank) ran 1.15-1.38x
+    their price in 4-rank validations (1.10-1.26x at 2 ranks, 128 rows) against 1.03-1.11x for
+    the others; re-priced with these factors, the MLP's Kendall tau rose in all seven 2- and
+    4-rank validations tried (0.832 -> 0.851, 0.832 -> 0.867, 0.862 -> 0.913 at 4 ranks) and
+    its MAPE fell in each."""
+    width_in, width_out, counts = LINEAR_ROWS
+    rungs = [(n, _blocks_pass("linear", (width_in, width_out, (n, width_in)), dtype)[0])
+             for n in counts]
+    ratios = []
+    for _ in range(repeats):
+        per_row = [max(sum(_median_pass(run, 5)) - fixed, 1e-9) / n for n, run in rungs]
+        ratios.append([v / per_row[-1] for v in per_row])
+    slowdown = np.median(np.array(ratios), axis=0)
+    return tuple((float(n), float(f)) for n, f in zip(counts, slowdown)) + ((np.inf, 1.0),)
+
+
 def stage_costs(dtype: str, repeats: int = FULL_ROUNDS) -> tuple | None:
     """(seconds per forward + backward of a pipeline stage pass beyond its transformer blocks,
     the forward's share of them) in this process, or None where they measure nothing.
@@ -647,37 +684,46 @@ def handoff_points(comm, machine, weight: float, steps: int = 16, shapes=None,
 
 
 def layout_scale(comm, machine, plans=LAYOUT_PLANS, steps: int = LAYOUT_STEPS,
-                 rounds: int = LAYOUT_ROUNDS) -> float:
-    """Where ranks share cores: the level's ``collective_scale``, what the layout executor's
-    collectives took in training against the ``after_compute`` curves of ``machine`` (the
-    figures measured before), the same on every rank.
+                 rounds: int = LAYOUT_ROUNDS, pair_plans=LAYOUT_PAIR_PLANS) -> tuple:
+    """Where ranks share cores: the level's (``collective_scale``, ``group_scales``), what the
+    layout executor's collectives took in training against the ``after_compute`` curves of
+    ``machine`` (the figures measured before), the same on every rank.
 
     The reference MLP :data:`LAYOUT_MLP` is trained ``steps`` steps by the step engine on the
     digits data under each of ``plans`` (per Linear "col", "row", "dp" or "rep" over all of
-    ``comm``'s ranks), ``rounds`` rounds in turn; each step is the slowest rank's, a run's the
-    median after the first fifth, a plan's the median over rounds.
-    :func:`hpcnn.plan.cost.strategy_cost` of the same plan on ``machine`` is affine in the
-    scale k (its collectives priced from the curves times k): the k >= 0.1 of least squares of
-    the relative errors over the plans.
+    ``comm``'s ranks) and, where the machine has curves over pairs of ranks and the ranks
+    pair up (more than two, even), ``pair_plans`` (:data:`LAYOUT_PAIR_PLANS`), ``rounds``
+    rounds in turn; each step is the slowest rank's, a run's the median after the first fifth,
+    a plan's the median over rounds. :func:`hpcnn.plan.cost.strategy_cost` of the same plan on
+    ``machine`` is affine in the scales (its collectives priced from the curves times k, those
+    over pairs times k2 where pair plans ran): the scales of least squares of the relative
+    errors over the plans (:func:`_fit_scale`).
 
     The curves time a collective after a loop of matmuls, every rank alike; in training the
     ranks reach the layout executor's collectives after its Linears, ReLUs and copies: on 4
     ranks over 2 cores here, one calibration's curves priced the collectives of the
     validation's 1000 MLP plans at 0.41x (median) the seconds the ranks spent inside them,
     and re-priced with the curves times 1.5 their Kendall tau rose from 0.80 to 0.82 and their
-    MAPE fell from 12.7 % to 8.4 %. A figure of the executor on
-    this machine, like the handoff of the pipelines: the reference sizes are fixed here, and
-    re-planning another model reruns nothing."""
+    MAPE fell from 12.7 % to 8.4 %. With one scale fitted on plans whose collectives span all
+    ranks, the plans cut in pairs ran 0.79-0.90x their price in a 1000-plan validation (the
+    fastest of them, col-b1k2j2-b1k2j1, 0.90x, 12 % faster than the planner's choice); fitted
+    apart on the four pair plans, k2 was 0.905 where k was 1.32 (one probe, 3 rounds). A figure
+    of the executor on this machine, like the handoff of the pipelines: the reference sizes are
+    fixed here, and re-planning another model reruns nothing."""
     from hpcnn.parallel.layout import Cut
     p = comm.Get_size()
     make = {"col": Cut(1, 1, p), "row": Cut(1, p, 1), "dp": Cut(p, 1, 1), "rep": Cut(1, 1, 1)}
-    runs = {plan: [] for plan in plans}
+    pairs = p > 2 and p % 2 == 0 and any(k.endswith(".2") for k in machine.levels[0].after_compute)
+    if pairs:
+        make.update(k2=Cut(1, 2, p // 2), k2r=Cut(1, 2, 1), b2=Cut(2, 1, p // 2))
+    every = tuple(plans) + (tuple(pair_plans) if pairs else ())
+    runs = {plan: [] for plan in every}
     for _ in range(rounds):
-        for plan in plans:
+        for plan in every:
             runs[plan].append(_layout_step(comm, [make[c] for c in plan], steps))
     meas = {plan: float(np.median(t)) for plan, t in runs.items()}
-    return comm.bcast(_fit_scale([(meas[plan], [make[c] for c in plan]) for plan in plans],
-                                 machine), root=0)
+    return comm.bcast(_fit_scale([(meas[plan], [make[c] for c in plan]) for plan in every],
+                                 machine, (2,) if pairs else ()), root=0)
 
 
 def _layout_step(comm, cuts, steps: int) -> float:
@@ -701,29 +747,39 @@ def _layout_step(comm, cuts, steps: int) -> float:
         os.unlink(path)
 
 
-def _fit_scale(runs, machine) -> float:
-    """The ``collective_scale`` pricing ``runs`` ((measured step, cuts) of :data:`LAYOUT_MLP`)
-    best on ``machine`` (:func:`layout_scale`)."""
+def _fit_scale(runs, machine, groups=()) -> tuple:
+    """(``collective_scale``, ``group_scales``) pricing ``runs`` ((measured step, cuts) of
+    :data:`LAYOUT_MLP`) best on ``machine`` (:func:`layout_scale`): the least squares of the
+    relative errors, the price affine in the scale of the curves of each group size in
+    ``groups`` and in the scale of the others; a scale no run's price depends on is 1, each
+    other kept >= 0.1 (after the fit: not a bounded least squares)."""
     from hpcnn.plan import cost
     n_in, hidden, n_out, batch = LAYOUT_MLP
     graph = cost.mlp_graph([n_in, *hidden, n_out], batch)
 
-    def priced(cuts, k: float) -> float:
-        m = replace(machine, levels=tuple(replace(lv, collective_scale=k)
-                                          for lv in machine.levels))
+    def priced(cuts, k: float, own: tuple) -> float:
+        m = replace(machine, levels=tuple(replace(lv, collective_scale=k, group_scales=tuple(
+            (n, kn) for n, kn in zip(groups, own))) for lv in machine.levels))
         return cost.strategy_cost(graph, cuts, m, "float32").seconds
 
     meas = np.array([t for t, _ in runs])
-    base = np.array([priced(cuts, 1e-9) for _, cuts in runs])       # k -> 0: no collectives
-    grow = np.array([priced(cuts, 1.0) for _, cuts in runs]) - base
-    if not np.any(grow):
-        return 1.0
-    return float(f"{max(_affine_fit(base, grow, meas), 0.1):.4g}")
+    tiny = (1e-9,) * len(groups)                              # k -> 0: no such collectives
+    base = np.array([priced(cuts, 1e-9, tiny) for _, cuts in runs])
+    grow = np.array([[priced(cuts, *unit) for unit in [(1.0, tiny)] + [
+        (1e-9, tiny[:i] + (1.0,) + tiny[i + 1:]) for i in range(len(groups))]]
+        for _, cuts in runs]) - base[:, None]
+    scales = np.ones(grow.shape[1])
+    used = np.any(grow != 0, axis=0)
+    if used.any():
+        a = grow[:, used] / meas[:, None]
+        scales[used] = np.linalg.lstsq(a, (meas - base) / meas, rcond=None)[0]
+    scales = [float(f"{max(k, 0.1):.4g}") if u else 1.0 for k, u in zip(scales, used)]
+    return scales[0], tuple((n, k) for n, k, u in zip(groups, scales[1:], used[1:]) if u)
 
 
 def _affine_fit(base, grow, meas) -> float:
     """The x of least squares of the relative errors (base + x grow - meas) / meas, arrays of
-    prices affine in x and their measured steps (:func:`_fit_handoff`, :func:`_fit_scale`)."""
+    prices affine in x and their measured steps (:func:`_fit_handoff`)."""
     return float(np.sum(grow * (meas - base) / meas**2) / np.sum(grow**2 / meas**2))
 
 
@@ -910,7 +966,7 @@ def device_rates(rounds: int = FULL_ROUNDS) -> dict:
     "elementwise.transformer": .., "activation.linear": .., "forward.transformer": ..,
     "split.transformer": (in, w), "overhead.stage": .., "forward.stage": .. (the stage pass,
     :func:`stage_costs`), "elementwise.held": .. (:func:`held_costs`),
-    "tokens.transformer": ((tokens, slowdown), ...),
+    "tokens.transformer": ((tokens, slowdown), ...), "tokens.linear": ((rows, slowdown), ...),
     "update.adamw": ((max_params, seconds_per_param), ...)}.
 
     The float32 matmul rate is the median of the rates :func:`block_costs` timed in its rounds
@@ -940,6 +996,7 @@ def device_rates(rounds: int = FULL_ROUNDS) -> dict:
     for kind in TOKENS_LADDER:                  # through the step engine: the stage pass too
         rates[f"tokens.{kind}"] = tokens_costs(
             kind, "float32", rates[f"overhead.{kind}"] + (stage[0] if stage else 0.0), rounds)
+    rates["tokens.linear"] = rows_costs("float32", rates["overhead.linear"], rounds)
     rates["elementwise.held"] = held_costs("float32", rounds)
     for optimizer in UPDATE_OPTIMIZERS:
         rates[f"update.{optimizer}"] = update_costs(optimizer, repeats=update_repeats(rounds))
@@ -1103,7 +1160,8 @@ def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
     meas = {"alone": alone, "together": together, "sizes": list(SIZES),
             "seconds": seconds, "reduce_sizes": list(SIZES[1:]), "reduce_seconds": reduce,
             "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0),
-            "handoff": None, "update": None, "after_compute": None, "collective_scale": None}
+            "handoff": None, "update": None, "after_compute": None, "collective_scale": None,
+            "group_scales": None}
     if size > 1 and not cold:             # ranks share cores: what a blocking exchange waits
         meas["update"] = {opt: update_costs(opt, repeats=update_repeats(rounds), comm=comm)
                           for opt in UPDATE_OPTIMIZERS}
@@ -1111,7 +1169,8 @@ def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
         meas["handoff"] = comm.bcast(handoff_points(
             comm, machine_of(meas, "calibrating", size), min(1.0, cores_here() / ranks_here),
             rounds=_in_proportion(HANDOFF_ROUNDS, rounds)), root=0)
-        meas["collective_scale"] = layout_scale(comm, machine_of(meas, "calibrating", size))
+        meas["collective_scale"], meas["group_scales"] = layout_scale(
+            comm, machine_of(meas, "calibrating", size))
     return meas
 
 
@@ -1145,7 +1204,8 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
     measured, over the all-at-once device (its optimizer figures timed all at once where
     measured so, else rank 0's alone slowed as :func:`shared_figures` says).
 
-    The tokens slowdown only where each rank has a core: where ranks share cores, the handoff
+    The transformer's tokens slowdown only where each rank has a core (the linear kind's rows
+    slowdown everywhere, :func:`rows_costs`): where ranks share cores, the handoff
     (and then the bubble weight) is fitted on pipelines whose passes run 4-256 tokens, and with
     the slowdown beside them a 4-rank validation's 71 GPT layouts ranked at Kendall tau 0.59 (its
     pipelines of 16-32 micro-batches at 0.76-0.95x their price, of 2-4 at 1.2-1.5x), against
@@ -1158,7 +1218,8 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
                     elementwise=_kinds(tog, "elementwise"), activation=_kinds(tog, "activation"),
                     forward=_kinds(tog, "forward"),
                     split=_kinds(tog, "split"),
-                    tokens=_kinds(tog, "tokens") if meas.get("cold", True) else {},
+                    tokens={k: v for k, v in _kinds(tog, "tokens").items()
+                            if meas.get("cold", True) or k == "linear"},
                     update=_kinds({f"update.{k}": v for k, v in meas["update"].items()}, "update")
                     if meas.get("update") else _kinds(tog, "update"))
     levels = ()
@@ -1169,6 +1230,7 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
             after_compute={k: tuple((float(f"{c:.4g}"), b, float(f"{t:.4g}")) for c, b, t in v)
                            for k, v in (meas.get("after_compute") or {}).items()},
             collective_scale=meas.get("collective_scale") or 1.0,
+            group_scales=tuple(meas.get("group_scales") or ()),
             **handoff_fields(meas.get("handoff"))),)
     source = (f"hpcnn calibrate --write on {size} rank(s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M')}")
@@ -1184,22 +1246,27 @@ def handoff_fields(handoff) -> dict:
     return {"handoff": tuple(map(tuple, points)), "bubble_weight": weight}
 
 
-def machine_text(meas: dict, name: str, size: int) -> str:
-    """The machine file for what :func:`measure` returned on ``size`` ranks: header comments with
-    the raw figures, then :meth:`Machine.to_toml` of :func:`machine_of`."""
-    tog, alone = meas["together"], meas["alone"]
+def _device_line(tog: dict, alone: dict) -> str:
+    """The machine file's comment on how the all-at-once device figures ``tog`` were had from
+    rank 0's ``alone`` (:func:`shared_figures`)."""
     kinds = _kinds(tog, "slowdown")           # the blocks' own factors, where ranks share cores
     engine = _kinds(tog, "engine")            # a core per rank: the step engine's GPT
     blocks = ("each block kind's figures by its reference blocks' (ranks share cores): "
               + ", ".join(f"{k} x{v:.2f}" for k, v in kinds.items()) + "; " if kinds
               else "".join(f"the {k} element-wise seconds by the step engine's GPT x{v:.2f}, "
                            for k, v in engine.items()) + "the other element-wise seconds by ")
-    head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
-            f"({meas['ranks_here']} sharing this node's memory).",
-            "# Device: what each rank gets while all ranks compute at once: rank 0's figures "
+    return ("# Device: what each rank gets while all ranks compute at once: rank 0's figures "
             "alone, slowed by the sustained rates' ratio alone / all at once (slowest rank, medians"
             f" of alternated windows), x{tog['slowdown']:.2f}, {blocks}the copy "
-            f"x{alone['copy'] / tog['copy']:.2f} (measure.shared_figures).",
+            f"x{alone['copy'] / tog['copy']:.2f} (measure.shared_figures).")
+
+
+def machine_text(meas: dict, name: str, size: int) -> str:
+    """The machine file for what :func:`measure` returned on ``size`` ranks: header comments with
+    the raw figures, then :meth:`Machine.to_toml` of :func:`machine_of`."""
+    tog, alone = meas["together"], meas["alone"]
+    head = [f"# Measured by `hpcnn calibrate --write` on {size} rank(s) "
+            f"({meas['ranks_here']} sharing this node's memory).", _device_line(tog, alone),
             "# Alone (rank 0 by itself): " + ", ".join(
                 f"matmul {dt} {alone[dt] / 1e9:.1f} GFLOP/s" for dt in DTYPES)
             + f", copy {alone['copy'] / 1e9:.1f} GB/s; all at once: " + ", ".join(
@@ -1235,8 +1302,10 @@ def machine_text(meas: dict, name: str, size: int) -> str:
     if meas.get("after_compute"):
         head.append("# Collectives after compute (ranks share cores): see [levels.after_compute] "
                     "(measure.after_compute_points); the layout executor's in training took "
-                    f"{meas.get('collective_scale') or 1.0:.3g}x them on reference MLPs "
-                    "(collective_scale, measure.layout_scale).")
+                    f"{meas.get('collective_scale') or 1.0:.3g}x them on reference MLPs"
+                    + "".join(f", {k:.3g}x those over groups of {n}"
+                              for n, k in meas.get("group_scales") or ())
+                    + " (collective_scale, group_scales, measure.layout_scale).")
     if meas.get("handoff") is not None:
         points, weight = meas["handoff"]
         head.append(f"# Handoff (ranks share cores): 1F1B pipelines over the {size} ranks, each "
