@@ -423,7 +423,8 @@ def test_the_collective_scale_fitted_on_reference_runs_prices_them_back():
     level4 = Level("node", 4, 1e-5, ((math.inf, 1e9),), after_compute=curves4)
     m4 = Hsm("m", (level4,), Device("d", {"float32": 1e10}, 1e11, 1e12))
     plans4 = [[Cut(1, 1, 4)] * 3, [Cut(1, 4, 1)] * 3, [Cut(4, 1, 1)] * 3,
-              [Cut(1, 1, 4), Cut(1, 2, 2), Cut(1, 2, 1)], [Cut(1, 2, 2), Cut(1, 2, 2), Cut(1, 4, 1)],
+              [Cut(1, 1, 4), Cut(1, 2, 2), Cut(1, 2, 1)],
+              [Cut(1, 2, 2), Cut(1, 2, 2), Cut(1, 4, 1)],
               [Cut(2, 1, 2), Cut(1, 1, 4), Cut(1, 4, 1)]]
     km4 = rep(m4, levels=(rep(level4, collective_scale=1.3, group_scales=((2, 0.9),)),))
     runs4 = [(strategy_cost(g, cuts, km4).seconds, cuts) for cuts in plans4]

@@ -252,9 +252,8 @@ def _scale(lvl, kind: str, n: int) -> str:
     in a formula, where it is not 1: K_level (``collective_scale``), KN_level for a curve of N
     ranks with its own (``group_scales``)."""
     group = lvl.curve_group(kind, n)
-    if group in dict(lvl.group_scales):
-        return f"K{group}_{lvl.name}*" if lvl.scale_of(group) != 1 else ""
-    return f"K_{lvl.name}*" if lvl.collective_scale != 1 else ""
+    own = group in dict(lvl.group_scales)
+    return f"K{group if own else ''}_{lvl.name}*" if lvl.scale_of(group) != 1 else ""
 
 
 def _product(compute: Term) -> float:
@@ -283,13 +282,11 @@ def _operator_terms(n: int, op, c: Cut, machine, dtype: str, optimizer: str,
     rows = op.i / c.batch
     cache = rows * op.k / c.reduce * size                    # the cached input x
     act = rows * op.j / c.out * size if relu else 0.0       # the ReLU's output y
-    slow = f"S_linear({rows:g})*" if "linear" in machine.device.tokens else ""
-    terms = [Term(f"op{n} compute",
-                  f"{slow}(3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear)"
-                  f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else "")
-                  + ") + o_linear" if slow else
-                  f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear) + o_linear"
-                  f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else ""),
+    flop_s = f"3*2*{op.i}*{op.j}*{op.k}/{width}/(F_{dtype}*e_linear)"
+    bytes_s = f" + {cache:g}*c_linear" + (f" + {act:g}*a_linear" if act else "")
+    terms = [Term(f"op{n} compute",              # slowed by its rows where the device says
+                  f"S_linear({rows:g})*({flop_s}{bytes_s}) + o_linear"
+                  if "linear" in machine.device.tokens else f"{flop_s} + o_linear{bytes_s}",
                   machine.device.compute_seconds(flops, dtype, "linear", 1, cache, act,
                                                  tokens=rows))]
     after = _product(terms[0])           # each collective follows one of the products
@@ -409,8 +406,7 @@ def _move_term(what: str, lvl, nbytes: float, group: int, after: float) -> Term:
     measured = lvl.collective_seconds("alltoall", group, nbytes, after)
     if measured is not None:
         return Term(what, f"{_scale(lvl, 'alltoall', group)}X{group}_{lvl.name}({nbytes:g})",
-                    measured, nbytes,
-                    group)
+                    measured, nbytes, group)
     return Term(what, f"({_handoff(lvl)}L_{lvl.name} + {nbytes:g}*g_{lvl.name})",
                 lvl.message_seconds(nbytes, after), nbytes, group)
 

@@ -128,6 +128,14 @@ def _positive(value, what: str, allow_zero: bool = False) -> float:
     return float(value)
 
 
+def _finite_positive(value, what: str) -> float:
+    """``value`` as a float, ValueError naming ``what`` unless it is a finite number > 0."""
+    number = _positive(value, what)
+    if math.isinf(number):
+        raise ValueError(f"{what} = {value!r}: expected a finite number > 0")
+    return number
+
+
 @dataclass(frozen=True)
 class Level:
     """One level of the hierarchy: ``fanout`` identical children talking at latency ``latency_s``
@@ -197,11 +205,8 @@ class Level:
                 self.reduce_bandwidth, f"{where}: reduce_bandwidth"))
         object.__setattr__(self, "after_compute", _curves(self.after_compute,
                                                           f"{where}: after_compute"))
-        scale = _positive(self.collective_scale, f"{where}: collective_scale")
-        if math.isinf(scale):
-            raise ValueError(f"{where}: collective_scale = {self.collective_scale!r}: expected a "
-                             "finite number > 0")
-        object.__setattr__(self, "collective_scale", scale)
+        object.__setattr__(self, "collective_scale", _finite_positive(
+            self.collective_scale, f"{where}: collective_scale"))
         object.__setattr__(self, "group_scales", _group_scales(
             self.group_scales, f"{where}: group_scales", self.after_compute))
 
@@ -252,7 +257,7 @@ class Level:
         such kind): the curve of the measured group size nearest n (in log n, the larger on a
         tie); per measured compute c, linear in bytes between the sizes, the first size's
         seconds below it and the last two sizes' slope past the last; linear in c between the
-        measured c, flat outside them; times ``collective_scale``."""
+        measured c, flat outside them; times the scale of that group size (:meth:`scale_of`)."""
         near = self.curve_group(kind, n)
         if near is None:
             return None
@@ -340,9 +345,7 @@ def _group_scales(items, what: str, curves: dict) -> tuple:
         if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n not in sizes:
             raise ValueError(f"{what}[{i}] n = {n!r}: expected the group size of an "
                              f"after_compute curve ({sorted(sizes)})")
-        k = _positive(k, f"{what}[{i}] k")
-        if math.isinf(k):
-            raise ValueError(f"{what}[{i}] k = {k!r}: expected a finite number > 0")
+        k = _finite_positive(k, f"{what}[{i}] k")
         if out and int(n) <= out[-1][0]:
             raise ValueError(f"{what}[{i}] n = {n!r}: the group sizes must increase (previous "
                              f"{out[-1][0]})")

@@ -455,15 +455,24 @@ def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = FULL_ROUNDS
     rungs = [(n, _engine_step(1, width, heads, seq, STAGE_MICRO * n, dtype)) for n in counts]
     for _, step in rungs:
         step("1f1b", STAGE_MICRO)                                           # warm-up
+
+    def per_token() -> list:
+        return [max(sum(_pass_medians(step("1f1b", STAGE_MICRO)["events"])) - fixed, 1e-9)
+                / (n * seq) for n, step in rungs]
+    return _ladder([n * seq for n in counts], per_token, repeats)
+
+
+def _ladder(sizes, per_unit, repeats: int) -> tuple:
+    """Slowdown pieces ((size, slowdown), ..., (inf, 1)) of a ladder of rungs of ``sizes``
+    (increasing): ``per_unit()`` times one round, the seconds per unit of each rung; a rung's
+    slowdown is its seconds per unit over the top rung's, the median over ``repeats`` rounds
+    (:func:`tokens_costs`, :func:`rows_costs`)."""
     ratios = []
     for _ in range(repeats):
-        per_token = []
-        for n, step in rungs:
-            f, b = _pass_medians(step("1f1b", STAGE_MICRO)["events"])
-            per_token.append(max(f + b - fixed, 1e-9) / (n * seq))
-        ratios.append([v / per_token[-1] for v in per_token])
+        per = per_unit()
+        ratios.append([v / per[-1] for v in per])
     slowdown = np.median(np.array(ratios), axis=0)
-    return tuple((n * seq, float(f)) for n, f in zip(counts, slowdown)) + ((np.inf, 1.0),)
+    return tuple((size, float(f)) for size, f in zip(sizes, slowdown)) + ((np.inf, 1.0),)
 
 
 def rows_costs(dtype: str, fixed: float, repeats: int = FULL_ROUNDS) -> tuple:
@@ -486,12 +495,9 @@ def rows_costs(dtype: str, fixed: float, repeats: int = FULL_ROUNDS) -> tuple:
     width_in, width_out, counts = LINEAR_ROWS
     rungs = [(n, _blocks_pass("linear", (width_in, width_out, (n, width_in)), dtype)[0])
              for n in counts]
-    ratios = []
-    for _ in range(repeats):
-        per_row = [max(sum(_median_pass(run, 5)) - fixed, 1e-9) / n for n, run in rungs]
-        ratios.append([v / per_row[-1] for v in per_row])
-    slowdown = np.median(np.array(ratios), axis=0)
-    return tuple((float(n), float(f)) for n, f in zip(counts, slowdown)) + ((np.inf, 1.0),)
+    return _ladder([float(n) for n in counts],
+                   lambda: [max(sum(_median_pass(run, 5)) - fixed, 1e-9) / n for n, run in rungs],
+                   repeats)
 
 
 def stage_costs(dtype: str, repeats: int = FULL_ROUNDS) -> tuple | None:
@@ -764,10 +770,10 @@ def _fit_scale(runs, machine, groups=()) -> tuple:
 
     meas = np.array([t for t, _ in runs])
     tiny = (1e-9,) * len(groups)                              # k -> 0: no such collectives
+    units = [(1.0, tiny)] + [(1e-9, tiny[:i] + (1.0,) + tiny[i + 1:])     # one scale at 1
+                             for i in range(len(groups))]
     base = np.array([priced(cuts, 1e-9, tiny) for _, cuts in runs])
-    grow = np.array([[priced(cuts, *unit) for unit in [(1.0, tiny)] + [
-        (1e-9, tiny[:i] + (1.0,) + tiny[i + 1:]) for i in range(len(groups))]]
-        for _, cuts in runs]) - base[:, None]
+    grow = np.array([[priced(cuts, *u) for u in units] for _, cuts in runs]) - base[:, None]
     scales = np.ones(grow.shape[1])
     used = np.any(grow != 0, axis=0)
     if used.any():
@@ -1033,9 +1039,10 @@ def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False,
 def sustained_medians(comm, window: float, blocks: bool, rounds: int,
                       engine: bool = False) -> tuple:
     """(alone, together) sustained rates (:func:`sustained_rates` over ``window`` seconds, with
-    the reference blocks when ``blocks``, the step engine's GPT when ``engine``): rank 0's by itself and the slowest rank's while every
-    rank runs at once, alternated ``rounds`` times, each figure the median over its rounds, the
-    same on every rank (:func:`shared_figures` takes their ratios).
+    the reference blocks when ``blocks``, the step engine's GPT when ``engine``): rank 0's by
+    itself and the slowest rank's while every rank runs at once, alternated ``rounds`` times,
+    each figure the median over its rounds, the same on every rank (:func:`shared_figures`
+    takes their ratios).
 
     On 4 ranks over 2 cores here one pair of 0.5 s windows put the float32 rate all at once at
     61-71 GFLOP/s within a minute, and four calibrations' per-kind factors ranged 2.02-2.35
