@@ -65,6 +65,33 @@ def test_bisections_outermost_first():
         ["cluster"] * 2 + ["node"] + ["socket"] * 6
 
 
+def test_a_slowed_device_prices_every_one_of_its_seconds_that_much_longer():
+    """Device.slowed(c): a Linear's pass (FLOPs, fixed and element-wise seconds), a ReLU's
+    output, an optimizer step and a stream through memory each take c times as long; fractions
+    and the tokens slowdown stay; c must be finite and > 0."""
+    d = hm.Device("d", {"float32": 1e10, "float64": 5e9}, 1e10, 1e12,
+                  efficiency={"linear": 0.5}, overhead={"linear": 1e-5},
+                  elementwise={"linear": 2e-10}, activation={"linear": 3e-10},
+                  forward={"linear": 0.4}, split={"linear": (0.6, 0.4)},
+                  update={"adamw": ((1e4, 3e-9), (math.inf, 2e-9))},
+                  tokens={"linear": ((32, 1.5), (math.inf, 1.0))})
+    s = d.slowed(1.25)
+    for fwd in (True, False):
+        assert s.pass_seconds(1e9, "float64", "linear", 3, 1e6, fwd, tokens=32) == \
+            pytest.approx(1.25 * d.pass_seconds(1e9, "float64", "linear", 3, 1e6, fwd, tokens=32),
+                          rel=1e-12)
+    assert s.activation["linear"] == pytest.approx(1.25 * 3e-10, rel=1e-12)
+    assert s.update_seconds(5e4, "adamw") == pytest.approx(1.25 * d.update_seconds(5e4, "adamw"),
+                                                            rel=1e-12)
+    assert s.stream_seconds(1e6) == pytest.approx(1.25 * d.stream_seconds(1e6), rel=1e-12)
+    assert (s.efficiency, s.forward, s.split, s.tokens) == (d.efficiency, d.forward, d.split,
+                                                            d.tokens)
+    assert s.memory_bytes == d.memory_bytes and d.slowed(1.0) == d
+    for bad in (0, -1.0, math.inf, math.nan, "2"):
+        with pytest.raises(ValueError, match="device slowdown factor"):
+            d.slowed(bad)
+
+
 def test_level_for_group_and_with_devices():
     m = small()
     assert m.p == 32

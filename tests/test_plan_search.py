@@ -394,44 +394,53 @@ def test_collectives_after_compute_and_the_update_of_every_part_a_device_holds()
     assert sum(ups) == pytest.approx(dev.update_seconds(held, "adamw"), rel=1e-12)
 
 
-def test_the_collective_scale_fitted_on_reference_runs_prices_them_back():
-    """measure._fit_scale: steps made from the price with the collectives' curves times a known
-    k give k back; a machine whose price has no collective from the curves gives 1; the fit
+def test_the_scales_fitted_on_reference_runs_price_them_back():
+    """measure._fit_scale: steps made from the price with the device slowed by a known c and the
+    collectives' curves times a known k give (c, k) back, from MLP plans and a data-parallel
+    GPT alike; a machine whose price has no collective from the curves gives k = 1; the fit
     never goes below 0.1."""
     from dataclasses import replace as rep
     from hpcnn.parallel.collectives.measure import LAYOUT_MLP, _fit_scale
+    from hpcnn.plan import hybrid
     from hpcnn.plan.cost import mlp_graph
     from hpcnn.plan.machine import Device, Machine as Hsm
     curves = {"allreduce.2": ((0.0, 8, 1e-4), (0.0, 1 << 20, 1e-3)),
               "alltoall.2": ((0.0, 8, 2e-4), (0.0, 1 << 20, 2e-3))}
     level = Level("node", 2, 1e-5, ((math.inf, 1e9),), after_compute=curves)
-    m = Hsm("m", (level,), Device("d", {"float32": 1e10}, 1e11, 1e12))
+    m = Hsm("m", (level,), Device("d", {"float32": 1e10}, 1e11, 1e12,
+                                  overhead={"transformer": 1e-4, "linear": 2e-5}))
     n_in, hidden, n_out, batch = LAYOUT_MLP
     g = mlp_graph([n_in, *hidden, n_out], batch)
     plans = [[Cut(1, 1, 2)] * 3, [Cut(1, 2, 1)] * 3, [Cut(2, 1, 1)] * 3, [Cut(1, 1, 1)] * 3]
-    for k in (0.7, 2.5):
-        km = rep(m, levels=(rep(level, collective_scale=k),))
-        runs = [(strategy_cost(g, cuts, km).seconds, cuts) for cuts in plans]
-        assert _fit_scale(runs, m) == (pytest.approx(k, rel=1e-3), ())
-    fast = [(1e-6, cuts) for cuts in plans]                  # faster than the compute alone
-    assert _fit_scale(fast, m) == (0.1, ())
+    prices = [lambda mach, cuts=cuts: strategy_cost(g, cuts, mach).seconds for cuts in plans]
+    gpt = hybrid.Transformer(2, 64, 4, 32, 16, 16, "float32")
+    prices.append(lambda mach: hybrid.price(gpt, hybrid.Layout(2, 1, 1, 1), mach).step_s)
+    for c, k in ((1.0, 0.7), (1.4, 2.5)):
+        km = rep(m, device=m.device.slowed(c), levels=(rep(level, collective_scale=k),))
+        runs = [(price(km), price) for price in prices]
+        assert _fit_scale(runs, m) == (pytest.approx(c, rel=1e-3), pytest.approx(k, rel=1e-3), ())
+    fast = [(1e-9, price) for price in prices]               # faster than anything priced
+    assert _fit_scale(fast, m) == (0.1, 0.1, ())
     bare = rep(m, levels=(rep(level, after_compute={}),))
-    assert _fit_scale([(1e-3, cuts) for cuts in plans], bare) == (1.0, ())
+    assert _fit_scale([(1e-3, price) for price in prices], bare)[1:] == (1.0, ())
     # 4 ranks, curves over pairs and over all: each group's scale back, from plans of both
     curves4 = {**curves, "allreduce.4": ((0.0, 8, 3e-4), (0.0, 1 << 20, 3e-3)),
                "alltoall.4": ((0.0, 8, 4e-4), (0.0, 1 << 20, 4e-3))}
     level4 = Level("node", 4, 1e-5, ((math.inf, 1e9),), after_compute=curves4)
     m4 = Hsm("m", (level4,), Device("d", {"float32": 1e10}, 1e11, 1e12))
-    plans4 = [[Cut(1, 1, 4)] * 3, [Cut(1, 4, 1)] * 3, [Cut(4, 1, 1)] * 3,
+    plans4 = [[Cut(1, 1, 4)] * 3, [Cut(1, 4, 1)] * 3, [Cut(4, 1, 1)] * 3, [Cut(1, 1, 1)] * 3,
               [Cut(1, 1, 4), Cut(1, 2, 2), Cut(1, 2, 1)],
               [Cut(1, 2, 2), Cut(1, 2, 2), Cut(1, 4, 1)],
               [Cut(2, 1, 2), Cut(1, 1, 4), Cut(1, 4, 1)]]
-    km4 = rep(m4, levels=(rep(level4, collective_scale=1.3, group_scales=((2, 0.9),)),))
-    runs4 = [(strategy_cost(g, cuts, km4).seconds, cuts) for cuts in plans4]
-    k, own = _fit_scale(runs4, m4, (2,))
-    assert k == pytest.approx(1.3, rel=1e-3) and own == ((2, pytest.approx(0.9, rel=1e-3)),)
-    only_all = _fit_scale(runs4[:3], m4, (2,))               # no plan over pairs: no own scale
-    assert only_all[1] == ()
+    km4 = rep(m4, device=m4.device.slowed(1.2),
+              levels=(rep(level4, collective_scale=1.3, group_scales=((2, 0.9),)),))
+    prices4 = [lambda mach, cuts=cuts: strategy_cost(g, cuts, mach).seconds for cuts in plans4]
+    runs4 = [(price(km4), price) for price in prices4]
+    c, k, own = _fit_scale(runs4, m4, (2,))
+    assert (c, k) == (pytest.approx(1.2, rel=1e-3), pytest.approx(1.3, rel=1e-3))
+    assert own == ((2, pytest.approx(0.9, rel=1e-3)),)
+    only_all = _fit_scale(runs4[:4], m4, (2,))               # no plan over pairs: no own scale
+    assert only_all[2] == ()
 
 
 def test_least_price_is_the_cheapest_strategy_and_knows_its_limit():

@@ -564,6 +564,20 @@ class Device:
         """Seconds to move ``nbytes`` through memory (read + written bytes, as STREAM counts)."""
         return nbytes / self.memory_bandwidth
 
+    def slowed(self, factor: float) -> Device:
+        """This device with every one of its seconds ``factor`` times longer: rates and the
+        memory bandwidth divided by it, fixed, element-wise, ReLU-output and optimizer seconds
+        multiplied; fractions (efficiency, forward shares, backward halves) and the tokens
+        slowdown, ratios of seconds, unchanged. Where ranks share cores the calibration prices
+        the device so (:func:`hpcnn.parallel.collectives.measure.layout_scale`)."""
+        factor = _finite_positive(factor, "device slowdown factor")
+        return replace(self, flops={k: v / factor for k, v in self.flops.items()},
+                       memory_bandwidth=self.memory_bandwidth / factor,
+                       **{t: {k: v * factor for k, v in getattr(self, t).items()}
+                          for t in ("overhead", "elementwise", "activation")},
+                       update={k: tuple((n, s * factor) for n, s in v)
+                               for k, v in self.update.items()})
+
 
 @dataclass(frozen=True)
 class Machine:

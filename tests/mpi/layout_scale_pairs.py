@@ -15,14 +15,15 @@ curves = {f"{kind}.{n}": curve for kind in ("allreduce", "alltoall") for n in (2
 dev = machine.Device("d", {"float32": 1e10}, 1e10, 1e12)
 m = machine.Machine("m", (machine.Level("node", p, 1e-5, ((math.inf, 1e9),),
                                         after_compute=curves),), dev)
-k, own = layout_scale(world, m, plans=(("col", "col", "col"),),
-                      pair_plans=(("col", "k2", "k2r"),), steps=4, rounds=1)
-assert 0.1 <= k < 1e4 and [n for n, _ in own] == [2] and 0.1 <= own[0][1] < 1e4, (k, own)
-assert len(set(map(repr, world.allgather((k, own))))) == 1
+c, k, own = layout_scale(world, m, plans=(("col", "col", "col"), ("rep", "rep", "rep")),
+                         pair_plans=(("col", "k2", "k2r"),), steps=4, rounds=1, gpts=())
+assert 0.1 <= c < 1e4 and 0.1 <= k < 1e4, (c, k)
+assert [n for n, _ in own] == [2] and 0.1 <= own[0][1] < 1e4, own
+assert len(set(map(repr, world.allgather((c, k, own))))) == 1
 alone = machine.Machine("m", (machine.Level("node", p, 1e-5, ((math.inf, 1e9),), after_compute={
     key: v for key, v in curves.items() if key.endswith(f".{p}")}),), dev)
-k2, own2 = layout_scale(world, alone, plans=(("col", "col", "col"),),
-                        pair_plans=(("col", "k2", "k2r"),), steps=4, rounds=1)
+_, k2, own2 = layout_scale(world, alone, plans=(("col", "col", "col"), ("rep", "rep", "rep")),
+                           pair_plans=(("col", "k2", "k2r"),), steps=4, rounds=1, gpts=())
 assert 0.1 <= k2 < 1e4 and own2 == (), (k2, own2)
 world.Barrier()
 if world.Get_rank() == 0:

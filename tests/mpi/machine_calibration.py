@@ -96,11 +96,12 @@ assert lv.collective_seconds("allreduce", p, 1024) >= 0
 from dataclasses import replace  # noqa: E402
 from hpcnn.parallel.collectives.measure import layout_scale  # noqa: E402
 with_curves = replace(m, levels=(replace(node, after_compute=curves),))
-k, own = layout_scale(world, with_curves, plans=(("col", "col", "col"), ("rep", "rep", "rep")),
-                      steps=5, rounds=1)
-assert 0.1 <= k < 1e4 and len(set(world.allgather(k))) == 1, k
+c, k, own = layout_scale(world, with_curves, plans=(("col", "col", "col"), ("rep", "rep", "rep")),
+                         steps=5, rounds=1, gpts=((1, 32, 2, 16, 2),))
+assert 0.1 <= c < 1e4 and 0.1 <= k < 1e4 and len(set(world.allgather((c, k)))) == 1, (c, k)
 assert own == (), own                   # on 2 ranks the pairs are all ranks: one scale
 assert ("collective_scale" in text) == (shared and node.collective_scale != 1), text
+assert ("the device's seconds took" in text) == shared, text   # compute_scale where cores shared
 # a directory that does not exist: refused on every rank, before any collective
 assert cmd_calibrate([f"--write={os.path.join(sys.argv[1], 'no', 'x.toml')}"]) == 2
 world.Barrier()

@@ -43,8 +43,11 @@
   included: the level's ``after_compute`` curves. Priced from the back-to-back figures and the
   pipeline handoff, the 1000 MLP layouts of a 4-rank validation ranked at Kendall tau 0.77;
   re-priced with these curves and the optimizer all at once (below), 0.83. Then a reference
-  MLP under five layouts through the step engine gives the ``collective_scale`` by which the
-  executor's collectives in training exceed the curves (:func:`layout_scale`).
+  MLP under five layouts (and four cut in pairs where ranks pair up) and two data-parallel GPTs
+  through the step engine give the ``compute_scale`` by which training's device seconds exceed
+  the device figures (the machine file's device is slowed by it), the ``collective_scale`` by
+  which the executor's collectives exceed the curves and ``group_scales`` (:func:`layout_scale`);
+  the handoff is fitted after them, on the slowed device.
 - **Per block kind** (:func:`block_costs`): hpcnn's own blocks, forward and backward, at a tiny
   size (their fixed cost: ``overhead``) and at two reference sizes per kind, a wide and a narrow
   one (:data:`EFFICIENCY_SHAPES`, chosen apart from any experiment's sizes): each round times the
@@ -160,6 +163,8 @@ LAYOUT_PLANS = (("col", "col", "col"), ("row", "row", "row"), ("dp", "dp", "dp")
 # times, "b2": the batch in 2 and the output in p / 2): layout_scale fits their own scale.
 LAYOUT_PAIR_PLANS = (("col", "k2", "k2r"), ("k2", "k2", "row"), ("b2", "col", "row"),
                      ("col", "k2", "rep"))
+# GPTs data-parallel over all ranks beside them: blocks, width, heads, context, sequences per rank.
+LAYOUT_GPTS = ((2, 64, 4, 32, 8), (2, 192, 6, 32, 4))
 LAYOUT_STEPS = 16
 LAYOUT_ROUNDS = 2
 
@@ -690,20 +695,24 @@ def handoff_points(comm, machine, weight: float, steps: int = 16, shapes=None,
 
 
 def layout_scale(comm, machine, plans=LAYOUT_PLANS, steps: int = LAYOUT_STEPS,
-                 rounds: int = LAYOUT_ROUNDS, pair_plans=LAYOUT_PAIR_PLANS) -> tuple:
-    """Where ranks share cores: the level's (``collective_scale``, ``group_scales``), what the
-    layout executor's collectives took in training against the ``after_compute`` curves of
-    ``machine`` (the figures measured before), the same on every rank.
+                 rounds: int = LAYOUT_ROUNDS, pair_plans=LAYOUT_PAIR_PLANS,
+                 gpts=LAYOUT_GPTS) -> tuple:
+    """Where ranks share cores: (``compute_scale``, ``collective_scale``, ``group_scales``), by
+    how much training through the step engine took longer than ``machine`` (the figures
+    measured before) prices it: its device's seconds and the layout executor's collectives
+    against the ``after_compute`` curves, the same on every rank.
 
     The reference MLP :data:`LAYOUT_MLP` is trained ``steps`` steps by the step engine on the
     digits data under each of ``plans`` (per Linear "col", "row", "dp" or "rep" over all of
     ``comm``'s ranks) and, where the machine has curves over pairs of ranks and the ranks
-    pair up (more than two, even), ``pair_plans`` (:data:`LAYOUT_PAIR_PLANS`), ``rounds``
-    rounds in turn; each step is the slowest rank's, a run's the median after the first fifth,
-    a plan's the median over rounds. :func:`hpcnn.plan.cost.strategy_cost` of the same plan on
-    ``machine`` is affine in the scales (its collectives priced from the curves times k, those
-    over pairs times k2 where pair plans ran): the scales of least squares of the relative
-    errors over the plans (:func:`_fit_scale`).
+    pair up (more than two, even), ``pair_plans`` (:data:`LAYOUT_PAIR_PLANS`), and each GPT of
+    ``gpts`` (:data:`LAYOUT_GPTS`) data-parallel over all ranks, ``rounds`` rounds in turn; each
+    step is the slowest rank's, a run's the median after the first fifth, a reference's the
+    median over rounds. Its price (:func:`hpcnn.plan.cost.strategy_cost`,
+    :func:`hpcnn.plan.hybrid.price`) is affine in the three scales: the device's seconds times
+    c (:meth:`~hpcnn.plan.machine.Device.slowed`), its collectives priced from the curves times
+    k, those over pairs times k2 where pair plans ran; the scales of least squares of the
+    relative errors over the references (:func:`_fit_scale`).
 
     The curves time a collective after a loop of matmuls, every rank alike; in training the
     ranks reach the layout executor's collectives after its Linears, ReLUs and copies: on 4
@@ -713,23 +722,53 @@ def layout_scale(comm, machine, plans=LAYOUT_PLANS, steps: int = LAYOUT_STEPS,
     MAPE fell from 12.7 % to 8.4 %. With one scale fitted on plans whose collectives span all
     ranks, the plans cut in pairs ran 0.79-0.90x their price in a 1000-plan validation (the
     fastest of them, col-b1k2j2-b1k2j1, 0.90x, 12 % faster than the planner's choice); fitted
-    apart on the four pair plans, k2 was 0.905 where k was 1.32 (one probe, 3 rounds). A figure
-    of the executor on this machine, like the handoff of the pipelines: the reference sizes are
-    fixed here, and re-planning another model reruns nothing."""
+    apart on the four pair plans, k2 was 0.905 where k was 1.32 (one probe, 3 rounds).
+    The device's figures where ranks share cores are rank 0's alone times the ratio of windows
+    alone and all at once (:func:`shared_figures`), and between calibrations hours apart their
+    level drifted by ~20 % more than training did: one 4-rank validation's layouts ran
+    1.02-1.47x their price (MAPE 13.4 % GPT, 21.8 % MLP) and its MLP's compute-only reference
+    ("rep" everywhere) ran 1.5x its price the next morning; re-priced with the device's seconds
+    x1.2, MAPE 7.3 % and 9.7 %. Fitted in a later validation's three calibrations (c 0.99, 1.22,
+    1.13; c and k trade against each other between calibrations, their sum less so), its
+    layouts' MAPE was 6.9 % (GPT) and 11.8 % (MLP), priced without c 14.5 % and 19.7 %. A
+    figure of the step engine on this machine, like the handoff of the pipelines: the
+    reference sizes are fixed here, and re-planning another model reruns nothing."""
+    pairs = (comm.Get_size() > 2 and comm.Get_size() % 2 == 0
+             and any(k.endswith(".2") for k in machine.levels[0].after_compute))
+    refs = _references(comm, tuple(plans) + (tuple(pair_plans) if pairs else ()), gpts, steps)
+    runs = {name: [] for name in refs}
+    for _ in range(rounds):
+        for name, (run, _) in refs.items():
+            runs[name].append(run())
+    return comm.bcast(_fit_scale([(float(np.median(runs[name])), price)
+                                  for name, (_, price) in refs.items()],
+                                 machine, (2,) if pairs else ()), root=0)
+
+
+def _references(comm, plans, gpts, steps: int) -> dict:
+    """{name: (run: () -> measured step, price: machine -> seconds)} of :func:`layout_scale`'s
+    references over ``comm``'s ranks: :data:`LAYOUT_MLP` under each of ``plans`` and each GPT
+    of ``gpts`` data-parallel, ``steps`` steps each run."""
     from hpcnn.parallel.layout import Cut
+    from hpcnn.plan import cost, hybrid
     p = comm.Get_size()
     make = {"col": Cut(1, 1, p), "row": Cut(1, p, 1), "dp": Cut(p, 1, 1), "rep": Cut(1, 1, 1)}
-    pairs = p > 2 and p % 2 == 0 and any(k.endswith(".2") for k in machine.levels[0].after_compute)
-    if pairs:
+    if p % 2 == 0:
         make.update(k2=Cut(1, 2, p // 2), k2r=Cut(1, 2, 1), b2=Cut(2, 1, p // 2))
-    every = tuple(plans) + (tuple(pair_plans) if pairs else ())
-    runs = {plan: [] for plan in every}
-    for _ in range(rounds):
-        for plan in every:
-            runs[plan].append(_layout_step(comm, [make[c] for c in plan], steps))
-    meas = {plan: float(np.median(t)) for plan, t in runs.items()}
-    return comm.bcast(_fit_scale([(meas[plan], [make[c] for c in plan]) for plan in every],
-                                 machine, (2,) if pairs else ()), root=0)
+    n_in, hidden, n_out, batch = LAYOUT_MLP
+    graph = cost.mlp_graph([n_in, *hidden, n_out], batch)
+    refs = {}
+    for plan in plans:
+        cuts = [make[c] for c in plan]
+        refs["-".join(plan)] = (lambda cuts=cuts: _layout_step(comm, cuts, steps),
+                                lambda m, cuts=cuts: cost.strategy_cost(graph, cuts, m).seconds)
+    layout = hybrid.Layout(p, 1, 1, 1)
+    for layers, *shape in gpts:
+        model = _gpt_model(comm, layers, shape, layout)
+        refs[f"gpt{layers}x{shape[0]}"] = (
+            lambda layers=layers, shape=shape: _gpt_step(comm, layers, shape, layout, steps),
+            lambda m, model=model: hybrid.price(model, layout, m).step_s)
+    return refs
 
 
 def _layout_step(comm, cuts, steps: int) -> float:
@@ -754,33 +793,35 @@ def _layout_step(comm, cuts, steps: int) -> float:
 
 
 def _fit_scale(runs, machine, groups=()) -> tuple:
-    """(``collective_scale``, ``group_scales``) pricing ``runs`` ((measured step, cuts) of
-    :data:`LAYOUT_MLP`) best on ``machine`` (:func:`layout_scale`): the least squares of the
-    relative errors, the price affine in the scale of the curves of each group size in
-    ``groups`` and in the scale of the others; a scale no run's price depends on is 1, each
-    other kept >= 0.1 (after the fit: not a bounded least squares)."""
-    from hpcnn.plan import cost
-    n_in, hidden, n_out, batch = LAYOUT_MLP
-    graph = cost.mlp_graph([n_in, *hidden, n_out], batch)
-
-    def priced(cuts, k: float, own: tuple) -> float:
-        m = replace(machine, levels=tuple(replace(lv, collective_scale=k, group_scales=tuple(
-            (n, kn) for n, kn in zip(groups, own))) for lv in machine.levels))
-        return cost.strategy_cost(graph, cuts, m, "float32").seconds
-
+    """(``compute_scale``, ``collective_scale``, ``group_scales``) pricing ``runs`` ((measured
+    step, price: machine -> seconds), :func:`layout_scale`) best on ``machine``: the least
+    squares of the relative errors, the price affine in the device's slowdown c, in the scale of
+    the curves of each group size in ``groups`` and in the scale of the others. The curves are
+    read at the compute seconds before the collective, which c lengthens: two passes, the
+    second at the first's c. A scale no run's price depends on is 1, each other kept >= 0.1
+    (after the fit: not a bounded least squares)."""
     meas = np.array([t for t, _ in runs])
-    tiny = (1e-9,) * len(groups)                              # k -> 0: no such collectives
-    units = [(1.0, tiny)] + [(1e-9, tiny[:i] + (1.0,) + tiny[i + 1:])     # one scale at 1
-                             for i in range(len(groups))]
-    base = np.array([priced(cuts, 1e-9, tiny) for _, cuts in runs])
-    grow = np.array([[priced(cuts, *u) for u in units] for _, cuts in runs]) - base[:, None]
-    scales = np.ones(grow.shape[1])
-    used = np.any(grow != 0, axis=0)
-    if used.any():
-        a = grow[:, used] / meas[:, None]
-        scales[used] = np.linalg.lstsq(a, (meas - base) / meas, rcond=None)[0]
-    scales = [float(f"{max(k, 0.1):.4g}") if u else 1.0 for k, u in zip(scales, used)]
-    return scales[0], tuple((n, k) for n, k, u in zip(groups, scales[1:], used[1:]) if u)
+    n = 1 + len(groups)
+
+    def priced(c: float, scales) -> np.ndarray:
+        m = replace(machine, device=machine.device.slowed(c), levels=tuple(
+            replace(lv, collective_scale=scales[0], group_scales=tuple(zip(groups, scales[1:])))
+            for lv in machine.levels))
+        return np.array([price(m) for _, price in runs])
+
+    c, scales, tiny = 1.0, np.ones(n), 1e-9                  # a scale -> 0: no such collectives
+    for _ in range(2):
+        bare = priced(c, [tiny] * n)
+        grow = np.column_stack([priced(c, [1.0 if j == i else tiny for j in range(n)]) - bare
+                                for i in range(n)])
+        used = np.any(grow != 0, axis=0)
+        a = np.column_stack([bare, grow[:, used]]) / meas[:, None]
+        x = np.linalg.lstsq(a, np.ones(len(meas)), rcond=None)[0]
+        c = max(c * float(x[0]), 0.1)
+        scales[used] = np.maximum(x[1:], 0.1)
+    scales = [float(f"{k:.4g}") if u else 1.0 for k, u in zip(scales, used)]
+    return float(f"{c:.4g}"), scales[0], tuple((g, k) for g, k, u in zip(groups, scales[1:],
+                                                                        used[1:]) if u)
 
 
 def _affine_fit(base, grow, meas) -> float:
@@ -813,18 +854,41 @@ def _pipeline_step(comm, shape: tuple, micro: int, steps: int) -> tuple:
     """(median step, hybrid.Transformer, hybrid.Layout) of a GPT of one block of ``shape``
     (width, heads, context, sequences per micro-batch) per rank of ``comm``, a 1F1B pipeline of
     ``micro`` micro-batches trained ``steps`` steps by the step engine (:func:`handoff_points`)."""
-    from hpcnn import data
-    from hpcnn.config import TrainConfig
     from hpcnn.plan import hybrid
-    p, (dim, heads, seq, rows) = comm.Get_size(), shape
-    cfg = TrainConfig(model="gpt", dataset="sonnet", n_layers=p, dim=dim, n_heads=heads,
-                      block_size=seq, batch_size=micro * rows, pp=p, microbatches=micro,
-                      schedule="1f1b", dtype="float32", allreduce="mpi", progress=False,
-                      eval_interval=0, steps=steps).resolved()
-    step = _engine_steps(comm, cfg, steps)
-    model = hybrid.Transformer(p, dim, heads, seq, data.for_config(cfg).vocab, micro * rows,
-                               "float32")
-    return step, model, hybrid.Layout(1, 1, p, micro, "1f1b", "none")
+    p = comm.Get_size()
+    layout = hybrid.Layout(1, 1, p, micro, "1f1b", "none")
+    return (_gpt_step(comm, p, shape, layout, steps), _gpt_model(comm, p, shape, layout),
+            layout)
+
+
+def _gpt_config(comm, layers: int, shape, layout, steps: int = 1):
+    """The resolved :class:`hpcnn.config.TrainConfig` of a GPT of ``layers`` blocks of
+    ``shape`` (width, heads, context, sequences per micro-batch per replica) laid out by
+    ``layout`` (:class:`hpcnn.plan.hybrid.Layout`, no tensor cut) over ``comm``'s ranks on the
+    bundled sonnet data, float32."""
+    from hpcnn.config import TrainConfig
+    dim, heads, seq, rows = shape
+    return TrainConfig(model="gpt", dataset="sonnet", n_layers=layers, dim=dim, n_heads=heads,
+                       block_size=seq, batch_size=layout.dp * layout.microbatches * rows,
+                       dp=layout.dp, tp=layout.tp, pp=layout.pp,
+                       microbatches=layout.microbatches, schedule=layout.schedule,
+                       dtype="float32", allreduce="mpi", progress=False, eval_interval=0,
+                       steps=steps).resolved()
+
+
+def _gpt_model(comm, layers: int, shape, layout):
+    """The :class:`hpcnn.plan.hybrid.Transformer` the planner prices for :func:`_gpt_config`."""
+    from hpcnn import data
+    from hpcnn.plan import hybrid
+    cfg = _gpt_config(comm, layers, shape, layout)
+    return hybrid.Transformer(layers, shape[0], shape[1], shape[2], data.for_config(cfg).vocab,
+                              cfg.batch_size, "float32")
+
+
+def _gpt_step(comm, layers: int, shape, layout, steps: int) -> float:
+    """The median step (slowest rank, after the first fifth) of :func:`_gpt_config` trained
+    ``steps`` steps by the step engine."""
+    return _engine_steps(comm, _gpt_config(comm, layers, shape, layout, steps), steps)
 
 
 def _fit_handoff(runs, machine, weight: float) -> tuple:
@@ -1147,8 +1211,9 @@ def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
     None on one rank), "cold" (whether those were timed cold: not when this node holds more
     ranks than cores, see the module docstring), "ranks_here" (ranks sharing this node's
     memory), "cpu"; where the ranks share cores, "update" (:func:`update_costs` all at once),
-    "after_compute" (:func:`after_compute_points`), "handoff" (:func:`handoff_points`) and
-    "collective_scale" (:func:`layout_scale`), else None."""
+    "after_compute" (:func:`after_compute_points`), "compute_scale", "collective_scale" and
+    "group_scales" (:func:`layout_scale`) and "handoff" (:func:`handoff_points`, on the device
+    slowed by "compute_scale"), else None."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -1167,17 +1232,17 @@ def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
     meas = {"alone": alone, "together": together, "sizes": list(SIZES),
             "seconds": seconds, "reduce_sizes": list(SIZES[1:]), "reduce_seconds": reduce,
             "cold": cold, "ranks_here": ranks_here, "cpu": comm.bcast(cpu_name(), root=0),
-            "handoff": None, "update": None, "after_compute": None, "collective_scale": None,
-            "group_scales": None}
+            "handoff": None, "update": None, "after_compute": None, "compute_scale": None,
+            "collective_scale": None, "group_scales": None}
     if size > 1 and not cold:             # ranks share cores: what a blocking exchange waits
         meas["update"] = {opt: update_costs(opt, repeats=update_repeats(rounds), comm=comm)
                           for opt in UPDATE_OPTIMIZERS}
         meas["after_compute"] = after_compute_points(comm)
-        meas["handoff"] = comm.bcast(handoff_points(
+        meas["compute_scale"], meas["collective_scale"], meas["group_scales"] = layout_scale(
+            comm, machine_of(meas, "calibrating", size))
+        meas["handoff"] = comm.bcast(handoff_points(       # on the device slowed as fitted
             comm, machine_of(meas, "calibrating", size), min(1.0, cores_here() / ranks_here),
             rounds=_in_proportion(HANDOFF_ROUNDS, rounds)), root=0)
-        meas["collective_scale"], meas["group_scales"] = layout_scale(
-            comm, machine_of(meas, "calibrating", size))
     return meas
 
 
@@ -1209,7 +1274,8 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
     """The machine of what :func:`measure` returned on ``size`` ranks: one level "node" of
     fan-out ``size`` (none on one rank), its handoff and collectives after compute where
     measured, over the all-at-once device (its optimizer figures timed all at once where
-    measured so, else rank 0's alone slowed as :func:`shared_figures` says).
+    measured so, else rank 0's alone slowed as :func:`shared_figures` says), slowed by the
+    "compute_scale" where measured (:func:`layout_scale`).
 
     The transformer's tokens slowdown only where each rank has a core (the linear kind's rows
     slowdown everywhere, :func:`rows_costs`): where ranks share cores, the handoff
@@ -1228,7 +1294,8 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
                     tokens={k: v for k, v in _kinds(tog, "tokens").items()
                             if meas.get("cold", True) or k == "linear"},
                     update=_kinds({f"update.{k}": v for k, v in meas["update"].items()}, "update")
-                    if meas.get("update") else _kinds(tog, "update"))
+                    if meas.get("update") else _kinds(tog, "update")
+                    ).slowed(meas.get("compute_scale") or 1.0)
     levels = ()
     if size > 1:
         node = fit_level(meas["sizes"], meas["seconds"], size)
@@ -1308,8 +1375,11 @@ def machine_text(meas: dict, name: str, size: int) -> str:
                         for k, v in meas["update"].items()) + " (measure.update_costs).")
     if meas.get("after_compute"):
         head.append("# Collectives after compute (ranks share cores): see [levels.after_compute] "
-                    "(measure.after_compute_points); the layout executor's in training took "
-                    f"{meas.get('collective_scale') or 1.0:.3g}x them on reference MLPs"
+                    "(measure.after_compute_points); in training through the step engine "
+                    "(reference MLPs and GPTs), the device's seconds took "
+                    f"{meas.get('compute_scale') or 1.0:.3g}x the figures above (compute_scale: "
+                    "the [device] figures below are slowed so), the layout executor's "
+                    f"collectives {meas.get('collective_scale') or 1.0:.3g}x the curves"
                     + "".join(f", {k:.3g}x those over groups of {n}"
                               for n, k in meas.get("group_scales") or ())
                     + " (collective_scale, group_scales, measure.layout_scale).")
