@@ -770,10 +770,10 @@ def _references(comm, plans, gpts, steps: int) -> dict:
                 lambda m, cuts=cuts, g=graph: cost.strategy_cost(g, cuts, m).seconds)
     layout = hybrid.Layout(p, 1, 1, 1)
     for layers, *shape in gpts:
-        model = _gpt_model(comm, layers, shape, layout)
+        cfg = _gpt_config(layers, shape, layout, steps)
         refs[f"gpt{layers}x{shape[0]}"] = (
-            lambda layers=layers, shape=shape: _gpt_step(comm, layers, shape, layout, steps),
-            lambda m, model=model: hybrid.price(model, layout, m).step_s)
+            lambda cfg=cfg: _engine_steps(comm, cfg, steps),
+            lambda m, model=_gpt_model(cfg): hybrid.price(model, layout, m).step_s)
     return refs
 
 
@@ -864,15 +864,15 @@ def _pipeline_step(comm, shape: tuple, micro: int, steps: int) -> tuple:
     from hpcnn.plan import hybrid
     p = comm.Get_size()
     layout = hybrid.Layout(1, 1, p, micro, "1f1b", "none")
-    return (_gpt_step(comm, p, shape, layout, steps), _gpt_model(comm, p, shape, layout),
-            layout)
+    cfg = _gpt_config(p, shape, layout, steps)
+    return _engine_steps(comm, cfg, steps), _gpt_model(cfg), layout
 
 
-def _gpt_config(comm, layers: int, shape, layout, steps: int = 1):
+def _gpt_config(layers: int, shape, layout, steps: int):
     """The resolved :class:`hpcnn.config.TrainConfig` of a GPT of ``layers`` blocks of
     ``shape`` (width, heads, context, sequences per micro-batch per replica) laid out by
-    ``layout`` (:class:`hpcnn.plan.hybrid.Layout`, no tensor cut) over ``comm``'s ranks on the
-    bundled sonnet data, float32."""
+    ``layout`` (:class:`hpcnn.plan.hybrid.Layout`, no tensor cut) on the bundled sonnet data,
+    float32, trained ``steps`` steps."""
     from hpcnn.config import TrainConfig
     dim, heads, seq, rows = shape
     return TrainConfig(model="gpt", dataset="sonnet", n_layers=layers, dim=dim, n_heads=heads,
@@ -883,19 +883,13 @@ def _gpt_config(comm, layers: int, shape, layout, steps: int = 1):
                        steps=steps).resolved()
 
 
-def _gpt_model(comm, layers: int, shape, layout):
-    """The :class:`hpcnn.plan.hybrid.Transformer` the planner prices for :func:`_gpt_config`."""
+def _gpt_model(cfg):
+    """The :class:`hpcnn.plan.hybrid.Transformer` the planner prices for ``cfg``
+    (:func:`_gpt_config`)."""
     from hpcnn import data
     from hpcnn.plan import hybrid
-    cfg = _gpt_config(comm, layers, shape, layout)
-    return hybrid.Transformer(layers, shape[0], shape[1], shape[2], data.for_config(cfg).vocab,
-                              cfg.batch_size, "float32")
-
-
-def _gpt_step(comm, layers: int, shape, layout, steps: int) -> float:
-    """The median step (slowest rank, after the first fifth) of :func:`_gpt_config` trained
-    ``steps`` steps by the step engine."""
-    return _engine_steps(comm, _gpt_config(comm, layers, shape, layout, steps), steps)
+    return hybrid.Transformer(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.block_size,
+                              data.for_config(cfg).vocab, cfg.batch_size, "float32")
 
 
 def _fit_handoff(runs, machine, weight: float) -> tuple:
