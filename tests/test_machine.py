@@ -698,10 +698,10 @@ def test_tokens_slowdown_scales_flop_and_elementwise_seconds():
             hm.Device("d", {"float32": 1.0}, 1.0, 1.0, tokens={"t": bad})
 
 
-def test_the_tokens_slowdown_is_written_only_where_each_rank_has_a_core():
+def test_the_tokens_slowdown_is_written_where_it_was_measured_for_the_ranks_at_hand():
     """machine_of keeps the calibrated transformer tokens pieces where ranks were timed cold (a
-    core each) and leaves them out where ranks share cores (the handoff figures price small
-    passes there); the linear kind's rows pieces are kept either way."""
+    core each) and, where ranks share cores, only once shared_figures has timed the ladder's
+    bottom rung all at once (engine_low); the linear kind's rows pieces are kept either way."""
     from hpcnn.parallel.collectives.measure import machine_of
     pieces = ((64, 1.8), (128, 1.3), (512, 1.0), (math.inf, 1.0))
     rows = ((32, 1.8), (64, 1.4), (256, 1.0), (math.inf, 1.0))
@@ -711,6 +711,29 @@ def test_the_tokens_slowdown_is_written_only_where_each_rank_has_a_core():
     assert machine_of({**meas, "cold": True}, "m", 1).device.tokens == {"transformer": pieces,
                                                                          "linear": rows}
     assert machine_of({**meas, "cold": False}, "m", 1).device.tokens == {"linear": rows}
+    shared = {**meas, "cold": False, "together": {**tog, "engine_low.transformer": 1.5}}
+    assert machine_of(shared, "m", 1).device.tokens == {"transformer": pieces, "linear": rows}
+
+
+def test_a_tokens_ladder_all_at_once_slows_its_small_rungs_by_their_own_sharing():
+    """Where ranks share cores, the transformer's tokens pieces are rank 0's alone with each
+    rung's slowdown times (bottom rung's sharing factor / top rung's) interpolated in
+    log(tokens): the bottom rung by the whole ratio, the top by none, none below 1."""
+    from hpcnn.parallel.collectives.measure import shared_figures
+    pieces = ((64, 1.44), (128, 1.2), (256, 0.98), (512, 1.0), (math.inf, 1.0))
+    alone = {"float32": 100.0, "float64": 50.0, "copy": 10.0, "tokens.transformer": pieces}
+    rates = {"float32": 100.0, "float64": 50.0, "copy": 10.0}
+    got = shared_figures(alone, {**rates, "engine.transformer": 9.0, "engine_low.transformer": 8.0},
+                         {**rates, "engine.transformer": 4.0, "engine_low.transformer": 4.0})
+    ratio = (8.0 / 4.0) / (9.0 / 4.0)                    # 2.0 / 2.25: small rungs shared better
+    want = (1.44 * ratio, max(1.0, 1.2 * ratio ** (2 / 3)), 0.98, 1.0, 1.0)
+    assert [t for t, _ in got["tokens.transformer"]] == [t for t, _ in pieces]
+    assert [s for _, s in got["tokens.transformer"]] == pytest.approx(want, rel=1e-12)
+    assert got["engine_low.transformer"] == 2.0 and got["engine.transformer"] == 2.25
+    # without the bottom rung timed all at once, the pieces stay as alone
+    plain = shared_figures(alone, {**rates, "engine.transformer": 9.0},
+                           {**rates, "engine.transformer": 4.0})
+    assert plain["tokens.transformer"] == pieces
 
 
 def test_rows_costs_give_the_linear_kinds_slowdown_by_rows():

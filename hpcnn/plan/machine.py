@@ -80,9 +80,10 @@ thesis leaves open, and what is chosen here:
   token over the top rung's (1 there and above): here 1.39-1.44 at 64 tokens, 1.12-1.19 at
   128 (the element-wise seconds, 25-65 % of such a block, slow with the FLOPs'). The same
   block timed bare gave 1.67-1.90 at 64 tokens for widths 128-256, and priced the one-sequence
-  pipelines 10-25 % above their measured times. The transformer kind only: the linear kind's
-  rows are priced at its reference figures (the MLP validation's targets were met so). Written
-  only where each rank has a core (:func:`hpcnn.parallel.collectives.measure.machine_of`).
+  pipelines 10-25 % above their measured times. The linear kind's pieces are by rows, from a
+  ladder of a Linear and its ReLU (:func:`hpcnn.parallel.collectives.measure.rows_costs`).
+  Where ranks share cores the transformer's ladder is damped by how much better its bottom
+  rung shares a core than its top (:func:`hpcnn.parallel.collectives.measure.machine_of`).
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
   kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
   passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then

@@ -61,7 +61,9 @@
 - **Per tokens per call** (:func:`tokens_costs`): a ladder of one transformer block on 1 to 8
   sequences a micro-batch (:data:`TOKENS_LADDER`) through the step engine, each rung's time per
   token beyond the fixed cost over the top rung's: the machine's ``tokens`` slowdown of small
-  calls (written only where each rank has a core, :func:`machine_of`).
+  calls. Where ranks share cores, the bottom and top rungs are also timed in sustained windows
+  alone and all at once, and the ladder is damped by the ratio of their sharing factors
+  (:func:`shared_figures`, :func:`_shared_tokens`).
 - **Held activations** (:func:`held_costs`): a GPT through the step engine on one rank, GPipe
   (every micro-batch's activations held at once) against 1F1B (one at a time), the difference
   per byte of the activations held beyond one micro-batch's: ``elementwise["held"]``, what
@@ -1078,9 +1080,10 @@ def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False,
                     engine: bool = False) -> dict:
     """{"float32", "float64": matmul FLOP/s, "copy": bytes/s}, with ``blocks`` "block.KIND":
     forward + backward passes per second of the kind's wide and narrow reference blocks
-    (:data:`EFFICIENCY_SHAPES`), with ``engine`` "engine.KIND": steps per second of the kind's
-    top :data:`TOKENS_LADDER` rung through the one-rank step engine (a one-block GPT, 1F1B over
-    :data:`STAGE_MICRO` micro-batches), as the work done over a wall-clock window of
+    (:data:`EFFICIENCY_SHAPES`), with ``engine`` or ``blocks`` "engine.KIND": steps per second
+    of the kind's top :data:`TOKENS_LADDER` rung through the one-rank step engine (a one-block
+    GPT, 1F1B over :data:`STAGE_MICRO` micro-batches), with ``blocks`` also "engine_low.KIND",
+    its bottom rung's (:func:`_shared_tokens`), as the work done over a wall-clock window of
     ``seconds`` each: when ranks outnumber cores the scheduler shares a core in slices of
     milliseconds, which the median of single calls misses and a window's mean counts."""
     out = {}
@@ -1095,9 +1098,12 @@ def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False,
     for kind, shapes in EFFICIENCY_SHAPES.items() if blocks else ():   # wide and narrow refs
         runs = [_blocks_pass(kind, shape, "float32")[0] for shape in shapes[:2]]
         out[f"block.{kind}"] = 1.0 / _window_seconds(lambda: [run() for run in runs], seconds)
-    for kind, (width, heads, seq, counts) in TOKENS_LADDER.items() if engine else ():
-        step = _engine_step(1, width, heads, seq, STAGE_MICRO * counts[-1], "float32")
-        out[f"engine.{kind}"] = 1.0 / _window_seconds(lambda: step("1f1b", STAGE_MICRO), seconds)
+    for kind, (width, heads, seq, counts) in TOKENS_LADDER.items() if engine or blocks else ():
+        rungs = {"engine": counts[-1], "engine_low": counts[0]}     # top and bottom rungs
+        for name, sequences in list(rungs.items())[:2 if blocks else 1]:
+            step = _engine_step(1, width, heads, seq, STAGE_MICRO * sequences, "float32")
+            out[f"{name}.{kind}"] = 1.0 / _window_seconds(lambda: step("1f1b", STAGE_MICRO),
+                                                          seconds)
     return out
 
 
@@ -1195,14 +1201,36 @@ def shared_figures(alone: dict, alone_sustained: dict, together_sustained: dict)
             out[key] = min(1.0, value * slow["float32"] / own) if own else value
         elif table == "update":
             out[key] = tuple((top, per * slow["float32"]) for top, per in value)
+        elif table == "tokens" and f"engine_low.{kind}" in slow:
+            out[key] = _shared_tokens(value, slow[f"engine_low.{kind}"] / slow[f"engine.{kind}"])
         elif table in ("forward", "split", "tokens"):
             out[key] = value
         else:                                   # a dtype's matmul rate or "copy"
             out[key] = value / slow[key]
     out["slowdown"] = slow["float32"]
     out.update({f"slowdown.{k[6:]}": v for k, v in slow.items() if k.startswith("block.")})
-    out.update({k: v for k, v in slow.items() if k.startswith("engine.")})
+    out.update({k: v for k, v in slow.items() if k.startswith(("engine.", "engine_low."))})
     return out
+
+
+def _shared_tokens(pieces, ratio: float) -> tuple:
+    """A tokens ladder's pieces ((tokens, slowdown), ..., (inf, 1)) while all ranks compute,
+    given ``ratio``: its bottom rung's sharing factor (alone / all at once) over its top
+    rung's. The bottom rung's slowdown multiplies by ``ratio``, the top's by 1, those between
+    by ``ratio`` to the power of their place between them in log(tokens) (a choice: two rungs
+    are timed all at once), none below 1 where alone it was not.
+
+    On 4 ranks over 2 cores here the bottom rung (one sequence, 64 tokens) slowed 2.15x all at
+    once where the top (8 sequences) slowed 2.31x: small calls share a core better (their
+    per-call Python and the others' matmuls interleave), the ladder's 1.43 at 64 tokens
+    becomes 1.33 (probe; 1.37 in the calibrations of ``p4_k``)."""
+    finite = [t for t, _ in pieces if np.isfinite(t)]
+    lo, hi = np.log(finite[0]), np.log(finite[-1])
+
+    def factor(tokens):
+        at = min(1.0, max(0.0, (hi - np.log(tokens)) / (hi - lo))) if np.isfinite(tokens) else 0
+        return ratio ** at
+    return tuple((t, float(max(min(s, 1.0), s * factor(t)))) for t, s in pieces)
 
 
 def measure(comm, rounds: int = FULL_ROUNDS) -> dict:
@@ -1278,12 +1306,14 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
     measured so, else rank 0's alone slowed as :func:`shared_figures` says), slowed by the
     "compute_scale" where measured (:func:`layout_scale`).
 
-    The transformer's tokens slowdown only where each rank has a core (the linear kind's rows
-    slowdown everywhere, :func:`rows_costs`): where ranks share cores, the handoff
-    (and then the bubble weight) is fitted on pipelines whose passes run 4-256 tokens, and with
-    the slowdown beside them a 4-rank validation's 71 GPT layouts ranked at Kendall tau 0.59 (its
-    pipelines of 16-32 micro-batches at 0.76-0.95x their price, of 2-4 at 1.2-1.5x), against
-    0.77 re-priced on the same measurements without it."""
+    The transformer's tokens slowdown where each rank has a core, and where ranks share cores
+    once its ladder's bottom rung was timed all at once (``engine_low``, :func:`_shared_tokens`);
+    the linear kind's rows slowdown everywhere (:func:`rows_costs`). Without the transformer's
+    ladder where ranks share cores, five 4-rank validations' pipelines of 32 one-sequence
+    micro-batches ran 1.12-1.35x their price and those of 4-8 micro-batches 0.89-1.06x (tau
+    0.79-0.84); with it, the handoff fitted beside it, 0.92-1.01x and 0.94-1.06x (tau 0.861,
+    MAPE 5.2 %, ``p4_k``). An earlier ladder, the block timed bare, put beside the handoff
+    figures of that time, had ranked the 71 GPT layouts at tau 0.59 (0.77 without it)."""
     tog = meas["together"]
     device = Device(name=meas["cpu"], flops={dt: tog[dt] for dt in DTYPES},
                     memory_bandwidth=tog["copy"],
@@ -1293,7 +1323,8 @@ def machine_of(meas: dict, name: str, size: int) -> Machine:
                     forward=_kinds(tog, "forward"),
                     split=_kinds(tog, "split"),
                     tokens={k: v for k, v in _kinds(tog, "tokens").items()
-                            if meas.get("cold", True) or k == "linear"},
+                            if meas.get("cold", True) or k == "linear"
+                            or f"engine_low.{k}" in tog},
                     update=_kinds({f"update.{k}": v for k, v in meas["update"].items()}, "update")
                     if meas.get("update") else _kinds(tog, "update")
                     ).slowed(meas.get("compute_scale") or 1.0)
@@ -1326,8 +1357,11 @@ def _device_line(tog: dict, alone: dict) -> str:
     rank 0's ``alone`` (:func:`shared_figures`)."""
     kinds = _kinds(tog, "slowdown")           # the blocks' own factors, where ranks share cores
     engine = _kinds(tog, "engine")            # a core per rank: the step engine's GPT
+    low = _kinds(tog, "engine_low")          # ranks share cores: the tokens ladder's bottom rung
+    ladder = "".join(f"the {k} tokens ladder's bottom rung x{v:.2f} (top x{engine[k]:.2f}); "
+                     for k, v in low.items() if k in engine)
     blocks = ("each block kind's figures by its reference blocks' (ranks share cores): "
-              + ", ".join(f"{k} x{v:.2f}" for k, v in kinds.items()) + "; " if kinds
+              + ", ".join(f"{k} x{v:.2f}" for k, v in kinds.items()) + "; " + ladder if kinds
               else "".join(f"the {k} element-wise seconds by the step engine's GPT x{v:.2f}, "
                            for k, v in engine.items()) + "the other element-wise seconds by ")
     return ("# Device: what each rank gets while all ranks compute at once: rank 0's figures "
