@@ -548,6 +548,7 @@ class Device:
     def backward_halves(self, kind: str) -> tuple:
         """(input, weight): the zero-bubble halves of ``kind``'s backward as fractions of it."""
         return self.split.get(kind, (0.5, 0.5))
+
     def update_seconds(self, n_params: float, optimizer: str) -> float | None:
         """Seconds of one ``optimizer`` step over ``n_params`` float32 parameters from the
         measured ``update`` pieces, None if the optimizer has none. Each finite piece
