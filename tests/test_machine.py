@@ -719,7 +719,7 @@ def test_a_tokens_ladder_all_at_once_slows_its_small_rungs_by_their_own_sharing(
     """Where ranks share cores, the transformer's tokens pieces are rank 0's alone with each
     rung's slowdown times (bottom rung's sharing factor / top rung's) interpolated in
     log(tokens): the bottom rung by the whole ratio, the top by none, none below 1."""
-    from hpcnn.parallel.collectives.measure import shared_figures
+    from hpcnn.parallel.collectives.measure import _shared_tokens, shared_figures
     pieces = ((64, 1.44), (128, 1.2), (256, 0.98), (512, 1.0), (math.inf, 1.0))
     alone = {"float32": 100.0, "float64": 50.0, "copy": 10.0, "tokens.transformer": pieces}
     rates = {"float32": 100.0, "float64": 50.0, "copy": 10.0}
@@ -734,6 +734,8 @@ def test_a_tokens_ladder_all_at_once_slows_its_small_rungs_by_their_own_sharing(
     plain = shared_figures(alone, {**rates, "engine.transformer": 9.0},
                            {**rates, "engine.transformer": 4.0})
     assert plain["tokens.transformer"] == pieces
+    one = ((64, 1.4), (math.inf, 1.0))                 # a ladder of one rung: bottom and top
+    assert _shared_tokens(one, 0.5) == one
 
 
 def test_rows_costs_give_the_linear_kinds_slowdown_by_rows():

@@ -1227,9 +1227,10 @@ def _shared_tokens(pieces, ratio: float) -> tuple:
     finite = [t for t, _ in pieces if np.isfinite(t)]
     lo, hi = np.log(finite[0]), np.log(finite[-1])
 
-    def factor(tokens):
-        at = min(1.0, max(0.0, (hi - np.log(tokens)) / (hi - lo))) if np.isfinite(tokens) else 0
-        return ratio ** at
+    def factor(tokens):                       # one rung: it is both bottom and top, ratio^0
+        if not np.isfinite(tokens) or hi == lo:
+            return 1.0
+        return ratio ** min(1.0, max(0.0, (hi - np.log(tokens)) / (hi - lo)))
     return tuple((t, float(max(min(s, 1.0), s * factor(t)))) for t, s in pieces)
 
 
