@@ -1099,8 +1099,8 @@ def sustained_rates(seconds: float = SUSTAIN_S, blocks: bool = False,
         runs = [_blocks_pass(kind, shape, "float32")[0] for shape in shapes[:2]]
         out[f"block.{kind}"] = 1.0 / _window_seconds(lambda: [run() for run in runs], seconds)
     for kind, (width, heads, seq, counts) in TOKENS_LADDER.items() if engine or blocks else ():
-        rungs = {"engine": counts[-1], "engine_low": counts[0]}     # top and bottom rungs
-        for name, sequences in list(rungs.items())[:2 if blocks else 1]:
+        rungs = (("engine", counts[-1]),) + ((("engine_low", counts[0]),) if blocks else ())
+        for name, sequences in rungs:                           # the top rung, the bottom's
             step = _engine_step(1, width, heads, seq, STAGE_MICRO * sequences, "float32")
             out[f"{name}.{kind}"] = 1.0 / _window_seconds(lambda: step("1f1b", STAGE_MICRO),
                                                           seconds)
@@ -1357,7 +1357,7 @@ def _device_line(tog: dict, alone: dict) -> str:
     """The machine file's comment on how the all-at-once device figures ``tog`` were had from
     rank 0's ``alone`` (:func:`shared_figures`)."""
     kinds = _kinds(tog, "slowdown")           # the blocks' own factors, where ranks share cores
-    engine = _kinds(tog, "engine")            # a core per rank: the step engine's GPT
+    engine = _kinds(tog, "engine")            # the step engine's GPT (its ladder's top rung)
     low = _kinds(tog, "engine_low")          # ranks share cores: the tokens ladder's bottom rung
     ladder = "".join(f"the {k} tokens ladder's bottom rung x{v:.2f} (top x{engine[k]:.2f}); "
                      for k, v in low.items() if k in engine)
