@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plan_validation  # noqa: E402
 
+from hpcnn import cli  # noqa: E402
 from hpcnn.config import TrainConfig  # noqa: E402
 from hpcnn.engine.step import train_step  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
@@ -115,26 +116,12 @@ def priced(graph, cuts, machine) -> dict:
     return out
 
 
-def refused_everywhere(comm, code) -> int:
-    """This rank refused its arguments (argparse printed why): wait until every rank has (each
-    refuses alike) so that none is killed before its message is out, then leave without
-    MPI_Abort's noise; a rank that did not refuse within a minute gets the job aborted."""
-    sys.stderr.flush()
-    req, t0 = comm.Ibarrier(), time.monotonic()
-    while not req.Test():
-        if time.monotonic() - t0 > 60:
-            comm.Abort(2)
-        time.sleep(0.005)
-    MPI.Finalize()
-    return code
-
-
 def main(argv) -> int:
     comm = MPI.COMM_WORLD
     try:
         a = parse(argv, comm.size)               # every rank refuses alike, before any call
     except SystemExit as e:
-        return refused_everywhere(comm, e.code)
+        return cli.leave_refused(comm, e.code)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     timed = {name: {} for name in a.cuts}
     for _ in range(a.rounds):

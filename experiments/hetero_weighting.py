@@ -43,6 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import cli  # noqa: E402
 from hpcnn.config import TrainConfig  # noqa: E402
 from hpcnn.data import steps_per_epoch  # noqa: E402
 from hpcnn.log import read_run  # noqa: E402
@@ -98,7 +99,8 @@ def main():
     world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()
     if p < 2:
-        raise SystemExit("run under mpiexec with 2 or more ranks")
+        print("run under mpiexec with 2 or more ranks", file=sys.stderr)
+        sys.exit(cli.leave_refused(world))
     factors = [float(f) for f in args.factors.split(",")]
     os.makedirs(args.out, exist_ok=True)
     serial_rows, rows, serial_params = [], [], {}

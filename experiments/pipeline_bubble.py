@@ -43,6 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import cli  # noqa: E402
 from hpcnn.engine.ops import PIPELINE as COMPUTE  # noqa: E402  (F, B, W)
 from hpcnn.log import RunLog  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
@@ -189,9 +190,10 @@ def main():
     Ms = [int(m) for m in args.micro_batches.split(",")]
     bad = [s for s in names if s not in schedules.SCHEDULES]
     if p < 2 or bad or args.pairs % p or args.steps < 1:   # identical on every rank: no collective
-        raise SystemExit(f"need >= 2 ranks (got {p}), schedules in {list(schedules.SCHEDULES)} "
-                         f"(unknown: {bad}), --pairs ({args.pairs}) a multiple of pp ({p}), "
-                         f"--steps ({args.steps}) >= 1")
+        print(f"need >= 2 ranks (got {p}), schedules in {list(schedules.SCHEDULES)} "
+              f"(unknown: {bad}), --pairs ({args.pairs}) a multiple of pp ({p}), "
+              f"--steps ({args.steps}) >= 1", file=sys.stderr)
+        sys.exit(cli.leave_refused(world))
     os.makedirs(args.out, exist_ok=True)
     rows, mem_rows = [], []
     for name in names:

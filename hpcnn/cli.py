@@ -103,15 +103,11 @@ def _stop_every_rank(message: str, agree) -> int:
     rank does not arrive within :data:`AGREE_SECONDS` (it runs on, or waits in a collective),
     this rank prints its message with its rank and aborts the job: never a hang.
     """
-    import time
     from mpi4py import MPI
     rank, size = agree.Get_rank(), agree.Get_size()
-    req, t0 = agree.Ibarrier(), time.monotonic()
-    while not req.Test():
-        if time.monotonic() - t0 > AGREE_SECONDS:
-            print(f"hpcnn train: rank {rank} of {size}: {message}", file=sys.stderr, flush=True)
-            agree.Abort(2)
-        time.sleep(0.005)
+    if not _every_rank_arrived(agree):
+        print(f"hpcnn train: rank {rank} of {size}: {message}", file=sys.stderr, flush=True)
+        agree.Abort(2)
     messages = agree.gather(message, root=0)
     if rank == 0:
         for line in merge_messages(messages):
@@ -119,6 +115,33 @@ def _stop_every_rank(message: str, agree) -> int:
     agree.Free()
     MPI.Finalize()
     return 2
+
+
+def _every_rank_arrived(comm) -> bool:
+    """A non-blocking barrier on ``comm``, polled: whether every rank entered it within
+    :data:`AGREE_SECONDS`."""
+    import time
+    req, t0 = comm.Ibarrier(), time.monotonic()
+    while not req.Test():
+        if time.monotonic() - t0 > AGREE_SECONDS:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def leave_refused(comm, code: int = 2) -> int:
+    """End a script run under mpiexec whose ranks each refused its input, alike and before any
+    collective, and printed why: flush, wait until every rank has (:data:`AGREE_SECONDS` at
+    most, else abort the job: never a hang), finalize MPI and return ``code`` for ``sys.exit``.
+    A non-zero exit straight away would become the MPI_Abort of ``python -m mpi4py``, which can
+    kill a rank before its message is out."""
+    from mpi4py import MPI
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not _every_rank_arrived(comm):
+        comm.Abort(code)
+    MPI.Finalize()
+    return code
 
 
 def info_lines() -> list[str]:
