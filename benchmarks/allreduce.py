@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hpcnn import cli  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.parallel.collectives import algorithms  # noqa: E402
 from hpcnn.parallel.collectives import shm  # noqa: E402
@@ -52,8 +53,8 @@ for a in sys.argv[1:]:
         k, v = a[2:].split("=", 1)
         OPTS[k] = int(v)
     else:
-        raise SystemExit(f"unknown option {a!r}; known: --max-mib=, --segment=, --isegment=, "
-                         "--piece=, --no-overlap, --no-calibrate")
+        cli.refuse(f"unknown option {a!r}; known: --max-mib=, --segment=, --isegment=, "
+                   "--piece=, --no-overlap, --no-calibrate")
 
 ALGOS = ["raw", "mpi", "ring", "rd", "shm", "cma", "auto", "shm0", "auto0"]   # shm*, cma: one node
 

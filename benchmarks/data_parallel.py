@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hpcnn import cli  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.nn import models  # noqa: E402
 from hpcnn.nn.optim import SGD  # noqa: E402
@@ -39,7 +40,7 @@ ARGS = {"repeats": 8, "batch": 64}
 for a in sys.argv[1:]:
     k, _, v = a.lstrip("-").partition("=")
     if k not in ARGS:
-        raise SystemExit(f"unknown option {a!r}; expected --repeats=N, --batch=N")
+        cli.refuse(f"unknown option {a!r}; expected --repeats=N, --batch=N")
     ARGS[k] = int(v)
 REPEATS, BATCH = ARGS["repeats"], ARGS["batch"]
 WIDTH, LAYERS = 2048, 4

@@ -33,6 +33,7 @@ import scipy.sparse.linalg as sla  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hpcnn import cli  # noqa: E402
 from hpcnn.graph import (DistributedMatrix, lanczos, largest_component,  # noqa: E402
                          normalized_adjacency, sbm)
 from hpcnn.log.results import save_table  # noqa: E402
@@ -49,8 +50,8 @@ def options(argv):
             a = "--build-only=1"
         key, _, value = a[2:].partition("=")
         if not a.startswith("--") or key not in opts or not value:
-            raise SystemExit(f"unknown option {a!r}; known: --build-only, "
-                             + ", ".join(f"--{k}=" for k in OPTS if k != "build-only"))
+            cli.refuse(f"unknown option {a!r}; known: --build-only, "
+                       + ", ".join(f"--{k}=" for k in OPTS if k != "build-only"))
         opts[key] = type(OPTS[key])(float(value)) if key != "tol" else float(value)
     return opts
 

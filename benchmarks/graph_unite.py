@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import cli  # noqa: E402
 from hpcnn.graph import (DistributedMatrix, lanczos, largest_component,  # noqa: E402
                          normalized_adjacency, sbm, unite_and_conquer)
 from hpcnn.log.results import save_table  # noqa: E402
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if size % 2:
-        raise SystemExit(f"graph_unite: unite and conquer splits the ranks in two: got {size}")
+        cli.refuse(f"graph_unite: unite and conquer splits the ranks in two: got {size}")
     a = normalized_adjacency(largest_component(sbm(o.nodes, blocks=4, avg_degree=10.0,
                                                    seed=o.seed)).adjacency)
     op = DistributedMatrix.from_global(a, comm=comm)

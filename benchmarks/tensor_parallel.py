@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hpcnn import cli  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.parallel.collectives import CommStats, Communicator  # noqa: E402
 from hpcnn.parallel.tensor_attn import ParallelTransformerBlock  # noqa: E402
@@ -50,7 +51,7 @@ ARGS = {"repeats": 10}
 for a in sys.argv[1:]:
     k, _, v = a.lstrip("-").partition("=")
     if k not in ARGS:
-        raise SystemExit(f"unknown option {a!r}; expected --repeats=N")
+        cli.refuse(f"unknown option {a!r}; expected --repeats=N")
     ARGS[k] = int(v)
 REPEATS = ARGS["repeats"]
 BATCH, SEQ, HEADS, WIDTHS = 8, 128, 8, (256, 512)   # B, T of the brief; 8 heads split by tp<=8

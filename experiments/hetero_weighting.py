@@ -99,8 +99,7 @@ def main():
     world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()
     if p < 2:
-        print("run under mpiexec with 2 or more ranks", file=sys.stderr)
-        sys.exit(cli.leave_refused(world))
+        cli.refuse("run under mpiexec with 2 or more ranks")
     factors = [float(f) for f in args.factors.split(",")]
     os.makedirs(args.out, exist_ok=True)
     serial_rows, rows, serial_params = [], [], {}

@@ -190,10 +190,9 @@ def main():
     Ms = [int(m) for m in args.micro_batches.split(",")]
     bad = [s for s in names if s not in schedules.SCHEDULES]
     if p < 2 or bad or args.pairs % p or args.steps < 1:   # identical on every rank: no collective
-        print(f"need >= 2 ranks (got {p}), schedules in {list(schedules.SCHEDULES)} "
-              f"(unknown: {bad}), --pairs ({args.pairs}) a multiple of pp ({p}), "
-              f"--steps ({args.steps}) >= 1", file=sys.stderr)
-        sys.exit(cli.leave_refused(world))
+        cli.refuse(f"need >= 2 ranks (got {p}), schedules in {list(schedules.SCHEDULES)} "
+                   f"(unknown: {bad}), --pairs ({args.pairs}) a multiple of pp ({p}), "
+                   f"--steps ({args.steps}) >= 1")
     os.makedirs(args.out, exist_ok=True)
     rows, mem_rows = [], []
     for name in names:

@@ -144,6 +144,15 @@ def leave_refused(comm, code: int = 2) -> int:
     return code
 
 
+def refuse(message: str, code: int = 2):
+    """A script's refusal of its input, alike on every rank and before any collective: print
+    ``message`` on this rank and exit with ``code`` by :func:`leave_refused` (under mpiexec,
+    once every rank has printed). For scripts that have started MPI; never returns."""
+    from mpi4py import MPI
+    print(message, file=sys.stderr)
+    sys.exit(leave_refused(MPI.COMM_WORLD, code))
+
+
 def info_lines() -> list[str]:
     import numpy
     import hpcnn
