@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import plan_validation  # noqa: E402
 
 from hpcnn.log.results import load_table, save_table  # noqa: E402
-from hpcnn.parallel.layout import read_plan  # noqa: E402
+from hpcnn.schedule.placement import read_plan  # noqa: E402
 from hpcnn.plan import cost  # noqa: E402
 
 PHASES = {"passes": ("F", "B"), "wait": ("allreduce_wait",), "optimizer": ("optimizer",)}

@@ -34,7 +34,7 @@ from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.nn import models  # noqa: E402
 from hpcnn.nn.optim import SGD  # noqa: E402
 from hpcnn.parallel.collectives import Communicator  # noqa: E402
-from hpcnn.parallel.data import DataParallel  # noqa: E402
+from hpcnn.parallel.data.bucketed import DataParallel  # noqa: E402
 
 ARGS = {"repeats": 8, "batch": 64}
 for a in sys.argv[1:]:

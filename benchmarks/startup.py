@@ -70,7 +70,7 @@ def worker(args) -> None:
                 spent[0] += time.perf_counter() - t
         setattr(module, name, wrapper)
     try:
-        from hpcnn.parallel.collectives import calibration      # this code: the whole of for_run
+        from hpcnn.parallel.collectives import autotune as calibration      # this code: the whole of for_run
         timed(calibration, "for_run")
     except ImportError:                             # older code, before parallel/collectives/
         try:

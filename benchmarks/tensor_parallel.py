@@ -1,13 +1,13 @@
 """Step time and communication share of a tensor-parallel transformer block, tp = 1, 2, 4.
 
-A :class:`~hpcnn.parallel.tensor_attn.ParallelTransformerBlock` (float32, B=8, T=128, 8 heads,
+A :class:`~hpcnn.parallel.tensor.attention.ParallelTransformerBlock` (float32, B=8, T=128, 8 heads,
 MLP 4C, no dropout) at two widths (C = 256, 512), sequence parallelism off and on (tp > 1), for
 every tp in {1, 2, 4} that divides the world size. A step is one forward + backward of the block
 (+ the once-per-step sync of the partial LayerNorm/bias gradients under sequence parallelism),
 no optimizer.
 
 Layout: COMM_WORLD is split into world/tp groups of tp consecutive ranks (tp fastest, as in
-:class:`~hpcnn.parallel.grid.ProcessGrid`), and ALL groups run at the same time: with 4 ranks,
+:class:`~hpcnn.parallel.collectives.grid.ProcessGrid`), and ALL groups run at the same time: with 4 ranks,
 tp=1 is 4 independent replicas, tp=2 two groups, tp=4 one group. Every configuration keeps every
 rank busy, so the machine load is the same and tp values compare at equal load; ``machine tok/s``
 = groups x B x T / step is the throughput of the whole machine in that layout.
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hpcnn import cli  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.parallel.collectives import CommStats, Communicator  # noqa: E402
-from hpcnn.parallel.tensor_attn import ParallelTransformerBlock  # noqa: E402
+from hpcnn.parallel.tensor.attention import ParallelTransformerBlock  # noqa: E402
 
 ARGS = {"repeats": 10}
 for a in sys.argv[1:]:

@@ -32,7 +32,7 @@ from hpcnn import cli  # noqa: E402
 from hpcnn.config import TrainConfig  # noqa: E402
 from hpcnn.engine.step import train_step  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.parallel.layout import write_plan  # noqa: E402
+from hpcnn.schedule.placement import write_plan  # noqa: E402
 from hpcnn.plan import cost  # noqa: E402
 from hpcnn.train import _setup  # noqa: E402
 

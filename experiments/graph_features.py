@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn.config import parse_overrides  # noqa: E402
-from hpcnn.graph.data import sbm  # noqa: E402
+from hpcnn.graph.graphs import sbm  # noqa: E402
 from hpcnn.graph.nodes import from_graph  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.train import train  # noqa: E402

@@ -13,7 +13,7 @@ contiguous partition does not inherit an order that follows the classes), and fo
                  sub-parts sum to): partitioners.spectral_bisection
     metis        METIS k-way through pymetis (the ``data`` extra installs it; skipped without it)
 
-and records, from :func:`hpcnn.graph.partition.partition_stats`: the edge cut (undirected edges
+and records, from :func:`hpcnn.graph.rows.partition_stats`: the edge cut (undirected edges
 between ranks), the halo volume (rows all ranks receive per layer: the sum of the halo sizes
 ``build_halo`` would compute), the largest halo, the part sizes, and the seconds the partitioner
 took (one run, on a shared machine: indicative only).
@@ -52,8 +52,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from hpcnn.graph.data import digits_knn, largest_component, sbm  # noqa: E402
-from hpcnn.graph.partition import partition_stats  # noqa: E402
+from hpcnn.graph.graphs import digits_knn, largest_component, sbm  # noqa: E402
+from hpcnn.graph.rows import partition_stats  # noqa: E402
 from hpcnn.graph.partitioners import metis_available, partition  # noqa: E402
 from hpcnn.log import read_run  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402

@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from graph_features import train_gcn  # noqa: E402
-from hpcnn.graph.data import digits_knn, sbm  # noqa: E402
+from hpcnn.graph.graphs import digits_knn, sbm  # noqa: E402
 from hpcnn.graph.nodes import coarsened, from_graph  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 

@@ -8,10 +8,10 @@ exact full-batch gradient, which is at least as accurate as the plain mean of th
 gradients used by earlier static balancing.
 
 The last rank is slowed by an EMULATED factor r (extra time proportional to its real compute,
-see hpcnn.parallel.hetero.Slowdown). Arms: equal shares; proportional + uniform mean;
+see hpcnn.parallel.data.hetero.Slowdown). Arms: equal shares; proportional + uniform mean;
 proportional + weighted. The proportional arms measure the replicas online (no fixed speeds):
 every 5 steps the balancer refits each replica's compute time as fixed + per-sample cost and
-takes the shares that minimise the slowest predicted time (hpcnn.parallel.hetero.Balancer).
+takes the shares that minimise the slowest predicted time (hpcnn.parallel.data.hetero.Balancer).
 Until this version it balanced by measured samples/s, which a step's fixed part biases against
 a replica with a small share. Each (shard layout, r, arm, seed) is a full training run of an MLP
 on digits with its own HDF5 log under runs/hetero_weighting/; the summary table goes to
@@ -45,7 +45,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn import cli  # noqa: E402
 from hpcnn.config import TrainConfig  # noqa: E402
-from hpcnn.data import steps_per_epoch  # noqa: E402
+from hpcnn.datasets import steps_per_epoch  # noqa: E402
 from hpcnn.log import read_run  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.train import train  # noqa: E402

@@ -44,13 +44,14 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn import cli  # noqa: E402
-from hpcnn.engine.ops import PIPELINE as COMPUTE  # noqa: E402  (F, B, W)
+from hpcnn.schedule.ops import PIPELINE as COMPUTE  # noqa: E402  (F, B, W)
 from hpcnn.log import RunLog  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.nn.chain import Chain  # noqa: E402
 from hpcnn.nn.layers import Linear, ReLU  # noqa: E402
 from hpcnn.nn.loss import SoftmaxCrossEntropy  # noqa: E402
-from hpcnn.parallel import partition, pipeline, schedules  # noqa: E402
+from hpcnn.schedule import stages as partition, pipeline as schedules
+from hpcnn.engine import pipelined as pipeline  # noqa: E402
 
 
 def equal_mlp(width, pairs, seed=0):

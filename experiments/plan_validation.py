@@ -77,7 +77,7 @@ import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.parallel.layout import Cut, write_plan  # noqa: E402
+from hpcnn.schedule.placement import Cut, write_plan  # noqa: E402
 from hpcnn.plan import cost, hybrid, machine, search  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,7 +111,7 @@ def calibrate(ranks: int, out: str, name: str = "machine.toml") -> str:
 def gpt_vocab(dataset: str = "sonnet") -> int:
     """The character vocabulary of the GPT's data set (what ``hpcnn train`` builds the model on)."""
     from hpcnn.config import TrainConfig
-    from hpcnn import data
+    from hpcnn import datasets as data
     return data.for_config(TrainConfig(model="gpt", dataset=dataset).resolved()).vocab
 
 

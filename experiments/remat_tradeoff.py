@@ -64,9 +64,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn import backend  # noqa: E402
-from hpcnn import data  # noqa: E402
+from hpcnn import datasets as data  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.memory import combine, rotor, sequence  # noqa: E402
+from hpcnn.memory import combine, rotor
+from hpcnn.schedule import sequences as sequence  # noqa: E402
 from hpcnn.memory import profile  # noqa: E402
 from hpcnn.memory.executor import Executor  # noqa: E402
 from hpcnn.memory.offload import OffloadChannel  # noqa: E402

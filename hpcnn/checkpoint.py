@@ -81,7 +81,7 @@ def _full_shape(p, tp_size: int) -> tuple:
 def _local_state(params, opt, tp) -> dict:
     """name -> full host array of each parameter and '<name>/<slot>' of its optimizer slots
     (collective over ``tp``, the tensor-parallel Communicator, when it has several ranks)."""
-    from hpcnn.parallel.tensor import unshard
+    from hpcnn.parallel.tensor.linear import unshard
     out = {}
     for p in params:
         arrays = {p.name: p.data}
@@ -229,7 +229,7 @@ def restore(path: str, cfg, model, params, opt, ctx=None, steps: int = 0) -> int
 
 
 def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
-    from hpcnn.parallel.tensor import shard_array
+    from hpcnn.parallel.tensor.linear import shard_array
     tp_rank, tp_size = (ctx.tp.rank, ctx.tp.size) if ctx is not None else (0, 1)
     fmt = f.attrs.get("format")
     if fmt not in READABLE:

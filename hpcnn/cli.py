@@ -268,7 +268,7 @@ def cmd_report(args) -> int:
 
 def _report_trace(args) -> int:
     """``hpcnn report RUN.h5 --trace OUT.json``: the run's timeline for Perfetto."""
-    from hpcnn.log.trace import write_trace
+    from hpcnn.log.chrome import write_trace
     k = args.index("--trace")
     rest = args[:k] + args[k + 2:]
     if k + 1 >= len(args) or len(rest) != 1:

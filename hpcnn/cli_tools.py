@@ -80,7 +80,7 @@ def cmd_simulate(args) -> int:
         return 2
     if o["model"]:
         return simulate_planned(o, "hpcnn simulate " + " ".join(args))
-    from hpcnn.parallel import schedules
+    from hpcnn.schedule import pipeline as schedules
     if o["schedule"] not in schedules.SCHEDULES:
         print(f"hpcnn simulate: --schedule={o['schedule']!r}: one of "
               f"{', '.join(schedules.SCHEDULES)}", file=sys.stderr)
@@ -163,11 +163,11 @@ def simulate_planned(o: dict, command_line: str) -> int:
         elif o["model"] == "mlp":
             import json
 
-            from hpcnn.parallel import layout
+            from hpcnn.schedule.placement import read_plan
             if not o["plan"]:
                 raise ValueError("--model=mlp needs --plan=FILE (the cuts, as hpcnn train reads)")
             widths = [int(w) for w in o["widths"].split(",")]
-            cuts = layout.read_plan(o["plan"])
+            cuts = read_plan(o["plan"])
             with open(o["plan"]) as f:
                 mach = mach.with_devices(json.load(f)["devices"])
             graph = cost.mlp_graph(widths, o["batch"])
@@ -286,11 +286,9 @@ def calibrate_machine(path: str, rounds: int = CALIBRATE["rounds"][0]) -> int:
     """``hpcnn calibrate --write=PATH``: ping-pong per size, matmul and copy rates (alone and all
     ranks at once) measured on these ranks (any number, one included), written by rank 0 as the
     machine file PATH, named after the file."""
-    from mpi4py import MPI
-
-    from hpcnn.parallel.collectives import measure
+    from hpcnn.parallel.collectives import measure, world
     from hpcnn.plan import machine
-    comm = MPI.COMM_WORLD
+    comm = world().comm
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):                  # every rank sees it, before any collective
         print(f"hpcnn calibrate: --write={path!r}: no such directory {folder!r}", file=sys.stderr)
@@ -323,7 +321,7 @@ def _calibrate_misplaced(args, opts) -> str:
 def cmd_calibrate(args) -> int:
     """Time every allreduce algorithm from 1 KiB to 64 MiB on these ranks, print the table and
     save it where ``--allreduce=auto`` runs of the same key load it
-    (:mod:`hpcnn.parallel.collectives.calibration`)."""
+    (:mod:`hpcnn.parallel.collectives.autotune`)."""
     if any(a in ("-h", "--help") for a in args):
         print("usage: mpiexec -n N python -m mpi4py -m hpcnn calibrate [--dtype=float32]\n"
               "       [mpiexec -n N python -m mpi4py -m] hpcnn calibrate --write=machines/NAME.toml"
@@ -351,12 +349,9 @@ def cmd_calibrate(args) -> int:
         return 2
     if opts["write"]:
         return calibrate_machine(opts["write"], opts["rounds"])
-    from mpi4py import MPI
-
-    from hpcnn.parallel.collectives import algorithms
-    from hpcnn.parallel.collectives import calibration
-    from hpcnn.parallel.collectives import Communicator
-    comm = Communicator(MPI.COMM_WORLD)
+    from hpcnn.parallel.collectives import algorithms, world
+    from hpcnn.parallel.collectives import autotune as calibration
+    comm = world()
     if comm.size == 1:
         print("hpcnn calibrate: one rank: nothing to reduce (run it under mpiexec -n N)",
               file=sys.stderr)

@@ -22,11 +22,11 @@ import re
 import typing
 from dataclasses import dataclass
 
-from hpcnn.parallel.schedules import SCHEDULES
+from hpcnn.graph.nodes import GRAPH_DATASETS
+from hpcnn.schedule.pipeline import SCHEDULES
 from hpcnn.signals import STOP_SIGNALS
 
 MODELS = ("mlp", "cnn", "gpt", "gcn")
-GRAPH_DATASETS = ("karate", "lesmis", "digits_knn", "sbm", "sbm20k")       # hpcnn.graph.nodes
 GRAPH_PARTITIONS = ("contiguous", "random", "spectral", "metis")  # hpcnn.graph.partitioners
 DATASETS = ("digits", "shakespeare", "sonnet") + GRAPH_DATASETS
 DEFAULT_DATASET = {"mlp": "digits", "cnn": "digits", "gpt": "shakespeare", "gcn": "karate"}
@@ -236,7 +236,7 @@ def option_errors(c: TrainConfig) -> list[str]:
 
 def _syntax_errors(c: TrainConfig) -> list[str]:
     """--layout, --speeds and --slowdown parsed as the run will parse them (against dp)."""
-    from hpcnn.parallel import hetero
+    from hpcnn.parallel.data import hetero
     errs = []
     if c.layout and not re.fullmatch(r"\s*\d+\s*(\|\s*\d+\s*)*", c.layout):
         errs.append(f"layout={c.layout!r}: expected block counts separated by '|', e.g. '4|4|3|5'")
@@ -476,3 +476,10 @@ def describe(cls=TrainConfig) -> str:
             rows.append((f"  --{m.group(1)}={_shown(defaults[m.group(1)])}", m.group(2)))
     width = max(len(k) for k, c in rows if c is not None) + 2
     return "\n".join(k if c is None else f"{k:<{width}}{c}" for k, c in rows)
+
+
+def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
+    """The GPT vocabulary rounded up to a multiple of ``pad_vocab`` (0: of tp), as Megatron-LM
+    pads it so that vocab-parallel shards are equal; the extra ids never occur in the data."""
+    m = cfg.pad_vocab or cfg.tp
+    return -(-vocab // m) * m

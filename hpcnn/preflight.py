@@ -48,8 +48,8 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     ``cfg`` is a resolved configuration (:meth:`TrainConfig.resolved`, which has validated it);
     ``world_size`` the number of ranks (None: not checked).
     """
-    from hpcnn import data as datasets
-    from hpcnn.parallel.grid import GridError, check_layout
+    from hpcnn import datasets
+    from hpcnn.parallel.collectives.grid import GridError, check_layout
     if world_size is not None:     # --model=gpt --plan=auto: check the layout it chooses
         cfg, _, data = planned(cfg, world_size, data)
     if world_size is not None:     # refused without loading the data
@@ -81,7 +81,7 @@ def planned(cfg: TrainConfig, world_size: int, data=None):
     count is refused). ConfigError when no layout can be chosen or that batch is refused."""
     if cfg.model != "gcn" and not (cfg.model == "gpt" and cfg.plan == "auto"):
         return cfg, None, data
-    from hpcnn import data as datasets
+    from hpcnn import datasets
     data = data if data is not None else datasets.for_config(cfg)
     if cfg.model == "gcn":
         from dataclasses import replace
@@ -107,7 +107,7 @@ def _log_errors(cfg: TrainConfig) -> list[str]:
 
 def _plan_errors(cfg: TrainConfig) -> list[str]:
     """--plan=FILE: the file reads and its layouts fit the --tp ranks (every rank reads it)."""
-    from hpcnn.parallel.layout import read_plan
+    from hpcnn.schedule.placement import read_plan
     try:
         cuts = read_plan(cfg.plan, devices=cfg.tp)
     except OSError as e:

@@ -37,6 +37,8 @@ import threading
 
 import numpy
 
+from hpcnn.parallel.collectives import as_communicator
+
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 STOP_SIGNALS = ("USR1", "USR2", "none")        # --stop_signal's choices
 NONE, STOP, INTERRUPT = 0, 1, 2                # flags, by priority (reduced with MAX)
@@ -46,7 +48,7 @@ GRACE_SECONDS = 10.0
 
 class StopSignals:
     """Signal handlers for one run and the agreement on when to stop (collective: make it on
-    every rank of ``comm``, an mpi4py communicator or None for a serial run).
+    every rank of ``comm``: a Communicator, an mpi4py communicator, or None for a serial run).
 
     Handlers are installed only from the main thread and restored by :meth:`close`.
     """
@@ -55,7 +57,8 @@ class StopSignals:
         self.local = NONE              # what this rank has seen
         self.signum = 0                # the interrupt seen first (for the exit status)
         self.agreed = NONE             # what every rank agreed on at the last boundary
-        self.comm = comm.Dup() if comm is not None and comm.Get_size() > 1 else None
+        comm = as_communicator(comm, "signals")
+        self.comm = comm.dup("signals") if comm is not None and comm.size > 1 else None
         self._send, self._recv = numpy.zeros(1, numpy.int32), numpy.zeros(1, numpy.int32)
         self._req, self._timer, self._saved = None, None, {}
         watched = list(INTERRUPTS)
@@ -93,13 +96,12 @@ class StopSignals:
         if self.comm is None:
             self.agreed = self.local
             return self.agreed
-        from mpi4py import MPI
         if self._req is not None:       # flag * 256 + interrupt number: every rank exits alike
-            self._req.Wait()
+            self._req.wait()
             self.agreed, signum = divmod(int(self._recv[0]), 256)
             self.signum = signum if self.agreed == INTERRUPT else self.signum
         self._send[0] = self.local * 256 + self.signum
-        self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
+        self._req = self.comm.ireduce_max(self._send, self._recv)
         return self.agreed
 
     @property
@@ -122,6 +124,6 @@ class StopSignals:
             self._timer.cancel()
         if self.comm is not None and collective:
             if self._req is not None:
-                self._req.Wait()
-            self.comm.Free()
+                self._req.wait()
+            self.comm.free()
         self.comm = self._req = None

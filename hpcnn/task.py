@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy
 
 from hpcnn import backend
-from hpcnn import data as datasets
-from hpcnn.config import TrainConfig
+from hpcnn import datasets
+from hpcnn.config import TrainConfig, padded_vocab
 from hpcnn.nn import models
 
 TEXT_DEFAULT_STEPS = 1000
@@ -61,7 +61,7 @@ class Task:
         the last stage's rank gets them: None elsewhere)."""
         if ctx is None or not ctx.pipelined:
             return self.model.predict(x, batch_size=batch_size)
-        from hpcnn.parallel.pipeline import forward_only
+        from hpcnn.engine.pipelined import forward_only
         self.model.eval()
         try:
             return forward_only(self.model, ctx.ranges, ctx.pp, x, owner=ctx.owner)
@@ -149,7 +149,7 @@ def with_spectral_features(data, k: int, graph_comm=None):
     drowned by features of unit scale). -> (the new data, the record for /plan)."""
     import time
     from dataclasses import replace
-    from hpcnn.graph.partition import RowPartition
+    from hpcnn.graph.rows import RowPartition
     from hpcnn.graph.spectral import spectral_embedding
     t0 = time.perf_counter()
     full = data.full if data.full is not None else data
@@ -170,14 +170,14 @@ def with_spectral_features(data, k: int, graph_comm=None):
 
 
 def graph_partition(cfg, a_hat, graph_comm=None):
-    """(the :class:`~hpcnn.graph.partition.RowPartition` ``cfg.partition`` names over the ranks of
+    """(the :class:`~hpcnn.graph.rows.RowPartition` ``cfg.partition`` names over the ranks of
     ``graph_comm``, the seconds it took). Rank 0 computes it and broadcasts the owner vector: a
     spectral bisection's floating-point ties could otherwise fall differently on different
     ranks, and the others would wait for it anyway. The partitioners see the graph's adjacency
     pattern (Â without its diagonal: A itself for an unweighted graph); ``random`` draws with
     ``cfg.seed``."""
     import time
-    from hpcnn.graph.partition import RowPartition
+    from hpcnn.graph.rows import RowPartition
     from hpcnn.graph.partitioners import partition
     size = 1 if graph_comm is None else graph_comm.size
     n, seconds = a_hat.shape[0], 0.0
@@ -215,7 +215,7 @@ def build_graph_task(cfg, data, graph_comm=None, keep=None) -> GraphTask:
     ``preprocessing`` what was done to the data (``--spectral_features``: k, ranks, matvecs,
     seconds; ``--coarsen``: the method, the node counts and ratio, the coarse training nodes,
     seconds)."""
-    from hpcnn.graph.partition import RowPartition
+    from hpcnn.graph.rows import RowPartition
     from hpcnn.nn.gcn import GraphOperator, gcn
     dtype = backend.dtype_of(cfg.dtype)
     size = 1 if graph_comm is None else graph_comm.size
@@ -248,28 +248,22 @@ def metrics_from_sums(sums, is_text: bool) -> dict:
     return {"val_loss": loss} if is_text else {"test_loss": loss, "test_acc": float(sums[1] / sums[2])}
 
 
-def padded_vocab(vocab: int, cfg: TrainConfig) -> int:
-    """The GPT vocabulary rounded up to a multiple of ``pad_vocab`` (0: of tp), as Megatron-LM
-    pads it so that vocab-parallel shards are equal; the extra ids never occur in the data."""
-    m = cfg.pad_vocab or cfg.tp
-    return -(-vocab // m) * m
-
-
 def _laid_out_mlp(cfg, data, comm, dtype, keep):
     """--plan: the MLP with each Linear laid out as the plan file says, or as the planner chooses
     for this batch and these widths (``auto``); returns the model and ``{"cuts", "chosen_by",
     "predicted_step_s"}`` for the log's /plan."""
-    from hpcnn.parallel import layout
     from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.layout import layout_mlp
+    from hpcnn.schedule.placement import read_plan
     comm = comm if comm is not None else Communicator.single("tp")
     dims = [data.x_train.shape[1], *cfg.hidden, data.n_classes]
     info = {"chosen_by": f"plan file {cfg.plan}", "predicted_step_s": float("nan")}
     if cfg.plan == "auto":
         cuts, info = _auto_cuts(cfg, dims, comm.size)
     else:
-        cuts = layout.read_plan(cfg.plan, devices=comm.size)
-    model = layout.layout_mlp(dims[0], cfg.hidden, dims[-1], cuts, comm, seed=cfg.seed,
-                              dtype=dtype, keep=keep)
+        cuts = read_plan(cfg.plan, devices=comm.size)
+    model = layout_mlp(dims[0], cfg.hidden, dims[-1], cuts, comm, seed=cfg.seed, dtype=dtype,
+                       keep=keep)
     return model, dict(info, cuts=[[c.batch, c.reduce, c.out] for c in cuts])
 
 
@@ -311,7 +305,7 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None, graph_comm=
             model = models.mlp(data.x_train.shape[1], cfg.hidden, data.n_classes, seed=cfg.seed,
                                dtype=dtype, keep=keep)
         elif tp:
-            from hpcnn.parallel.tp_models import parallel_cnn
+            from hpcnn.parallel.tensor.factories import parallel_cnn
             model = parallel_cnn(tp_comm, 1, 8, cfg.channels, n_out=data.n_classes, seed=cfg.seed,
                                  dtype=dtype, keep=keep)
         else:
@@ -321,7 +315,7 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None, graph_comm=
         return Task(cfg, data, model, cfg.steps or max(1, math.ceil(cfg.epochs * spe)))
     vocab = padded_vocab(data.vocab, cfg)
     if tp:
-        from hpcnn.parallel.tp_models import parallel_gpt
+        from hpcnn.parallel.tensor.factories import parallel_gpt
         model = parallel_gpt(tp_comm, vocab, cfg.block_size, cfg.n_layers, cfg.dim, cfg.n_heads,
                              sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout,
                              seed=cfg.seed, dtype=dtype, keep=keep)

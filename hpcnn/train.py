@@ -22,7 +22,7 @@ from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.engine.context import ParallelContext
 from hpcnn.engine.record import claim_log, flush_ranks, record_memory, run_header
 from hpcnn.engine.step import train_step
-from hpcnn.engine.trace import show as show_schedule
+from hpcnn.schedule.expand import show as show_schedule
 from hpcnn.nn.optim import make_optimizer
 from hpcnn.parallel.collectives import watchdog
 from hpcnn.signals import StopSignals

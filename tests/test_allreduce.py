@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from hpcnn.parallel.collectives import calibration
+from hpcnn.parallel.collectives import autotune as calibration
 from hpcnn.parallel.collectives.algorithms import MARGIN, _split, compile_table, table_from_times
 from hpcnn.parallel.collectives import CommStats, Communicator
 

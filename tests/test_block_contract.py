@@ -12,12 +12,13 @@ from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU, reachable
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.residual import halves
 from hpcnn.nn.transformer import CausalSelfAttention, Embedding, MLPBlock, TransformerBlock
-from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
-                                   ShardDropout)
-from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
-from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
-from hpcnn.parallel.layout import Cut, LayoutLinear, Placement, Redistribute
-from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcnn.parallel.tensor.linear import (ColumnParallelLinear, ParallelMLPBlock,
+                                          RowParallelLinear, ShardDropout)
+from hpcnn.parallel.tensor.attention import ParallelCausalSelfAttention, ParallelTransformerBlock
+from hpcnn.parallel.tensor.channel_conv import ChannelParallelConv2d
+from hpcnn.schedule.placement import Cut, Placement
+from hpcnn.parallel.layout import LayoutLinear, Redistribute
+from hpcnn.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 from cachecheck import block_kinds, grads_accumulate, spec_matches_cache
 from mpi_util import single

@@ -103,7 +103,7 @@ def test_model_argument_errors():
 def test_keep_gives_storage_to_the_named_parameters_only():
     import tracemalloc
     from hpcnn.nn.core import is_placeholder
-    from hpcnn.parallel.tensor import shard_array
+    from hpcnn.parallel.tensor.linear import shard_array
     full = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64)
     keep = {p.name for b in full.blocks[2:4] for p in b.params}
     part = models.gpt(40, 16, 4, 32, 2, seed=2, dtype=np.float64, keep=keep)
@@ -140,7 +140,7 @@ def test_keep_reaches_every_parameter_of_the_tensor_parallel_factories():
     """``keep`` passed to parallel_gpt / parallel_cnn (one tp rank) gives storage to the named
     parameters only, with the values of a full build; the others are placeholders."""
     from hpcnn.nn.core import is_placeholder
-    from hpcnn.parallel.tp_models import parallel_cnn, parallel_gpt
+    from hpcnn.parallel.tensor.factories import parallel_cnn, parallel_gpt
     from mpi_util import single
     comm = single("tp")
     for build in (lambda keep: parallel_gpt(comm, 40, 16, 2, 32, 2, sequence_parallel=True,

@@ -30,8 +30,8 @@ def test_simulate_prints_the_bubble_and_a_chart(capsys):
 
 def test_simulate_writes_the_predicted_timeline_as_a_run_log(tmp_path, capsys):
     from hpcnn.log import read_run
-    from hpcnn.log.trace import write_trace
-    from hpcnn.parallel import schedules
+    from hpcnn.log.chrome import write_trace
+    from hpcnn.schedule import pipeline as schedules
     path = tmp_path / "pred.h5"
     assert cmd_simulate(["--schedule=zb_h1", "--ranks=2", "--microbatches=4", "--t_w=1",
                          f"--log={path}"]) == 0

@@ -4,7 +4,7 @@ import pytest
 
 from hpcnn.nn import models
 from hpcnn.nn.optim import SGD
-from hpcnn.parallel.data import DataParallel, check_shares, dloss_for, shard
+from hpcnn.parallel.data.bucketed import DataParallel, check_shares, dloss_for, shard
 from mpi_util import CaseRuns, single
 
 

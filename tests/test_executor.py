@@ -5,9 +5,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from hpcnn import data
-from hpcnn.engine.ops import Op
-from hpcnn.memory import profile, rotor, sequence
+from hpcnn import datasets as data
+from hpcnn.schedule.ops import Op
+from hpcnn.memory import profile, rotor
+from hpcnn.schedule import sequences as sequence
 from hpcnn.memory.executor import Executor, live_bytes, store_all_reference
 from hpcnn.memory.simulate import simulate
 from hpcnn.nn import models

@@ -6,8 +6,8 @@ import scipy.sparse as sp
 from hpcnn.graph import RowPartition, build_halo, digits_knn, karate_club, normalized_adjacency, sbm
 from hpcnn.graph.coarsen import (Coarsening, heavy_edge_matching, random_assignment,
                                  spectral_clustering)
-from hpcnn.graph.data import Graph, _symmetric_csr, largest_component
-from hpcnn.graph.partition import partition_stats
+from hpcnn.graph.graphs import Graph, _symmetric_csr, largest_component
+from hpcnn.graph.rows import partition_stats
 from hpcnn.graph.partitioners import (metis_available, metis_partition, partition,
                                       random_partition, spectral_bisection)
 from hpcnn.graph.spectral import sign_normalize, spectral_embedding, spectral_features

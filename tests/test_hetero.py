@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from hpcnn.parallel.hetero import (Balancer, Slowdown, StepMeter, StepTimeModel, balanced_shares,
-                                   equal_shares, parse_speeds, proportional_shares,
-                                   slowdowns_from_config)
+from hpcnn.parallel.data.hetero import (Balancer, Slowdown, StepMeter, StepTimeModel,
+                                        balanced_shares, equal_shares, parse_speeds,
+                                        proportional_shares, slowdowns_from_config)
 from mpi_util import CaseRuns
 
 
@@ -434,7 +434,7 @@ def test_slowdown_sleep_pads_and_frees_the_core():
 
 
 class FakeClock:
-    """Stands for the ``time`` module in :mod:`hpcnn.parallel.hetero`: ``perf_counter`` advances
+    """Stands for the ``time`` module in :mod:`hpcnn.parallel.data.hetero`: ``perf_counter`` advances
     1 ms a reading (so waiting needs readings, i.e. running), ``sleep`` is recorded."""
 
     def __init__(self):
@@ -453,7 +453,7 @@ class FakeClock:
 def test_slowdown_spin_burns_cpu(monkeypatch):
     """spin waits by running (reading the clock until the time is up, never sleeping), sleep by
     sleeping once: checked on a fake clock, so no timing threshold that load could break."""
-    import hpcnn.parallel.hetero as hetero
+    import hpcnn.parallel.data.hetero as hetero
     clock = FakeClock()
     monkeypatch.setattr(hetero, "time", clock)
     extra = Slowdown(2.0, "spin").pad(0.05)

@@ -1,7 +1,8 @@
-"""The package's import graph has no cycle, and ``hpcnn/log/`` stays below the parallel layers.
+"""The rules of the house: the package's layers, no import cycle, MPI in one place, no two modules
+a reader would confuse by name, and the sizes docs/architecture.md promises.
 
 The graph is read statically from the source (``ast``), not by importing: a node is a module of
-``hpcnn/`` (``hpcnn.parallel.tensor``; a package is its ``__init__``), and an edge A -> B is an
+``hpcnn/`` (``hpcnn.parallel.tensor.linear``; a package is its ``__init__``), and an edge A -> B is an
 ``import B`` / ``from B import x`` / ``from . import B`` written anywhere in A, at module level or
 inside a function or a class. Function-level (lazy) imports count: they hide a cycle from the
 interpreter at load time, but the two modules still depend on each other, and "no import cycle"
@@ -26,7 +27,7 @@ ALLOWED_CYCLES: set = set()
 
 
 def module_name(path: str) -> str:
-    """``hpcnn/parallel/tensor.py`` -> ``hpcnn.parallel.tensor``; a package's ``__init__.py`` ->
+    """``hpcnn/parallel/tensor/linear.py`` -> ``hpcnn.parallel.tensor.linear``; a package's ``__init__.py`` ->
     the package's name."""
     rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-len(".py")]
     parts = rel.split(os.sep)
@@ -105,7 +106,7 @@ def test_graph_is_read_from_the_source():
     """The reader finds edges of each kind (guards against a parser that finds nothing)."""
     g = import_graph()
     assert g.has_edge("hpcnn.train", "hpcnn.config")                 # module level
-    assert g.has_edge("hpcnn.parallel.tensor", "hpcnn.backend")      # from hpcnn import backend
+    assert g.has_edge("hpcnn.parallel.tensor.linear", "hpcnn.backend")      # from hpcnn import backend
     assert g.has_edge("hpcnn.log", "hpcnn.log.runlog")               # relative import
     assert g.has_edge("hpcnn.cli", "hpcnn.checkpoint")               # inside a function
 
@@ -119,12 +120,96 @@ def test_no_import_cycle():
     assert not gone, f"allowed cycles no longer present, remove them from ALLOWED_CYCLES: {gone}"
 
 
-def test_log_does_not_import_the_layers():
-    """``hpcnn/log/`` records runs: it must not depend on the model or parallel code."""
+# The package order, bottom first (the same list as docs/architecture.md's "Layers"): a module
+# imports only modules of its own layer or of the layers below it. A module belongs to the
+# longest prefix listed; one row may hold several packages that do not import each other.
+LAYERS = (
+    ("hpcnn", "hpcnn.backend"),
+    ("hpcnn.schedule",),
+    ("hpcnn.log",),
+    ("hpcnn.parallel.collectives",),
+    ("hpcnn.signals",),
+    ("hpcnn.graph",),
+    ("hpcnn.nn",),
+    ("hpcnn.parallel",),
+    ("hpcnn.parallel.data",),
+    ("hpcnn.parallel.tensor",),
+    ("hpcnn.parallel.layout",),
+    ("hpcnn.memory",),
+    ("hpcnn.config",),
+    ("hpcnn.datasets",),
+    ("hpcnn.engine",),
+    ("hpcnn.plan",),
+    ("hpcnn.task",),
+    ("hpcnn.preflight",),
+    ("hpcnn.checkpoint",),
+    ("hpcnn.train",),
+    ("hpcnn.plan.calibrate",),
+    ("hpcnn.cli_tools",),
+    ("hpcnn.cli", "hpcnn.__main__"),
+)
+# The imports that still go up a layer, as (importer, imported): none, and an entry here whose
+# import has gone fails too, so that the list stays exact.
+ALLOWED_UPWARD: set = set()
+# Where MPI may be named: the collectives package (every MPI call of hpcnn) and the CLI entry
+# (MPI_Abort of a failed run, the library's version in ``hpcnn info``).
+MPI_ALLOWED = ("hpcnn/parallel/collectives/", "hpcnn/cli.py")
+
+
+def layer_of(module: str) -> int:
+    """The row of :data:`LAYERS` whose longest prefix names ``module``."""
+    best, row = -1, None
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and len(n) > best:
+                best, row = len(n), i
+    assert row is not None, f"{module} is in no layer of LAYERS: place it"
+    return row
+
+
+def test_every_module_has_a_layer_and_imports_only_below_it():
     g = import_graph()
-    bad = [(a, b) for a in g if a == "hpcnn.log" or a.startswith("hpcnn.log.")
-           for b in g.successors(a) if b.startswith(("hpcnn.parallel", "hpcnn.nn"))]
-    assert not bad, f"hpcnn/log/ imports model or parallel code: {bad}"
+    up = {(a, b) for a, b in g.edges() if layer_of(b) > layer_of(a)}
+    new, gone = up - ALLOWED_UPWARD, ALLOWED_UPWARD - up
+    assert not new, "imports up the layers (docs/architecture.md, Layers):\n" + "\n".join(
+        f"  {a} (layer {layer_of(a)}) -> {b} (layer {layer_of(b)})" for a, b in sorted(new))
+    assert not gone, f"allowed upward imports no longer present, remove them: {gone}"
+
+
+def test_layers_match_the_architecture_page():
+    """The order is written twice, here and in docs/architecture.md; they must agree."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    block = text.split("<!-- layers -->")[1]
+    rows = [r.strip() for r in block.strip().splitlines() if r.strip().startswith("|")][2:]
+    listed = [tuple(c.strip(" `") for c in row.split("|")[2].split(",")) for row in rows]
+    assert listed == [tuple(n) for n in LAYERS][::-1], listed
+
+
+def test_mpi_only_in_the_collectives_and_the_cli_entry():
+    bad = []
+    for name, path in source_modules().items():
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if rel.startswith(MPI_ALLOWED):
+            continue
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if "mpi4py" in line or "MPI." in line:
+                    bad.append(f"{rel}:{i}: {line.strip()}")
+    assert not bad, "MPI named outside the collectives package:\n" + "\n".join(bad)
+
+
+def test_no_two_modules_share_a_name():
+    """``parallel/data/bucketed.py`` beside ``hpcnn/datasets/`` and ``graph/graphs.py`` read alike: every module
+    and package of hpcnn has a name of its own."""
+    seen = {}
+    for name in source_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in ("hpcnn", "__main__"):
+            continue
+        seen.setdefault(last, []).append(name)
+    same = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not same, same
 
 
 def test_the_loop_stays_small_and_no_function_is_long():

@@ -7,9 +7,9 @@ import pytest
 
 from gradcheck import check_block_gradients
 from hpcnn.nn import models
-from hpcnn.parallel.layout import (Cut, LayoutLinear, Placement, Redistribute, crosses,
-                                   exchange_group, gather_full, layout_mlp, moved_elements,
-                                   part_range, plan_move, read_plan, write_plan)
+from hpcnn.schedule.placement import (Cut, Placement, crosses, exchange_group, moved_elements,
+                                      part_range, plan_move, read_plan, write_plan)
+from hpcnn.parallel.layout import LayoutLinear, Redistribute, gather_full, layout_mlp
 from mpi_util import run_mpi, single
 
 

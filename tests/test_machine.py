@@ -752,7 +752,7 @@ def test_a_linears_compute_is_slowed_by_its_rows_per_rank():
     rows slowdown for the rows each rank computes (the batch over its batch parts), the fixed
     cost not, and names it S_linear(rows) in the formula."""
     from dataclasses import replace
-    from hpcnn.parallel.layout import Cut
+    from hpcnn.schedule.placement import Cut
     from hpcnn.plan.cost import mlp_graph, strategy_cost
     dev = hm.Device("d", {"float32": 1e10}, 1e10, 1e12, efficiency={"linear": 0.5},
                     overhead={"linear": 1e-5}, elementwise={"linear": 1e-10})

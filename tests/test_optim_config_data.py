@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcnn import data
+from hpcnn import datasets as data
 from hpcnn.config import ConfigError, parse_overrides
 from hpcnn.nn.core import Parameter
 from hpcnn.nn.optim import AdamW, SGD, clip_grad_norm, lr_at

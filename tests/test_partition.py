@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hpcnn.nn import models
-from hpcnn.parallel import partition
+from hpcnn.schedule import stages as partition
 
 
 def test_uniform():

@@ -4,7 +4,8 @@ import pytest
 
 from hpcnn.engine import execute, stage, step
 from hpcnn.nn import models
-from hpcnn.parallel import partition, pipeline, schedules
+from hpcnn.schedule import stages as partition, pipeline as schedules
+from hpcnn.engine import pipelined as pipeline
 from mpi_util import run_mpi, single
 
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from hpcnn.log.results import load_table
-from hpcnn.parallel.layout import Cut
+from hpcnn.schedule.placement import Cut
 from hpcnn.plan import cost, machine, search
 from mpi_util import ROOT
 

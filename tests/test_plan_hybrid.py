@@ -48,7 +48,7 @@ def test_tensor_parallel_memory_is_the_sharded_blocks_spec():
     """Under tp the LayerNorms and the column-parallel inputs stay whole on every rank: the cache
     per rank is the Megatron block's spec, more than the serial cache / tp."""
     from hpcnn.nn.transformer import TransformerBlock
-    from hpcnn.parallel.tensor_attn import ParallelTransformerBlock
+    from hpcnn.parallel.tensor.attention import ParallelTransformerBlock
     from hpcnn.plan.hybrid import _ShapeComm
     serial = TransformerBlock(64, 4, dtype="float32", keep=()).spec((2, 16, 64))
     for tp in (2, 4):
@@ -104,7 +104,7 @@ def test_remat_full_prices_the_forwards_train_runs_again(stages, last):
     """remat="full" charges a stage pass the forwards hpcnn train --remat=full runs again: the
     policy's sequence (a segment per chain block) recomputes every transformer block of a stage
     with the LM head, and all but its last on a stage without it."""
-    from hpcnn.memory import sequence
+    from hpcnn.schedule import sequences as sequence
     from hpcnn.nn import models
     from hpcnn.plan.hybrid import _pass_times, recomputed_forward
     m = Machine()
@@ -233,7 +233,7 @@ def test_the_update_is_priced_from_the_measured_table_when_there_is_one():
 def test_held_microbatches_are_what_the_schedules_hold():
     """The closed form per stage equals the simulated schedule's peak of micro-batches holding
     memory (F done, last backward part not yet)."""
-    from hpcnn.parallel import schedules
+    from hpcnn.schedule import pipeline as schedules
     from hpcnn.plan.hybrid import held_microbatches
     for name in ("1f1b", "gpipe", "zb_h1"):
         for pp, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8)):

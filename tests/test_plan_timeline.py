@@ -11,7 +11,7 @@ import pytest
 from hpcnn.cli_tools import cmd_simulate
 from hpcnn.log import read_run
 from hpcnn.log.report import gantt_report
-from hpcnn.parallel.layout import Cut
+from hpcnn.schedule.placement import Cut
 from hpcnn.plan import cost, hybrid, machine, timeline
 
 GPT = hybrid.Transformer(n_layers=8, dim=256, n_heads=8, seq=64, vocab=65, batch=64,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hpcnn.log.results import load_table
-from hpcnn.parallel.layout import Cut, read_plan
+from hpcnn.schedule.placement import Cut, read_plan
 from mpi_util import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "experiments"))

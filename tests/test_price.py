@@ -4,12 +4,13 @@ the two simulators of the project as uses of it."""
 import numpy as np
 import pytest
 
-from hpcnn.engine.ops import Op, fmt
-from hpcnn.engine.price import CostModel, OpCost, price
-from hpcnn.memory import rotor, sequence
+from hpcnn.schedule.ops import Op, fmt
+from hpcnn.schedule.price import CostModel, OpCost, price
+from hpcnn.memory import rotor
+from hpcnn.schedule import sequences as sequence
 from hpcnn.memory.profile import ChainProfile
 from hpcnn.memory.simulate import RematCost, SequenceError, simulate
-from hpcnn.parallel import schedules as sch
+from hpcnn.schedule import pipeline as sch
 
 
 def chain3():

@@ -5,8 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from hpcnn.engine.ops import Op, fmt
-from hpcnn.memory import rotor, sequence
+from hpcnn.schedule.ops import Op, fmt
+from hpcnn.memory import rotor
+from hpcnn.schedule import sequences as sequence
 from hpcnn.memory.profile import ChainProfile
 from hpcnn.memory.simulate import SequenceError, check_peak, simulate
 

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from hpcnn.engine.ops import PIPELINE, Op
-from hpcnn.parallel import schedules as sch
+from hpcnn.schedule.ops import PIPELINE, Op
+from hpcnn.schedule import pipeline as sch
 
 RANKS, MICRO = (1, 2, 3, 4), (1, 2, 3, 4, 8)
 

@@ -57,7 +57,27 @@ def calls():
         "bcast_object": lambda c: c.bcast_object([1, "a"]),
         "send_object": lambda c: object_pair(c, {"a": [1, 2]}, 3),
         "recv_object": lambda c: object_pair(c, ("b", 2.5), 5),
+        "reduce_array": lambda c: [c.reduce_array(np.array([[1, -2], [3, 4]]), op)
+                                   for op in ("sum", "max", "min")],
+        "ireduce_max": lambda c: reduced_max(c),
+        "alltoall_objects": lambda c: c.alltoall_objects([("to", 0)]),
+        "split": lambda c: made(c.split(0, c.rank, "part")),
+        "dup": lambda c: made(c.dup("copy")),
+        "free": lambda c: made(c.dup("freed")),
     }
+
+
+def reduced_max(c):
+    out = np.zeros(2, np.int32)
+    _waited(c.ireduce_max(np.array([3, 9], np.int32), out))
+    return out
+
+
+def made(sub):
+    """A communicator made by split or dup: its size and rank, then freed."""
+    got = (sub.size, sub.rank, sub.allreduce_scalars([2.0]))
+    sub.free()
+    return got
 
 
 def _waited(req):

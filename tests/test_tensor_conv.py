@@ -6,9 +6,9 @@ import pytest
 from gradcheck import check_block_gradients
 from hpcnn.nn import models
 from hpcnn.nn.conv import Conv2d
-from hpcnn.parallel.tensor import gather_params
-from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
-from hpcnn.parallel.tp_models import parallel_cnn
+from hpcnn.parallel.tensor.linear import gather_params
+from hpcnn.parallel.tensor.channel_conv import ChannelParallelConv2d
+from hpcnn.parallel.tensor.factories import parallel_cnn
 from mpi_util import run_mpi
 from mpi_util import single
 from test_tensor_parallel import sized

@@ -9,12 +9,12 @@ from gradcheck import check_block_gradients
 from hpcnn.nn import models
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.transformer import TransformerBlock
-from hpcnn.parallel import tp_comm
-from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
-                                   gather_params, shard_array)
-from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
-from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from hpcnn.parallel.tp_models import parallel_gpt
+from hpcnn.parallel.tensor import mappings as tp_comm
+from hpcnn.parallel.tensor.linear import (ColumnParallelLinear, ParallelMLPBlock,
+                                          RowParallelLinear, gather_params, shard_array)
+from hpcnn.parallel.tensor.attention import ParallelCausalSelfAttention, ParallelTransformerBlock
+from hpcnn.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcnn.parallel.tensor.factories import parallel_gpt
 from mpi_util import CaseRuns, single
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from hpcnn.config import parse_overrides
 from hpcnn.log import RunLog, read_run
-from hpcnn.log.trace import category, trace_events, write_trace
+from hpcnn.log.chrome import category, trace_events, write_trace
 from hpcnn.train import train
 
 

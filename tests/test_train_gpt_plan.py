@@ -7,7 +7,7 @@ import pytest
 
 from hpcnn import preflight
 from hpcnn.config import ConfigError, parse_overrides
-from hpcnn.data import for_config
+from hpcnn.datasets import for_config
 from hpcnn.plan import hybrid, machine
 from hpcnn.plan.auto import choose_gpt_layout
 from mpi_util import run_mpi

@@ -23,7 +23,7 @@ def _run(tmp_path, name, *args):
 
 def _budget_mib(frac):
     """A budget between the least feasible and store-all for the GPT above (vocab of the sonnet)."""
-    from hpcnn import data
+    from hpcnn import datasets as data
     vocab = data.shakespeare(fallback=True).vocab
     chain = models.gpt(vocab, 16, 4, 16, 2, dropout=0.1, dtype=np.float64)
     s = rotor.Solver(profile.of_chain(chain, (6, 16), need_dx=False), 500)
@@ -121,7 +121,7 @@ def test_priced_memory_is_what_the_run_holds(tmp_path, remat):
     """The planner's memory per rank (hybrid.price) against what a serial run logs: the engine's
     peak activations, and the parameter, gradient and optimizer bytes of the real arrays (AdamW:
     two moments and one scratch array the size of the largest parameter)."""
-    from hpcnn import data
+    from hpcnn import datasets as data
     from hpcnn.plan import hybrid, machine
     out = _run(tmp_path, f"{remat}.h5", *GPT, f"--remat={remat}", "--dropout=0")
     plan = read_run(tmp_path / f"{remat}.h5").plan

@@ -21,9 +21,10 @@ from hpcnn.config import ConfigError
 from hpcnn.engine.stage import Stage, attach_remat, boundary_shapes, build_stages
 from hpcnn.nn.chain import Chain
 from hpcnn.nn.optim import grad_norm_sq
-from hpcnn.parallel import hetero, partition, schedules
+from hpcnn.parallel.data import hetero
+from hpcnn.schedule import stages as partition, pipeline as schedules
 from hpcnn.parallel.collectives import CommStats, Communicator
-from hpcnn.parallel.data import NONBLOCKING, DataParallel, LocalGradients
+from hpcnn.parallel.data.bucketed import NONBLOCKING, DataParallel, LocalGradients
 
 
 class ParallelContext:
@@ -37,7 +38,7 @@ class ParallelContext:
     """
 
     def __init__(self, cfg, world=None):
-        from hpcnn.parallel.grid import ProcessGrid
+        from hpcnn.parallel.collectives.grid import ProcessGrid
         self.cfg, self.stats = cfg, CommStats()
         self.grid = ProcessGrid(world, cfg.dp, cfg.tp, cfg.pp) if world is not None else None
         if self.grid is None:
@@ -54,7 +55,7 @@ class ParallelContext:
         self.engine = self.remat = self.calibration = None
         self.factors = [1.0] * self.dp.size
         self.peak_stage_bytes = 0
-        self.tracing, self.traced = bool(cfg.show_schedule), None   # see hpcnn.engine.trace
+        self.tracing, self.traced = bool(cfg.show_schedule), None   # see hpcnn.schedule.expand
         self._lists, self._shapes = {}, {}
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class ParallelContext:
             self.balancer.history[0] = (0, self.balancer.shares.copy(), self.balancer.history[0][2])
         self._attach_engine()
         if cfg.remat != "none":
-            from hpcnn.memory.policy import for_training
+            from hpcnn.engine.remat import for_training
             self.remat = for_training(cfg, task, self)
 
     def _attach_engine(self) -> None:
@@ -121,7 +122,7 @@ class ParallelContext:
                                    overlap=cfg.overlap and not self.pipelined
                                    and cfg.allreduce in NONBLOCKING)
         if cfg.allreduce == "auto" and self.dp.size > 1:   # time (or load) only what it sends
-            from hpcnn.parallel.collectives import calibration
+            from hpcnn.parallel.collectives import autotune as calibration
             self.calibration = calibration.for_run(self.dp, self.engine.auto_sizes(), cfg.dtype)
             if self.rank == 0 and cfg.progress:
                 print("".join(f"hpcnn: {x}\n" for x in calibration.describe(self.calibration)),
@@ -188,7 +189,7 @@ class ParallelContext:
     def sync_replicated(self) -> None:
         """Sequence parallelism leaves partial gradients on replicated parameters: sum over tp."""
         if self.tp.size > 1 and self.cfg.sequence_parallel:
-            from hpcnn.parallel.tensor import sync_replicated_grads
+            from hpcnn.parallel.tensor.linear import sync_replicated_grads
             sync_replicated_grads(self.local.params, self.tp)
 
     def loss_everywhere(self, loss_sum: float) -> float:

@@ -1,6 +1,6 @@
 """Run one rank's schedule for one step: the executor every training step goes through.
 
-The list is a schedule's per-rank instruction list (:mod:`hpcnn.parallel.schedules`): a serial or
+The list is a schedule's per-rank instruction list (:mod:`hpcnn.schedule.pipeline`): a serial or
 data-parallel step is the one-stage list ``F(0) B(0) F(1) B(1) ...`` (one F/B per micro-batch:
 gradient accumulation), a pipeline step its rank's list of the chosen schedule. Each instruction
 acts on this rank's :class:`~hpcnn.engine.stage.Stage` s::
@@ -12,7 +12,7 @@ acts on this rank's :class:`~hpcnn.engine.stage.Stage` s::
     W(mb, s)      the kept weight halves
     SEND_*/RECV_* ``isend`` of the produced array (kept alive until completion, all waited at the
                   end) / ``irecv`` into a fresh buffer of the known shape, waited at once (receives
-                  block, sends are eager: what :func:`hpcnn.parallel.schedules.validate` proves
+                  block, sends are eager: what :func:`hpcnn.schedule.pipeline.validate` proves
                   deadlock-free)
 
 A rematerialized stage runs its op sequence inside its F and B (:class:`.stage.Stage`); data
@@ -137,7 +137,7 @@ def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dty
         t0=None, rank=None, draws=None, hook=None, trace=None) -> dict:
     """Execute one rank's instruction list.
 
-    Parameters: ``instrs``: this rank's list (:class:`hpcnn.engine.ops.Op`);
+    Parameters: ``instrs``: this rank's list (:class:`hpcnn.schedule.ops.Op`);
     ``stages``: its :class:`~.stage.Stage` s; ``comm``: the pipeline Communicator (peers are its
     ranks; unused by a one-stage list); ``micro_inputs`` / ``micro_targets``: per micro-batch
     (read on the first / last stage only); ``dloss``: the loss-gradient factor, a number or one
@@ -148,7 +148,7 @@ def run(instrs, stages, comm, micro_inputs, micro_targets, *, dloss, shapes, dty
     (:func:`hpcnn.nn.layers.place_draws`), so masks are those of the serial step; ``hook(mb)``:
     the ``on_block_done`` callback for micro-batch mb's backward, or None (data parallelism);
     ``trace``: a list receiving ``(instruction, ops run inside it)`` as they run (the ops: a
-    rematerialized stage's sequence part, :mod:`hpcnn.engine.trace`).
+    rematerialized stage's sequence part, :mod:`hpcnn.schedule.expand`).
 
     Returns a dict: ``loss`` (sum of micro-batch losses times dloss; None off the last stage),
     ``losses`` {mb: loss}, ``events`` [(rank, kind, mb, t_start, t_end)], ``peak_bytes`` (the

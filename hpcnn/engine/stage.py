@@ -1,8 +1,8 @@
 """A stage: the part of the chain one rank runs as one unit of a schedule (F, B, W).
 
 A one-stage schedule (serial and data-parallel runs) has a single stage, the whole chain with its
-loss; a pipeline cuts the chain into stages (:mod:`hpcnn.parallel.partition`) and places them on
-ranks (:func:`hpcnn.parallel.schedules.placement`). A stage is built once per run and runs every
+loss; a pipeline cuts the chain into stages (:mod:`hpcnn.schedule.stages`) and places them on
+ranks (:func:`hpcnn.schedule.pipeline.placement`). A stage is built once per run and runs every
 micro-batch of every step:
 
     F(mb)   ``forward(x, targets)`` -> (output, or the loss on the last stage; caches)
@@ -11,14 +11,14 @@ micro-batch of every step:
             schedules) the weight halves are returned in ``pending`` for W instead of being run
     W(mb)   ``weight(pending)``
 
-With a rematerialization policy (:class:`hpcnn.memory.policy.RematPolicy`) the stage's F runs the
+With a rematerialization policy (:class:`hpcnn.engine.remat.RematPolicy`) the stage's F runs the
 forward part of its op sequence and B the rest, inside :class:`hpcnn.memory.executor.Executor`:
 the same blocks, the same per-block backward (:func:`hpcnn.nn.chain.backward_block`).
 """
 from __future__ import annotations
 
 from hpcnn.nn.chain import splittable
-from hpcnn.parallel import partition, schedules
+from hpcnn.schedule import stages as partition, pipeline as schedules
 
 
 class Stage:

@@ -1,7 +1,7 @@
 """One optimizer step on one rank: shard, run the rank's schedule, reduce, clip, update.
 
 The same code for every layout (:class:`~.context.ParallelContext`): the rank takes its share of
-the global batch (:func:`hpcnn.parallel.data.shard`), cuts it into micro-batches, runs its
+the global batch (:func:`hpcnn.parallel.data.bucketed.shard`), cuts it into micro-batches, runs its
 schedule list over its stages (:func:`.execute.run`, data parallelism launching buckets from the
 backwards' hook), waits for the gradient reduction, puts the loss on every rank, reports its
 compute time to the balancer, clips and steps the optimizer. Returns the step's metrics row, this
@@ -18,7 +18,7 @@ import numpy
 from hpcnn import backend
 from hpcnn.engine.execute import run
 from hpcnn.nn.optim import clip_grad_norm, lr_at
-from hpcnn.parallel.data import dloss_for, shard
+from hpcnn.parallel.data.bucketed import dloss_for, shard
 
 
 def split_batch(x, y, n_micro: int):

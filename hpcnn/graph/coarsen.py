@@ -6,7 +6,7 @@ the sparse n x n_c matrix ``P`` with ``P[i, assign[i]] = 1`` (each row sums to 1
 
 - adjacency ``A_c = Pᵀ A P`` **without its diagonal**: ``A_c[c, d]`` (c != d) is the total weight
   of the edges between the groups c and d. The diagonal, ``(PᵀAP)[c, c]`` = twice the weight of
-  the edges inside group c, is dropped because a :class:`~hpcnn.graph.data.Graph` has no
+  the edges inside group c, is dropped because a :class:`~hpcnn.graph.graphs.Graph` has no
   self-loops and the GCN adds its own (``Â`` uses A + I). :meth:`Coarsening.internal_weight`
   returns it: ``sum(A_c) + sum(internal_weight) = sum(A)`` (the total weight is conserved);
 - features ``X_c = D_P^{-1} Pᵀ X``, ``D_P = diag(group sizes)``: each group's mean feature row;
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
-from hpcnn.graph.data import Graph
+from hpcnn.graph.graphs import Graph
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Distributed sparse matvec and thick-restart Lanczos for a few eigenpairs of a symmetric matrix.
 
-The matrix is split by rows (:mod:`hpcnn.graph.partition`); each rank holds its rows and the
+The matrix is split by rows (:mod:`hpcnn.graph.rows`); each rank holds its rows and the
 matching entries of every vector. A matvec is one halo exchange (``Alltoallv`` of the precomputed
 send/receive lists) then a local sparse product; inner products and norms are local sums followed
 by an ``Allreduce``. With ``comm=None`` the same code runs serially on one process, without MPI.
@@ -29,28 +29,24 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from hpcnn.graph.partition import Halo, RowPartition, build_halo
+from hpcnn.graph.rows import Halo, RowPartition, build_halo
+from hpcnn.parallel.collectives import as_communicator
 
 
 def _allreduce(comm, x: np.ndarray) -> np.ndarray:
     """Sum of ``x`` over the ranks of ``comm`` (``x`` itself when ``comm`` is None)."""
-    if comm is None:
-        return x
-    from mpi4py import MPI
-    out = np.empty_like(x)
-    comm.Allreduce(np.ascontiguousarray(x), out, op=MPI.SUM)
-    return out
+    return x if comm is None else comm.reduce_array(x, "sum")
 
 
 class DistributedMatrix:
     """This rank's rows of a square sparse matrix and the halo exchange its matvec needs.
 
-    ``comm`` is an mpi4py communicator (or None: one process, no MPI). Counters: ``matvecs``,
+    ``comm`` is a Communicator or an mpi4py communicator (or None: one process, no MPI). Counters: ``matvecs``,
     ``bytes_sent`` (halo bytes this rank sent). ``rows`` are the global rows held here.
     """
 
     def __init__(self, halo: Halo, n_global: int, comm=None):
-        self.halo, self.n_global, self.comm = halo, n_global, comm
+        self.halo, self.n_global, self.comm = halo, n_global, as_communicator(comm, "graph")
         self.rows = halo.rows
         self.matvecs = 0
         self.bytes_sent = 0
@@ -61,8 +57,9 @@ class DistributedMatrix:
     @classmethod
     def from_global(cls, a: sp.spmatrix, part: RowPartition | None = None, comm=None):
         """From the whole matrix held on every rank: the contiguous partition by default."""
-        size = 1 if comm is None else comm.Get_size()
-        rank = 0 if comm is None else comm.Get_rank()
+        comm = as_communicator(comm, "graph")
+        size = 1 if comm is None else comm.size
+        rank = 0 if comm is None else comm.rank
         part = part or RowPartition.contiguous(a.shape[0], size)
         if part.size != size:
             raise ValueError(f"DistributedMatrix: partition of {part.size} ranks on {size} ranks")
@@ -75,14 +72,13 @@ class DistributedMatrix:
     def exchange(self, x_local: np.ndarray) -> np.ndarray:
         """``[x_local, ghosts]``: this rank's entries then the halo received from the others."""
         h = self.halo
-        if self.comm is None or self.comm.Get_size() == 1:
-            return x_local                      # every rank calls Alltoallv, even with nothing to move
-        from mpi4py import MPI
+        if self.comm is None or self.comm.size == 1:
+            return x_local                      # every rank calls alltoallv, even with nothing to move
         ext = np.empty(self.n_local + h.ghosts.size)
         ext[: self.n_local] = x_local
         send = x_local[h.send_index]                                   # (sum send_counts,)
         recv = ext[self.n_local:]
-        self.comm.Alltoallv([send, self._send_spec, MPI.DOUBLE], [recv, self._recv_spec, MPI.DOUBLE])
+        self.comm.alltoallv(send, h.send_counts, recv, h.recv_counts)
         self.bytes_sent += send.nbytes
         return ext
 

@@ -10,7 +10,7 @@ contiguous blocks of the graph's own node order): each rank runs its rows, the G
 layers exchange halo rows, and the data-parallel gradient allreduce sums the ranks' weight
 gradients into the full-batch gradient.
 
-Data sets (built, never downloaded; :mod:`hpcnn.graph.data`): ``karate`` (34 nodes, 2 factions),
+Data sets (built, never downloaded; :mod:`hpcnn.graph.graphs`): ``karate`` (34 nodes, 2 factions),
 ``lesmis`` (77 nodes, no labels: one class, a halo-volume example only), ``digits_knn`` (1797
 nodes, 10 digits, the 10-NN graph of the pixels), ``sbm`` (2000 nodes, 4 blocks, 16 noisy
 features of signal-to-noise ratio 0.5), ``sbm20k`` (the same model with 20000 nodes). The SBMs'
@@ -39,8 +39,7 @@ from dataclasses import dataclass, field, replace
 import numpy
 import scipy.sparse as sp
 
-from hpcnn.config import GRAPH_DATASETS
-
+GRAPH_DATASETS = ("karate", "lesmis", "digits_knn", "sbm", "sbm20k")   # --dataset for --model=gcn
 
 
 @dataclass
@@ -69,6 +68,8 @@ class GraphData:
         return t
 
 
+
+
 def node_split(labels: numpy.ndarray, seed: int) -> tuple[numpy.ndarray, numpy.ndarray]:
     """(train, test) node indices: per class ``min(20, max(1, size // 5))`` nodes drawn with
     ``seed`` for training, all the others for testing."""
@@ -87,7 +88,7 @@ def coarsened(data: GraphData, method: str, reduction: float, seed: int = 0) -> 
     n)`` nodes; the full graph kept in ``full`` (module docstring: the coarse training nodes and
     their targets)."""
     from hpcnn.graph import coarsen
-    from hpcnn.graph.data import normalized_adjacency
+    from hpcnn.graph.graphs import normalized_adjacency
     t0 = time.perf_counter()
     n, adjacency = data.n_nodes, data.adjacency
     if method == "heavy_edge":
@@ -117,8 +118,8 @@ def coarsened(data: GraphData, method: str, reduction: float, seed: int = 0) -> 
 
 
 def from_graph(graph, seed: int = 0) -> GraphData:
-    """The node-classification data of a :class:`hpcnn.graph.data.Graph`, split with ``seed``."""
-    from hpcnn.graph.data import normalized_adjacency
+    """The node-classification data of a :class:`hpcnn.graph.graphs.Graph`, split with ``seed``."""
+    from hpcnn.graph.graphs import normalized_adjacency
     train, test = node_split(graph.labels, seed)
     return GraphData(graph.name, normalized_adjacency(graph.adjacency), graph.features,
                      graph.labels, train, test, int(graph.labels.max()) + 1, graph.adjacency)
@@ -129,7 +130,7 @@ def graph_data(name: str, seed: int = 0, coarsen: str = "none", reduction: float
     """The graph data set ``name`` (one of :data:`GRAPH_DATASETS`), split with ``seed``;
     with ``coarsen`` (not "none"), its coarsening to ``reduction`` of the nodes
     (:func:`coarsened`, seeded by ``seed``)."""
-    from hpcnn.graph import data as g
+    from hpcnn.graph import graphs as g
     makers = {"karate": g.karate_club, "lesmis": g.les_miserables,
               "digits_knn": lambda: g.digits_knn(10),
               "sbm": lambda: g.sbm(2000, blocks=4, avg_degree=10.0, features=16, snr=0.5, seed=0),

@@ -1,10 +1,10 @@
 """Partitioning a graph's nodes over p ranks for distributed training: who owns which rows.
 
 A distributed GCN layer receives, on every rank, the feature rows of its halo (the neighbours
-another rank owns, :func:`hpcnn.graph.partition.build_halo`): a partition that keeps neighbours
-together receives less. :func:`~hpcnn.graph.partition.partition_stats` reports the edge cut and
+another rank owns, :func:`hpcnn.graph.rows.build_halo`): a partition that keeps neighbours
+together receives less. :func:`~hpcnn.graph.rows.partition_stats` reports the edge cut and
 this halo volume. The partitioners here, each returning a
-:class:`~hpcnn.graph.partition.RowPartition` whose part sizes are those of
+:class:`~hpcnn.graph.rows.RowPartition` whose part sizes are those of
 ``RowPartition.contiguous(n, p)`` (they differ by at most one node):
 
 - :func:`spectral_bisection`: recursive spectral bisection. A set of nodes destined for q parts
@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from hpcnn.graph.data import normalized_adjacency
-from hpcnn.graph.partition import RowPartition
+from hpcnn.graph.graphs import normalized_adjacency
+from hpcnn.graph.rows import RowPartition
 
 DENSE = 256           # subgraphs up to this many nodes: dense eigh instead of Lanczos
 

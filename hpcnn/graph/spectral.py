@@ -15,28 +15,24 @@ positive. Runs with the same graph then give the same features whatever the seed
 ranks, up to the solver tolerance. This does not fix a repeated eigenvalue (a graph with several
 components has the eigenvalue 1 once per component, an SBM of b equal blocks b - 1 nearly equal
 ones): there any rotation of the eigenspace is an answer; take the largest component first
-(:func:`hpcnn.graph.data.largest_component`) or treat such columns as a subspace.
+(:func:`hpcnn.graph.graphs.largest_component`) or treat such columns as a subspace.
 """
 from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
 
-from hpcnn.graph.data import Graph, normalized_adjacency
+from hpcnn.graph.graphs import Graph, normalized_adjacency
 from hpcnn.graph.krylov import DistributedMatrix, _allreduce, lanczos
-from hpcnn.graph.partition import RowPartition
+from hpcnn.graph.rows import RowPartition
+from hpcnn.parallel.collectives import as_communicator
 
 TIE = 1e-8            # entries within this relative distance of the largest magnitude count as tied
 
 
 def _reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
     """Elementwise "max" or "min" of ``x`` over the ranks of ``comm`` (``x`` when comm is None)."""
-    if comm is None:
-        return x
-    from mpi4py import MPI
-    out = np.empty_like(x)
-    comm.Allreduce(np.ascontiguousarray(x), out, op=MPI.MAX if op == "max" else MPI.MIN)
-    return out
+    return x if comm is None else comm.reduce_array(x, op)
 
 
 def sign_normalize(vectors: np.ndarray, rows: np.ndarray | None = None, comm=None) -> np.ndarray:
@@ -44,6 +40,7 @@ def sign_normalize(vectors: np.ndarray, rows: np.ndarray | None = None, comm=Non
 
     ``rows``: the global index of each local row (default 0 .. n_local-1, the serial case);
     ``comm``: the ranks holding the other rows (three allreduces of k numbers)."""
+    comm = as_communicator(comm, "graph")
     v = np.array(vectors, dtype=np.float64)
     n_local, k = v.shape
     rows = np.arange(n_local) if rows is None else np.asarray(rows)

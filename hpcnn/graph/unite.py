@@ -1,7 +1,7 @@
 """Unite and conquer: co-operating thick-restart Lanczos instances on disjoint groups of ranks.
 
 After Emad, Petiton and Edjlali's multiple explicitly restarted Arnoldi method (SIAM J. Sci.
-Comput. 27, 2005), for a symmetric matrix. The ranks of ``comm`` are split (``comm.Split``) into
+Comput. 27, 2005), for a symmetric matrix. The ranks of ``comm`` are split (``comm.split``) into
 ℓ = ``len(subspaces)`` equal groups; group g runs :class:`~hpcnn.graph.krylov.ThickRestartLanczos`
 with basis size ``subspaces[g]`` and start vector ``seed + g`` over its own row partition of the
 matrix. At the end of every cycle the instances compare the largest residual estimate of their k
@@ -26,6 +26,7 @@ import scipy.sparse as sp
 
 from hpcnn.graph.krylov import (DistributedMatrix, ThickRestartLanczos, basis_sizes,
                                 true_residuals)
+from hpcnn.parallel.collectives import as_communicator
 
 
 @dataclass
@@ -50,23 +51,23 @@ def unite_and_conquer(a: sp.spmatrix, comm, k: int, subspaces=(20, 30), tol: flo
     largest relative residual estimate of the k wanted pairs, before the exchange)."""
     import time
 
-    from mpi4py import MPI
     t0 = time.perf_counter()
-    size, rank = comm.Get_size(), comm.Get_rank()
+    comm = as_communicator(comm, "graph")
+    size, rank = comm.size, comm.rank
     count = len(subspaces)
     if count < 1 or size % count:
         raise ValueError(f"unite_and_conquer: {size} ranks cannot form {count} equal groups")
     sizes = [basis_sizes(a.shape[0], k, m, None) for m in subspaces]     # refuses bad k / m alike
     group, member = divmod(rank, size // count)
-    local = comm.Split(color=group, key=member)
-    cross = comm.Split(color=member, key=group)                  # rank `member` of every group
+    local = comm.split(group, member, "graph.group")
+    cross = comm.split(member, group, "graph.cross")                  # rank `member` of every group
     op = DistributedMatrix.from_global(a, comm=local)
     m, keep = sizes[group]
     it = ThickRestartLanczos(op, k, m, keep, tol, seed + group)
     adopted, received, cycles = np.zeros(count, dtype=np.int64), 0, 0
     while True:
         it.cycle()
-        worst = cross.allgather(it.worst())                      # (ℓ,) the same on every member
+        worst = cross.allgather_objects(it.worst())                      # (ℓ,) the same on every member
         best = int(np.argmin(worst))
         converged = worst[best] <= tol
         if history is not None:
@@ -78,7 +79,7 @@ def unite_and_conquer(a: sp.spmatrix, comm, k: int, subspaces=(20, 30), tol: flo
         Y, r, theta = map(np.ascontiguousarray, it.restart_state()) if group == best else (
             np.empty((op.n_local, p)), np.empty(op.n_local), np.empty(p))
         for buf in (Y, r, theta):
-            cross.Bcast(buf, root=best)
+            cross.bcast(buf, root=best)
         if group == best:
             it.restart()
         else:
@@ -88,12 +89,12 @@ def unite_and_conquer(a: sp.spmatrix, comm, k: int, subspaces=(20, 30), tol: flo
             received += Y.nbytes + r.nbytes + theta.nbytes
     values = it.theta[:k].copy() if group == best else np.empty(k)
     vectors = np.ascontiguousarray(it.ritz_vectors()) if group == best else np.empty((op.n_local, k))
-    cross.Bcast(values, root=best)
-    cross.Bcast(vectors, root=best)
+    cross.bcast(values, root=best)
+    cross.bcast(vectors, root=best)
     residuals = true_residuals(op, values, vectors)
-    comm.Allreduce(MPI.IN_PLACE, adopted, op=MPI.MAX)           # each group counted its own
-    matvecs = np.array(cross.allgather(op.matvecs - k), dtype=np.int64)
-    local.Free()
-    cross.Free()
+    comm.allreduce_max(adopted)           # each group counted its own
+    matvecs = np.array(cross.allgather_objects(op.matvecs - k), dtype=np.int64)
+    local.free()
+    cross.free()
     return UniteResult(values, vectors, residuals, cycles, adopted, matvecs, received, group,
                        bool(converged))

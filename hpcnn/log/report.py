@@ -275,7 +275,7 @@ def step_events(run: RunData, step: int = -1) -> dict:
 def _draw_gantt(ax, events: dict, title: str) -> float:
     """Rank r's events as bars on row r (colour by kind, communication hatched); returns the
     step's span in seconds."""
-    from hpcnn.log.trace import category
+    from hpcnn.log.chrome import category
     end = max(e[3] for evs in events.values() for e in evs)
     seen = set()
     for r, evs in events.items():

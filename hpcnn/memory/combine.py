@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy
 
-from hpcnn.engine.ops import Op
+from hpcnn.schedule.ops import Op
 from hpcnn.memory.rotor import InfeasibleBudget, Solution, Solver
 from hpcnn.memory.simulate import simulate
 

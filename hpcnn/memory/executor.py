@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from hpcnn import backend
-from hpcnn.engine.ops import CHANNEL
+from hpcnn.schedule.ops import CHANNEL
 from hpcnn.nn.chain import backward_block
 
 

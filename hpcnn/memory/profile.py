@@ -59,7 +59,7 @@ class ChainProfile:
     def store_all_bytes(self) -> int:
         """Peak of the plain forward-then-backward (every x̄ kept), input included."""
         from hpcnn.memory.simulate import simulate
-        from hpcnn.memory.sequence import store_all
+        from hpcnn.schedule.sequences import store_all
         return simulate(store_all(len(self)), self).peak
 
     def slots(self, slot_bytes: float) -> "ChainProfile":

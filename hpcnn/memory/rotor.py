@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy
 
-from hpcnn.engine.ops import Op
+from hpcnn.schedule.ops import Op
 from hpcnn.memory.profile import ChainProfile
-from hpcnn.memory.sequence import forward_run, revolve, segments, store_all
+from hpcnn.schedule.sequences import forward_run, revolve, segments, store_all
 from hpcnn.memory.simulate import simulate
 
 INF = numpy.inf

@@ -13,15 +13,15 @@ The model (the same one :mod:`.rotor` optimises and :mod:`.executor` runs):
   for the in-flight offloads to complete, oldest first, as the executor does.
 
 Sizes may be bytes or slots (any consistent unit); ``bandwidth`` is in that unit per second.
-The streams and the memory account are :func:`hpcnn.engine.price.price`'s; this module owns the
+The streams and the memory account are :func:`hpcnn.schedule.price.price`'s; this module owns the
 remat cost model (:class:`RematCost`: durations, sizes and the validity of a sequence).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcnn.engine.ops import CHANNEL
-from hpcnn.engine.price import CostModel, OpCost, price
+from hpcnn.schedule.ops import CHANNEL
+from hpcnn.schedule.price import CostModel, OpCost, price
 
 
 class SequenceError(ValueError):
@@ -39,7 +39,7 @@ class SimResult:
 
 
 class RematCost(CostModel):
-    """Rotor's cost model for :func:`~hpcnn.engine.price.price`, with the validity checks of a
+    """Rotor's cost model for :func:`~hpcnn.schedule.price.price`, with the validity checks of a
     sequence on the chain profile ``prof``: which x[i] (set A) and x̄[i] (set F) are stored, where
     each stored value is (``"mem"``, offloaded ``"off"``, prefetched ``"in"``) and the backward
     front d (the one gradient δ[d] held). One instance prices one sequence."""
@@ -144,8 +144,8 @@ class RematCost(CostModel):
 
 
 def simulate(seq, prof, *, bandwidth: float | None = None, budget: float | None = None) -> SimResult:
-    """Run ``seq`` (list of :class:`~hpcnn.engine.ops.Op`) on ``prof``; raise SequenceError if
-    invalid: :func:`~hpcnn.engine.price.price` with a :class:`RematCost`."""
+    """Run ``seq`` (list of :class:`~hpcnn.schedule.ops.Op`) on ``prof``; raise SequenceError if
+    invalid: :func:`~hpcnn.schedule.price.price` with a :class:`RematCost`."""
     run = price(list(seq), RematCost(prof, bandwidth), budget=budget)
     return SimResult(time=run.end[0], peak=run.peak[0], compute=run.busy[0], stall=run.stall[0],
                      offloaded=run.moved[0], peaks=run.peaks[0])

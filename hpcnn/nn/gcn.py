@@ -2,7 +2,7 @@
 
 A GCN layer computes ``Z = Â (H W) + b`` (σ is a separate block, :class:`~hpcnn.nn.layers.ReLU`),
 with ``Â = D̃^{-1/2} (A + I) D̃^{-1/2}`` (:func:`hpcnn.graph.normalized_adjacency`). Full-batch
-and distributed by rows (:mod:`hpcnn.graph.partition`): rank r holds its rows of H, of Â and of Z.
+and distributed by rows (:mod:`hpcnn.graph.rows`): rank r holds its rows of H, of Â and of Z.
 
 Forward on rank r: ``P = H_r W`` (its rows only), then a **halo exchange** (one ``Alltoallv``)
 brings the rows of P that r's rows of Â reference on other ranks, and ``Z_r = Â_r [P_r; P_ghost]``
@@ -36,7 +36,7 @@ from hpcnn.nn.loss import CrossEntropyCache, SoftmaxCrossEntropy
 class GraphOperator:
     """This rank's rows of Â (local matrix with halo columns) and the two halo exchanges.
 
-    ``halo``: a :class:`hpcnn.graph.partition.Halo`; ``comm``: an hpcnn
+    ``halo``: a :class:`hpcnn.graph.rows.Halo`; ``comm``: an hpcnn
     :class:`~hpcnn.parallel.collectives.Communicator` of the partition's ranks (its ``alltoallv``
     counts the bytes), or None for one process. Host (NumPy/SciPy) arrays only.
     """
@@ -51,7 +51,7 @@ class GraphOperator:
     @classmethod
     def from_global(cls, a_hat, part=None, comm=None, dtype=backend.DEFAULT_DTYPE):
         """From the whole Â held on every rank, cut by ``part`` (contiguous rows by default)."""
-        from hpcnn.graph.partition import RowPartition, build_halo
+        from hpcnn.graph.rows import RowPartition, build_halo
         size, rank = (1, 0) if comm is None else (comm.size, comm.rank)
         part = part or RowPartition.contiguous(a_hat.shape[0], size)
         if part.size != size:
@@ -172,7 +172,7 @@ class NodeLoss(SoftmaxCrossEntropy):
 
     Targets are the labels on training nodes and ``ignore_index`` (-1) elsewhere. The training
     loop weighs each rank's loss and gradient by its rows' share ``n_r / n_nodes`` (as it weighs a
-    data-parallel replica's share of a batch, :func:`hpcnn.parallel.data.dloss_for`); this loss
+    data-parallel replica's share of a batch, :func:`hpcnn.parallel.data.bucketed.dloss_for`); this loss
     returns its rows' cross-entropy sum times ``n_nodes / (n_r · n_train)``, so that the weighted
     sum over ranks is ``Σ_train CE / n_train`` and so is the gradient. Cache: :class:`NodeLossCache`.
     """

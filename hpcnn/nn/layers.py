@@ -36,7 +36,7 @@ def filled(value: float, n: int, dtype):
     than ``a.sum(axis)`` on the CPU at the shapes of a step, and need no temporary (LayerNorm).
 
     Linear's bias gradient and the attention softmax keep ``a.sum(axis)``: their tensor-parallel
-    counterparts (:mod:`hpcnn.parallel.tensor`, :mod:`hpcnn.parallel.tensor_attn`) sum that
+    counterparts (:mod:`hpcnn.parallel.tensor.linear`, :mod:`hpcnn.parallel.tensor.attention`) sum that
     way, and one tensor-parallel rank must reproduce the serial gradients bit for bit."""
     key = (float(value), numpy.dtype(dtype).str)
     v = _FILLED.get(key)

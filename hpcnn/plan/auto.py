@@ -2,7 +2,7 @@
 
 :func:`choose_gpt_layout` prices every dp x tp x pp x schedule x micro-batches layout of the GPT
 the run builds (:mod:`.hybrid`: its width, heads, layers, context ``block_size``, global
-``batch_size``, ``--dtype``, and the vocabulary as :func:`hpcnn.task.padded_vocab` pads it for each
+``batch_size``, ``--dtype``, and the vocabulary as :func:`hpcnn.config.padded_vocab` pads it for each
 candidate's tp) over the run's world size on the machine file (``--machine``, default
 :func:`.machine.this_machine`, the file ``hpcnn plan --machine`` would read), and returns the
 configuration with the least predicted step that fits the device memory. It is a pure function of
@@ -24,7 +24,7 @@ What it offers is what ``hpcnn train`` runs as priced:
 - **Schedules 1f1b, gpipe, zb_h1** (the planner's), one stage per rank; each candidate must also
   pass the run's own option checks (:func:`hpcnn.config.combination_errors`).
 - **Stage cuts.** Each pipelined choice comes twice: uniform (pp dividing the layers; the run
-  cuts the chain by cost, :func:`hpcnn.parallel.partition.by_spec`, as without ``--plan``) and
+  cuts the chain by cost, :func:`hpcnn.schedule.stages.by_spec`, as without ``--plan``) and
   with the planner's own cut (:func:`.hybrid.stage_cut` for the vocabulary the run pads, pp
   any number up to the layers). A chosen cut is run as it was priced: ``--layout`` with its
   transformer blocks per stage, the first stage one block more (the embedding), the last two
@@ -96,7 +96,7 @@ def candidates(cfg, world_size: int, vocab: int, machine):
     it and that matches the options the user set (module docstring)."""
     from hpcnn.config import combination_errors, option_errors
     from hpcnn.plan import hybrid
-    from hpcnn.task import padded_vocab
+    from hpcnn.config import padded_vocab
     shape = dict(n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, seq=cfg.block_size,
                  batch=cfg.batch_size, dtype=cfg.dtype)
     given = _given(cfg)

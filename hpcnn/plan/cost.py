@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from hpcnn.parallel.layout import Cut, Placement, exchange_group   # what the executor runs
+from hpcnn.schedule.placement import Cut, Placement, exchange_group   # what the executor runs
 from hpcnn.plan.hybrid import DTYPE_BYTES, STATE_WORDS, UPDATE_PASSES, update_seconds
 
 MU = 0.25      # SAPP's weight of a batch cut (the gradient sync happens once per step)
@@ -330,7 +330,7 @@ def strategy_cost(graph: Graph, cuts, machine, dtype: str = "float32",
     consumer's input x[i/nb', k/nk'] (:func:`_moves`): a message in the forward where a device
     needs data it does not hold, one in the backward where the gradient's way back does, at the
     level of the larger of the two operators' partition groups, joining the devices its
-    messages connect (:func:`hpcnn.parallel.layout.exchange_group`); with ``loss``, the last
+    messages connect (:func:`hpcnn.schedule.placement.exchange_group`); with ``loss``, the last
     operator's output gathered whole on every device for the softmax cross-entropy (the
     executor's ``to_loss``), which costs nothing backward.
 
@@ -379,7 +379,7 @@ def _moves(what: str, src: Placement, dst: Placement, rows: int, cols: int, size
     that only sliced its input in the forward gathers it in the backward). One message each,
     at the level of ``span`` consecutive devices (our choice, an upper bound for the
     all-to-all: the thesis prices redistribution by volume only), joining the devices of the
-    largest set its messages connect (:func:`hpcnn.parallel.layout.exchange_group`: a gather
+    largest set its messages connect (:func:`hpcnn.schedule.placement.exchange_group`: a gather
     along pairs is an exchange between 2 devices, priced on the curve of 2 where the level has
     one); the batch size's all-gather joins all ``span``. ``after``: the compute before
     the forward's message and before the backward's (the producer's product, the consumer's),

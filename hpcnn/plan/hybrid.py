@@ -2,7 +2,7 @@
 
 Every candidate layout of a GPT over ``devices`` devices of a machine (:mod:`.machine`) is priced
 in closed form, without profiling, from the blocks' own ``spec()`` (FLOPs and bytes of one
-transformer block as one rank of the tp group runs it: :class:`~hpcnn.parallel.tensor_attn.
+transformer block as one rank of the tp group runs it: :class:`~hpcnn.parallel.tensor.attention.
 ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's rates:
 
 - **compute** of a stage and micro-batch of m rows: (L/pp) x the block's forward (backward) FLOPs
@@ -25,8 +25,8 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
 - **tensor parallelism** (Megatron): two allreduces of the block's activation (m x T x d) per block
   in the forward and two in the backward, each a ring over the tp group:
   2(n-1)/n x bytes x g + 2(n-1) L at the level that holds tp consecutive devices;
-- **pipeline**: the schedule's makespan in stage passes (:func:`hpcnn.parallel.schedules.
-  formula_makespan` with the slowest stage's times; :func:`hpcnn.parallel.schedules.simulate`
+- **pipeline**: the schedule's makespan in stage passes (:func:`hpcnn.schedule.pipeline.
+  formula_makespan` with the slowest stage's times; :func:`hpcnn.schedule.pipeline.simulate`
   where no formula applies; ZB-H1's input and weight halves are the device's measured fractions
   of the backward, ``Device.backward_halves``, (0.5, 0.5) where the file has none), plus one
   activation message per boundary each way on the critical path, at the level of the pp
@@ -80,11 +80,11 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   the head on the last stage only, the schedule simulated with these per-stage times, memory
   per rank the fullest stage's (:func:`_staged`); :func:`stage_cut` chooses the cut: least
   slowest stage whose every stage fits the memory, by the exact dynamic programme
-  :func:`hpcnn.parallel.partition.by_cost_bounded`; :func:`plan` offers it beside the uniform
+  :func:`hpcnn.schedule.stages.by_cost_bounded`; :func:`plan` offers it beside the uniform
   layout for every pipelined choice up to :data:`STAGE_CUT_PASSES` (then pp need not divide the
   layers).
 
-Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid` orders them (tp fastest, then dp,
+Ranks are ordered as :class:`hpcnn.parallel.collectives.grid.ProcessGrid` orders them (tp fastest, then dp,
 then pp). The thesis prices operator cuts (:mod:`.cost`, :mod:`.search`); for the transformer's
 coarse choice it is silent, and these are our choices: Megatron's collectives, no overlap of
 communication with compute, the slowest stage setting the pipeline's pace.
@@ -163,7 +163,7 @@ def _block(dim: int, heads: int, seq: int, rows: int, word: int, tp: int = 1) ->
     transformer block on ``rows`` sequences as one of ``tp`` ranks runs it, from its ``spec()``
     (built without storage: the serial block, or the Megatron block over a tp group)."""
     from hpcnn.nn.transformer import TransformerBlock
-    from hpcnn.parallel.tensor_attn import ParallelTransformerBlock
+    from hpcnn.parallel.tensor.attention import ParallelTransformerBlock
     dtype = {2: "float32", 4: "float32", 8: "float64"}[word]     # spec's shapes, then rescaled
     blk = (ParallelTransformerBlock(_ShapeComm(tp), dim, heads, dtype=dtype, keep=()) if tp > 1
            else TransformerBlock(dim, heads, dtype=dtype, keep=()))
@@ -190,7 +190,7 @@ def _tail(dim: int, seq: int, rows: int, vocab: int, word: int, tp: int = 1) -> 
 
 def held_microbatches(schedule: str, pp: int, m_count: int, stage: int) -> int:
     """Micro-batches stage ``stage`` holds at its peak (from its F to its last backward part,
-    as :func:`hpcnn.parallel.schedules.simulate` counts them): GPipe all m; 1F1B min(pp - s, m);
+    as :func:`hpcnn.schedule.pipeline.simulate` counts them): GPipe all m; 1F1B min(pp - s, m);
     ZB-H1 min(pp, m) on every stage (a micro-batch's B is early, its W late)."""
     if schedule == "gpipe":
         return m_count
@@ -326,7 +326,7 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
 
 def recomputed_forward(blocks_f: float, blocks: float, head: bool) -> float:
     """Seconds of forward a stage pass runs again under ``remat="full"``, as ``hpcnn train
-    --remat=full`` runs it (:func:`hpcnn.memory.sequence.segments` with a segment per chain
+    --remat=full`` runs it (:func:`hpcnn.schedule.sequences.segments` with a segment per chain
     block): every block's forward but the last segment's, which runs once with the loss. On a
     stage with the head that segment is the LM head, so all ``blocks`` transformer blocks (their
     forward ``blocks_f``, tensor-parallel allreduces included) run again; on a stage without it,
@@ -365,7 +365,7 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     """(StageTimes, (cache bytes, input bytes) per block and rank, local parameter count) of
     the uniform ``layout``: the one place its formulas live, for :func:`price` and
     :func:`stage_times`."""
-    from hpcnn.parallel import schedules
+    from hpcnn.schedule import pipeline as schedules
     dp, tp, pp, m_count = layout.dp, layout.tp, layout.pp, layout.microbatches
     rows = model.batch // (dp * m_count)                    # sequences per micro-batch
     _, _, cache, pbytes, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
@@ -462,12 +462,12 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     Our choices (the thesis is silent on stage cuts): each stage's times from its own block
     count (:func:`_pass_times`), the LM head's on the stages in ``heads`` (default: the last
     only; the embedding's gather is free, as in the uniform price); the span is the schedule
-    simulated with these per-stage times (:func:`hpcnn.parallel.schedules.simulate`); the
+    simulated with these per-stage times (:func:`hpcnn.schedule.pipeline.simulate`); the
     stages reduce their gradients and update in parallel, the slowest of them counting;
     memory per rank is the fullest stage's (:func:`_stage_memory`).
     ``heads`` = every stage is the uniform price's convention (every stage priced as the last):
     with uniform stages this prices exactly as :func:`price` prices the uniform layout."""
-    from hpcnn.parallel import schedules
+    from hpcnn.schedule import pipeline as schedules
     pp, m_count, word = layout.pp, layout.microbatches, model.word
     heads = {pp - 1} if heads is None else set(heads)
     times = [_pass_times(model, layout, machine, n, s in heads)
@@ -525,8 +525,8 @@ def stage_cut(model: Transformer, layout: Layout, machine,
               memory_bytes: float | None = None, optimizer: str = "adamw") -> tuple:
     """Transformer blocks per stage of ``layout`` (pp > 1): the cut of least slowest stage whose
     every stage fits ``memory_bytes`` (default the device's), by the exact dynamic programme
-    :func:`hpcnn.parallel.partition.by_cost_bounded`; where no cut fits, the uniform cut
-    (:func:`hpcnn.parallel.partition.uniform`; :func:`price` then marks the layout infeasible,
+    :func:`hpcnn.schedule.stages.by_cost_bounded`; where no cut fits, the uniform cut
+    (:func:`hpcnn.schedule.stages.uniform`; :func:`price` then marks the layout infeasible,
     and a second, unbounded programme for a layout that cannot run took most of the plan's
     time on the largest models).
 
@@ -538,7 +538,7 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     (:func:`_stage_memory`), so the cut's memory per stage is what :func:`price` charges it.
     The objective is the slowest stage, not the simulated span: the schedule's span grows
     with it, and it is what the existing ``by_cost`` cut balances."""
-    from hpcnn.parallel import partition
+    from hpcnn.schedule import stages as partition
     pp, n = layout.pp, model.n_layers
     uniform = dataclasses.replace(layout, stages=())
     head = _pass_times(model, uniform, machine, 0, True)

@@ -8,7 +8,7 @@ SAPP total (:func:`hpcnn.plan.cost.sapp_cost`) so that they compare:
   bisection at a time, O(n * L * 4**(L+1));
 - :func:`exhaustive`: every combination of cut sequences, the reference for small cases.
 
-Each returns ``(cuts, cost)``: a list of :class:`~hpcnn.parallel.layout.Cut` (the layout the executor runs, one
+Each returns ``(cuts, cost)``: a list of :class:`~hpcnn.schedule.placement.Cut` (the layout the executor runs, one
 per Matmul in graph order) and the SAPP total. The ``*_sequences`` variants return the cut
 sequences themselves (strings over ``"ijkr"``, bisection 0 first), which the cost needs: two
 sequences with the same product of cuts may cost differently.

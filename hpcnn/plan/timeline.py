@@ -5,7 +5,7 @@ t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts 
 ``hpcnn report --trace`` exports either. Two planners' predictions are laid out:
 
 - **a GPT layout** (:func:`gpt_events`, :mod:`.hybrid`): the schedule's per-rank instruction lists
-  simulated (:func:`hpcnn.parallel.schedules.simulate`, messages free) with the stage pass times
+  simulated (:func:`hpcnn.schedule.pipeline.simulate`, messages free) with the stage pass times
   ``t_f``, ``t_b``, ``t_w`` that :func:`.hybrid.price` uses (:func:`.hybrid.stage_times`). The
   tensor-parallel allreduces stay inside the passes (as in a measured run, where they happen
   inside F and B). The price adds 2(pp - 1) activation messages on the critical path, not a
@@ -22,7 +22,7 @@ t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts 
   its fill and drain shrink to w of their length as the price counts them, the events keep
   their order, and those of other ranks that overlap the first stage's idle shrink with it.
   Every rank of dp x tp x pp gets its track, ranked as
-  :class:`hpcnn.parallel.grid.ProcessGrid` ranks them (tp fastest, then dp, then pp); the ranks
+  :class:`hpcnn.parallel.collectives.grid.ProcessGrid` ranks them (tp fastest, then dp, then pp); the ranks
   of one pipeline stage run the same events.
 - **an MLP cut plan** (:func:`mlp_events`, :mod:`.cost`): :func:`.cost.strategy_cost`'s terms as
   consecutive supersteps, the same on every rank (BSP: no overlap): ``compute`` for an operator's
@@ -34,7 +34,7 @@ tests/test_plan_timeline.py).
 """
 from __future__ import annotations
 
-from hpcnn.parallel import schedules
+from hpcnn.schedule import pipeline as schedules
 
 Event = tuple     # (rank, kind, microbatch, t_start, t_end), as RunLog.log_events takes them
 

@@ -305,7 +305,7 @@ for n in SIZES:
 
 # -- the data-parallel engine: auto picks shm for blocking and non-blocking buckets -----------
 from hpcnn.nn import models                                 # noqa: E402
-from hpcnn.parallel.data import DataParallel                # noqa: E402
+from hpcnn.parallel.data.bucketed import DataParallel                # noqa: E402
 
 
 def dp_grads(algorithm, overlap, shm_everywhere):

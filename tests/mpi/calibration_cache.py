@@ -17,10 +17,10 @@ from mpi4py import MPI
 from hpcnn.log import read_run
 from hpcnn.nn import models
 from hpcnn.parallel.collectives import algorithms
-from hpcnn.parallel.collectives import calibration
+from hpcnn.parallel.collectives import autotune as calibration
 from hpcnn.parallel.collectives import shm
 from hpcnn.parallel.collectives import CommStats, Communicator
-from hpcnn.parallel.data import DataParallel
+from hpcnn.parallel.data.bucketed import DataParallel
 
 world = MPI.COMM_WORLD
 r, p = world.Get_rank(), world.Get_size()

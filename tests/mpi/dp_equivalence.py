@@ -9,12 +9,12 @@ from the serial run by exactly (1/P) Σ g_i), a NaN on rank 1, and the replica c
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data
+from hpcnn import datasets as data
 from hpcnn.nn import models
 from hpcnn.nn.core import Parameter
 from hpcnn.nn.optim import SGD, AdamW
 from hpcnn.parallel.collectives import CommStats, Communicator
-from hpcnn.parallel.data import DataParallel, dloss_for, shard
+from hpcnn.parallel.data.bucketed import DataParallel, dloss_for, shard
 
 world = MPI.COMM_WORLD
 r, P = world.Get_rank(), world.Get_size()

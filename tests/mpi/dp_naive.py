@@ -10,11 +10,11 @@ serial full-batch gradient to 1e-10. The naive engine makes exactly one allreduc
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data
+from hpcnn import datasets as data
 from hpcnn.nn import models
 from hpcnn.parallel.collectives import CommStats, Communicator
-from hpcnn.parallel.data import DataParallel, dloss_for, shard
-from hpcnn.parallel.naive_data import NaiveDataParallel
+from hpcnn.parallel.data.bucketed import DataParallel, dloss_for, shard
+from hpcnn.parallel.data.naive import NaiveDataParallel
 
 world = MPI.COMM_WORLD
 r, P = world.Get_rank(), world.Get_size()

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from hpcnn.config import parse_overrides
 from hpcnn.graph import RowPartition, build_halo
-from hpcnn.graph.partition import halo_sizes
+from hpcnn.graph.rows import halo_sizes
 from hpcnn.graph.partitioners import random_partition, spectral_bisection
 from hpcnn.graph.nodes import graph_data
 from hpcnn.log import read_run

@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.collectives.stats import SAMPLE_EVERY, SAMPLED_BELOW
-from hpcnn.parallel.grid import GridError, ProcessGrid, coords_of, rank_of
+from hpcnn.parallel.collectives.grid import GridError, ProcessGrid, coords_of, rank_of
 
 world = MPI.COMM_WORLD
 r, p = world.Get_rank(), world.Get_size()

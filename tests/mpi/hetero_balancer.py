@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcnn.parallel.collectives import Communicator
-from hpcnn.parallel.hetero import Balancer, Slowdown, balanced_shares, equal_shares
+from hpcnn.parallel.data.hetero import Balancer, Slowdown, balanced_shares, equal_shares
 
 world = MPI.COMM_WORLD
 r, p = world.Get_rank(), world.Get_size()

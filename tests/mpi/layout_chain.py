@@ -22,8 +22,8 @@ from mpi4py import MPI
 
 from hpcnn.nn import models
 from hpcnn.parallel.collectives import CommStats, Communicator
-from hpcnn.parallel.layout import (Cut, LayoutLinear, Placement, Redistribute, free_layout,
-                                   gather_full, layout_mlp)
+from hpcnn.schedule.placement import Cut, Placement
+from hpcnn.parallel.layout import LayoutLinear, Redistribute, free_layout, gather_full, layout_mlp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
 from cachecheck import grads_accumulate, spec_matches_cache  # noqa: E402

@@ -18,11 +18,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data
-from hpcnn.engine.ops import PIPELINE
+from hpcnn import datasets as data
+from hpcnn.schedule.ops import PIPELINE
 from hpcnn.nn import models
 from hpcnn.nn.optim import SGD
-from hpcnn.parallel import pipeline, schedules
+from hpcnn.engine import pipelined as pipeline
+from hpcnn.schedule import pipeline as schedules
 from hpcnn.parallel.collectives import Communicator
 
 world = MPI.COMM_WORLD

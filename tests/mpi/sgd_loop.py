@@ -8,7 +8,7 @@ def sgd(model, steps, batch, *, lr, tp=None, dp=None):
     ``dp`` (a DataParallel): this rank's part of each global batch, gradients reduced by it.
     """
     from hpcnn.nn.layers import place_draws
-    from hpcnn.parallel.tensor import sync_replicated_grads
+    from hpcnn.parallel.tensor.linear import sync_replicated_grads
     losses = []
     for s in range(steps):
         x, y = batch(s)

@@ -16,13 +16,14 @@ from hpcnn.nn import models
 from hpcnn.nn.layers import Linear
 from hpcnn.nn.loss import SoftmaxCrossEntropy
 from hpcnn.nn.transformer import CausalSelfAttention, Embedding, MLPBlock, TransformerBlock
-from hpcnn.parallel import tp_comm
+from hpcnn.parallel.tensor import mappings as tp_comm
 from hpcnn.parallel.collectives import CommStats, Communicator
-from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
-                                   gather_params, replicated_sync_volume, sync_replicated_grads)
-from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
-from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from hpcnn.parallel.tp_models import parallel_gpt
+from hpcnn.parallel.tensor.linear import (ColumnParallelLinear, ParallelMLPBlock,
+                                          RowParallelLinear, gather_params, replicated_sync_volume,
+                                          sync_replicated_grads)
+from hpcnn.parallel.tensor.attention import ParallelCausalSelfAttention, ParallelTransformerBlock
+from hpcnn.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcnn.parallel.tensor.factories import parallel_gpt
 
 import sgd_loop  # noqa: E402 - tests/mpi/sgd_loop.py, beside this script
 
@@ -231,8 +232,8 @@ for name in ref:
 
 # -- dp x tp = 2 x 2 -------------------------------------------------------------------------------
 if P == 4:
-    from hpcnn.parallel.data import DataParallel
-    from hpcnn.parallel.grid import ProcessGrid
+    from hpcnn.parallel.data.bucketed import DataParallel
+    from hpcnn.parallel.collectives.grid import ProcessGrid
     grid = ProcessGrid(world, dp=2, tp=2)
     tp2 = Communicator(grid.tp_comm, CommStats(), name="tp")
     serial = models.gpt(V, T, 2, C, NH, **gkw)

@@ -12,13 +12,13 @@ not divide.
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data
+from hpcnn import datasets as data
 from hpcnn.nn import models
 from hpcnn.nn.conv import Conv2d
 from hpcnn.parallel.collectives import CommStats, Communicator
-from hpcnn.parallel.tensor import gather_params
-from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
-from hpcnn.parallel.tp_models import parallel_cnn
+from hpcnn.parallel.tensor.linear import gather_params
+from hpcnn.parallel.tensor.channel_conv import ChannelParallelConv2d
+from hpcnn.parallel.tensor.factories import parallel_cnn
 
 import sgd_loop  # noqa: E402 - tests/mpi/sgd_loop.py, beside this script
 
@@ -115,8 +115,8 @@ for pool in ("max", "avg"):
 
 # -- dp x tp = 2 x 2 -------------------------------------------------------------------------------
 if P == 4:
-    from hpcnn.parallel.data import DataParallel
-    from hpcnn.parallel.grid import ProcessGrid
+    from hpcnn.parallel.data.bucketed import DataParallel
+    from hpcnn.parallel.collectives.grid import ProcessGrid
     grid = ProcessGrid(world, dp=2, tp=2)
     tp2 = Communicator(grid.tp_comm, CommStats(), name="tp")
     serial = models.cnn(1, 8, CH, 24, 10, seed=5, dtype=F64)

@@ -14,12 +14,13 @@ from mpi4py import MPI
 
 import hpcnn.parallel
 from hpcnn.parallel.collectives import CommStats, Communicator
-from hpcnn.parallel.layout import Cut, LayoutLinear, Placement, Redistribute
-from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
-                                   ShardDropout, replicated_layernorm)
-from hpcnn.parallel.tensor_attn import ParallelCausalSelfAttention, ParallelTransformerBlock
-from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
-from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcnn.schedule.placement import Cut, Placement
+from hpcnn.parallel.layout import LayoutLinear, Redistribute
+from hpcnn.parallel.tensor.linear import (ColumnParallelLinear, ParallelMLPBlock,
+                                          RowParallelLinear, ShardDropout, replicated_layernorm)
+from hpcnn.parallel.tensor.attention import ParallelCausalSelfAttention, ParallelTransformerBlock
+from hpcnn.parallel.tensor.channel_conv import ChannelParallelConv2d
+from hpcnn.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
 from cachecheck import block_kinds, grads_accumulate, spec_matches_cache  # noqa: E402

@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcnn.config import parse_overrides
-from hpcnn.data import for_config
+from hpcnn.datasets import for_config
 from hpcnn.log import read_run
 from hpcnn.plan.auto import choose_gpt_layout
 from hpcnn.train import train

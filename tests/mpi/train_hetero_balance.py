@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
-from hpcnn.parallel.hetero import Balancer, StepMeter
+from hpcnn.parallel.data.hetero import Balancer, StepMeter
 from hpcnn.train import train
 
 world = MPI.COMM_WORLD

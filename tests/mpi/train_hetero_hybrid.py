@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
-from hpcnn.parallel.tensor import shard_array
+from hpcnn.parallel.tensor.linear import shard_array
 from hpcnn.train import train
 
 world = MPI.COMM_WORLD

@@ -11,7 +11,7 @@ from mpi4py import MPI
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
 from hpcnn.nn.core import is_placeholder
-from hpcnn.parallel.tensor import shard_array
+from hpcnn.parallel.tensor.linear import shard_array
 from hpcnn.train import train
 
 world = MPI.COMM_WORLD

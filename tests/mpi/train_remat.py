@@ -40,7 +40,7 @@ def check_step_schedule(run, schedule):
     """--show_schedule: each rank's traced first step is its schedule list, the F and B of a
     micro-batch together run the stage's whole remat sequence, and every gradient bucket is
     launched once before the final wait."""
-    from hpcnn.parallel import schedules
+    from hpcnn.schedule import pipeline as schedules
     lists = schedules.SCHEDULES[schedule](pp, 4, pp) if pp > 1 else None
     for r, lines in enumerate(run.plan["step_schedule"]):
         assert lines[0] == f"rank {r} (dp {r % dp}, tp 0, pp {r // dp})", lines[0]

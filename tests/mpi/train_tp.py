@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
-from hpcnn.parallel.tensor import shard_array
+from hpcnn.parallel.tensor.linear import shard_array
 from hpcnn.engine.record import whole_model_params
 from hpcnn.train import train
 

@@ -219,6 +219,31 @@ class Communicator:
                     lambda: self.comm.Allreduce(a, out, op=mop))
         return out
 
+    def reduce_array(self, x, op: str = "sum"):
+        """A new array: ``x`` reduced element-wise over all ranks (``"sum"``, ``"max"`` or
+        ``"min"``), its dtype and shape kept; a copy of ``x`` on one rank. Counted under
+        ``reduce_array`` as an allreduce (2(p-1)/p of the bytes)."""
+        a = numpy.ascontiguousarray(x)
+        out = numpy.empty_like(a)
+        if self.size == 1:
+            out[...] = a
+            return out
+        MPI = _mpi()
+        mop = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        self._timed("reduce_array", 2 * (self.size - 1) * a.nbytes // self.size,
+                    lambda: self.comm.Allreduce(a, out, op=mop))
+        return out
+
+    def ireduce_max(self, sendbuf, recvbuf) -> Request:
+        """Start ``recvbuf`` = the element-wise maximum of every rank's ``sendbuf`` (host
+        arrays, a few numbers: flags agreed in the background); ``wait()`` the request."""
+        t0 = _perf()
+        if self.size == 1:
+            recvbuf[...] = sendbuf
+            return _SelfRequest(self.stats, "ireduce_max")
+        req = self.comm.Iallreduce(sendbuf, recvbuf, op=_mpi().MAX)
+        return Request([req], self.stats, "ireduce_max", sendbuf.nbytes, t0).at(self.name)
+
     def allreduce_max(self, buf):
         """Element-wise maximum of ``buf`` over all ranks, in place; returns ``buf``.
 
@@ -299,6 +324,16 @@ class Communicator:
                 [s, (sendcounts, sdispl)], [r, (recvcounts, rdispl)]))
         return recvbuf
 
+    def alltoall_objects(self, objs) -> list:
+        """``objs[q]`` (picklable) to rank q; returns what every rank sent this one, in rank
+        order. Counted under ``alltoall_objects``: the pickled size of what leaves this rank."""
+        if len(objs) != self.size:
+            raise ValueError(f"alltoall_objects: {len(objs)} objects for {self.size} ranks")
+        if self.size == 1:
+            return list(objs)
+        nbytes = sum(_pickled_size(o) for q, o in enumerate(objs) if q != self.rank)
+        return self._timed("alltoall_objects", nbytes, lambda: self.comm.alltoall(list(objs)))
+
     def allgather_scalars(self, values) -> numpy.ndarray:
         """(p, k) float64 array of every rank's k numbers (speeds, timings)."""
         a = numpy.ascontiguousarray(values, dtype=numpy.float64).reshape(-1)
@@ -364,6 +399,27 @@ class Communicator:
         ``recv_object`` with 0 bytes (the sender counts them)."""
         return self._timed("recv_object", 0, lambda: self.comm.recv(source=source, tag=tag),
                            peer=source)
+
+    # -- communicators made from this one --------------------------------------------------------
+    def split(self, color: int, key: int, name: str | None = None) -> "Communicator":
+        """The ranks of the same ``color``, ordered by ``key``, as a new Communicator sharing
+        this one's counters (collective; :meth:`free` it)."""
+        if self.size == 1:
+            return SelfCommunicator(name or f"{self.name}.split", self.stats)
+        return Communicator(self.comm.Split(color=color, key=key), self.stats,
+                            name or f"{self.name}.split")
+
+    def dup(self, name: str | None = None) -> "Communicator":
+        """A duplicate of this communicator (its own message space; collective; :meth:`free`
+        it), with counters of its own."""
+        if self.size == 1:
+            return SelfCommunicator(name or self.name)
+        return Communicator(self.comm.Dup(), name=name or self.name)
+
+    def free(self) -> None:
+        """Free the MPI communicator made by :meth:`split` or :meth:`dup` (collective)."""
+        if self.size > 1:
+            self.comm.Free()
 
     def barrier(self) -> None:
         if self.size > 1:

@@ -422,12 +422,12 @@ ENGINE_VOCAB = 16               # the vocabulary of the step-engine GPTs the cal
 
 def _engine_step(layers: int, dim: int, heads: int, seq: int, sequences: int, dtype: str):
     """``step(schedule, micro)`` -> the result of one step of the one-rank step engine
-    (:func:`hpcnn.parallel.pipeline.train_step`) over a GPT of ``layers`` blocks (vocabulary
+    (:func:`hpcnn.engine.pipelined.train_step`) over a GPT of ``layers`` blocks (vocabulary
     :data:`ENGINE_VOCAB`) on ``sequences`` random sequences of ``seq`` tokens in ``micro``
     micro-batches: what :func:`stage_costs`, :func:`tokens_costs` and :func:`held_costs` time."""
     from hpcnn.nn.models import gpt
     from hpcnn.parallel.collectives import Communicator
-    from hpcnn.parallel.pipeline import train_step
+    from hpcnn.engine.pipelined import train_step
     chain = gpt(ENGINE_VOCAB, seq, layers, dim, heads, dtype=dtype)
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, ENGINE_VOCAB, (sequences, seq)) for _ in range(2))
@@ -450,7 +450,7 @@ def tokens_costs(kind: str, dtype: str, fixed: float, repeats: int = FULL_ROUNDS
     The ladder runs through the step engine, as training runs a pipeline's passes: for each of
     the kind's :data:`TOKENS_LADDER` rungs, a one-rank 1F1B list of :data:`STAGE_MICRO`
     micro-batches of that many sequences through a GPT of one such block (vocabulary 16,
-    :func:`hpcnn.parallel.pipeline.train_step`); a rung's figure is its passes' median F + B
+    :func:`hpcnn.engine.pipelined.train_step`); a rung's figure is its passes' median F + B
     beyond ``fixed`` per token, its slowdown that over the top rung's; the medians over
     ``repeats`` rounds. Here 1.39-1.44 at 64 tokens, 1.12-1.19 at 128, 0.96-1.03 at 256. The
     same block timed bare (``block_costs``' form) gave 1.67-1.85 at 64 tokens: priced with that,
@@ -512,7 +512,7 @@ def stage_costs(dtype: str, repeats: int = FULL_ROUNDS) -> tuple | None:
     """(seconds per forward + backward of a pipeline stage pass beyond its transformer blocks,
     the forward's share of them) in this process, or None where they measure nothing.
 
-    The step engine (:func:`hpcnn.parallel.pipeline.train_step`, the executor every ``hpcnn
+    The step engine (:func:`hpcnn.engine.pipelined.train_step`, the executor every ``hpcnn
     train`` step runs) runs a one-rank 1F1B list of :data:`STAGE_MICRO` micro-batches of a tiny
     GPT (token and position embedding, one transformer block of the overhead's size
     :data:`OVERHEAD_SHAPES`, final LayerNorm, LM head, loss): each pass's F and B instruction
@@ -539,7 +539,7 @@ def held_costs(dtype: str, repeats: int = FULL_ROUNDS) -> float:
     """Seconds per byte of the activations a pipeline stage holds beyond one micro-batch's
     (:func:`hpcnn.plan.hybrid.held_seconds`), in this process: each of ``repeats`` rounds runs
     one step of a one-rank GPipe list and one of a 1F1B list of the step engine
-    (:func:`hpcnn.parallel.pipeline.train_step`) over the same :data:`HELD_SHAPE` GPT, one
+    (:func:`hpcnn.engine.pipelined.train_step`) over the same :data:`HELD_SHAPE` GPT, one
     micro-batch a sequence, and takes the difference of their times over the difference of
     their held bytes as the price counts them (:func:`hpcnn.plan.hybrid._held_bytes`); the
     median over rounds, at least 0. Both lists run the same passes: what differs is that
@@ -755,7 +755,7 @@ def _references(comm, plans, gpts, steps: int) -> dict:
     """{name: (run: () -> measured step, price: machine -> seconds)} of :func:`layout_scale`'s
     references over ``comm``'s ranks: each MLP of :data:`LAYOUT_MLPS` under each of ``plans``
     and each GPT of ``gpts`` data-parallel, ``steps`` steps each run."""
-    from hpcnn.parallel.layout import Cut
+    from hpcnn.schedule.placement import Cut
     from hpcnn.plan import cost, hybrid
     p = comm.Get_size()
     make = {"col": Cut(1, 1, p), "row": Cut(1, p, 1), "dp": Cut(p, 1, 1), "rep": Cut(1, 1, 1)}
@@ -787,7 +787,7 @@ def _layout_step(comm, cuts, steps: int, mlp=LAYOUT_MLP) -> float:
     import tempfile
 
     from hpcnn.config import TrainConfig
-    from hpcnn.parallel.layout import write_plan
+    from hpcnn.schedule.placement import write_plan
     n_in, hidden, _, batch = mlp
     fd, path = tempfile.mkstemp(suffix=".json", prefix="hpcnn-layout-")
     os.close(fd)
@@ -888,7 +888,7 @@ def _gpt_config(layers: int, shape, layout, steps: int):
 def _gpt_model(cfg):
     """The :class:`hpcnn.plan.hybrid.Transformer` the planner prices for ``cfg``
     (:func:`_gpt_config`)."""
-    from hpcnn import data
+    from hpcnn import datasets as data
     from hpcnn.plan import hybrid
     return hybrid.Transformer(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.block_size,
                               data.for_config(cfg).vocab, cfg.batch_size, "float32")

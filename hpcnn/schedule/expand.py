@@ -18,7 +18,7 @@ lines and the run log keeps them in ``/plan`` (``step_schedule``)::
 """
 from __future__ import annotations
 
-from hpcnn.engine.ops import Op, fmt
+from hpcnn.schedule.ops import Op, fmt
 
 
 def _with_launches(ops, after: dict) -> list:

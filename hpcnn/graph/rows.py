@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from hpcnn.parallel.collectives import as_communicator
+
 
 @dataclass(frozen=True)
 class RowPartition:
@@ -125,8 +127,8 @@ def build_halo(a: sp.spmatrix, part: RowPartition, rank: int, comm=None) -> Halo
 
     ``a`` may be the whole matrix or only this rank's rows (``len(part.rows(rank))`` x n, in the
     order of ``part.rows(rank)``). The receive lists are local; the send lists come from the other
-    ranks' receive lists with one ``alltoall`` of index arrays over ``comm`` (an mpi4py
-    communicator of ``part.size`` ranks). With ``comm=None`` every rank's rows must be in ``a``
+    ranks' receive lists with one ``alltoall`` of index arrays over ``comm`` (a Communicator or
+    an mpi4py communicator of ``part.size`` ranks). With ``comm=None`` every rank's rows must be in ``a``
     and the send lists are computed locally (the serial path, and a reference for tests).
     """
     a = sp.csr_matrix(a)
@@ -137,11 +139,12 @@ def build_halo(a: sp.spmatrix, part: RowPartition, rank: int, comm=None) -> Halo
     position = part.local_index()
     a_rows = a[rows] if a.shape[0] == part.n and rows.size != part.n else a
     local, ghosts, recv_counts, recv = _local_rows_halo(a_rows, part, rank)
+    comm = as_communicator(comm, "graph")
     if comm is not None:
-        if comm.Get_size() != part.size or comm.Get_rank() != rank:
-            raise ValueError(f"build_halo: communicator rank {comm.Get_rank()} of "
-                             f"{comm.Get_size()} does not match rank {rank} of {part.size}")
-        wanted = comm.alltoall(recv)                      # wanted[q]: globals rank q needs from me
+        if comm.size != part.size or comm.rank != rank:
+            raise ValueError(f"build_halo: communicator rank {comm.rank} of "
+                             f"{comm.size} does not match rank {rank} of {part.size}")
+        wanted = comm.alltoall_objects(recv)                      # wanted[q]: globals rank q needs from me
     else:
         if a.shape[0] != part.n:
             raise ValueError("build_halo: without a communicator the whole matrix is needed")

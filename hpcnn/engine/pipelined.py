@@ -23,7 +23,7 @@ from hpcnn import backend
 from hpcnn.engine.execute import run
 from hpcnn.engine.stage import attach_remat, boundary_shapes, build_stages
 from hpcnn.engine.step import micro_draws, split_batch
-from hpcnn.parallel import partition, schedules
+from hpcnn.schedule import stages as partition, pipeline as schedules
 
 
 def forward_only(chain, ranges, pp, x, y=None, owner=None):
@@ -95,7 +95,7 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
     Stage s runs on rank ``schedules.placement(schedule_name, S, p)[s]``: round robin, or the V
     of zb_v (which needs ``virtual=2``); the loss is broadcast from the last stage's rank.
 
-    ``remat``: a :class:`hpcnn.memory.policy.RematPolicy`; each local stage then runs its
+    ``remat``: a :class:`hpcnn.engine.remat.RematPolicy`; each local stage then runs its
     rematerialization sequence (forward part at F, the rest at B), its budget divided by the
     micro-batches it holds at once in this schedule (:func:`hpcnn.engine.stage.max_inflight`).
 

@@ -2,10 +2,10 @@
 
 A schedule is a list of ops (one list per rank for a pipeline). The same record carries
 
-- pipeline instructions (:mod:`hpcnn.parallel.schedules`): ``F``, ``B``, ``W`` on micro-batch
+- pipeline instructions (:mod:`hpcnn.schedule.pipeline`): ``F``, ``B``, ``W`` on micro-batch
   ``mb`` of stage ``stage``, and the messages ``SEND_ACT``, ``RECV_ACT``, ``SEND_GRAD``,
   ``RECV_GRAD`` with the ``peer`` rank; ``block = -1`` means the whole stage;
-- rotor's rematerialization ops (:mod:`hpcnn.memory.sequence`): ``F_ck``, ``F_n``, ``F_all``,
+- rotor's rematerialization ops (:mod:`hpcnn.schedule.sequences`): ``F_ck``, ``F_n``, ``F_all``,
   ``B`` on chain element ``block`` (rotor calls it a "stage"), and the offload channel's ``OFF``,
   ``PRE`` of a stored value, ``item`` ``"x"`` (a checkpoint x[block]) or ``"bar"`` (an x̄[block]);
 - data parallelism: ``AR`` launches the allreduce of gradient bucket ``block``, ``AR_WAIT``

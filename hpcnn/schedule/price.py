@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hpcnn.engine.ops import CHANNEL, COMPUTE, Op
+from hpcnn.schedule.ops import CHANNEL, COMPUTE, Op
 
 EPS = 1e-9                       # budget slack (sizes are floats)
 

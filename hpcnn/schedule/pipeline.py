@@ -7,7 +7,7 @@ stages in a V instead (:func:`v_shape`); :func:`placement` gives any schedule's 
 No MPI here: the executor runs the lists, :func:`simulate` costs them, the analysis scripts draw
 them.
 
-Instructions (:class:`~hpcnn.engine.ops.Op` records, ``block = -1``: the whole stage)::
+Instructions (:class:`~hpcnn.schedule.ops.Op` records, ``block = -1``: the whole stage)::
 
     F(mb, s)                 forward of micro-batch mb through stage s
     B(mb, s)                 backward; the whole backward, or only the input-gradient half when the
@@ -39,8 +39,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from hpcnn.engine.ops import COMM, PIPELINE, Op
-from hpcnn.engine.price import CostModel, OpCost, price, walk
+from hpcnn.schedule.ops import COMM, PIPELINE, Op
+from hpcnn.schedule.price import CostModel, OpCost, price, walk
 
 OPS = PIPELINE + COMM                     # the kinds a pipeline list may hold
 
@@ -397,7 +397,7 @@ def _peaks(schedule_lists, n_stages, release):
 
 
 class PipelineCost(CostModel):
-    """The pipeline's cost model for :func:`~hpcnn.engine.price.price`: per stage s, F costs
+    """The pipeline's cost model for :func:`~hpcnn.schedule.price.price`: per stage s, F costs
     ``t_f[s]``, B ``t_b[s]`` (``t_b[s] + t_w[s]`` when the schedule does not split the backward),
     W ``t_w[s]``; a message takes ``t_comm``. Memory: a micro-batch holds ``act[s]`` bytes on stage
     s from its F to its B and, when split, ``w_held[s]`` from its B to its W."""
@@ -432,7 +432,7 @@ def simulate(schedule_lists, t_f, t_b, t_w=0.0, t_comm=0.0, n_stages=None, n_mic
              act_bytes=None, w_bytes=0.0):
     """Cost a schedule: each rank runs its list in order, a compute instruction takes its cost,
     a SEND is instantaneous (eager) and its message arrives ``t_comm`` later, a RECV waits for it
-    (:func:`~hpcnn.engine.price.price` with a :class:`PipelineCost`).
+    (:func:`~hpcnn.schedule.price.price` with a :class:`PipelineCost`).
 
     Parameters: t_f, t_b, t_w: forward, input-gradient and weight-gradient cost, scalars or one per
     stage; a schedule without W runs the whole backward as B, costing ``t_b + t_w`` (so the same

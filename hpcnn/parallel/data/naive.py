@@ -1,8 +1,8 @@
 """Data parallelism in its plainest form: a full backward, then one allreduce per gradient.
 
-This is the reading twin of :class:`hpcnn.parallel.data.DataParallel`; it computes the same
+This is the reading twin of :class:`hpcnn.parallel.data.bucketed.DataParallel`; it computes the same
 summed gradient G = Σ_i c_i g_i (rank i scales its backward by ``dloss = c_i``, see
-:func:`hpcnn.parallel.data.dloss_for`), so the two engines agree to rounding, and the tests check
+:func:`hpcnn.parallel.data.bucketed.dloss_for`), so the two engines agree to rounding, and the tests check
 that they do. Read this class first, then the bucketed one.
 
 One step on every rank::
@@ -12,7 +12,7 @@ One step on every rank::
     dp.backward(dloss_for("weighted", b_i, shares), caches)
     opt.step(lr)                                  # every replica applies the same G
 
-What :class:`~hpcnn.parallel.data.DataParallel` adds on top, and why:
+What :class:`~hpcnn.parallel.data.bucketed.DataParallel` adds on top, and why:
 
 - **buckets**: here each parameter is one collective, so a model with hundreds of small tensors
   pays hundreds of latencies. The bucketed engine lays all gradients out in one flat buffer and

@@ -1,14 +1,14 @@
 """The tensor-parallel models: the serial builders of :mod:`hpcnn.nn.models` sharded over tp.
 
-A model factory needs every kind of parallel block (:mod:`hpcnn.parallel.tensor`'s linear layers,
-:mod:`hpcnn.parallel.tensor_attn`'s attention, :mod:`hpcnn.parallel.tensor_vocab`'s embedding and
-loss, :mod:`hpcnn.parallel.tensor_conv`'s convolution), and those modules build on
-:mod:`hpcnn.parallel.tensor`; the factories live here, above all of them, so that no block module
+A model factory needs every kind of parallel block (:mod:`hpcnn.parallel.tensor.linear`'s linear layers,
+:mod:`hpcnn.parallel.tensor.attention`'s attention, :mod:`hpcnn.parallel.tensor.vocab`'s embedding and
+loss, :mod:`hpcnn.parallel.tensor.channel_conv`'s convolution), and those modules build on
+:mod:`hpcnn.parallel.tensor.linear`; the factories live here, above all of them, so that no block module
 imports another one back. Each factory makes the serial model's blocks, names and random keys,
 so tp = 1 and tp = k start from identical weights.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tp_models import \\
+        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tensor.factories import \\
         parallel_cnn; c = Communicator(MPI.COMM_WORLD); m = parallel_cnn(c, 1, 8, (4, 8), \\
         dtype=np.float64); print(m.forward(np.ones((2, 1, 8, 8)), np.array([0, 1]))[0])"
 """
@@ -18,11 +18,11 @@ from hpcnn import backend
 from hpcnn.nn import models
 from hpcnn.nn.chain import Chain
 from hpcnn.nn.conv import Conv2d
-from hpcnn.parallel.tensor import ColumnParallelLinear, replicated_layernorm
-from hpcnn.parallel.tensor_attn import ParallelTransformerBlock
-from hpcnn.parallel.tensor_conv import ChannelParallelConv2d
-from hpcnn.parallel.tensor_vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from hpcnn.parallel.tp_comm import check_divides
+from hpcnn.parallel.tensor.linear import ColumnParallelLinear, replicated_layernorm
+from hpcnn.parallel.tensor.attention import ParallelTransformerBlock
+from hpcnn.parallel.tensor.channel_conv import ChannelParallelConv2d
+from hpcnn.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcnn.parallel.tensor.mappings import check_divides
 
 
 def parallel_gpt(comm, vocab: int, block_size: int = 64, n_layers: int = 2, dim: int = 64,

@@ -25,8 +25,9 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.config import ConfigError
-from hpcnn.engine.ops import fmt
-from hpcnn.memory import combine, profile, rotor, sequence
+from hpcnn.schedule.ops import fmt
+from hpcnn.memory import combine, profile, rotor
+from hpcnn.schedule import sequences as sequence
 from hpcnn.memory.executor import Executor
 from hpcnn.memory.simulate import simulate
 
@@ -139,7 +140,7 @@ def for_training(cfg, task, ctx) -> RematPolicy:
     balancer = ctx.balancer
     moving = balancer.measured and ctx.dp.size > 1
     try:
-        from hpcnn.parallel.data import shard
+        from hpcnn.parallel.data.bucketed import shard
         ctx.attach_remat(policy)
         # measured shares move: plan for the most a replica can get
         rows = (cfg.batch_size - (ctx.dp.size - 1) * balancer.min_share if moving else

@@ -19,7 +19,7 @@ Rank 5 is ``TP(1/2)-DP(0/2)-PP(1/2)``: its previous pipeline stage is rank 1, th
 ``MPI.PROC_NULL`` (it is the last stage). A world size that is not dp*tp*pp is rejected on every
 rank, with the numbers, before any communication.
 
-    mpiexec -n 8 python -m mpi4py -c "from mpi4py import MPI; from hpcnn.parallel.grid import \\
+    mpiexec -n 8 python -m mpi4py -c "from mpi4py import MPI; from hpcnn.parallel.collectives.grid import \\
         ProcessGrid; print(ProcessGrid(MPI.COMM_WORLD, 2, 2, 2))"
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ gets c = m/B (weighted) or m/(P b_i) (uniform); :func:`dloss_for` returns these 
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
         from hpcnn.nn import models; from hpcnn.parallel.collectives import Communicator; \\
-        from hpcnn.parallel.data import DataParallel; m = models.mlp(8, (16,), 4); \\
+        from hpcnn.parallel.data.bucketed import DataParallel; m = models.mlp(8, (16,), 4); \\
         dp = DataParallel(m, Communicator(MPI.COMM_WORLD)); x = np.ones((4, 8), np.float32); \\
         loss, c = m.forward(x, np.zeros(4, int)); dp.backward(0.5, c); print(dp.finish(0))"
 """
@@ -115,7 +115,7 @@ class DataParallel:
 
     One step: ``model.zero_grad()``; per micro-batch ``loss, caches = model.forward(x, y)`` and
     ``dp.backward(dloss, caches, sync=last)``; then ``dp.finish(step)`` and the optimizer step.
-    Plain twin: :class:`hpcnn.parallel.naive_data.NaiveDataParallel`.
+    Plain twin: :class:`hpcnn.parallel.data.naive.NaiveDataParallel`.
     """
 
     def __init__(self, model, comm, *, bucket_mb: float = 25.0, algorithm: str = "mpi",
@@ -184,7 +184,7 @@ class DataParallel:
     def auto_sizes(self) -> list[int]:
         """The bucket sizes (bytes) whose algorithm ``auto`` takes from the communicator's
         calibrated table, i.e. what a start-up calibration must time
-        (:func:`hpcnn.parallel.collectives.calibration.for_run`): the buckets of a blocking ``auto``
+        (:func:`hpcnn.parallel.collectives.autotune.for_run`): the buckets of a blocking ``auto``
         (:func:`hpcnn.parallel.collectives.algorithms.table_sizes`); none with ``overlap``, whose
         non-blocking ``auto`` goes by fixed thresholds, or with another algorithm."""
         if self.algorithm != "auto" or self.overlap:

@@ -3,11 +3,11 @@
 Rank r of tp holds the rows [r V/tp, (r+1) V/tp) of the token embedding and the same columns of
 the LM head's output, so neither the embedding table nor the logits are ever gathered. The loss
 reduces three numbers per row instead of V: the row maximum (allreduce MAX), the sum of
-exp(z - max) and the target logit (one allreduce SUM of both). See :mod:`hpcnn.parallel.tensor`.
+exp(z - max) and the target logit (one allreduce SUM of both). See :mod:`hpcnn.parallel.tensor.linear`.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import Communicator; \\
-        from hpcnn.parallel.tensor_vocab import \\
+        from hpcnn.parallel.tensor.vocab import \\
         VocabParallelCrossEntropy; c = Communicator(MPI.COMM_WORLD); \\
         z = np.arange(8.0).reshape(2, 4) + 4 * c.rank; \\
         print(VocabParallelCrossEntropy(c).forward(z, np.array([0, 7]))[0])"
@@ -22,8 +22,9 @@ from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec
 from hpcnn.nn.loss import checked_targets
 from hpcnn.nn.transformer import Embedding, check_tokens
-from hpcnn.parallel.tensor import TPParameter, seq_local, shard_array
-from hpcnn.parallel.tp_comm import Reduce, ReduceScatterSeq, Volume, allreduce_max, check_divides
+from hpcnn.parallel.tensor.linear import TPParameter, seq_local, shard_array
+from hpcnn.parallel.tensor.mappings import (Reduce, ReduceScatterSeq, Volume, allreduce_max,
+                                            check_divides)
 
 
 class VocabEmbeddingCache(NamedTuple):

@@ -1,4 +1,4 @@
-"""Channel-parallel convolution, the block of :func:`hpcnn.parallel.tp_models.parallel_cnn`.
+"""Channel-parallel convolution, the block of :func:`hpcnn.parallel.tensor.factories.parallel_cnn`.
 
 The output channels of a convolution are independent: in im2col form y = W cols + b with W of
 shape (O, C k k), so splitting W's rows over tp is the column-parallel GEMM of Shoeybi et al. 2019
@@ -17,7 +17,7 @@ block's; the im2col matrix (the cache) is not: every rank builds it from the who
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import Communicator; \\
-        from hpcnn.parallel.tensor_conv import \\
+        from hpcnn.parallel.tensor.channel_conv import \\
         ChannelParallelConv2d; c = Communicator(MPI.COMM_WORLD); \\
         conv = ChannelParallelConv2d(c, 3, 8, 3, padding=1, dtype=np.float64); \\
         print(conv.forward(np.ones((2, 3, 8, 8)))[0].shape, conv.spec((2, 3, 8, 8)).comm_bytes)"
@@ -30,12 +30,12 @@ from typing import Any, NamedTuple
 from hpcnn import backend
 from hpcnn.nn.core import Block
 from hpcnn.nn.conv import Conv2d
-from hpcnn.parallel.tensor import TPParameter, shard_array
-from hpcnn.parallel.tp_comm import Copy, GatherLast, all_gather, check_divides, split
+from hpcnn.parallel.tensor.linear import TPParameter, shard_array
+from hpcnn.parallel.tensor.mappings import Copy, GatherLast, all_gather, check_divides, split
 
 
 class GatherChannels(GatherLast):
-    """:class:`~hpcnn.parallel.tp_comm.GatherLast` along the channel axis (1) of NCHW arrays.
+    """:class:`~hpcnn.parallel.tensor.mappings.GatherLast` along the channel axis (1) of NCHW arrays.
 
     forward: (N, C/tp, H, W) -> (N, C, H, W), all-gather along the channels, rank order.
     backward: (N, C, H, W) -> (N, C/tp, H, W), this rank's channels of dy (every rank holds the

@@ -7,8 +7,8 @@
                δ[i+1] and x[i] (unless x[i] is part of an x̄[i])
     OFF(x|x̄, i) / PRE(x|x̄, i)   move a stored value to the offload channel and back
 
-Each is an :class:`~hpcnn.engine.ops.Op` with ``block = i`` (``Op("F_ck", block=i)``; OFF/PRE
-with ``item`` "x" or "bar"); :func:`hpcnn.engine.ops.fmt` prints a sequence on one line.
+Each is an :class:`~hpcnn.schedule.ops.Op` with ``block = i`` (``Op("F_ck", block=i)``; OFF/PRE
+with ``item`` "x" or "bar"); :func:`hpcnn.schedule.ops.fmt` prints a sequence on one line.
 
 Builders here: :func:`store_all`, :func:`segments` (uniform checkpointing, PyTorch's
 ``checkpoint_sequential``), :func:`revolve` (the binomial schedule of Griewank & Walther for
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from hpcnn.engine.ops import Op
+from hpcnn.schedule.ops import Op
 
 def forward_run(s: int, j: int) -> list[Op]:
     """Forwards of stages s .. j-1 keeping only x[s] (a checkpoint) and the result x[j]."""

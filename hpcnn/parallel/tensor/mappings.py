@@ -28,7 +28,7 @@ whose :meth:`Volume.sent` applies the counting convention of
 total; all-gather and reduce-scatter (p-1)/p n of the full size n, floored per call), so a block's ``spec().comm_bytes`` equals what the stats count.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tp_comm import \\
+        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tensor.mappings import \\
         AllGatherSeq; c = Communicator(MPI.COMM_WORLD); y, _ = AllGatherSeq(c).forward( \\
         np.full((1, 2, 3), c.rank, float)); print(y[0, :, 0], c.stats.bytes_sent)"
 """

@@ -4,8 +4,8 @@ Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3): a linear l
 on its output columns (:class:`ColumnParallelLinear`: replicated input, no communication forward,
 allreduce of dx backward) or on its input rows (:class:`RowParallelLinear`: parallel input, partial
 outputs summed forward); an MLP is column -> GELU -> row, one allreduce each way
-(:class:`ParallelMLPBlock`); attention splits its heads (:mod:`hpcnn.parallel.tensor_attn`); the
-embedding and the loss split the vocabulary (:mod:`hpcnn.parallel.tensor_vocab`). With sequence
+(:class:`ParallelMLPBlock`); attention splits its heads (:mod:`hpcnn.parallel.tensor.attention`); the
+embedding and the loss split the vocabulary (:mod:`hpcnn.parallel.tensor.vocab`). With sequence
 parallelism (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2) the LayerNorm, dropout and
 residual regions hold a T/tp slice of the sequence: the allreduce becomes an all-gather before the
 column-parallel layer and a reduce-scatter after the row-parallel one (same bytes, 1/tp of the
@@ -19,7 +19,7 @@ arrays. ``spec(x_shape)`` takes this rank's input shape and reports in ``comm_by
 forward+backward sends under :mod:`~hpcnn.parallel.collectives.comm`'s counting convention.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tp_models import \\
+        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tensor.factories import \\
         parallel_gpt; c = Communicator(MPI.COMM_WORLD); m = parallel_gpt(c, 32, 8, 1, 16, 4, \\
         seed=0, dtype=np.float64); t = np.arange(16).reshape(2, 8) % 32; \\
         print(m.forward(t, t)[0], c.stats.bytes_sent)"
@@ -35,8 +35,8 @@ from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, Parameter, is_placeholder, placeholder
 from hpcnn.nn.layers import GELU, Dropout, DropoutCache, LayerNorm, Linear
 from hpcnn.nn.transformer import MLPBlock, sub_index
-from hpcnn.parallel.tp_comm import (AllGatherSeq, Copy, GatherLast, Reduce, ReduceScatterSeq,
-                                    Volume, check_divides)
+from hpcnn.parallel.tensor.mappings import (AllGatherSeq, Copy, GatherLast, Reduce,
+                                            ReduceScatterSeq, Volume, check_divides)
 
 
 class TPParameter(Parameter):
@@ -335,7 +335,7 @@ def sync_replicated_grads(params, comm) -> None:
 
 def unshard(comm, a, axis: int, parts: int = 1):
     """The full array from every rank's shard ``a`` (cut along ``axis``, ``parts`` blocks)."""
-    from hpcnn.parallel.tp_comm import all_gather
+    from hpcnn.parallel.tensor.mappings import all_gather
     xp = backend.xp
     g = xp.moveaxis(all_gather(comm, a, axis), axis, 0)          # (tp * n, ...) rank-major
     k = g.shape[0] // (comm.size * parts)

@@ -5,11 +5,11 @@ column-parallel with the q, k and v columns of a rank's heads kept together, the
 runs on those heads with no communication, and the output projection is row-parallel. With
 sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) the block's input and output are the
 (B, T/tp, C) slices the LayerNorms, dropouts and residuals work on. See
-:mod:`hpcnn.parallel.tensor`.
+:mod:`hpcnn.parallel.tensor.linear`.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import Communicator; \\
-        from hpcnn.parallel.tensor_attn import \\
+        from hpcnn.parallel.tensor.attention import \\
         ParallelTransformerBlock; c = Communicator(MPI.COMM_WORLD); \\
         b = ParallelTransformerBlock(c, 16, 4, dtype=np.float64); \\
         print(b.forward(np.ones((2, 8, 16)))[0].shape, b.spec((2, 8, 16)).comm_bytes)"
@@ -21,10 +21,11 @@ import math
 from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec
 from hpcnn.nn.transformer import AttentionCache, CausalSelfAttention, TransformerBlock, sub_index
-from hpcnn.parallel.tensor import (ColumnParallelLinear, ParallelMLPBlock, RowParallelLinear,
-                                   ShardDropout, replicated_layernorm, replicated_sync_volume,
-                                   seq_dropout, sync_replicated_grads)
-from hpcnn.parallel.tp_comm import Volume, check_divides
+from hpcnn.parallel.tensor.linear import (ColumnParallelLinear, ParallelMLPBlock,
+                                          RowParallelLinear, ShardDropout, replicated_layernorm,
+                                          replicated_sync_volume, seq_dropout,
+                                          sync_replicated_grads)
+from hpcnn.parallel.tensor.mappings import Volume, check_divides
 
 
 class ParallelCausalSelfAttention(CausalSelfAttention):
@@ -127,7 +128,7 @@ class ParallelTransformerBlock(TransformerBlock):
     """:class:`~hpcnn.nn.transformer.TransformerBlock` with sharded attention and MLP.
 
     x = x + Dropout(attn(ln1(x))); x = x + mlp(ln2(x)): the LayerNorms are replicated
-    (:class:`~hpcnn.parallel.tensor.TPParameter`), the attention and the MLP sharded, so one
+    (:class:`~hpcnn.parallel.tensor.linear.TPParameter`), the attention and the MLP sharded, so one
     allreduce per sub-block each way. With ``sequence_parallel`` x and y are (B, T/tp, C): the
     norms, the residual dropout and the adds run on this rank's slice, the collectives become
     all-gathers and reduce-scatters, and the LayerNorm parameters and the projection biases get

@@ -2,7 +2,7 @@
 
 ``--allreduce=auto`` picks an algorithm per message size from ``comm.allreduce_table``
 (:mod:`.algorithms`). A run needs that table only at the sizes its blocking ``auto``
-reductions send (:meth:`hpcnn.parallel.data.DataParallel.auto_sizes`: the gradient buckets
+reductions send (:meth:`hpcnn.parallel.data.bucketed.DataParallel.auto_sizes`: the gradient buckets
 without ``--overlap``; the overlapped buckets go by fixed thresholds and need none), so
 :func:`for_run` times just those, briefly (:data:`RUN_BUDGET_S` a size), and only when no saved
 calibration covers them.
