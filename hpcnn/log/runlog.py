@@ -149,7 +149,7 @@ class RunLog:
     durable : bool
         fsync the journal and the file at every update (two per flush), so that a power loss
         too leaves the last committed file; off by default, since it costs several times a
-        flush (see the module docstring). A SIGKILL or a full disk are covered either way.
+        flush (docs/results/runlog.md). A SIGKILL or a full disk are covered either way.
 
     The run's lock ``<path>.lock`` (:mod:`hpcnn.log.lock`) is taken here and released by
     :meth:`close`: another live run writing ``path`` raises :class:`~hpcnn.log.lock.LogLockedError`.

@@ -6,39 +6,25 @@ A layout of one Linear y[b, j] = sum_k x[b, k] W[k, j] is ``Cut(batch=nb, reduce
 r = p / (nb nk nj) replicates. Device d has coordinates ``(r_, b, k, j) =
 numpy.unravel_index(d, (r, nb, nk, nj))``; it holds W[k-part, j-part] and the bias j-part, reads
 x[b-part, k-part] and computes y[b-part, j-part], the partial products summed over the nk devices
-sharing (r_, b, j). Parts are ``numpy.array_split``-style (contiguous, sizes differ by <= 1).
-Pure data parallelism is Cut(p, 1, 1), Megatron's column layer Cut(1, 1, p), its row layer
-Cut(1, p, 1); every other product is a point of the same space.
+sharing (r_, b, j). Parts are ``numpy.array_split``-style. Data parallelism is Cut(p, 1, 1),
+Megatron's column layer Cut(1, 1, p), its row layer Cut(1, p, 1). :func:`layout_mlp` builds an
+MLP from a list of cuts (or a plan file, :func:`read_plan`).
 
-Gradient convention (the one of :mod:`~hpcnn.parallel.tp_comm`): every copy of a replicated
-activation, and of its gradient, holds the full value. So each block's backward is the
-conjugate of its forward with the sums where its forward replicated:
+Gradient convention (that of :mod:`~hpcnn.parallel.tp_comm`): every copy of a replicated
+activation, and of its gradient, holds the full value, so each backward is the conjugate of its
+forward: :class:`LayoutLinear` allreduces y over nk forward, dx over nj and dW, db over nb
+backward; :class:`Redistribute` (A -> B) fetches each device's B part in one ``alltoallv`` and
+moves the gradient B -> A the same way; ReLU, GELU are local.
 
-    block                 forward                              backward
-    LayoutLinear          y = x_bk W_kj, allreduce over nk,    dx = dy W^T, allreduce over nj
-                          + b_j                                (x was replicated over j);
-                                                               dW, db = x^T dy, sum dy,
-                                                               allreduce over nb (W, b replicated
-                                                               over the batch parts)
-    Redistribute(A -> B)  every device fetches its B part      the gradient moved B -> A the
-                          (one alltoallv)                      same way (no sum: the forward
-                                                               moved one logical tensor)
-    ReLU, GELU            local, on whatever part is held      local
-
-Bytes of a redistribution. Each device t fetches the part of its target rectangle ``need_t``
-it does not hold itself (from a device that holds it; ties spread over the replicas), in one
-``alltoallv`` counted under that name. Summed over the p ranks, one move sends
+Bytes of a redistribution: each device t fetches the part of its target rectangle ``need_t`` it
+does not hold itself (ties spread over the replicas), in one ``alltoallv``. Summed over the p
+ranks, one move sends
 
     itemsize * sum_t (|need_t| - |need_t intersect have_t|)        (elements of rectangles)
 
-whatever replica each piece comes from; rank t *receives* its own term. A backward moves the
-gradient with source and target swapped. For a (B, F) activation and parts that divide evenly:
-batch rows over p -> every device the whole: each rank receives (B - B/p) F elements forward, 0
-backward (a slice; the all-gather's (p-1)/p of the full size); data parallel output Cut(p, 1, 1)
--> Megatron row input Cut(1, p, 1): each rank needs B x F/p and holds B/p x F/p, so receives
-(1 - 1/p) B F/p each way (an all-to-all). When the source cuts the batch into parts that the
-target does not cut the same way, the full batch size is not known locally: one
-``allgather_scalars`` of one float64 per rank (8 (p-1) bytes counted) finds it first.
+and rank t receives its own term; a backward swaps source and target. When the source cuts the
+batch into parts that the target does not, one ``allgather_scalars`` of one float64 per rank
+(8 (p-1) bytes counted) finds the full batch size first.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.layout import \\

@@ -4,25 +4,23 @@
 (:class:`Transformer`) over ``devices`` devices of a machine (:mod:`.machine`) in closed form,
 without profiling, from the blocks' own ``spec()`` (one transformer block as one rank of the tp
 group runs it: :class:`~hpcnn.parallel.tensor_attn.ParallelTransformerBlock` built without
-storage) and the machine's rates; :class:`Priced` holds a step's time, its terms and the memory
-per rank. Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid` orders them (tp fastest,
-then dp, then pp). The terms of a step:
+storage) and the machine's rates. Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid`
+orders them (tp fastest, then dp, then pp). The terms of a step:
 
 - **compute** per stage and micro-batch: the blocks' FLOPs at the device's rate and
-  "transformer" efficiency, plus their fixed (``overhead``) and element-wise seconds, slowed for
-  small calls (``tokens``), split between the passes by the device's ``forward`` share; the LM
-  head as a "linear" block on the last stage; ``remat="full"`` runs each block's forward again
-  in the backward, the last segment's excepted (:func:`recomputed_forward`); plus the device's
-  ``"stage"`` cost per stage pass;
+  "transformer" efficiency, their fixed (``overhead``) and element-wise seconds, slowed for
+  small calls (``tokens``), split between the passes by the device's ``forward`` share, the LM
+  head as a "linear" block on the last stage, and the device's ``"stage"`` cost per stage pass;
+  ``remat="full"`` runs each block's forward again in the backward but the last segment's
+  (:func:`recomputed_forward`);
 - **tensor parallelism** (Megatron): two ring allreduces of the activation per block each way
   (:func:`ring_allreduce_s`); **data parallelism**: the ring allreduce of the gradients after
-  the step, not overlapped;
-- **pipeline**: the schedule's makespan in stage passes (:mod:`hpcnn.parallel.schedules`),
-  plus one activation message per boundary each way on the critical path;
+  the step, not overlapped; **pipeline**: the schedule's makespan in stage passes
+  (:mod:`hpcnn.parallel.schedules`) plus one activation message per boundary each way;
 - **where ranks share cores**: the level's handoffs (per allreduce, pp message and stage pass)
-  and its ``bubble_weight`` on a pipeline's fill and drain; the device's ``elementwise["held"]``
-  on the activations a stage holds beyond one micro-batch's (:func:`held_microbatches`,
-  :func:`held_seconds`);
+  and its ``bubble_weight`` on a pipeline's fill and drain;
+- **held activations**: the device's ``elementwise["held"]`` seconds per byte a stage holds beyond
+  one micro-batch's (:func:`held_microbatches`, :func:`held_seconds`);
 - **optimizer**: the device's measured ``update`` seconds per parameter, else a stream through
   memory (:func:`update_seconds`, :data:`UPDATE_PASSES`);
 - **memory per rank**: parameters, gradients, optimizer state and scratch of its share, plus its
