@@ -56,8 +56,8 @@ def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw")
     measured figure where it has one for ``optimizer`` (:meth:`~hpcnn.plan.machine.Device.
     update_seconds`, float32) times word / 4: the step is memory-bound, so its time goes with the
     bytes it moves. Otherwise UPDATE_PASSES passes of 3 words each (two read, one written) at
-    the device's memory bandwidth, which priced models of ~1 M parameters (their arrays in cache)
-    2.5-3x too slow on this machine."""
+    the device's memory bandwidth, which prices small models (their arrays in cache) too slow
+    (docs/results/planner-model.md)."""
     measured = device.update_seconds(n_params, optimizer)
     if measured is not None:
         return measured * word / 4
@@ -184,9 +184,8 @@ def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0) -> float:
     the wait for the group's last rank included), as the MLP's cost (:mod:`.cost`) prices its
     allreduces; else a ring, 2(n-1) steps of n-th parts
     (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`: at the level's calibrated reduce rate
-    where it has one) and its handoff. Priced with the ring and the handoff, the 71 GPT layouts
-    of a 4-rank validation ran 1.05-1.50x their price (MAPE 17.4 %, tau 0.81); re-priced with
-    the curves on the same measurements, 1.02-1.34x (12.8 %, 0.82)."""
+    where it has one) and its handoff. What the curves changed on a validation:
+    docs/results/planner-model.md."""
     if n == 1 or nbytes == 0:
         return 0.0
     measured = level.collective_seconds("allreduce", n, nbytes, after)

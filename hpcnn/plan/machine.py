@@ -71,8 +71,8 @@ class Level:
 
     ``reduce_bandwidth`` (optional, the same form) is the rate of one step of a ring allreduce
     at this level: a part sent, one received and summed into the buffer. Calibration fits it
-    from the MPI allreduce it times, which on this kind of machine runs ~4x slower than the ring
-    of ping-pong messages (the sums, the library's copies); without it a step is one message.
+    from the MPI allreduce it times, which runs slower than the ring of ping-pong messages (the
+    sums, the library's copies; docs/results/planner-model.md); without it a step is one message.
     ``handoff`` (optional; empty where every device has a core of its own) is what one blocking
     exchange (a message, a collective) waits for its peer to be given a core when the level's
     devices outnumber its cores, as points ((after_s, seconds), ...): the wait after
@@ -98,9 +98,8 @@ class Level:
     on reference MLPs through the step engine
     (:func:`hpcnn.parallel.collectives.measure.layout_scale`). ``group_scales`` ((n, k), ...)
     gives the curves of group size n their own scale k in place of ``collective_scale``:
-    calibration fits one for the groups of 2 where the ranks pair up (on 4 ranks over 2 cores
-    here the reference MLPs' collectives over pairs took 0.69x the scale of those over all
-    ranks, 0.905 against 1.32)."""
+    calibration fits one for the groups of 2 where the ranks pair up
+    (docs/results/planner-model.md)."""
     name: str
     fanout: int
     latency_s: float
