@@ -1,11 +1,10 @@
 """The hybrid layout of a transformer chain: dp x tp x pp x schedule x micro-batches x remat.
 
-:func:`plan` (:func:`layouts`, :func:`price`) prices every candidate :class:`Layout` of a GPT
-(:class:`Transformer`) over ``devices`` devices of a machine (:mod:`.machine`) in closed form,
-without profiling, from the blocks' own ``spec()`` (one transformer block as one rank of the tp
-group runs it: :class:`~hpcnn.parallel.tensor_attn.ParallelTransformerBlock` built without
-storage) and the machine's rates. Ranks are ordered as :class:`hpcnn.parallel.grid.ProcessGrid`
-orders them (tp fastest, then dp, then pp). The terms of a step:
+:func:`plan` (:func:`layouts`, :func:`price`) prices every :class:`Layout` of a GPT
+(:class:`Transformer`) over ``devices`` devices of a machine (:mod:`.machine`) in closed form from
+the blocks' own ``spec()`` (a :class:`~hpcnn.parallel.tensor_attn.ParallelTransformerBlock`
+built without storage) and the machine's rates, ranks ordered as
+:class:`hpcnn.parallel.grid.ProcessGrid` orders them (tp fastest, then dp, then pp). A step:
 
 - **compute** per stage and micro-batch: the blocks' FLOPs at the device's rate and
   "transformer" efficiency, their fixed (``overhead``) and element-wise seconds, slowed for
@@ -31,7 +30,7 @@ Stage cuts (the thesis is silent): uniform layouts price every stage as the last
 chooses explicit ``stages`` (the least slowest stage that fits the memory,
 :func:`hpcnn.parallel.partition.by_cost_bounded`), offered up to :data:`STAGE_CUT_PASSES`. Our
 choices: Megatron's collectives, no overlap of communication with compute, the slowest stage
-setting the pace. Measurements behind the terms: docs/results/planner-model.md.
+setting the pace (measurements behind the terms: docs/results/planner-model.md).
 """
 from __future__ import annotations
 
