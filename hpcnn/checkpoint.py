@@ -12,28 +12,22 @@
     every dataset: attr crc32, the CRC-32 of its array's bytes (C order, as stored)
 
 Saving is collective: the data-parallel replica 0 unshards its tensor-parallel parameters and
-optimizer slots, the pipeline ranks send their stages' arrays to world rank 0 one after the other,
-which builds the HDF5 file in memory, then writes its bytes to a temporary file with plain
-``os.write`` calls, fsyncs it and renames it over the target. HDF5 itself never touches the disk
-when saving: HDF5 2.0 / h5py 3.16 hitting a full disk while writing a dataset left the library
-unable to close the file, printed a traceback per object and crashed the interpreter (SIGSEGV) at
-exit, with the temporary file left behind. Here any failure to write (full disk, quota, no
-permission) removes the temporary file, leaves the previous checkpoint as it was and raises one
-:class:`CheckpointError` on every rank. The price: world rank 0 holds the whole file's bytes while
-it writes them (a pipeline run's other ranks' stages included).
+optimizer slots, the pipeline ranks send their stages' arrays (pickled point-to-point messages)
+to world rank 0, which builds the HDF5 file in memory and writes its bytes to a temporary file
+with plain ``os.write`` calls, fsyncs it and renames it over the target. HDF5 never touches the
+disk when saving (why: docs/results/runlog.md); any failure to write removes the temporary file,
+leaves the previous checkpoint as it was and raises one :class:`CheckpointError` on every rank.
+The price: world rank 0 holds the whole file's bytes while it writes them.
 
 Resuming checks, on every rank, before anything is communicated: the format, the optimizer, every
 model-defining option (:data:`MODEL_OPTIONS`), every parameter's name and shape, the steps left;
-then each rank verifies the CRC-32 of every array it reads (its stages' parameters and slots, the
-balancer's arrays) and names the dataset that does not match. A file HDF5 cannot read (truncated,
-not HDF5) is refused with one line. Format 1 files (before checksums) are still read, unverified,
-with a note on rank 0's stderr.
-Every rank of a resumed run reads the file itself and takes its own shard of its own stages, so
-a run may resume under another layout (dp, tp, pp). Batches, learning rates and dropout masks
-are functions of the step, so a resumed run continues exactly where the saved one was; only an
-online speed measurement window (``--balance=proportional`` without ``--speeds``) starts afresh.
-Arrays travel as pickled point-to-point messages (mpi4py's lowercase send): fine for a few GB
-per pipeline rank.
+then each rank verifies the CRC-32 of every array it reads and names the dataset that does not
+match; a file HDF5 cannot read is refused with one line; format 1 files (before checksums) are
+read unverified, with a note. Every rank reads the file itself and takes its own shard of its own
+stages, so a run may resume under another layout (dp, tp, pp). Batches, learning rates and
+dropout masks are functions of the step, so a resumed run continues exactly where the saved one
+was; only an online speed measurement window (``--balance=proportional`` without ``--speeds``)
+starts afresh.
 """
 from __future__ import annotations
 

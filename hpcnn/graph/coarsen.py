@@ -5,10 +5,9 @@ the sparse n x n_c matrix ``P`` with ``P[i, assign[i]] = 1`` (each row sums to 1
 (:meth:`Coarsening.apply`) is
 
 - adjacency ``A_c = Pᵀ A P`` **without its diagonal**: ``A_c[c, d]`` (c != d) is the total weight
-  of the edges between the groups c and d. The diagonal, ``(PᵀAP)[c, c]`` = twice the weight of
-  the edges inside group c, is dropped because a :class:`~hpcnn.graph.graphs.Graph` has no
-  self-loops and the GCN adds its own (``Â`` uses A + I). :meth:`Coarsening.internal_weight`
-  returns it: ``sum(A_c) + sum(internal_weight) = sum(A)`` (the total weight is conserved);
+  of the edges between the groups c and d. The diagonal (twice the weight inside group c) is
+  dropped because a :class:`~hpcnn.graph.graphs.Graph` has no self-loops and the GCN adds its own;
+  :meth:`Coarsening.internal_weight` returns it: ``sum(A_c) + sum(internal_weight) = sum(A)``;
 - features ``X_c = D_P^{-1} Pᵀ X``, ``D_P = diag(group sizes)``: each group's mean feature row;
 - labels: each group's majority label (ties: the smallest label).
 
@@ -18,16 +17,14 @@ the sparse n x n_c matrix ``P`` with ``P[i, assign[i]] = 1`` (each row sums to 1
 Three ways to choose the groups, each for a target ratio ``r = n_c / n``:
 
 - :func:`heavy_edge_matching`: repeated matching (as in METIS's coarsening phase). One level
-  visits the nodes in a seeded random order; an unmatched node is merged with its unmatched
-  neighbour of heaviest edge (ties: the smallest index), or stays alone. Each level at most halves
-  the node count and its edge weights are those of the coarse graph (an edge between two merged
-  pairs weighs the edges it stands for), so later levels merge the most connected groups. The last
-  level stops merging once n_c reaches ``round(r n)``, so the ratio is reached exactly unless no
-  unmatched neighbours are left (isolated nodes, stars), which is then said in ``levels``.
-- :func:`spectral_clustering`: k-means (scikit-learn, fixed seed) on the rows of U_k, the k
-  dominant eigenvectors of Â, each normalised to unit length (Ng, Jordan and Weiss, NIPS 2001),
-  into ``round(r n)`` clusters. k-means may return fewer distinct clusters (nodes with identical
-  rows); the groups are renumbered 0 .. n_c - 1 in any case.
+  visits the nodes in a seeded random order and merges an unmatched node with its unmatched
+  neighbour of heaviest edge (ties: the smallest index); each level at most halves the node count
+  and weighs its edges as the coarse graph does, so later levels merge the most connected groups.
+  The last level stops at ``round(r n)`` nodes, unless no unmatched neighbours are left (isolated
+  nodes, stars), which is then said in ``levels``.
+- :func:`spectral_clustering`: k-means (scikit-learn, fixed seed) on the unit-normalised rows of
+  U_k, the k dominant eigenvectors of Â (Ng, Jordan and Weiss, NIPS 2001), into ``round(r n)``
+  clusters (possibly fewer distinct ones), renumbered 0 .. n_c - 1.
 - :func:`random_assignment`: a balanced random assignment to ``round(r n)`` groups (the baseline).
 """
 from __future__ import annotations

@@ -5,31 +5,24 @@ One step is one full-batch pass over the graph: every node's features go through
 (:mod:`hpcnn.nn.gcn`), the loss is the mean cross-entropy over the **training nodes** (a seeded,
 class-balanced choice: ``min(20, max(1, class size // 5))`` nodes per class), the rest are the
 test nodes the evaluation scores. Under MPI the graph's rows are split over the data-parallel
-ranks (``--dp`` = the number of ranks; which rows each holds: ``--partition``, by default
-contiguous blocks of the graph's own node order): each rank runs its rows, the GCN
-layers exchange halo rows, and the data-parallel gradient allreduce sums the ranks' weight
+ranks (``--dp``; which rows: ``--partition``, by default contiguous blocks of the graph's node
+order); the GCN layers exchange halo rows and the gradient allreduce sums the ranks' weight
 gradients into the full-batch gradient.
 
 Data sets (built, never downloaded; :mod:`hpcnn.graph.graphs`): ``karate`` (34 nodes, 2 factions),
-``lesmis`` (77 nodes, no labels: one class, a halo-volume example only), ``digits_knn`` (1797
-nodes, 10 digits, the 10-NN graph of the pixels), ``sbm`` (2000 nodes, 4 blocks, 16 noisy
-features of signal-to-noise ratio 0.5), ``sbm20k`` (the same model with 20000 nodes). The SBMs'
-labels are drawn independently of the node numbering, so their contiguous blocks are as good as
-a random partition; digits_knn keeps scikit-learn's order (the digits cycle 0-9).
+``lesmis`` (77 nodes, one class: a halo-volume example only), ``digits_knn`` (1797 nodes, 10
+digits, the 10-NN graph of the pixels, in scikit-learn's order), ``sbm`` (2000 nodes, 4 blocks,
+16 noisy features of signal-to-noise ratio 0.5), ``sbm20k`` (the same with 20000 nodes; the SBMs'
+labels are independent of the numbering, so contiguous blocks are as good as a random partition).
 
 Graph reduction (``--coarsen=heavy_edge|spectral|random --reduction=R``,
 :mod:`hpcnn.graph.coarsen`): :func:`graph_data` returns the **coarse** graph to train on, with
-the full graph in ``full`` to evaluate on. A GCN's weights do not depend on the node count, so the
-weights trained on ``Â_c``, ``X_c`` (group means) score the full graph's test nodes as they are.
-The coarse loss sees only what the fine split lets it see: a coarse node is a training node when
-its group holds at least one fine training node, and its target is the majority label **of those
-training nodes** (ties: the smallest label), never a test node's label. The other coarse nodes
-carry the label -1 and are ignored by the loss. The split itself is that of the full graph (the
-same ``seed``), so a reduced run is scored on the same test nodes as the full run.
-
-Spectral features (``--spectral_features=K``) are appended in :func:`hpcnn.task.build_graph_task`
-(there the ranks are known, for the distributed Lanczos): U_k of the full graph's Â, and on a
-coarse graph their group means, so that the coarse and full features mean the same thing.
+the full graph in ``full`` to evaluate on (a GCN's weights do not depend on the node count). A
+coarse node is a training node when its group holds a fine training node, its target the
+majority label **of those training nodes** (ties: the smallest), never a test node's label; the
+others carry -1, ignored by the loss. The split is the full graph's (same ``seed``), so a reduced
+run is scored on the same test nodes. Spectral features (``--spectral_features=K``) are appended
+in :func:`hpcnn.task.build_graph_task`: U_k of the full graph's Â, group means on a coarse graph.
 """
 from __future__ import annotations
 

@@ -14,47 +14,22 @@ Schema (``schema_version`` 1)::
     /timeline   compound dataset, one row per event: rank int32, kind int16, microbatch int32,
                 t_start t_end float64; attr kind_names = JSON list, kind code i means kind_names[i]
 
-Every dataset is 1-D, chunked and extendable (``maxshape=(None,)``). ``/ranks`` and ``/timeline``
-are compound tables rather than one dataset per column because a flush then appends 2 datasets
-instead of 12, which halves its cost; :func:`read_run` returns them as dicts of column arrays.
-Only rank 0 makes a :class:`RunLog`; this module never imports MPI::
+Every dataset is 1-D, chunked and extendable; :func:`read_run` returns the tables as dicts of
+column arrays. Only rank 0 makes a :class:`RunLog`; this module never imports MPI::
 
     if grid.world.rank == 0:
         log = RunLog("runs/mlp.h5", cfg, command_line=" ".join(sys.argv), world_size=size)
-    ...
     log.log_metrics(step, loss=loss, lr=lr, step_time=dt)        # test_acc only on eval steps
 
-Files next to the log: ``<log>.lock`` while a run writes it (:mod:`hpcnn.log.lock`: host, pid,
-start time; a second run on the same path is refused, a dead run's lock on this host taken over),
-and ``<log>-journal`` (:mod:`hpcnn.log.journal`), empty or absent unless an update was cut short.
-Neither is part of the schema; a log without them (any written before them) reads the same.
-
-Crash safety: rows are buffered in memory; each flush (and :meth:`RunLog.set_plan`,
-:meth:`RunLog.close`) is one all-or-nothing update: h5py works on the file through a Python file
-object that holds every write in memory; at the end the original bytes of what changes go to the
-journal, then the changes to the file, then the journal is emptied. Whatever stops an update
-(ENOSPC, SIGKILL at any byte, a failing disk) the file reads as after the last completed update:
-:func:`read_run` overlays a hot journal in memory (it modifies nothing), the writer rolls it back on
-disk before its next update. Before the first update the file is written under a temporary name
-and renamed. On ENOSPC (any ``OSError``) at a flush the run goes on: one warning names the path
-and the error, later rows are dropped, and :meth:`RunLog.close` tries to set ``status="failed"``
-and ``log_error`` (if even that does not fit, the file stays at its last commit, ``"running"``).
-Power loss is covered only with ``durable=True`` (``hpcnn train --log_durable=true``: fsync of the
-journal, then of the file); then
-at most the last completed flush may be rolled back, since emptying the journal is not synced.
-Checked by tests/test_runlog_faults.py: 150 updates cut at random bytes (as a kill, as a power loss
-undoing unsynced writes, as ENOSPC), a real 400 KB tmpfs filling up, two processes on one log.
-
-Flush cost, new / before the journal (``benchmarks/runlog_ab.py /tmp/old . --rounds=200``: both
-copies alternating in one process, median of per-round ratios; h5py 3.16, HDF5 2.0, ext4, 2 cores
-shared with other jobs at load 5.6-8.8, three runs): a flush of 10 steps with 6 metrics x0.94-1.31
-(1.7-9.2 ms before), adding 8 rank rows and 32 events per step x1.02-1.18 (10.6-15.2 ms), 64 rank
-rows and 256 events x1.32-1.36 (11.2-16.3 ms): h5py calling Python for each read and write, and
-comparing the rewritten chunk with the file. ``durable=True`` adds two fsyncs: x2.3-4.8, i.e. 12-40
-ms per flush at that load (x1.5-1.8 at load 2.7 with smaller chunks), hence off by default. The
-chunks of ``/ranks`` and ``/timeline`` are 90 and 106 KB (2048 and 4096 rows): HDF5 rewrites the
-last, partly filled chunk whole at each append, and the journal compares it with the file so that
-only its new rows are written and journaled.
+Beside the log, outside the schema: ``<log>.lock`` while a run writes it (:mod:`hpcnn.log.lock`)
+and ``<log>-journal`` (:mod:`hpcnn.log.journal`). Crash safety: rows are buffered; each flush (and
+:meth:`RunLog.set_plan`, :meth:`RunLog.close`) is one all-or-nothing update through the journal,
+so whatever stops it (ENOSPC, SIGKILL, a failing disk) the file reads as after the last completed
+update (:func:`read_run` overlays a hot journal in memory; the writer rolls it back on disk). On
+an ``OSError`` at a flush the run goes on with one warning and later rows dropped, and
+:meth:`RunLog.close` tries to set ``status="failed"`` and ``log_error``. Power loss is covered
+only with ``durable=True`` (``hpcnn train --log_durable=true``; off by default for its cost).
+Flush costs and the fault tests: docs/results/runlog.md.
 """
 from __future__ import annotations
 
@@ -174,7 +149,7 @@ class RunLog:
     durable : bool
         fsync the journal and the file at every update (two per flush), so that a power loss
         too leaves the last committed file; off by default, since it costs several times a
-        flush (see the module docstring). A SIGKILL or a full disk are covered either way.
+        flush (docs/results/runlog.md). A SIGKILL or a full disk are covered either way.
 
     The run's lock ``<path>.lock`` (:mod:`hpcnn.log.lock`) is taken here and released by
     :meth:`close`: another live run writing ``path`` raises :class:`~hpcnn.log.lock.LogLockedError`.

@@ -8,27 +8,24 @@
 
 The executor owns the stored values: checkpoints x[i], the x̄[i] = (x[i], cache of stage i-1) and
 the current gradient δ. A recomputed forward restores the block's RNG state of its first forward
-(dropout draws the same mask) and puts the current state back afterwards. For pipelines the run
-splits in two: :meth:`Executor.forward` runs the ops before the first backward and returns the
-stage output (or the loss) and a state; :meth:`Executor.backward` finishes from the output gradient.
+(dropout draws the same mask). For pipelines the run splits in two: :meth:`Executor.forward` runs
+the ops before the first backward and returns the stage output (or the loss) and a state;
+:meth:`Executor.backward` finishes from the output gradient.
 
 **The account** is the number of distinct bytes the arrays reachable from the stored values
-address (:func:`live_bytes`: an array and its views count once; a view of part of a buffer counts
-its own part), taken after each op with its results and before its frees: the peak in the model of
-:mod:`.simulate`, measured on the real arrays. A view counts what it addresses, as a spec counts
-it: a pipeline's micro-batch is a slice of the rank's batch, which the caller holds anyway, and
-x[0] is the micro-batch's bytes in the model. A block never keeps a part of a larger buffer of
-its own in its cache or output, where the rest would be held unseen: the block tests check that
-(``tests/cachecheck.py``). It leaves out what
-a block allocates and frees inside one call (its transient) and the parameters and their
-gradients: the constants to add when comparing with ``tracemalloc``.
+address (:func:`live_bytes`: an array and its views count once, a view of part of a buffer its
+own part), taken after each op with its results and before its frees: the peak in the model of
+:mod:`.simulate`, measured on the real arrays (a pipeline's micro-batch, a slice of the rank's
+batch, counts its own bytes, as a spec counts it). A block never keeps part of a larger buffer of
+its own in its cache or output (checked by ``tests/cachecheck.py``). Left out: what a block
+allocates and frees inside one call (its transient) and the parameters and their gradients, the
+constants to add when comparing with ``tracemalloc``.
 
-**Offloading** (OFF/PRE ops) goes through an :class:`~.offload.OffloadChannel`. An offloaded
-value is counted until the channel reports its copy done (for a compute op: done before the op
-started), a prefetched one from the PRE on. With
-a ``budget`` and the profile, an op that would not fit waits for the oldest offloads to finish
-(the rule :func:`.simulate.simulate` models), so the account never exceeds the budget by waiting
-less than the simulator does.
+**Offloading** (OFF/PRE ops) goes through an :class:`~.offload.OffloadChannel`: an offloaded value
+is counted until the channel reports its copy done, a prefetched one from the PRE on. With a
+``budget`` and the profile, an op that would not fit waits for the oldest offloads to finish (the
+rule :func:`.simulate.simulate` models), so the account never exceeds the budget by waiting less
+than the simulator does.
 """
 from __future__ import annotations
 

@@ -6,40 +6,31 @@
     dx = block.backward(dy, cache)   # accumulates into p.grad for p in block.params; returns dL/dx
     block.spec(x_shape)              # BlockSpec from shapes alone (never measured)
 
-The cache is a NamedTuple defined next to its block (``LinearCache(x)``,
-``LayerNormCache(xhat, rstd)``, ...): ``forward`` builds it by field name and ``backward`` reads
-the same names (``cache.x``), so a reader sees at once what a backward uses. A composite block's
-cache holds its sub-blocks' caches, named after the locals its forward gave them
-(``TransformerBlockCache(c_ln1, c_attn, c_drop, c_ln2, c_mlp)``). NamedTuples are tuples:
-:func:`hpcnn.memory.executor.live_bytes` counts their arrays and :mod:`hpcnn.memory.offload`
-moves them away and back as the same NamedTuple type.
-
-A block keeps no per-call state on ``self``: a pipeline holds one cache per micro-batch in flight,
-rematerialization drops a cache and runs ``forward`` again, offloading moves a cache's arrays away
-and back. Stochastic blocks (dropout) own a random generator whose state the caller can save and
-restore (:meth:`Block.rng_state`), so a recomputed forward draws the same mask.
+The cache is a NamedTuple defined next to its block (``LinearCache(x)``, ...): ``forward`` builds
+it by field name and ``backward`` reads the same names, so a reader sees what a backward uses; a
+composite block's cache holds its sub-blocks' caches, named after its forward's locals. Being
+tuples, caches are counted by :func:`hpcnn.memory.executor.live_bytes` and moved by
+:mod:`hpcnn.memory.offload` as the same type. A block keeps no per-call state on ``self``: a
+pipeline holds one cache per micro-batch, rematerialization drops a cache and runs ``forward``
+again. Stochastic blocks (dropout) own a generator whose state the caller can save and restore
+(:meth:`Block.rng_state`), so a recomputed forward draws the same mask.
 
 Deferred weight gradients (zero-bubble pipelines). A block with ``defers_weights = True``
-(:class:`~hpcnn.nn.layers.Linear` and the blocks built from Linears: attention, MLP, transformer
-block, their halves and tensor-parallel versions) takes an optional list::
+(:class:`~hpcnn.nn.layers.Linear` and the blocks built from Linears) takes an optional list::
 
     pending = []
     dx = block.backward(dy, cache, defer=pending)   # input gradient only
     for linear, dy_l, cache_l in pending:           # later: the weight halves (W)
         linear.backward_weight(dy_l, cache_l)
 
-Each Linear inside then computes only its input gradient and appends ``(linear, dy, cache)`` to
-``defer``; ``defer=None`` (the default) runs the whole backward. Nothing outside the call
-changes how a backward behaves.
+``defer=None`` (the default) runs the whole backward.
 
-Which parameters get storage. Every block constructor that creates parameters takes
-``keep=None``: None gives every parameter storage; a set of parameter names gives storage to
-those only, the others are :func:`placeholder` arrays of no memory (a pipeline rank builds its
-model with ``keep`` = its own stages' parameter names). The argument is passed down explicitly
-to :func:`param_from_host`; initial values are drawn per tensor from their own key, so the kept
-ones are bit-identical to a full build. (An argument, not parameters materialized later by a
-separate call: a tensor-parallel block cuts its shard from the serial initial values while it is
-built, which lazy parameters would have to postpone as well.)
+Which parameters get storage: a constructor that creates parameters takes ``keep=None`` (all) or a
+set of parameter names; the others are :func:`placeholder` arrays of no memory (a pipeline rank
+keeps its own stages' parameters). It is passed down to :func:`param_from_host`; initial values
+are drawn per tensor from their own key, so kept ones are bit-identical to a full build. (An
+argument rather than lazy parameters: a tensor-parallel block cuts its shard from the serial
+initial values while it is built.)
 """
 from __future__ import annotations
 

@@ -2,22 +2,14 @@
 planner's cuts say, and the redistributions between neighbours whose layouts differ.
 
 The layout algebra (``Cut``, ``Placement``, what a move sends) is :mod:`hpcnn.schedule.placement`;
-this module runs it on MPI through the Communicator.
+this module runs it on MPI through the Communicator. :func:`layout_mlp` builds an MLP from a list
+of cuts (or a plan file, :func:`~hpcnn.schedule.placement.read_plan`).
 
-Gradient convention (the one of :mod:`~hpcnn.parallel.tensor.mappings`): every copy of a replicated
-activation, and of its gradient, holds the full value. So each block's backward is the
-conjugate of its forward with the sums where its forward replicated:
-
-    block                 forward                              backward
-    LayoutLinear          y = x_bk W_kj, allreduce over nk,    dx = dy W^T, allreduce over nj
-                          + b_j                                (x was replicated over j);
-                                                               dW, db = x^T dy, sum dy,
-                                                               allreduce over nb (W, b replicated
-                                                               over the batch parts)
-    Redistribute(A -> B)  every device fetches its B part      the gradient moved B -> A the
-                          (one alltoallv)                      same way (no sum: the forward
-                                                               moved one logical tensor)
-    ReLU, GELU            local, on whatever part is held      local
+Gradient convention (that of :mod:`~hpcnn.parallel.tensor.mappings`): every copy of a replicated
+activation, and of its gradient, holds the full value, so each backward is the conjugate of its
+forward: :class:`LayoutLinear` allreduces y over nk forward, dx over nj and dW, db over nb
+backward; :class:`Redistribute` (A -> B) fetches each device's B part in one ``alltoallv`` and
+moves the gradient B -> A the same way; ReLU, GELU are local.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.layout import \\

@@ -1,44 +1,33 @@
 """``hpcnn train --model=gpt --plan=auto``: the hybrid layout of the run, chosen by the planner.
 
 :func:`choose_gpt_layout` prices every dp x tp x pp x schedule x micro-batches layout of the GPT
-the run builds (:mod:`.hybrid`: its width, heads, layers, context ``block_size``, global
-``batch_size``, ``--dtype``, and the vocabulary as :func:`hpcnn.config.padded_vocab` pads it for each
-candidate's tp) over the run's world size on the machine file (``--machine``, default
-:func:`.machine.this_machine`, the file ``hpcnn plan --machine`` would read), and returns the
-configuration with the least predicted step that fits the device memory. It is a pure function of
-the configuration, the vocabulary, the machine file and the world size: every rank computes it,
-identically, before the process grid exists.
+the run builds (:mod:`.hybrid`: its width, heads, layers, ``block_size``, global ``batch_size``,
+``--dtype``, and the vocabulary as :func:`hpcnn.task.padded_vocab` pads it for each candidate's
+tp) over the run's world size on the machine file (``--machine``, default
+:func:`.machine.this_machine`), and returns the configuration with the least predicted step that
+fits the device memory. It is a pure function of the configuration, the vocabulary, the machine
+file and the world size: every rank computes it, identically, before the process grid exists.
 
-What it offers is what ``hpcnn train`` runs as priced:
+It offers only what ``hpcnn train`` runs as priced:
 
-- **remat none or full.** The planner's ``remat="full"`` keeps each block's input and runs
-  every block's forward again in the backward but the last segment's, which is what
-  ``hpcnn train --remat=full`` runs (:func:`hpcnn.plan.hybrid.recomputed_forward`); a layout
-  chosen with it runs with ``--remat=full``. ``--remat=none`` (the default) leaves the choice
-  free (full is slower, so it wins only where nothing else fits the memory); ``--remat=full``
-  keeps only those layouts; ``sqrt`` and ``optimal`` are other programs than the planner prices
-  (:mod:`hpcnn.config` refuses them with ``--plan=auto``).
-- **One micro-batch without a pipeline.** With pp = 1 ``hpcnn train`` ignores ``--microbatches``
-  and runs the whole local batch at once, so only M = 1 is offered there (as the planner's
-  validation experiment does); ``--grad_accum`` is left as given.
-- **Schedules 1f1b, gpipe, zb_h1** (the planner's), one stage per rank; each candidate must also
-  pass the run's own option checks (:func:`hpcnn.config.combination_errors`).
-- **Stage cuts.** Each pipelined choice comes twice: uniform (pp dividing the layers; the run
-  cuts the chain by cost, :func:`hpcnn.schedule.stages.by_spec`, as without ``--plan``) and
-  with the planner's own cut (:func:`.hybrid.stage_cut` for the vocabulary the run pads, pp
-  any number up to the layers). A chosen cut is run as it was priced: ``--layout`` with its
-  transformer blocks per stage, the first stage one block more (the embedding), the last two
-  (the final LayerNorm and the LM head), as :func:`hpcnn.nn.models.gpt` orders the chain.
-- **The machine must hold the ranks.** A machine file with fewer devices than the world size is
-  refused (no extrapolation); with more, the ranks are its first ``world_size`` devices, as
-  ``hpcnn plan --devices=N`` prices them.
+- **remat none or full** (the planner's ``full`` is what ``--remat=full`` runs,
+  :func:`hpcnn.plan.hybrid.recomputed_forward`); ``--remat=none`` leaves the choice free,
+  ``--remat=full`` keeps only those layouts, ``sqrt`` and ``optimal`` are refused
+  (:mod:`hpcnn.config`);
+- **one micro-batch without a pipeline** (pp = 1 runs the whole local batch at once);
+- **schedules 1f1b, gpipe, zb_h1**, one stage per rank, each candidate passing the run's own
+  option checks (:func:`hpcnn.config.combination_errors`);
+- **stage cuts**: each pipelined choice uniform (cut by cost, :func:`hpcnn.schedule.stages.
+  by_spec`) and with the planner's own cut (:func:`.hybrid.stage_cut`), the latter run as
+  ``--layout`` (transformer blocks per stage, plus the embedding on the first stage and the
+  final LayerNorm and LM head on the last, as :func:`hpcnn.nn.models.gpt` orders the chain);
+- **the machine must hold the ranks**: a machine file with fewer devices than the world size is
+  refused; with more, the ranks are its first ``world_size`` devices.
 
 Options the user set constrain the search instead of being overwritten: ``--dp``, ``--tp``,
-``--pp`` and ``--microbatches`` other than 1 and ``--schedule`` other than 1f1b (for pipelined
-layouts; pp = 1 has no schedule) keep only the layouts that have them. Their defaults mean "free":
-the configuration cannot tell ``--tp=1`` from no ``--tp``. A ``--layout`` keeps only the
-pipelined layouts of as many stages, each priced with that cut (its transformer blocks per
-stage: its sizes less the embedding and the tail, at least one per stage).
+``--pp``, ``--microbatches`` other than 1 and ``--schedule`` other than 1f1b keep only the layouts
+that have them (their defaults mean "free"); a ``--layout`` keeps only the pipelined layouts of as
+many stages, each priced with that cut.
 """
 from __future__ import annotations
 

@@ -7,32 +7,19 @@ their producer (:func:`chain` folds them into the edge that passes through them)
 Two costs, the first to search with, the second to price a finished strategy:
 
 1. **SAPP cut costs**, in tensor elements, one bisection at a time (docs/REFERENCES section 3). An
-   operator's plan over ``p = 2**L`` devices is a *cut sequence*, a string of ``L`` letters from
-   ``"ijkr"``: at bisection ``t`` it halves its local extent ``i``, ``j`` or ``k``, or replicates
-   (``r``). With the local extents before the bisection:
-
-   ====== ================= ===================================================
-   cut    intra cost        why
-   ====== ================= ===================================================
-   ``i``  mu * j * k / 2    the halves hold the same weights: gradient sync
-   ``j``  i * k / 2         both halves need the whole input
-   ``k``  i * j / 2         partial sums to reduce
-   ``r``  i * j * k / 2     (the thesis is silent) the multiply-adds each half repeats, one
-                            element a multiply-add: replicating always loses to a legal cut
-                            unless redistribution pays for it, and is the only way out when no
-                            extent can be cut
-   ====== ================= ===================================================
-
-   A cut needs an even local extent >= 2. Between a producer ``a`` and a consumer ``b`` the
-   shared tensor is ``a``'s output ``y[i, j_a]`` = ``b``'s input ``x[i, k_b]``. At one bisection
-   ``a`` splits it by rows (cut ``i``), by columns (cut ``j``) or not at all (``k``: reduced,
-   ``r``: replicated); ``b`` needs it split by rows (``i``), columns (``k``) or whole (``j``,
-   ``r``).
-   The redistribution cost is ``rho * |x|_local`` (the consumer's local input before the
-   bisection) when the two splits differ, except (our choice, the thesis is silent) when the
-   producer's halves each hold the whole tensor: then each consumer half slices what it needs
-   and nothing moves. The SAPP total of a plan is the sum over bisections of all intra costs
-   and all redistribution costs. ``mu = 0.25``, ``rho = 16`` (SAPP's early values).
+   operator's plan over ``p = 2**L`` devices is a *cut sequence* of ``L`` letters from ``"ijkr"``:
+   at bisection ``t`` it halves its local extent ``i``, ``j`` or ``k`` (an even extent >= 2), or
+   replicates (``r``). Intra costs, with the local extents before the bisection: ``i``
+   mu * j * k / 2 (gradient sync of the shared weights), ``j`` i * k / 2 (both halves need the
+   whole input), ``k`` i * j / 2 (partial sums to reduce), ``r`` i * j * k / 2 (our choice, the
+   thesis is silent: the repeated multiply-adds, so that replicating loses to any legal cut
+   unless redistribution pays for it). Between a producer ``a`` and a consumer ``b`` (``a``'s
+   output ``y[i, j_a]`` is ``b``'s input ``x[i, k_b]``) the redistribution cost is
+   ``rho * |x|_local`` when ``a`` splits it (rows ``i``, columns ``j``, none for ``k``, ``r``)
+   otherwise than ``b`` needs it (rows ``i``, columns ``k``, whole for ``j``, ``r``), except
+   (our choice) when each producer half holds the whole tensor: then nothing moves. A plan's SAPP
+   total sums all intra and redistribution costs over the bisections; ``mu = 0.25``,
+   ``rho = 16`` (SAPP's early values).
 
 2. **A BSP price** in seconds of a strategy of :class:`Cut` per operator on a machine
    (:class:`hpcnn.plan.machine.Machine`: ``p``, ``bisection_level(k).message_seconds(nbytes)``,

@@ -1,93 +1,36 @@
 """The hybrid layout of a transformer chain: dp x tp x pp x schedule x micro-batches x remat.
 
-Every candidate layout of a GPT over ``devices`` devices of a machine (:mod:`.machine`) is priced
-in closed form, without profiling, from the blocks' own ``spec()`` (FLOPs and bytes of one
-transformer block as one rank of the tp group runs it: :class:`~hpcnn.parallel.tensor.attention.
-ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's rates:
+:func:`plan` (:func:`layouts`, :func:`price`) prices every :class:`Layout` of a GPT
+(:class:`Transformer`) over ``devices`` devices of a machine (:mod:`.machine`) in closed form from
+the blocks' own ``spec()`` (a :class:`~hpcnn.parallel.tensor.attention.ParallelTransformerBlock`
+built without storage) and the machine's rates, ranks ordered as
+:class:`hpcnn.parallel.collectives.grid.ProcessGrid` orders them (tp fastest, then dp, then pp). A step:
 
-- **compute** of a stage and micro-batch of m rows: (L/pp) x the block's forward (backward) FLOPs
-  per rank at the device's rate times its "transformer" efficiency (the share of the matmul rate
-  the block's matmuls attain, :class:`~hpcnn.plan.machine.Device`), plus (L/pp) x its fixed cost
-  per call (``overhead``) and its element-wise passes (``elementwise`` seconds per byte of the
-  block's cache per rank), the FLOP and element-wise seconds slowed for a call on m x T tokens
-  (``tokens``, ``Device.slowdown``: 1 on a machine file without it), the fixed and element-wise
-  seconds split between the passes by the device's measured ``forward``
-  share (1/3 where the machine file has none: the FLOPs' split); the LM head
-  (vocab-parallel over tp) on the last stage as a "linear" block on the stage's activation;
-  ``remat="full"`` keeps only each block's input and runs its forward again in the backward,
-  the last segment's excepted, as ``hpcnn train --remat=full`` runs it
+- **compute** per stage and micro-batch: the blocks' FLOPs at the device's rate and
+  "transformer" efficiency, their fixed (``overhead``) and element-wise seconds, slowed for
+  small calls (``tokens``), split between the passes by the device's ``forward`` share, the LM
+  head as a "linear" block on the last stage, and the device's ``"stage"`` cost per stage pass;
+  ``remat="full"`` runs each block's forward again in the backward but the last segment's
   (:func:`recomputed_forward`);
-- **a pass's own cost**: every micro-batch's forward and backward pass through a stage also
-  pays the device's ``"stage"`` figure (``overhead`` and ``forward`` share: the step engine's
-  instruction, the embedding, the tail's small calls and the loss, timed by ``hpcnn
-  calibrate`` at a tiny size, :func:`hpcnn.parallel.collectives.measure.stage_costs`; 0 on a
-  machine file without it);
-- **tensor parallelism** (Megatron): two allreduces of the block's activation (m x T x d) per block
-  in the forward and two in the backward, each a ring over the tp group:
-  2(n-1)/n x bytes x g + 2(n-1) L at the level that holds tp consecutive devices;
-- **pipeline**: the schedule's makespan in stage passes (:func:`hpcnn.schedule.pipeline.
-  formula_makespan` with the slowest stage's times; :func:`hpcnn.schedule.pipeline.simulate`
-  where no formula applies; ZB-H1's input and weight halves are the device's measured fractions
-  of the backward, ``Device.backward_halves``, (0.5, 0.5) where the file has none), plus one
-  activation message per boundary each way on the critical path, at the level of the pp
-  neighbours (tp x dp devices apart);
-- **data parallelism**: the ring allreduce of the rank's gradients over dp after the step (not
-  overlapped: pipelines reduce after their list), at the level holding tp x dp devices;
-- **handoffs** where ranks share cores (the level's ``handoff``, H(c): what a blocking exchange
-  waits for its peer to be given a core after c seconds of compute,
-  :class:`hpcnn.plan.machine.Level`): once per ring allreduce (tp: c a quarter of a block's
-  forward + backward compute, the stretch between two of its four allreduces; dp: c a backward
-  pass; where the level has collectives-after-compute curves, those price the allreduce after
-  that compute instead, :func:`ring_allreduce_s`) and per pp message (c a forward pass), and
-  once per stage pass of a pipeline (its wait on the neighbour's message, c the pass; the
-  passes' own messages are otherwise off the critical path); and the level's ``bubble_weight``
-  w: a pipeline's span is a stage's own M passes plus w times the rest (fill and drain: 1 but
-  where ranks share cores, there the ranks that compute while others wait run faster than the
-  all-at-once rates);
-- **held activations**: a stage that holds k > 1 micro-batches' activations at its peak
-  (:func:`held_microbatches`: GPipe all M) takes (k - 1) micro-batches' of them in fresh memory
-  every step, memory one micro-batch's passes would reuse; each such byte costs the device's
-  ``elementwise["held"]`` seconds (0 on a machine file without it), once per step, the fullest
-  stage's (:func:`held_seconds`). ``hpcnn calibrate`` times it through the step engine,
-  GPipe against 1F1B on one rank (:func:`hpcnn.parallel.collectives.measure.held_costs`):
-  0.22-0.33 ns a byte here, where a fresh 64 MiB array cost 0.13 ns a byte more to fill than a
-  reused one and 64 MiB of 64 KiB arrays 0.45 (page faults, the allocator). On the 2- and
-  4-rank validations the GPT's GPipe layouts ran 1.04-1.23x the 1F1B ones at 8-32
-  micro-batches, which the price without it put equal; with it, a 4-rank validation's MAPE
-  went 11.4 -> 8.8 % (its tau 0.78 either way);
-- **optimizer**: the update of the rank's parameters at the device's measured seconds per
-  parameter of hpcnn's step (``Device.update``: :func:`hpcnn.parallel.collectives.measure.
-  update_costs` at a few parameter counts, interpolated between them), scaled by word / 4 from
-  float32; on a machine without that table, a stream of the parameters, gradients and
-  optimizer state through memory, :data:`UPDATE_PASSES` passes of 3 words per parameter (two
-  read, one written) at the device's memory bandwidth;
-- **memory per rank**: parameters, gradients and two AdamW slots of its share (4 words per
-  parameter; the replicated LayerNorms and the position table count whole on every tp rank;
-  both tables where one stage holds embedding and head), AdamW's scratch array (the size of
-  the largest local parameter), plus the activations of
-  its fullest stage: one cache per micro-batch it holds (:func:`held_microbatches`: 1F1B
-  min(pp - s, M) on stage s, ZB-H1 min(pp, M) on every stage, its W parts keeping the caches
-  late, GPipe M), the tp block's ``spec().bytes_cache`` per block (what stays whole under tp,
-  the LayerNorms and the column-parallel inputs, counts whole; ``remat="full"``: the block
-  inputs, one block's cache, the output until sent and, once per rank, the backward's gradient
-  pair), the last stage's final LayerNorm,
-  LM head and loss caches (:func:`_tail`) and the first stage's tokens, as the pipeline
-  executor's account counts them (:meth:`hpcnn.engine.stage.Stage.cache_bytes`).
+- **tensor parallelism** (Megatron): two ring allreduces of the activation per block each way
+  (:func:`ring_allreduce_s`); **data parallelism**: the ring allreduce of the gradients after
+  the step, not overlapped; **pipeline**: the schedule's makespan in stage passes
+  (:mod:`hpcnn.schedule.pipeline`) plus one activation message per boundary each way;
+- **where ranks share cores**: the level's handoffs (per allreduce, pp message and stage pass)
+  and its ``bubble_weight`` on a pipeline's fill and drain;
+- **held activations**: the device's ``elementwise["held"]`` seconds per byte a stage holds beyond
+  one micro-batch's (:func:`held_microbatches`, :func:`held_seconds`);
+- **optimizer**: the device's measured ``update`` seconds per parameter, else a stream through
+  memory (:func:`update_seconds`, :data:`UPDATE_PASSES`);
+- **memory per rank**: parameters, gradients, optimizer state and scratch of its share, plus its
+  fullest stage's held caches, as the pipeline executor counts them
+  (:meth:`hpcnn.engine.stage.Stage.cache_bytes`).
 
-- **stage cuts** (our choice; the thesis is silent on them): the uniform layout (pp dividing
-  the layers) prices every stage as the last, LM head included, at the formula's pace. A layout
-  with explicit ``stages`` (transformer blocks per stage) prices each stage from its own blocks,
-  the head on the last stage only, the schedule simulated with these per-stage times, memory
-  per rank the fullest stage's (:func:`_staged`); :func:`stage_cut` chooses the cut: least
-  slowest stage whose every stage fits the memory, by the exact dynamic programme
-  :func:`hpcnn.schedule.stages.by_cost_bounded`; :func:`plan` offers it beside the uniform
-  layout for every pipelined choice up to :data:`STAGE_CUT_PASSES` (then pp need not divide the
-  layers).
-
-Ranks are ordered as :class:`hpcnn.parallel.collectives.grid.ProcessGrid` orders them (tp fastest, then dp,
-then pp). The thesis prices operator cuts (:mod:`.cost`, :mod:`.search`); for the transformer's
-coarse choice it is silent, and these are our choices: Megatron's collectives, no overlap of
-communication with compute, the slowest stage setting the pipeline's pace.
+Stage cuts (the thesis is silent): uniform layouts price every stage as the last; :func:`stage_cut`
+chooses explicit ``stages`` (the least slowest stage that fits the memory,
+:func:`hpcnn.schedule.stages.by_cost_bounded`), offered up to :data:`STAGE_CUT_PASSES`. Our
+choices: Megatron's collectives, no overlap of communication with compute, the slowest stage
+setting the pace (measurements behind the terms: docs/results/planner-model.md).
 """
 from __future__ import annotations
 
@@ -112,8 +55,8 @@ def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw")
     measured figure where it has one for ``optimizer`` (:meth:`~hpcnn.plan.machine.Device.
     update_seconds`, float32) times word / 4: the step is memory-bound, so its time goes with the
     bytes it moves. Otherwise UPDATE_PASSES passes of 3 words each (two read, one written) at
-    the device's memory bandwidth, which priced models of ~1 M parameters (their arrays in cache)
-    2.5-3x too slow on this machine."""
+    the device's memory bandwidth, which prices small models (their arrays in cache) too slow
+    (docs/results/planner-model.md)."""
     measured = device.update_seconds(n_params, optimizer)
     if measured is not None:
         return measured * word / 4
@@ -240,9 +183,8 @@ def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0) -> float:
     the wait for the group's last rank included), as the MLP's cost (:mod:`.cost`) prices its
     allreduces; else a ring, 2(n-1) steps of n-th parts
     (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`: at the level's calibrated reduce rate
-    where it has one) and its handoff. Priced with the ring and the handoff, the 71 GPT layouts
-    of a 4-rank validation ran 1.05-1.50x their price (MAPE 17.4 %, tau 0.81); re-priced with
-    the curves on the same measurements, 1.02-1.34x (12.8 %, 0.82)."""
+    where it has one) and its handoff. What the curves changed on a validation:
+    docs/results/planner-model.md."""
     if n == 1 or nbytes == 0:
         return 0.0
     measured = level.collective_seconds("allreduce", n, nbytes, after)

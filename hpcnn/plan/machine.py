@@ -2,109 +2,35 @@
 
 H. Wang's thesis (Orléans 2022, ../shared/REFERENCES.md section 3) models the machine as a tree of
 levels: level l has p_l identical children, a per-word cost g_l and a latency L_l, and
-p = prod p_l devices sit at the leaves. A BSP superstep costs max work + h g_l + L_l. What the
-thesis leaves open, and what is chosen here:
+p = prod p_l devices sit at the leaves. A BSP superstep costs max work + h g_l + L_l.
 
-- **g is piecewise in the message size.** One g does not fit all sizes (on this machine MPICH moves
-  2-4 GB/s at 1-16 MiB and 13 GB/s at 256 MiB), so a level holds pieces
-  ``((max_bytes, bytes_per_s), ...)``: g_l(n) = 1 / bytes_per_s of the first piece with
-  n <= max_bytes; the last piece ends at infinity.
-- **Symmetric levels.** All children of a level are alike and every pair of devices whose lowest
-  common level is l talks at that level's cost; a level is named after the group it forms
-  ("node": the devices of one node, "cluster": the nodes) and its fan-out counts its children.
-- **Bandwidth per device when all communicate.** bytes_per_s is what one device gets while every
-  device of the group sends at once (a BSP h-relation): a node's network injection bandwidth is
-  divided among the devices below it. Calibration measures it that way (all pairs at once).
-- **Innermost first.** ``Machine.levels[0]`` is the innermost level; device d's coordinates are
-  its mixed-radix digits with the innermost fan-out varying fastest, so consecutive ranks share
-  the innermost level.
-- **The device** has a compute rate per dtype (FLOP/s), a memory bandwidth and a capacity; when
-  several ranks share cores, calibration records the rate each gets while all compute at once.
-- **A handoff and a bubble weight where ranks share cores.** When a level holds more ranks than
-  cores, a rank that blocks on a peer (a message, a collective) waits until the scheduler gives
-  that peer a core, which rates measured all at once and exchanges timed in step do not see, and
-  the longer the ranks computed since their last exchange, the longer (their turns drift apart).
-  ``handoff`` on the level (H_l(c), points of compute c and wait, none by default) is paid once
-  per message, per allreduce and per pipeline stage pass, after the compute before it; and
-  ``bubble_weight`` (1 by default) is the share of its length a pipeline's fill and drain take
-  (while some ranks wait for the first or last micro-batches, the others compute faster than
-  all at once). Calibration sets the weight to cores / ranks and fits the handoff to small
-  pipelines through the step engine
-  (:func:`hpcnn.parallel.collectives.measure.handoff_points`): on 4 ranks over 2 cores here, in
-  eight calibrations, 40-90 us after 0.2 ms passes, 30-230 us after 0.9 ms, 140-760 us after
-  4 ms, and a weight (fitted then) of 0.26-0.57. With one pipeline the two cancel (without
-  either, a 4-stage pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches,
-  1.22-1.24x at 32), so each size is run with p and 4p micro-batches.
-- **Collectives after compute where ranks share cores.** A collective over a group waits for
-  the last of its ranks to get a core, and a rank that waits spins on a core another needs: a
-  1 MiB allreduce over 4 ranks on 2 cores here took 0.8-1.05 ms after 0.5-8 ms of compute
-  against 0.55 ms back to back. ``after_compute`` on the level holds what an allreduce (per
-  group size) and an all-to-all took after c seconds of compute, per size
-  (:func:`hpcnn.parallel.collectives.measure.after_compute_points`); the MLP's cost
-  (:mod:`hpcnn.plan.cost`) prices the layout executor's collectives from it. The GPT's cost
-  (:mod:`hpcnn.plan.hybrid`) prices its allreduces from them too (tp and dp), and keeps the
-  messages and the handoff for its pipelines.
-- **Efficiency per block kind.** The rate is a matmul's; a framework's block also runs element-wise
-  passes (LayerNorm, GELU, softmax, the residual adds), which NumPy does not fuse into the
-  matmuls. ``efficiency`` maps a block kind ("transformer", "linear") to the fraction of the
-  rate its forward + backward FLOPs (``spec()``) attain; calibration measures it on one reference
-  size per kind, public-specification files take it from published model-FLOP utilisations.
-  A kind not listed runs at the full rate. ``elementwise`` maps a kind to the seconds its
-  forward + backward spends per byte of the block's cache (``spec().bytes_cache``: the arrays
-  the element-wise passes write and read again), so that a block costs
-  overhead + FLOPs / (rate x efficiency) + cache bytes x elementwise: with one efficiency alone a
-  narrow block (more element-wise work per FLOP) was predicted 1.3x too fast and a wide one 1.4x
-  too slow; with both terms, fitted on two reference sizes, within -5 % .. +14 % over widths
-  64-512. ``overhead`` maps a kind to the fixed seconds of one block's forward + backward
-  whatever its size (the interpreter's and the kernel launches' share: what makes many tiny
-  micro-batches slow); calibration times a tiny block of the kind. ``forward`` maps a kind to
-  the share of its fixed and element-wise seconds spent in the forward pass (missing kinds 1/3,
-  the FLOPs' share): the planner splits a block's time into forward and backward for the
-  pipeline schedules, and element-wise passes do not split as the matmuls' 1 : 2 (a transformer
-  block's forward measured ~42 % of its time on this kind of machine, priced at 35 % with 1/3).
-  ``split`` maps a kind to the (input, weight) halves of its backward as a zero-bubble pipeline
-  runs them, each a fraction of the whole backward (missing kinds (0.5, 0.5)): split, the two
-  halves cost more than the whole (1.13x for a transformer block on this kind of machine).
-  The kind ``"stage"`` in ``overhead`` and ``forward`` is a pipeline stage pass's cost around
-  its blocks (the step engine's instruction, embedding, the tail's small calls, the loss), per
-  micro-batch: calibration runs a tiny GPT through the step engine and subtracts its block.
-- **Small calls run slower than the references price.** ``tokens`` maps a kind to pieces
-  ((tokens, slowdown), ..., (inf, slowdown)): the factor on a block's FLOP and element-wise
-  seconds when it is called on that many tokens (rows of its matmuls) at a time, interpolated
-  in log(tokens) as the optimizer's pieces are. Efficiency and element-wise figures are fitted
-  on references of 512-2048 tokens; a width-128 transformer block on one sequence of 64 tokens
-  ran 1.22x the time they price (its matmuls of 64 rows at ~0.8 of the rate, its attention's
-  smaller still), which left a pipeline of 32 one-sequence micro-batches 1.23-1.42x its price.
-  Calibration runs a ladder of one-block GPTs through the step engine on micro-batches of 1
-  to 8 sequences (64-512 tokens) and gives each rung its pass time beyond the fixed cost per
-  token over the top rung's (1 there and above): here 1.39-1.44 at 64 tokens, 1.12-1.19 at
-  128 (the element-wise seconds, 25-65 % of such a block, slow with the FLOPs'). The same
-  block timed bare gave 1.67-1.90 at 64 tokens for widths 128-256, and priced the one-sequence
-  pipelines 10-25 % above their measured times. The linear kind's pieces are by rows, from a
-  ladder of a Linear and its ReLU (:func:`hpcnn.parallel.collectives.measure.rows_costs`).
-  Where ranks share cores the transformer's ladder is damped by how much better its bottom
-  rung shares a core than its top (:func:`hpcnn.parallel.collectives.measure.machine_of`).
-- **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
-  kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
-  passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then
-  pricing the cached input alone. Calibration separates the two with a third, rectangular
-  reference block (128 -> 1024 features: an output 8x its input; here a ReLU output byte cost
-  ~5x an input byte). With one figure for both, the plan validation's MLPs whose middle Linear
-  is cut on its input (a whole ReLU output on each rank) measured 1.04-1.13x their price against
-  0.95-1.02x for those cut on its output; priced with the two, the MLP's Kendall tau rose by
-  0.03-0.05 on each of five validation runs' measurements.
-- **The optimizer's update is measured, not derived from the memory bandwidth.** ``update`` maps
-  an optimizer ("adamw", "sgd") to pieces ((max_params, seconds_per_param), ...) of hpcnn's own
-  step on float32 parameters, timed at a few parameter counts: a small model's arrays sit in
-  cache and each array costs a fixed dispatch, so the rate depends on the size (AdamW on a
-  0.83 M-parameter GPT took 1.6 ms here where the 24.5 GB/s copy bandwidth of
-  ``local-2vcpu.toml`` predicted 4.5 ms; the measured figure predicted 1.5 ms). Between the
-  measured counts the seconds per parameter are interpolated linearly in log(count)
-  (:meth:`Device.update_seconds`). Files without the table price the update from the
-  bandwidth (:func:`hpcnn.plan.hybrid.update_seconds`).
+A :class:`Machine` holds its levels (:class:`Level`), innermost first (``levels[0]``; device d's
+coordinates are its mixed-radix digits, innermost fastest, so consecutive ranks share the
+innermost level), and one :class:`Device`. Files are TOML: :func:`load`, :func:`loads`,
+:meth:`Machine.to_toml`; :func:`this_machine` is the file the planner reads by default;
+``hpcnn calibrate --write`` measures one; ``machines/*.toml`` are examples with the sources of
+their numbers. What the thesis leaves open, and what is chosen here (the measurements behind
+these choices: docs/results/planner-model.md):
 
-Files are TOML (read with :mod:`tomllib`, written by :meth:`Machine.to_toml`); see
-``machines/*.toml`` for examples with the sources of their numbers.
+- **g is piecewise in the message size**: ``((max_bytes, bytes_per_s), ...)``,
+  g_l(n) = 1 / bytes_per_s of the first piece with n <= max_bytes; the last ends at infinity.
+- **Symmetric levels**, named after the group they form ("node", "cluster"); every pair of
+  devices whose lowest common level is l talks at its cost. bytes_per_s is what one device gets
+  while every device of the group sends at once (a BSP h-relation), as calibration measures it.
+- **The device** has a compute rate per dtype (what each rank gets while all compute at once),
+  a memory bandwidth and a capacity, and per block kind: ``efficiency`` (share of the matmul
+  rate), ``elementwise`` (seconds per byte of ``spec().bytes_cache``), ``activation`` (per byte
+  of a ReLU output after a Linear), ``overhead`` (fixed seconds a call; kind ``"stage"``: a
+  pipeline stage pass around its blocks), ``forward`` (share of those seconds in the forward,
+  1/3 if missing), ``split`` (a zero-bubble backward's input and weight halves), ``tokens``
+  (slowdown of small calls, in log(tokens)) and ``update`` (measured seconds per parameter of an
+  optimizer step, :meth:`Device.update_seconds`; without it, priced from the bandwidth by
+  :func:`hpcnn.plan.hybrid.update_seconds`).
+- **Where ranks share cores** a level holds ``handoff`` (H_l(c): a blocking exchange's wait for
+  its peer to get a core after c seconds of compute, paid per message, allreduce and pipeline
+  stage pass), ``bubble_weight`` (share of its length a pipeline's fill and drain take) and
+  ``after_compute`` (what an allreduce or all-to-all took after c seconds of compute, which
+  :mod:`hpcnn.plan.cost` and :mod:`hpcnn.plan.hybrid` price collectives from).
 """
 from __future__ import annotations
 
@@ -145,8 +71,8 @@ class Level:
 
     ``reduce_bandwidth`` (optional, the same form) is the rate of one step of a ring allreduce
     at this level: a part sent, one received and summed into the buffer. Calibration fits it
-    from the MPI allreduce it times, which on this kind of machine runs ~4x slower than the ring
-    of ping-pong messages (the sums, the library's copies); without it a step is one message.
+    from the MPI allreduce it times, which runs slower than the ring of ping-pong messages (the
+    sums, the library's copies; docs/results/planner-model.md); without it a step is one message.
     ``handoff`` (optional; empty where every device has a core of its own) is what one blocking
     exchange (a message, a collective) waits for its peer to be given a core when the level's
     devices outnumber its cores, as points ((after_s, seconds), ...): the wait after
@@ -172,9 +98,8 @@ class Level:
     on reference MLPs through the step engine
     (:func:`hpcnn.parallel.collectives.measure.layout_scale`). ``group_scales`` ((n, k), ...)
     gives the curves of group size n their own scale k in place of ``collective_scale``:
-    calibration fits one for the groups of 2 where the ranks pair up (on 4 ranks over 2 cores
-    here the reference MLPs' collectives over pairs took 0.69x the scale of those over all
-    ranks, 0.905 against 1.32)."""
+    calibration fits one for the groups of 2 where the ranks pair up
+    (docs/results/planner-model.md)."""
     name: str
     fanout: int
     latency_s: float

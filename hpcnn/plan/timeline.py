@@ -6,24 +6,16 @@ t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts 
 
 - **a GPT layout** (:func:`gpt_events`, :mod:`.hybrid`): the schedule's per-rank instruction lists
   simulated (:func:`hpcnn.schedule.pipeline.simulate`, messages free) with the stage pass times
-  ``t_f``, ``t_b``, ``t_w`` that :func:`.hybrid.price` uses (:func:`.hybrid.stage_times`). The
-  tensor-parallel allreduces stay inside the passes (as in a measured run, where they happen
-  inside F and B). The price adds 2(pp - 1) activation messages on the critical path, not a
-  causal simulation of every message (a simulation with the messages costs more in the 1F1B
-  steady state, where each backward waits for its gradient); the timeline draws them as the
-  price counts them: the first micro-batch's activation relayed down the pipeline before the
-  passes (SEND_ACT on each rank but the last), the last gradient relayed up after them
-  (SEND_GRAD on each rank but the first). Then every rank runs the data-parallel allreduce
-  (``allreduce``) and the optimizer's update (``optimizer``), after, where the price has one,
-  the cost of the activations it holds beyond one micro-batch's (``held``: paid in the
-  forwards that take fresh memory, drawn as one block since the price adds it once per step).
-  Where the machine's ranks share cores (a ``bubble_weight`` w < 1, :class:`.machine.Level`),
-  the simulated times are mapped t -> t - (1 - w) x (the first stage's idle time before t):
-  its fill and drain shrink to w of their length as the price counts them, the events keep
-  their order, and those of other ranks that overlap the first stage's idle shrink with it.
-  Every rank of dp x tp x pp gets its track, ranked as
-  :class:`hpcnn.parallel.collectives.grid.ProcessGrid` ranks them (tp fastest, then dp, then pp); the ranks
-  of one pipeline stage run the same events.
+  that :func:`.hybrid.price` uses (:func:`.hybrid.stage_times`), the tensor-parallel allreduces
+  inside the passes. The 2(pp - 1) activation messages the price puts on the critical path are
+  drawn as it counts them: the first micro-batch's activation relayed down the pipeline before
+  the passes, the last gradient relayed up after them. Then every rank runs ``allreduce``
+  (data parallel) and ``optimizer``, after ``held`` where the price has one (one block, as the
+  price adds it once per step). Where ranks share cores (``bubble_weight`` w < 1,
+  :class:`.machine.Level`) the times are mapped t -> t - (1 - w) x (the first stage's idle time
+  before t), so fill and drain shrink to w of their length as priced, the events keeping their
+  order. Every rank of dp x tp x pp gets its track, ranked as
+  :class:`hpcnn.parallel.collectives.grid.ProcessGrid` ranks them; the ranks of one stage run the same events.
 - **an MLP cut plan** (:func:`mlp_events`, :mod:`.cost`): :func:`.cost.strategy_cost`'s terms as
   consecutive supersteps, the same on every rank (BSP: no overlap): ``compute`` for an operator's
   forward and backward, ``optimizer`` for its update, ``allreduce`` for its reductions and

@@ -7,22 +7,15 @@ stages in a V instead (:func:`v_shape`); :func:`placement` gives any schedule's 
 No MPI here: the executor runs the lists, :func:`simulate` costs them, the analysis scripts draw
 them.
 
-Instructions (:class:`~hpcnn.schedule.ops.Op` records, ``block = -1``: the whole stage)::
-
-    F(mb, s)                 forward of micro-batch mb through stage s
-    B(mb, s)                 backward; the whole backward, or only the input-gradient half when the
-                             schedule splits it (zero bubble: then W(mb, s) is the weight half)
-    SEND_ACT(mb, s, peer)    send stage s's output to ``peer`` (the rank of stage s+1)
-    RECV_ACT(mb, s, peer)    receive stage s's output from ``peer`` (the rank of stage s)
-    SEND_GRAD(mb, s, peer)   send stage s's input gradient to ``peer`` (the rank of stage s-1)
-    RECV_GRAD(mb, s, peer)   receive stage s's input gradient from ``peer`` (the rank of stage s)
-
-The ``stage`` of a SEND/RECV is the stage that *produced* the message, so a matched pair has equal
-``(kind, mb, stage)``: the executor can use that triple as the MPI tag. A RECV_ACT sits right before
-the F that consumes it, a SEND_ACT right after the F that produced it (B, grads, likewise). Between
-stages on the same rank (``n_ranks == 1``, or the V's two middle stages) there is no message. Sends
-may be eager (``Isend``): :func:`validate` proves the order cannot deadlock when only receives
-block.
+Instructions (:class:`~hpcnn.schedule.ops.Op` records, ``block = -1``: the whole stage): ``F(mb, s)``
+and ``B(mb, s)`` (the whole backward, or only its input-gradient half when the schedule splits it,
+``W(mb, s)`` then being the weight half); ``SEND_ACT``/``RECV_ACT(mb, s, peer)`` stage s's output
+to or from the rank of stage s+1 or s; ``SEND_GRAD``/``RECV_GRAD(mb, s, peer)`` stage s's input
+gradient. The ``stage`` of a SEND/RECV is the stage that *produced* the message, so a matched
+pair has equal ``(kind, mb, stage)``, the executor's MPI tag. A RECV sits right before the pass
+that consumes it, a SEND right after the pass that produced it; between stages on the same rank
+there is no message. Sends may be eager (``Isend``): :func:`validate` proves the order cannot
+deadlock when only receives block.
 
 Schedules: :func:`gpipe` (Huang et al. 2019), :func:`one_f_one_b` (PipeDream-Flush, Narayanan et al.
 2021), :func:`interleaved_1f1b` (Narayanan et al. 2021, Sec. 2.2), :func:`zb_h1` and :func:`zb_v`

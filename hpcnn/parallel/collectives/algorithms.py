@@ -10,40 +10,21 @@ Called by :meth:`.comm.Communicator.allreduce` (which times and counts them)::
     ...; req.test(); ...                       # between blocks of compute: advances the ring
     req.wait()
 
-``ring`` (:mod:`.ring`): reduce-scatter then all-gather, p-1 steps each, on p
-chunks of the flat buffer (sizes differ by at most one element), each chunk split into the same
-number of segments of at most ``comm.allreduce_segment_bytes`` (default :data:`SEGMENT_BYTES`)
-so that a window of :data:`WINDOW` segments is in flight while the previous one is summed from a
-cached scratch buffer (Patarasuk & Yuan, J. Parallel Distrib. Comput. 69, 2009; Thakur et al.,
-IJHPCA 19, 2005, sec. 4). Cost 2(p-1) nseg alpha + 2(p-1)/p n beta. The non-blocking ring
-(:class:`RingRequest`) segments by ``comm.iallreduce_segment_bytes`` (:data:`ISEGMENT_BYTES`): a
-``test()`` call completes about one segment.
-``rd``: recursive doubling, log2 p exchanges (Thakur et al., sec. 4) on pieces of at most the
-segment size; for p not a power of two the first 2r ranks fold in pairs first
-(r = p - 2^floor(log2 p)) and get the result back at the end. Cost log2 p (alpha + n beta).
-``shm`` (:mod:`.shm`): all ranks on one node only; pieces copied into a shared
-window and summed by direct loads, no message (on 2 ranks one barrier per piece); no copy at all
-for arrays from :func:`shared_zeros` (``Communicator.shared_zeros``).
-``cma`` (:mod:`.cma`): all ranks on one node and allowed to read each other's
-memory; each rank sums its slice reading the peers' buffers directly (``process_vm_readv``) and
-writes each summed chunk into theirs (``process_vm_writev``): 2n moved per rank, one barrier, no
-shared window; the fastest for private buffers from about 4 MiB here, calibrated like the rest.
-``mpi``: the library's Allreduce. ``auto``: per message size, the choice at the nearest size (in
-log2; ties to the smaller) of ``comm.allreduce_table`` (:func:`calibrate`) or else of
-:data:`DEFAULT_SHM_TABLE` (all ranks on one node) or :data:`DEFAULT_TABLE`, and shm for an
-array from :func:`shared_zeros` from ``shm.ZERO_COPY_BYTES``; compiled once per table into
-sorted bounds, and the Communicator keeps the size below which it is ``mpi``, so the common case
-costs one comparison. The first ``auto`` call is collective (it finds out whether the ranks
-share a node).
+``ring`` (:mod:`.ring`): reduce-scatter then all-gather on p chunks, each cut into segments of
+at most ``comm.allreduce_segment_bytes`` (:data:`SEGMENT_BYTES`), a window of :data:`WINDOW` in
+flight (Patarasuk & Yuan 2009; Thakur et al. 2005, sec. 4), cost 2(p-1) nseg alpha + 2(p-1)/p
+n beta; :class:`RingRequest` segments by :data:`ISEGMENT_BYTES`, a ``test()`` completing about
+one. ``rd``: recursive doubling, log2 p (alpha + n beta), non-powers of two folded in pairs first. ``shm`` (:mod:`.shm`) and ``cma``
+(:mod:`.cma`): all ranks on one node, through a shared window or reading the peers' memory.
+``mpi``: the library's Allreduce. ``auto``: per message size, the nearest size's choice in
+``comm.allreduce_table`` (:func:`calibrate`), else :data:`DEFAULT_SHM_TABLE` (one node) or
+:data:`DEFAULT_TABLE`, and shm for arrays from :func:`shared_zeros`; its first call is collective.
+Measured figures: docs/results/collectives.md.
 
-Sums are taken in the buffer's dtype, in another order than the library's, so results agree with
-``mpi`` to rounding; but every rank ends with bitwise the same array (the ring's all-gather copies
-each reduced chunk from one owner, shm's each slice from the rank that summed it in rank order;
-rd adds the lower rank's operand first and IEEE addition is commutative). Traffic goes over a
-private duplicate of the communicator, made on first use (call :func:`free` to release it and the
-shared window), with one tag per call so that several non-blocking rings can be in flight at
-once; like any collective, calls must be made, and requests waited for, in the same order on
-every rank.
+Results agree with ``mpi`` to rounding, and every rank ends with bitwise the same array. Traffic
+goes over a private duplicate of the communicator, made on first use (:func:`free` releases it
+and the shared window), one tag per call; like any collective, calls must be made, and requests
+waited for, in the same order on every rank.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import Communicator; c = Communicator(MPI.COMM_WORLD); \\

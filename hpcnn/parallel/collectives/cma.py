@@ -16,9 +16,8 @@ Nobody but rank r touches slice r of any buffer, so one barrier suffices. Each s
 once, in rank order, and copied to the others: every rank ends with bitwise the same array.
 Per rank n/p * (p reads + p writes) go through memory, against about 5n for the shm path's
 private pieces (:mod:`.shm`), which must first copy the buffer into the shared
-window. Measured on 2 ranks at 16 MiB: 2.4-2.9 ms, against 3.6-4.0 ms for reading the peers'
-summed slices after a second barrier. It needs permission to read and write the peers' memory
-(same user, and ptrace allowed by the kernel's Yama setting or CAP_SYS_PTRACE):
+window (timings: docs/results/collectives.md). It needs permission to read and write the peers'
+memory (same user, and ptrace allowed by the kernel's Yama setting or CAP_SYS_PTRACE):
 :func:`available` tests both once per communicator, collectively, and ``auto`` only considers
 ``cma`` where it works. NumPy (host) buffers only.
 """

@@ -14,8 +14,8 @@ communicators of a process, read into the run log's ``/ranks`` table.
 
 ``allreduce`` of a NumPy buffer by the library (``mpi``, or ``auto`` where it picks ``mpi``)
 takes a lean path: the optional C module (:mod:`.lean_build`) when built, a counted in-place
-``MPI_Allreduce`` that is 1.1-1.2x a bare mpi4py ``Allreduce`` at 8 B-4 KiB on 2 ranks (it skips
-mpi4py's argument parsing); else a Python closure, 0.85-0.90x there. That path, the algorithms'
+``MPI_Allreduce`` that skips mpi4py's argument parsing; else a Python closure (timings:
+docs/results/collectives.md). That path, the algorithms'
 thresholds and resources live in ``comm.collectives`` (:class:`~.state.Collectives`). Counters
 and the sampling of small calls' seconds: :mod:`.stats`.
 

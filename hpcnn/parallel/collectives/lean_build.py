@@ -6,8 +6,8 @@ It compiles with the MPI compiler wrapper of the MPI that mpi4py uses (``mpicc``
 Python, else on ``PATH``, else ``$MPICC``), against Python's and mpi4py's headers, into
 ``hpcnn/parallel/collectives/_lean<EXT_SUFFIX>``. ``make test`` runs it after installing; on a
 cluster, run it once in the environment that has the site's MPI loaded. Without the module hpcnn works the
-same, with the allreduce wrapper written in Python (about 0.2-0.3 us more per call, which is
-5-10 % of a 1-4 KiB allreduce). Exit status 0 when built, 1 when it could not be (the reason is
+same, with the allreduce wrapper written in Python (a little slower per call:
+docs/results/collectives.md). Exit status 0 when built, 1 when it could not be (the reason is
 printed).
 """
 from __future__ import annotations

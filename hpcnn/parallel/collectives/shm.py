@@ -12,36 +12,20 @@ Private buffers (any NumPy array) go through the node's window in pieces of at m
    first), into slice r of its segment, and copies that into its buffer;                    sync
 3. copies slice q of segment q into its buffer, every q != r
 
-(per rank ~2n read, ~2n written whatever p). On 2 ranks each rank copies its whole piece in,
-syncs, and adds its peer's piece into its own buffer (x0 + x1 on both): 5n moved, but one sync
-and one pass over the peer's data: 1.1-2x faster than the three steps (measured). Segments hold
-two pieces used alternately (piece k uses half k % 2, counting across calls), so a rank may load
-piece k + 1 while a slower one still reads piece k: no sync at the end of a call.
+On 2 ranks each rank copies its whole piece in, syncs, and adds its peer's into its own buffer
+(one sync; faster: docs/results/collectives.md). Segments hold two pieces used alternately, so no
+sync ends a call. Zero copy: a buffer inside an array from :func:`zeros`
+(``Communicator.shared_zeros``) of at least :data:`ZERO_COPY_BYTES` is summed in place, rank r
+summing slice r of all ranks' arrays chunk by chunk (:data:`CHUNK_BYTES`) and pushing each summed
+chunk to every peer: two syncs. Every rank ends with bitwise the same array, the sum in rank order.
 
-Zero copy: a buffer inside an array from :func:`zeros` (``Communicator.shared_zeros``) of at
-least :data:`ZERO_COPY_BYTES` *is* in shared memory: after a sync (and a check that every rank
-passed the same region), rank r sums slice r of all ranks' arrays, chunk by chunk
-(:data:`CHUNK_BYTES`), into its own array and pushes each summed chunk into every peer's array
-while it is still in cache, then syncs once: nobody but rank r touches slice r of any array, so
-two syncs suffice. Per rank n/p * (p reads + p writes); on 2 ranks, 1.5 ms at 16 MiB against
-2.0 ms for summing the whole slice, syncing and pulling the peer's (measured here), and 2-4x
-faster than the library's Allreduce from 4 MiB.
-
-Each slice is summed by exactly one rank, in a fixed order, and copied by the others (or, on 2
-ranks, summed by both in the same order): every rank ends with bitwise the same array, the sum
-in rank order. Synchronisation follows the MPI-3 unified shared-memory model: windows stay in a
-passive-target epoch (``Lock_all``) and a sync is ``Win.Sync`` (my stores are visible), a barrier
-on the node communicator, ``Win.Sync`` (peers' stores are visible to my loads). The node's
-window is made on first use and grown (collectively, the same size on every rank) for a larger
-piece; it and the :func:`zeros` arrays' windows are freed by
-:func:`.algorithms.free`, except those whose arrays are still alive on some rank
-(kept, with a ``ResourceWarning``, so that no array ever points at unmapped memory).
-
-An algorithm is a generator yielding the window to sync at each sync point: the blocking call
-syncs with ``Barrier``, :class:`ShmRequest` with ``Ibarrier``. The requests of a node run one at
-a time in call order (a FIFO); ``test()`` on any of them runs every phase whose barrier has
-completed. The copies and sums are the caller's CPU time either way. ``HPCNN_SHM=0`` disables
-shm (as if the ranks were on several nodes).
+Synchronisation follows the MPI-3 unified model: windows stay in a ``Lock_all`` epoch and a sync is
+``Win.Sync``, a barrier on the node communicator, ``Win.Sync``. The node's window is made on first
+use and grown collectively; windows are freed by :func:`.algorithms.free`, except those whose
+arrays are still alive on some rank (kept, with a ``ResourceWarning``). An algorithm is a
+generator yielding the window at each sync point: the blocking call syncs with ``Barrier``,
+:class:`ShmRequest` with ``Ibarrier`` (a node's requests run in call order; ``test()`` runs every
+phase whose barrier completed). ``HPCNN_SHM=0`` disables shm.
 """
 from __future__ import annotations
 

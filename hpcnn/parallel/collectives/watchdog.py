@@ -3,33 +3,28 @@ stuck in one for longer than ``hpcnn train --hang_timeout`` and aborts the job.
 
 A rank that enters a different collective than its peers (or none) leaves them waiting forever.
 To say which rank waits where, each process keeps, in module state, its **current call**: a tuple
-(sequence number, kind, communicator name, peer, bytes), set by
-:func:`enter` and cleared by :func:`leave` at one choke point per kind (the
-:class:`~.comm.Communicator` methods, its allreduce hot path, the waits of the requests of
-:mod:`.mpi_base`, :mod:`.ring` and :mod:`.shm`), and its **last call**. Non-blocking starts
-(``isend``, ``irecv``, ``iallreduce``) are recorded by :func:`started` as a last call only: it is
-their ``wait`` that blocks. A record costs a counter, a tuple and two list stores, no clock read
-(~0.2 us in Python; on the C allreduce hot path, which records in C, less than the noise:
-``benchmarks/watchdog_overhead.py``), so it is always on.
+(sequence number, kind, communicator name, peer, bytes), set by :func:`enter` and cleared by
+:func:`leave` at one choke point per kind (the :class:`~.comm.Communicator` methods, its
+allreduce hot path, the waits of the requests of :mod:`.mpi_base`, :mod:`.ring` and :mod:`.shm`),
+and its **last call**. Non-blocking starts (``isend``, ``irecv``, ``iallreduce``) are recorded by
+:func:`started` as a last call only: it is their ``wait`` that blocks. A record reads no clock and
+costs little enough to stay always on (``benchmarks/watchdog_overhead.py``;
+docs/results/collectives.md).
 
 The :class:`Watchdog` is a daemon thread (mpi4py releases the GIL inside blocking MPI calls). It
-polls the current call and times it from when it first saw its sequence number (to within one
-poll interval); only time spent *inside* a communication call counts, so a long compute step
-never fires it. When the call has lasted more than the timeout, or when it sees that another
-rank has, it writes this rank's record (current call, or "not in a call" and the last one) as a
-small JSON file in a **side channel**: a directory whose job-unique name rank 0 chose at start
-(:func:`side_channel`, next to the run log) and broadcast before anything could hang, so that no
-MPI is needed on the stuck communicators. Rank 0 (or, when rank 0 does not answer within a grace
-period, the first rank to claim the report) gathers the files after that grace period, prints one
-table (which rank waits in which call since when, ranks with no record listed as such), runs the
-``on_hang`` callback (rank 0: the run log marked "failed" with the reason, in a thread given at
-most two seconds) and calls ``MPI_Abort`` on ``MPI.COMM_WORLD``: a nonzero exit for the whole job.
+polls the current call and times it from when it first saw its sequence number; only time spent
+*inside* a communication call counts. When the call has lasted more than the timeout, or another
+rank's has, it writes this rank's record as a small JSON file in a **side channel**: a directory
+rank 0 named and broadcast at start (:func:`side_channel`, next to the run log), so that no MPI is
+needed on the stuck communicators. Rank 0 (or, if it does not answer within a grace period, the
+first rank to claim the report) gathers the files, prints one table (which rank waits in which
+call since when), runs the ``on_hang`` callback (rank 0: the run log marked "failed", given at
+most two seconds) and calls ``MPI_Abort`` on ``MPI.COMM_WORLD``.
 
-A test-only fault hook, the environment variable ``HPCNN_FAULT=skip_collective:rank=R:step=S``
-(optionally ``:kind=K``, e.g. ``kind=isend``), read once by :func:`arm_fault`, makes rank R skip
-its first recorded call (of kind K) from step S on (:func:`at_step` is told each step): the
-hang this module diagnoses, on purpose. ``stall_collective:...`` instead stops rank R before
-that call for good (sleeping outside any call: a rank that enters none). Never set it outside
+A test-only fault hook, ``HPCNN_FAULT=skip_collective:rank=R:step=S`` (optionally ``:kind=K``),
+read once by :func:`arm_fault`, makes rank R skip its first recorded call (of kind K) from step S
+on (:func:`at_step` is told each step): the hang this module diagnoses, on purpose.
+``stall_collective:...`` instead stops rank R before that call for good. Never set it outside
 tests.
 """
 from __future__ import annotations

@@ -7,24 +7,17 @@ done (the chain calls ``on_block_done(i)`` after block ``i``), so communication 
 runs while the first layers still compute (Li et al., PyTorch Distributed, VLDB 2020).
 
 Combining the replicas (Moreno-Álvarez, Paoletti, Rico-Gallego, Haut, J. Supercomputing 2022).
-Rank i holds b_i samples β_i of the global batch, Σ_i b_i = B, and its loss is the local
-mean L_i = (1/b_i) Σ_{x∈β_i} ℓ(x), whose gradient is g_i. The caller scales the backward by
-``dloss = c_i``, so the allreduce SUM gives G = Σ_i c_i g_i:
+Rank i holds b_i of the B samples of the global batch; its loss is the local mean, its gradient
+g_i. The caller scales the backward by ``dloss = c_i``, so the allreduce SUM gives
+G = Σ_i c_i g_i: ``weighted`` c_i = b_i/B (exactly the serial run's gradient of the mean over the
+global batch, whatever the shares); ``uniform`` c_i = 1/P (a sample on a replica with a small
+share counts more); ``equal`` all b_i = B/P, where the two coincide. With gradient accumulation
+a micro-batch of m samples gets c = m/B or m/(P b_i): :func:`dloss_for` returns these factors.
 
-- ``weighted``: c_i = b_i/B, G = Σ_i (b_i/B) g_i = (1/B) Σ_{x∈β} ∇ℓ(x), exactly the gradient
-  of the mean over the whole global batch (the serial run), whatever the shares;
-- ``uniform``: c_i = 1/P, G = (1/P) Σ_i g_i: a sample on rank i weighs 1/(P b_i), so samples on a
-  replica with a small share count more;
-- ``equal``: all b_i = B/P, where the two coincide (c_i = 1/P = b_i/B).
-
-Finiteness check, one pass: before a bucket is sent its Σ g² is computed (a dot product), and
-the sum over a flat buffer's buckets rides in one extra *sentinel* element at its end, so after the
-allreduce it holds Σ_ranks Σ g² on every rank. It is non-finite if any rank's gradient was, and if
-a finite sum overflowed (an element can overflow in the sum only if its square does); only then
-are the reduced buffers tested element by element.
-
-Gradient accumulation: a micro-batch of m of the rank's b_i samples, its loss the mean over m,
-gets c = m/B (weighted) or m/(P b_i) (uniform); :func:`dloss_for` returns these factors.
+Finiteness check, one pass: before a bucket is sent its Σ g² is computed, and the sum over a flat
+buffer's buckets rides in one extra *sentinel* element at its end, so after the allreduce it holds
+Σ_ranks Σ g² on every rank: non-finite if any rank's gradient was or a finite sum overflowed; only
+then are the reduced buffers tested element by element.
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
         from hpcnn.nn import models; from hpcnn.parallel.collectives import Communicator; \\

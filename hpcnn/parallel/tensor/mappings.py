@@ -13,19 +13,14 @@ sequence parallelism)::
     AllGatherSeq       all-gather along T (dim 1)       reduce-scatter along T
     ReduceScatterSeq   reduce-scatter along T (dim 1)   all-gather along T
 
-Each op has the block interface, ``y, cache = op.forward(x)`` and ``dx = op.backward(dy, cache)``,
-and is the identity on a communicator of size 1 (no call, nothing counted). A collective keeps
-nothing for its backward: its cache is None (the blocks that use them name it in their own cache
-NamedTuple, e.g. ``ColumnParallelCache.c_in``). They call the named
-methods of :class:`~hpcnn.parallel.collectives.Communicator` (allreduce, allgather and reduce_scatter
-along axis 0: the communicated axis is moved first and made contiguous, then moved back);
-:func:`allreduce_max` adds the element-wise maximum the vocabulary-parallel softmax needs, counted
-in the Communicator's :class:`~hpcnn.parallel.collectives.CommStats` like its own collectives.
-
-``op.volume(nbytes)`` is what one forward+backward hands to the collectives, as a :class:`Volume`
-whose :meth:`Volume.sent` applies the counting convention of
-:mod:`~hpcnn.parallel.collectives.comm` (on p ranks: allreduce 2(p-1)/p n, floored on the
-total; all-gather and reduce-scatter (p-1)/p n of the full size n, floored per call), so a block's ``spec().comm_bytes`` equals what the stats count.
+Each op has the block interface (``y, cache = op.forward(x)``, ``dx = op.backward(dy, cache)``),
+keeps nothing for its backward (cache None) and is the identity on a communicator of size 1. They
+call the named methods of :class:`~hpcnn.parallel.collectives.Communicator` along axis 0 (the
+communicated axis moved first, then back); :func:`allreduce_max` adds the element-wise maximum of
+the vocabulary-parallel softmax, counted like the others. ``op.volume(nbytes)`` is what one
+forward+backward hands to the collectives, a :class:`Volume` whose :meth:`Volume.sent` applies
+the counting convention of :mod:`~hpcnn.parallel.collectives.comm`, so a block's
+``spec().comm_bytes`` equals what the stats count.
 
     mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tensor.mappings import \\
