@@ -11,7 +11,7 @@ import pytest
 
 import hpcnn
 from hpcnn import cli, cli_tools
-from hpcnn.config import ConfigError, TrainConfig, parse_overrides
+from hpcnn.config import TrainConfig, parse_overrides
 from mpi_util import ROOT
 
 TOOLS = {"plan": cli_tools.PLAN, "simulate": cli_tools.SIMULATE, "calibrate": cli_tools.CALIBRATE}
@@ -70,18 +70,6 @@ def test_train_flags_alone_are_true_and_no_flag_false():
         assert getattr(parse_overrides([]), name) is default, name
     c = parse_overrides(["--show-schedule", "--no-overlap", "--no_progress"])
     assert (c.show_schedule, c.overlap, c.progress) == (True, False, False)
-
-
-@pytest.mark.parametrize("args,match", [
-    (["--steps"], r"^--steps needs a value \(--steps=VALUE\)$"),
-    (["--lr"], r"^--lr needs a value \(--lr=VALUE\)$"),
-    (["--no-steps"], r"unknown option --no_steps"),          # --no- only before a true/false option
-    (["--no-progress=true"], r"unknown option --no_progress \(did you mean --progress"),
-    (["--progress=maybe"], r"--progress='maybe': expected bool"),
-])
-def test_train_bare_options_that_need_a_value(args, match):
-    with pytest.raises(ConfigError, match=match):
-        parse_overrides(args)
 
 
 def test_train_refuses_a_bare_valued_option_in_one_line():
