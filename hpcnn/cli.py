@@ -1,4 +1,4 @@
-"""The ``hpcnn`` command: train, info, report, simulate, calibrate.
+"""The ``hpcnn`` command: train, info, report, simulate, calibrate, plan (:data:`SUBCOMMANDS`).
 
 ::
 
@@ -15,16 +15,20 @@ import os
 import platform
 import sys
 
-USAGE = """usage: hpcnn <command> [options]
-
-commands:
-  train [--key=value ...]   train a model (hpcnn train --help lists the options)
-  info                      versions, MPI library, backend, BLAS threads
-  report RUN.h5 [OUT.png]   plot a run log's curves and step times (--trace OUT.json: Perfetto)
-  simulate [--key=value]    a pipeline schedule's predicted makespan, bubble and chart
-  calibrate                 (under mpiexec) time the allreduce algorithms, print auto's table
-  plan --machine=FILE ...   rank a GPT's dp x tp x pp layouts on a machine by predicted step time
-"""
+SUBCOMMANDS = (   # (name, arguments, one line): what ``hpcnn --help`` lists, in this order
+    ("train", "[--key=value ...]", "train a model (hpcnn train --help lists the options)"),
+    ("info", "", "versions, MPI library, backend, BLAS threads"),
+    ("report", "RUN.h5 [OUT.png]", "plot a run log's curves and step times (--trace OUT.json: "
+                                   "Perfetto)"),
+    ("simulate", "[--key=value ...]", "a pipeline schedule's predicted makespan, bubble and chart"),
+    ("calibrate", "[--key=value ...]", "(under mpiexec) time the allreduce algorithms, print "
+                                       "auto's table; --write=FILE: a machine file"),
+    ("plan", "[--key=value ...]", "rank a GPT's dp x tp x pp layouts on this machine (or "
+                                  "--machine=FILE) by predicted step time"),
+)
+USAGE = ("usage: hpcnn <command> [options]     (hpcnn <command> --help: its options; "
+         "hpcnn --version)\n\ncommands:\n"
+         + "".join(f"  {f'{name} {args}':<31}{line}\n" for name, args, line in SUBCOMMANDS))
 
 
 def _under_mpi() -> bool:
@@ -37,9 +41,10 @@ def _under_mpi() -> bool:
 
 def cmd_train(args) -> int:
     from hpcnn import preflight
-    from hpcnn.config import ConfigError, TrainConfig, describe, parse_overrides
+    from hpcnn.config import ConfigError, TrainConfig, describe, flags_note, parse_overrides
     if any(a in ("-h", "--help") for a in args):
-        print("usage: hpcnn train [--key=value ...]\n\noptions (default, meaning):\n" + describe(TrainConfig))
+        print("usage: hpcnn train [--key=value ...]\n\noptions (default, meaning):\n"
+              + describe(TrainConfig) + "\n\n" + flags_note("progress"))
         return 0
     mpi = _under_mpi()
     try:                  # every check that needs no MPI, before MPI starts: a refused run
@@ -229,6 +234,11 @@ def _allreduce_lines() -> list[str]:
 
 
 def cmd_info(args) -> int:
+    if args:
+        help_asked = args[0] in ("-h", "--help")
+        print("usage: hpcnn info     versions, MPI library, backend, BLAS threads (no options)",
+              file=sys.stdout if help_asked else sys.stderr)
+        return 0 if help_asked else 2
     print("\n".join(info_lines()))
     return 0
 
@@ -343,8 +353,12 @@ COMMANDS = {"train": cmd_train, "info": cmd_info, "report": cmd_report, "plan": 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        import hpcnn
+        print(f"hpcnn {hpcnn.__version__}")
+        return 0
     cmd = COMMANDS.get(argv[0])
     if cmd is None:
         print(f"hpcnn: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)

@@ -33,24 +33,38 @@ SIMULATE = {"schedule": ("1f1b", str, "gpipe | 1f1b | interleaved | zb_h1 | zb_v
 
 
 def _options(args, spec, command):
-    """--key=value pairs checked against ``spec``: (values, None) or (None, error message)."""
+    """``--key=value`` pairs checked against ``spec``: (values, None) or (None, error message).
+    Read as ``hpcnn train`` reads its options (:func:`hpcnn.config.split_option`): a boolean
+    option alone is true (``--json``), ``--no-json`` false."""
+    from hpcnn.config import ConfigError, convert, needs_value, split_option
     out = {k: v[0] for k, v in spec.items()}
+    types = {k: v[1] for k, v in spec.items()}
     for a in args:
-        key, eq, raw = a[2:].partition("=") if a.startswith("--") else ("", "", "")
-        if key not in spec or not eq:
+        try:
+            key, raw = split_option(a, types)
+        except ConfigError:
+            key, raw = "", None
+        if key not in spec:
             near = difflib.get_close_matches(key, spec, n=1)
             hint = f" (did you mean --{near[0]}?)" if near else ""
             return None, f"hpcnn {command}: unknown option {a!r}{hint}"
+        if raw is None:
+            return None, f"hpcnn {command}: {needs_value(key)}"
         try:
-            out[key] = spec[key][1](raw)
-        except ValueError:
-            return None, f"hpcnn {command}: --{key}={raw!r} is not a {spec[key][1].__name__}"
+            out[key] = convert(key, raw, bool) if types[key] is bool else types[key](raw)
+        except (ValueError, ConfigError):
+            return None, f"hpcnn {command}: --{key}={raw!r} is not a {types[key].__name__}"
     return out, None
 
 
 def _help(command, spec):
     lines = [f"usage: hpcnn {command} [--key=value ...]", "", "options (default, meaning):"]
-    lines += [f"  --{k}={v[0]!s:<8} {v[2]}" for k, v in spec.items()]
+    lines += [f"  --{k}={str(v[0]).lower() if v[1] is bool else v[0]!s:<8} {v[2]}"
+              for k, v in spec.items()]
+    flags = [k for k, v in spec.items() if v[1] is bool]
+    if flags:
+        from hpcnn.config import flags_note
+        lines += ["", flags_note(flags[0])]
     return "\n".join(lines)
 
 
@@ -210,11 +224,13 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
         "n_heads": (16, int, "attention heads"), "seq": (1024, int, "context length"),
         "vocab": (50304, int, "vocabulary"), "batch": (512, int, "global batch (sequences)"),
         "dtype": ("bfloat16", str, "bfloat16 | float16 | float32 | float64"),
-        "machine": ("", str, "machine file (machines/*.toml); required"),
+        "machine": ("", str, "machine file (machines/*.toml); '' = this machine's, as hpcnn "
+                             "train: $HPCNN_MACHINE, else machines/local.toml, else "
+                             "machines/local-2vcpu.toml"),
         "devices": (0, int, "devices to plan for (0: all of the machine's)"),
         "memory_gb": (0.0, float, "memory per device in GB (0: the machine file's)"),
         "top": (10, int, "layouts to print"),
-        "json": (False, lambda v: v.lower() in ("1", "true", "yes"), "print JSON for scripts")}
+        "json": (False, bool, "print JSON for scripts")}
 
 
 def cmd_plan(args) -> int:
@@ -226,8 +242,6 @@ def cmd_plan(args) -> int:
         print(_help("plan", PLAN))
         return 0
     o, err = _options(args, PLAN, "plan")
-    if err is None and not o["machine"]:
-        err = "hpcnn plan: --machine=FILE is required (see machines/)"
     if err is None and o["model"] != "gpt":
         err = f"hpcnn plan: --model={o['model']!r}: only gpt is planned here"
     if err:
@@ -239,7 +253,7 @@ def cmd_plan(args) -> int:
     from hpcnn.plan import hybrid, machine as machines
     t0 = time.perf_counter()
     try:
-        mach = machines.load(o["machine"])
+        mach = machines.load(o["machine"]) if o["machine"] else machines.this_machine()
         model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"], o["vocab"],
                                    o["batch"], o["dtype"])
         ranked = hybrid.plan(model, mach, o["devices"] or mach.p,

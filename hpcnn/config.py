@@ -396,7 +396,7 @@ def _field_types(cls) -> dict:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _convert(key: str, raw: str, typ):
+def convert(key: str, raw: str, typ):
     """Parse the string ``raw`` as ``typ`` (bool, int, float, str, tuple[int, ...])."""
     try:
         if typ is bool:
@@ -423,30 +423,67 @@ def _convert(key: str, raw: str, typ):
     raise ConfigError(f"--{key}={raw!r}: expected {tname}")
 
 
+def split_option(arg: str, types: dict) -> tuple[str, str | None]:
+    """One command-line argument as ``(key, raw value)``, dashes in the key read as underscores.
+
+    ``--key=value`` gives its value; a bare ``--flag`` of a boolean option (``types[flag] is
+    bool``) reads as ``--flag=true`` and ``--no-flag`` (or ``--no_flag``) as ``--flag=false``;
+    any other bare ``--key`` gives ``(key, None)``: the caller refuses it, as an unknown option
+    or one that needs a value (:func:`needs_value`). Raises ConfigError for an argument not
+    starting with ``--``. The one reading of options for ``hpcnn train`` and the tools
+    (:mod:`hpcnn.cli_tools`)."""
+    if not arg.startswith("--"):
+        raise ConfigError(f"{arg!r}: expected --key=value")
+    key, eq, raw = arg[2:].partition("=")
+    key = key.replace("-", "_")
+    if eq:
+        return key, raw
+    if types.get(key) is bool:
+        return key, "true"
+    if key.startswith("no_") and types.get(key[3:]) is bool:
+        return key[3:], "false"
+    return key, None
+
+
+def needs_value(key: str) -> str:
+    """The refusal of a bare ``--key`` whose option is not boolean."""
+    return f"--{key} needs a value (--{key}=VALUE)"
+
+
+def flags_note(flag: str) -> str:
+    """The line of ``--help`` that says how a boolean option (e.g. ``flag``) is written."""
+    return (f"a true/false option alone is true (--{flag}); --no-{flag} or --{flag}=false "
+            f"is false")
+
+
 def parse_overrides(args, base: TrainConfig | None = None, cls=TrainConfig):
     """Apply ``["--key=value", ...]`` to ``base`` (default config); return the new config.
 
-    Errors (all collected, then raised as one ConfigError): an argument not of the form
-    ``--key=value``, an unknown key (closest names suggested), a value of the wrong type.
+    A boolean option also stands alone: ``--progress`` is ``--progress=true`` and
+    ``--no-progress`` is ``--progress=false`` (:func:`split_option`). Errors (all collected,
+    then raised as one ConfigError): an argument not starting with ``--``, an unknown key
+    (closest names suggested), a bare key that needs a value, a value of the wrong type.
     """
     cfg = dataclasses.replace(base) if base is not None else cls()
     types = _field_types(type(cfg))
     errs = []
     for arg in args:
-        if not arg.startswith("--") or "=" not in arg:
-            errs.append(f"{arg!r}: expected --key=value")
+        try:
+            key, raw = split_option(arg, types)
+        except ConfigError as e:
+            errs.append(str(e))
             continue
-        key, raw = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
         if key not in types:
             close = difflib.get_close_matches(key, types, n=3)
             hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
             errs.append(f"unknown option --{key}{hint}")
-            continue
-        try:
-            setattr(cfg, key, _convert(key, raw, types[key]))
-        except ConfigError as e:
-            errs.append(str(e))
+        elif raw is None:
+            errs.append(needs_value(key))
+        else:
+            try:
+                setattr(cfg, key, convert(key, raw, types[key]))
+            except ConfigError as e:
+                errs.append(str(e))
     if errs:
         raise ConfigError("; ".join(errs))
     return cfg

@@ -124,6 +124,9 @@ def test_config_from_python_lists_and_strings():
     (["--progress=maybe"], r"expected bool"),
     (["--hidden=a,b"], r"expected comma-separated integers"),
     (["lr=1"], r"expected --key=value"),
+    (["--steps"], r"^--steps needs a value \(--steps=VALUE\)$"),     # a bare option: true/false only
+    (["--no-steps"], r"unknown option --no_steps"),
+    (["--no-progress=true"], r"unknown option --no_progress \(did you mean --progress"),
 ])
 def test_config_errors(args, match):
     with pytest.raises(ConfigError, match=match):
