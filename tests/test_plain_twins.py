@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from hpcnn import data
+from hpcnn import datasets as data
 from hpcnn.engine import plain_pipeline
 from hpcnn.nn import models
 from hpcnn.parallel.collectives import plain_ring

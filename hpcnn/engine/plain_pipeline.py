@@ -1,8 +1,8 @@
 """GPipe and 1F1B written as plain loops, for reading: the textbook twin of the pipelined step.
 
 The training path runs a pipeline as data: a schedule's per-rank instruction list
-(:mod:`hpcnn.parallel.schedules`) run by the generic executor (:func:`hpcnn.engine.execute.run`),
-through :func:`hpcnn.parallel.pipeline.train_step`. Here the same two schedules are the loops a
+(:mod:`hpcnn.schedule.pipeline`) run by the generic executor (:func:`hpcnn.engine.execute.run`),
+through :func:`hpcnn.engine.pipelined.train_step`. Here the same two schedules are the loops a
 textbook draws, one stage per rank (stage s on pipeline rank s):
 
     GPipe   for each micro-batch: forward, send the activation on;
@@ -20,7 +20,7 @@ from __future__ import annotations
 from hpcnn import backend
 from hpcnn.engine.stage import boundary_shapes
 from hpcnn.engine.step import split_batch
-from hpcnn.parallel import partition
+from hpcnn.schedule import stages as partition
 
 ACT, GRAD = 0, 1        # tags: activations go down the pipeline (s -> s+1), gradients up
 

@@ -8,7 +8,7 @@ Ring (any p): :func:`hpcnn.parallel.collectives.plain_ring.allreduce` gives bit-
 float32 random data and int64, and the library's ``MPI_Allreduce`` to 1e-12 relative.
 
 Pipeline (p = 2 or 3): :func:`hpcnn.engine.plain_pipeline.train_step` against
-:func:`hpcnn.parallel.pipeline.train_step` with the same schedule (gpipe, 1f1b), for an MLP on
+:func:`hpcnn.engine.pipelined.train_step` with the same schedule (gpipe, 1f1b), for an MLP on
 digits and a small GPT, uniform and uneven stages, 1, 2 and 4 micro-batches of uneven sizes:
 every local gradient and the loss to 1e-12 relative (the backwards run in the same order, so
 they come out bitwise equal; the OK line counts them).
@@ -16,10 +16,10 @@ they come out bitwise equal; the OK line counts them).
 import numpy as np
 from mpi4py import MPI
 
-from hpcnn import data
+from hpcnn import datasets as data
 from hpcnn.engine import plain_pipeline
 from hpcnn.nn import models
-from hpcnn.parallel import pipeline
+from hpcnn.engine import pipelined as pipeline
 from hpcnn.parallel.collectives import Communicator, plain_ring
 
 world = MPI.COMM_WORLD
