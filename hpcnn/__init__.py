@@ -1,3 +1,3 @@
-"""hpcnn: MPI-native parallel training of neural networks on mpi4py and NumPy (CuPy on GPUs)."""
+"""hpcnn: MPI-native parallel training of neural networks on MPI and NumPy (CuPy on GPUs)."""
 
 __version__ = "0.1.0"

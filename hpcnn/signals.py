@@ -48,7 +48,7 @@ GRACE_SECONDS = 10.0
 
 class StopSignals:
     """Signal handlers for one run and the agreement on when to stop (collective: make it on
-    every rank of ``comm``: a Communicator, an mpi4py communicator, or None for a serial run).
+    every rank of ``comm``: a Communicator, an MPI communicator, or None for a serial run).
 
     Handlers are installed only from the main thread and restored by :meth:`close`.
     """

@@ -7,7 +7,7 @@ emulated slowdown and the rematerialization policy. A serial run is the 1 x 1 x 
 one-rank communicators that never touch MPI, so the training loop (:mod:`hpcnn.train`) and the
 step (:mod:`.step`) have no serial branch::
 
-    ctx = ParallelContext(cfg, world)          # world: an mpi4py communicator, or None (serial)
+    ctx = ParallelContext(cfg, world)          # world: the MPI world communicator, or None (serial)
     task = ctx.build(build_task)               # the model holds this rank's stages only
     ctx.attach(task)                           # stages, engine, balancer, remat; then train
     ...

@@ -9,13 +9,13 @@ SEND/RECV of activations and gradients). The training loop builds the stages onc
 (:class:`hpcnn.engine.context.ParallelContext`); :func:`train_step` here is the same step on its
 own, for experiments and tests, and :func:`forward_only` the evaluation forward.
 
-    mpiexec -n 4 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn import data; from hpcnn.nn import models; \\
-        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel import pipeline; \\
-        d = data.digits(); m = models.mlp(64, (32, 32, 32), 10); \\
-        out = pipeline.train_step('1f1b', m, Communicator(MPI.COMM_WORLD), \\
+    mpiexec -n 4 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn import datasets; from hpcnn.nn import models; \\
+        from hpcnn.parallel.collectives import world; from hpcnn.engine import pipelined; \\
+        d = datasets.digits(); m = models.mlp(64, (32, 32, 32), 10); c = world(); \\
+        out = pipelined.train_step('1f1b', m, c, \\
             d.x_train[:32].astype(np.float32), d.y_train[:32], 4, layout='1|3|2|1'); \\
-        print(MPI.COMM_WORLD.rank, out['loss'], out['peak_inflight'])"
+        print(c.rank, out['loss'], out['peak_inflight'])"
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def forward_only(chain, ranges, pp, x, y=None, owner=None):
 
 def _pp_communicator(comm):
     """A :class:`.collectives.Communicator` on the pipeline axis of a ProcessGrid, a
-    Communicator or a raw mpi4py communicator."""
+    Communicator or a raw MPI communicator."""
     from hpcnn.parallel.collectives import Communicator
     if isinstance(comm, Communicator):
         return comm
@@ -84,7 +84,7 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
                broadcast_loss: bool = True, remat=None, draw=None, row0: int = 0) -> dict:
     """One pipelined forward/backward of the global batch (x, y); the optimizer step is the caller's.
 
-    ``comm``: ProcessGrid, pipeline Communicator or mpi4py communicator of p ranks. Stages: the
+    ``comm``: ProcessGrid, pipeline Communicator or MPI communicator of p ranks. Stages: the
     explicit ``ranges``, else ``layout`` (``"1|3|2|1"``), else :func:`.partition.uniform` into
     ``p * virtual`` stages. The schedule ``schedules.SCHEDULES[schedule_name](S, n_micro, p)`` is
     validated, the local stages' gradients zeroed once, the list run (the engine's executor) with

@@ -3,10 +3,10 @@
 - :mod:`hpcnn.graph.graphs`: :class:`Graph` (CSR adjacency, features, labels), the normalised
   adjacency Â, the bundled and generated data sets, HDF5 files;
 - :mod:`hpcnn.graph.rows`: 1-D row partitions and their halo (send/receive lists);
-- :mod:`hpcnn.graph.krylov`: the distributed matvec and thick-restart Lanczos on mpi4py;
+- :mod:`hpcnn.graph.krylov`: the distributed matvec and thick-restart Lanczos over a Communicator;
 - :mod:`hpcnn.graph.unite`: unite and conquer, co-operating Lanczos instances on rank groups.
 
-Nothing here imports mpi4py at load: the serial path (``comm=None``) runs without MPI.
+Nothing here loads MPI at import: the serial path (``comm=None``) makes no MPI call.
 """
 from hpcnn.graph.graphs import (Graph, digits_knn, karate_club, largest_component, les_miserables,
                                 load_graph, normalized_adjacency, save_graph, sbm)

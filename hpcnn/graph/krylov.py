@@ -3,7 +3,7 @@
 The matrix is split by rows (:mod:`hpcnn.graph.rows`); each rank holds its rows and the
 matching entries of every vector. A matvec is one halo exchange (``Alltoallv`` of the precomputed
 send/receive lists) then a local sparse product; inner products and norms are local sums followed
-by an ``Allreduce``. With ``comm=None`` the same code runs serially on one process, without MPI.
+by an ``Allreduce``. With ``comm=None`` the same code runs serially on one process, with no MPI call.
 
 Thick-restart Lanczos (Wu and Simon, SIAM J. Matrix Anal. Appl. 22, 2000), with full
 reorthogonalisation: a cycle extends an orthonormal basis V (n x m) of a Krylov space by
@@ -16,10 +16,10 @@ from the ``keep`` best Ritz vectors plus the last basis vector: T restarts as di
 
 Example (``mpiexec -n 2 python -m mpi4py script.py``; without MPI pass ``comm=None``)::
 
-    from mpi4py import MPI
     from hpcnn.graph import DistributedMatrix, karate_club, lanczos, normalized_adjacency
+    from hpcnn.parallel.collectives import world
     a = normalized_adjacency(karate_club().adjacency)            # the whole matrix on every rank
-    res = lanczos(DistributedMatrix.from_global(a, comm=MPI.COMM_WORLD), k=4)
+    res = lanczos(DistributedMatrix.from_global(a, comm=world()), k=4)
     res.values, res.vectors                                      # (4,), (rows held here, 4)
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _allreduce(comm, x: np.ndarray) -> np.ndarray:
 class DistributedMatrix:
     """This rank's rows of a square sparse matrix and the halo exchange its matvec needs.
 
-    ``comm`` is a Communicator or an mpi4py communicator (or None: one process, no MPI). Counters: ``matvecs``,
+    ``comm`` is a Communicator or an MPI communicator (or None: one process, no MPI). Counters: ``matvecs``,
     ``bytes_sent`` (halo bytes this rank sent). ``rows`` are the global rows held here.
     """
 

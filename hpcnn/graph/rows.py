@@ -128,7 +128,7 @@ def build_halo(a: sp.spmatrix, part: RowPartition, rank: int, comm=None) -> Halo
     ``a`` may be the whole matrix or only this rank's rows (``len(part.rows(rank))`` x n, in the
     order of ``part.rows(rank)``). The receive lists are local; the send lists come from the other
     ranks' receive lists with one ``alltoall`` of index arrays over ``comm`` (a Communicator or
-    an mpi4py communicator of ``part.size`` ranks). With ``comm=None`` every rank's rows must be in ``a``
+    an MPI communicator of ``part.size`` ranks). With ``comm=None`` every rank's rows must be in ``a``
     and the send lists are computed locally (the serial path, and a reference for tests).
     """
     a = sp.csr_matrix(a)

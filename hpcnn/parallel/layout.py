@@ -11,9 +11,9 @@ forward: :class:`LayoutLinear` allreduces y over nk forward, dx over nj and dW, 
 backward; :class:`Redistribute` (A -> B) fetches each device's B part in one ``alltoallv`` and
 moves the gradient B -> A the same way; ReLU, GELU are local.
 
-    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.layout import \\
-        Cut, layout_mlp; c = Communicator(MPI.COMM_WORLD); m = layout_mlp(6, [8], 3, \\
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn.parallel.collectives import world; from hpcnn.parallel.layout import \\
+        Cut, layout_mlp; c = world(); m = layout_mlp(6, [8], 3, \\
         [Cut(2, 1, 1), Cut(1, 1, 2)], c, seed=0, dtype=np.float64); \\
         x = np.arange(24.).reshape(4, 6) / 10; print(m.forward(x, np.arange(4) % 3)[0])"
 """

@@ -19,10 +19,10 @@ buffer's buckets rides in one extra *sentinel* element at its end, so after the 
 Σ_ranks Σ g² on every rank: non-finite if any rank's gradient was or a finite sum overflowed; only
 then are the reduced buffers tested element by element.
 
-    mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
-        from hpcnn.nn import models; from hpcnn.parallel.collectives import Communicator; \\
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn.nn import models; from hpcnn.parallel.collectives import world; \\
         from hpcnn.parallel.data.bucketed import DataParallel; m = models.mlp(8, (16,), 4); \\
-        dp = DataParallel(m, Communicator(MPI.COMM_WORLD)); x = np.ones((4, 8), np.float32); \\
+        dp = DataParallel(m, world()); x = np.ones((4, 8), np.float32); \\
         loss, c = m.forward(x, np.zeros(4, int)); dp.backward(0.5, c); print(dp.finish(0))"
 """
 from __future__ import annotations

@@ -7,10 +7,10 @@ sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) the block's input and
 (B, T/tp, C) slices the LayerNorms, dropouts and residuals work on. See
 :mod:`hpcnn.parallel.tensor.linear`.
 
-    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; \\
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn.parallel.collectives import world; \\
         from hpcnn.parallel.tensor.attention import \\
-        ParallelTransformerBlock; c = Communicator(MPI.COMM_WORLD); \\
+        ParallelTransformerBlock; c = world(); \\
         b = ParallelTransformerBlock(c, 16, 4, dtype=np.float64); \\
         print(b.forward(np.ones((2, 8, 16)))[0].shape, b.spec((2, 8, 16)).comm_bytes)"
 """

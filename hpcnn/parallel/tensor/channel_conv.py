@@ -15,10 +15,10 @@ Per forward+backward on p ranks, under the counting convention of
 all-gather (p-1)/p |y| + allreduce 2(p-1)/p |x| bytes. FLOPs and parameters are 1/p of the serial
 block's; the im2col matrix (the cache) is not: every rank builds it from the whole input.
 
-    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; \\
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn.parallel.collectives import world; \\
         from hpcnn.parallel.tensor.channel_conv import \\
-        ChannelParallelConv2d; c = Communicator(MPI.COMM_WORLD); \\
+        ChannelParallelConv2d; c = world(); \\
         conv = ChannelParallelConv2d(c, 3, 8, 3, padding=1, dtype=np.float64); \\
         print(conv.forward(np.ones((2, 3, 8, 8)))[0].shape, conv.spec((2, 3, 8, 8)).comm_bytes)"
 """

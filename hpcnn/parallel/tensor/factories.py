@@ -7,9 +7,9 @@ loss, :mod:`hpcnn.parallel.tensor.channel_conv`'s convolution), and those module
 imports another one back. Each factory makes the serial model's blocks, names and random keys,
 so tp = 1 and tp = k start from identical weights.
 
-    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tensor.factories import \\
-        parallel_cnn; c = Communicator(MPI.COMM_WORLD); m = parallel_cnn(c, 1, 8, (4, 8), \\
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn.parallel.collectives import world; from hpcnn.parallel.tensor.factories import \\
+        parallel_cnn; c = world(); m = parallel_cnn(c, 1, 8, (4, 8), \\
         dtype=np.float64); print(m.forward(np.ones((2, 1, 8, 8)), np.array([0, 1]))[0])"
 """
 from __future__ import annotations

@@ -18,9 +18,9 @@ Shards are :class:`TPParameter` with the serial names; :func:`gather_params` reb
 arrays. ``spec(x_shape)`` takes this rank's input shape and reports in ``comm_bytes`` what one
 forward+backward sends under :mod:`~hpcnn.parallel.collectives.comm`'s counting convention.
 
-    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tensor.factories import \\
-        parallel_gpt; c = Communicator(MPI.COMM_WORLD); m = parallel_gpt(c, 32, 8, 1, 16, 4, \\
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn.parallel.collectives import world; from hpcnn.parallel.tensor.factories import \\
+        parallel_gpt; c = world(); m = parallel_gpt(c, 32, 8, 1, 16, 4, \\
         seed=0, dtype=np.float64); t = np.arange(16).reshape(2, 8) % 32; \\
         print(m.forward(t, t)[0], c.stats.bytes_sent)"
 """

@@ -22,9 +22,9 @@ forward+backward hands to the collectives, a :class:`Volume` whose :meth:`Volume
 the counting convention of :mod:`~hpcnn.parallel.collectives.comm`, so a block's
 ``spec().comm_bytes`` equals what the stats count.
 
-    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; from hpcnn.parallel.tensor.mappings import \\
-        AllGatherSeq; c = Communicator(MPI.COMM_WORLD); y, _ = AllGatherSeq(c).forward( \\
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn.parallel.collectives import world; from hpcnn.parallel.tensor.mappings import \\
+        AllGatherSeq; c = world(); y, _ = AllGatherSeq(c).forward( \\
         np.full((1, 2, 3), c.rank, float)); print(y[0, :, 0], c.stats.bytes_sent)"
 """
 from __future__ import annotations

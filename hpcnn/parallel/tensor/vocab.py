@@ -5,10 +5,10 @@ the LM head's output, so neither the embedding table nor the logits are ever gat
 reduces three numbers per row instead of V: the row maximum (allreduce MAX), the sum of
 exp(z - max) and the target logit (one allreduce SUM of both). See :mod:`hpcnn.parallel.tensor.linear`.
 
-    mpiexec -n 2 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
-        from hpcnn.parallel.collectives import Communicator; \\
+    mpiexec -n 2 python -m mpi4py -c "import numpy as np; \\
+        from hpcnn.parallel.collectives import world; \\
         from hpcnn.parallel.tensor.vocab import \\
-        VocabParallelCrossEntropy; c = Communicator(MPI.COMM_WORLD); \\
+        VocabParallelCrossEntropy; c = world(); \\
         z = np.arange(8.0).reshape(2, 4) + 4 * c.rank; \\
         print(VocabParallelCrossEntropy(c).forward(z, np.array([0, 7]))[0])"
 """
