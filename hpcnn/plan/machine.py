@@ -36,31 +36,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import os
 import tomllib
 from dataclasses import dataclass, field, replace
 
+from hpcnn.plan import tables
+
 MACHINES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "machines")
 ENV = "HPCNN_MACHINE"        # a machine file this_machine() reads before machines/local.toml
-
-
-def _positive(value, what: str, allow_zero: bool = False) -> float:
-    """``value`` as a float, ValueError naming ``what`` unless it is a finite number > 0 (>= 0)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} = {value!r}: expected a number")
-    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{what} = {value!r}: expected a number {'>=' if allow_zero else '>'} 0")
-    return float(value)
-
-
-def _finite_positive(value, what: str) -> float:
-    """``value`` as a float, ValueError naming ``what`` unless it is a finite number > 0."""
-    number = _positive(value, what)
-    if math.isinf(number):
-        raise ValueError(f"{what} = {value!r}: expected a finite number > 0")
-    return number
 
 
 @dataclass(frozen=True)
@@ -117,23 +101,23 @@ class Level:
             raise ValueError(f"level name = {self.name!r}: expected a non-empty string")
         if isinstance(self.fanout, bool) or not isinstance(self.fanout, int) or self.fanout < 1:
             raise ValueError(f"{where}: fanout = {self.fanout!r}: expected an integer >= 1")
-        object.__setattr__(self, "latency_s", _positive(self.latency_s, f"{where}: latency_s",
+        object.__setattr__(self, "latency_s", tables.positive(self.latency_s, f"{where}: latency_s",
                                                         allow_zero=True))
-        object.__setattr__(self, "bandwidth", _pieces(self.bandwidth, f"{where}: bandwidth"))
-        object.__setattr__(self, "handoff", _points(self.handoff, f"{where}: handoff"))
-        w = _positive(self.bubble_weight, f"{where}: bubble_weight")
+        object.__setattr__(self, "bandwidth", tables.read_pieces(self.bandwidth, f"{where}: bandwidth"))
+        object.__setattr__(self, "handoff", tables.read_points(self.handoff, f"{where}: handoff"))
+        w = tables.positive(self.bubble_weight, f"{where}: bubble_weight")
         if w > 1:
             raise ValueError(f"{where}: bubble_weight = {self.bubble_weight!r}: expected a number "
                              "in (0, 1]")
         object.__setattr__(self, "bubble_weight", w)
         if self.reduce_bandwidth:
-            object.__setattr__(self, "reduce_bandwidth", _pieces(
+            object.__setattr__(self, "reduce_bandwidth", tables.read_pieces(
                 self.reduce_bandwidth, f"{where}: reduce_bandwidth"))
-        object.__setattr__(self, "after_compute", _curves(self.after_compute,
+        object.__setattr__(self, "after_compute", tables.read_curves(self.after_compute,
                                                           f"{where}: after_compute"))
-        object.__setattr__(self, "collective_scale", _finite_positive(
+        object.__setattr__(self, "collective_scale", tables.finite_positive(
             self.collective_scale, f"{where}: collective_scale"))
-        object.__setattr__(self, "group_scales", _group_scales(
+        object.__setattr__(self, "group_scales", tables.read_group_scales(
             self.group_scales, f"{where}: group_scales", self.after_compute))
 
     def seconds_per_byte(self, nbytes: int) -> float:
@@ -143,12 +127,12 @@ class Level:
         for max_bytes, rate in self.bandwidth:
             if nbytes <= max_bytes:
                 return 1.0 / rate
-        raise AssertionError("the last piece ends at infinity")     # checked in _pieces
+        raise AssertionError("the last piece ends at infinity")     # checked in tables.read_pieces
 
     def handoff_after(self, after: float = 0.0) -> float:
         """H_l(c): the handoff after c = ``after`` seconds of compute (the ``handoff`` points,
         linear between them, flat outside; 0 without points)."""
-        return _between(self.handoff, after) if self.handoff else 0.0
+        return tables.between(self.handoff, after) if self.handoff else 0.0
 
     def message_seconds(self, nbytes: int, after: float = 0.0) -> float:
         """H_l(c) + L_l + n g_l(n): one message of ``nbytes`` between two children of this level
@@ -190,8 +174,8 @@ class Level:
         curves = {}
         for c, b, t in self.after_compute[f"{kind}.{near}"]:
             curves.setdefault(c, []).append((b, t))
-        at = [(c, _along(curves[c], nbytes)) for c in sorted(curves)]
-        return self.scale_of(near) * _between(at, after)
+        at = [(c, tables.along(curves[c], nbytes)) for c in sorted(curves)]
+        return self.scale_of(near) * tables.between(at, after)
 
     def curve_group(self, kind: str, n: int) -> int | None:
         """The group size of the ``after_compute`` curve that prices a ``kind`` collective over
@@ -204,143 +188,6 @@ class Level:
         """The scale of the curves of ``group`` ranks: its ``group_scales`` entry, else
         ``collective_scale``."""
         return dict(self.group_scales).get(group, self.collective_scale)
-
-
-def _between(points, x: float) -> float:
-    """The value at ``x`` of points ((x, value), ...), x increasing: linear between them,
-    flat outside them."""
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, v0), (x1, v1) in zip(points, points[1:]):
-        if x <= x1:
-            return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
-    return points[-1][1]
-
-
-def _along(curve, nbytes: float) -> float:
-    """Seconds at ``nbytes`` on a curve of (bytes, seconds), bytes increasing: linear between
-    its points, its first seconds below them, the last two points' slope past them."""
-    if nbytes <= curve[0][0] or len(curve) == 1:
-        return curve[0][1]
-    for (b0, t0), (b1, t1) in zip(curve, curve[1:]):
-        if nbytes <= b1:
-            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-    (b0, t0), (b1, t1) = curve[-2], curve[-1]
-    return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
-
-
-def _curves(table, what: str) -> dict:
-    """A level's ``after_compute`` checked: {"KIND.N": ((c, bytes, seconds), ...)} with KIND
-    "allreduce" or "alltoall", N an integer >= 2, every number finite and >= 0, and per c the
-    bytes strictly increasing; empty for none."""
-    if not isinstance(table, dict):
-        raise ValueError(f"{what} = {table!r}: expected a table of \"KIND.N\" = [[c, bytes, "
-                         "seconds], ...]")
-    out = {}
-    for key, rows in table.items():
-        kind, _, n = str(key).partition(".")
-        if kind not in ("allreduce", "alltoall") or not n.isdigit() or int(n) < 2:
-            raise ValueError(f"{what}: key {key!r}: expected \"allreduce.N\" or \"alltoall.N\" "
-                             "with N an integer >= 2 (ranks)")
-        if isinstance(rows, (str, bytes, dict)) or not hasattr(rows, "__iter__") or not rows:
-            raise ValueError(f"{what}[{key!r}] = {rows!r}: expected a list of [c, bytes, seconds]")
-        checked, last = [], {}
-        for i, row in enumerate(rows):
-            if isinstance(row, (str, bytes, dict)) or not hasattr(row, "__len__") or len(row) != 3:
-                raise ValueError(f"{what}[{key!r}][{i}] = {row!r}: expected [c, bytes, seconds]")
-            c, b, t = (_positive(x, f"{what}[{key!r}][{i}] {name}", allow_zero=True)
-                       for x, name in zip(row, ("c", "bytes", "seconds")))
-            if any(math.isinf(x) for x in (c, b, t)):
-                raise ValueError(f"{what}[{key!r}][{i}] = {list(row)!r}: expected finite numbers")
-            if c in last and b <= last[c]:
-                raise ValueError(f"{what}[{key!r}][{i}] bytes = {row[1]!r}: at c = {row[0]!r} "
-                                 f"the bytes must increase (previous {last[c]!r})")
-            last[c] = b
-            checked.append((c, b, t))
-        out[f"{kind}.{int(n)}"] = tuple(checked)
-    return out
-
-
-def _group_scales(items, what: str, curves: dict) -> tuple:
-    """A level's ``group_scales`` checked: ((int n, float k), ...), n an integer >= 2 with an
-    ``after_compute`` curve of that group size, k finite and > 0, n increasing; empty for
-    none."""
-    out = []
-    sizes = {int(key.split(".")[1]) for key in curves}
-    for i, (n, k) in _pairs(items, what, ("n", "k")):
-        if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n not in sizes:
-            raise ValueError(f"{what}[{i}] n = {n!r}: expected the group size of an "
-                             f"after_compute curve ({sorted(sizes)})")
-        k = _finite_positive(k, f"{what}[{i}] k")
-        if out and int(n) <= out[-1][0]:
-            raise ValueError(f"{what}[{i}] n = {n!r}: the group sizes must increase (previous "
-                             f"{out[-1][0]})")
-        out.append((int(n), k))
-    return tuple(out)
-
-
-def _pairs(items, what: str, names: tuple):
-    """(i, pair) of each [a, b] pair in the list ``items``; ValueError naming ``what`` and the
-    two entries' ``names`` for anything else."""
-    a, b = names
-    if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):
-        raise ValueError(f"{what} = {items!r}: expected a list of [{a}, {b}]")
-    for i, pair in enumerate(items):
-        if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2:
-            raise ValueError(f"{what}[{i}] = {pair!r}: expected [{a}, {b}]")
-        yield i, pair
-
-
-def _points(points, what: str) -> tuple:
-    """Handoff points as a tuple of (float after_s, float seconds), checked: both finite and
-    >= 0, after_s strictly increasing; empty for none."""
-    out = []
-    for i, pt in _pairs(points, what, ("after_s", "seconds")):
-        after, sec = (_positive(x, f"{what}[{i}] {name}", allow_zero=True)
-                      for x, name in zip(pt, ("after_s", "seconds")))
-        if math.isinf(after) or math.isinf(sec):
-            raise ValueError(f"{what}[{i}] = {list(pt)!r}: expected finite numbers")
-        if out and after <= out[-1][0]:
-            raise ValueError(f"{what}[{i}] after_s = {pt[0]!r}: the points' after_s must "
-                             f"increase (previous {out[-1][0]!r})")
-        out.append((after, sec))
-    return tuple(out)
-
-
-def _pieces(pieces, what: str, names=("max_bytes", "bytes_per_s")) -> tuple:
-    """Pieces as a tuple of (float max, float value), checked: at least one, the maxima strictly
-    increasing, the last one infinite, every value finite and > 0. ``names`` name the two
-    entries in the errors (a level's bandwidth: max_bytes, bytes_per_s)."""
-    top_name, value_name = names
-    out = []
-    for i, piece in _pairs(pieces, what, names):
-        top = _positive(piece[0], f"{what}[{i}] {top_name}")
-        if out and top <= out[-1][0]:
-            raise ValueError(f"{what}[{i}] {top_name} = {piece[0]!r}: the pieces' {top_name} "
-                             f"must increase (previous {out[-1][0]!r})")
-        value = _positive(piece[1], f"{what}[{i}] {value_name}")
-        if math.isinf(value):
-            raise ValueError(f"{what}[{i}] {value_name} = inf: expected a finite number")
-        out.append((top, value))
-    if not out or not math.isinf(out[-1][0]):
-        raise ValueError(f"{what} = {pieces!r}: the last piece's {top_name} must be inf")
-    return tuple(out)
-
-
-def _log_interp(pieces: tuple, n: float, what: str) -> float:
-    """The value of checked pieces ((x, value), ..., (inf, value)) at ``n`` (``what`` names it
-    in the error): each finite piece is a measured point, the value interpolated linearly in
-    log(x) between neighbouring points; below the first point it is its value, above the last
-    finite point the last (infinite) piece's."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not 0 <= n < math.inf:
-        raise ValueError(f"{what} = {n!r}: expected a finite number >= 0")
-    points = pieces[:-1]                         # the measured points; pieces[-1] ends at inf
-    if not points or n > points[-1][0]:
-        return pieces[-1][1]
-    if n <= points[0][0]:
-        return points[0][1]
-    (n0, s0), (n1, s1) = next((a, b) for a, b in zip(points, points[1:]) if n <= b[0])
-    return s0 + math.log(n / n0) / math.log(n1 / n0) * (s1 - s0)
 
 
 @dataclass(frozen=True)
@@ -378,16 +225,16 @@ class Device:
         if not isinstance(self.flops, dict) or not self.flops:
             raise ValueError(f"device {self.name!r}: flops = {self.flops!r}: expected a table "
                              "dtype name -> FLOP/s")
-        object.__setattr__(self, "flops", {str(k): _positive(v, f"device flops.{k}")
+        object.__setattr__(self, "flops", {str(k): tables.positive(v, f"device flops.{k}")
                                            for k, v in self.flops.items()})
         object.__setattr__(self, "memory_bandwidth",
-                           _positive(self.memory_bandwidth, "device memory_bandwidth"))
+                           tables.positive(self.memory_bandwidth, "device memory_bandwidth"))
         object.__setattr__(self, "memory_bytes",
-                           _positive(self.memory_bytes, "device memory_bytes"))
+                           tables.positive(self.memory_bytes, "device memory_bytes"))
         if not isinstance(self.efficiency, dict):
             raise ValueError(f"device {self.name!r}: efficiency = {self.efficiency!r}: expected "
                              "a table block kind -> fraction of the rate")
-        eff = {str(k): _positive(v, f"device efficiency.{k}") for k, v in self.efficiency.items()}
+        eff = {str(k): tables.positive(v, f"device efficiency.{k}") for k, v in self.efficiency.items()}
         if any(v > 1 for v in eff.values()):
             raise ValueError(f"device {self.name!r}: efficiency = {eff}: a fraction of the "
                              "rate is at most 1")
@@ -398,12 +245,12 @@ class Device:
                 raise ValueError(f"device {self.name!r}: {table} = {value!r}: expected a "
                                  "table block kind -> seconds")
             object.__setattr__(self, table, {
-                str(k): _positive(v, f"device {table}.{k}", allow_zero=True)
+                str(k): tables.positive(v, f"device {table}.{k}", allow_zero=True)
                 for k, v in value.items()})
         if not isinstance(self.forward, dict):
             raise ValueError(f"device {self.name!r}: forward = {self.forward!r}: expected a "
                              "table block kind -> share of the forward pass")
-        fwd = {str(k): _positive(v, f"device forward.{k}") for k, v in self.forward.items()}
+        fwd = {str(k): tables.positive(v, f"device forward.{k}") for k, v in self.forward.items()}
         if any(v >= 1 for v in fwd.values()):
             raise ValueError(f"device {self.name!r}: forward = {fwd}: a share of a forward + "
                              "backward is below 1")
@@ -416,7 +263,7 @@ class Device:
             if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) != 2:
                 raise ValueError(f"device {self.name!r}: split.{k} = {v!r}: expected [input, "
                                  "weight], fractions of the whole backward")
-            halves[str(k)] = tuple(_positive(x, f"device split.{k}") for x in v)
+            halves[str(k)] = tuple(tables.positive(x, f"device split.{k}") for x in v)
         object.__setattr__(self, "split", halves)
         for table, key, names in (("update", "optimizer", ("max_params", "seconds_per_param")),
                                   ("tokens", "block kind", ("tokens", "slowdown"))):
@@ -425,7 +272,7 @@ class Device:
                 raise ValueError(f"device {self.name!r}: {table} = {value!r}: expected a table "
                                  f"{key} -> [[{', '.join(names)}], ..., [inf, {names[1]}]]")
             object.__setattr__(self, table, {
-                str(k): _pieces(v, f"device {table}.{k}", names) for k, v in value.items()})
+                str(k): tables.read_pieces(v, f"device {table}.{k}", names) for k, v in value.items()})
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
@@ -441,7 +288,7 @@ class Device:
         ``tokens`` tokens (rows) at a time: its ``tokens`` pieces there, 1 if None or the kind
         has none."""
         pieces = self.tokens.get(kind)
-        return 1.0 if tokens is None or pieces is None else _log_interp(
+        return 1.0 if tokens is None or pieces is None else tables.log_interp(
             pieces, tokens, f"device {self.name!r}: tokens")
 
     def compute_seconds(self, flops: float, dtype: str = "float32", kind: str | None = None,
@@ -484,7 +331,7 @@ class Device:
         pieces = self.update.get(optimizer)
         if pieces is None:
             return None
-        per_param = _log_interp(pieces, n_params, f"device {self.name!r}: n_params")
+        per_param = tables.log_interp(pieces, n_params, f"device {self.name!r}: n_params")
         return n_params * per_param
 
     def stream_seconds(self, nbytes: float) -> float:
@@ -497,7 +344,7 @@ class Device:
         multiplied; fractions (efficiency, forward shares, backward halves) and the tokens
         slowdown, ratios of seconds, unchanged. Where ranks share cores the calibration prices
         the device so (:func:`hpcnn.parallel.collectives.measure.layout_scale`)."""
-        factor = _finite_positive(factor, "device slowdown factor")
+        factor = tables.finite_positive(factor, "device slowdown factor")
         return replace(self, flops={k: v / factor for k, v in self.flops.items()},
                        memory_bandwidth=self.memory_bandwidth / factor,
                        **{t: {k: v * factor for k, v in getattr(self, t).items()}
@@ -585,12 +432,12 @@ class Machine:
 
     def to_toml(self) -> str:
         """The machine as a TOML file that :func:`load` reads back equal."""
-        lines = [f"name = {_toml_str(self.name)}", f"source = {_toml_str(self.source)}", "",
-                 "[device]", f"name = {_toml_str(self.device.name)}",
-                 f"memory_bandwidth = {_toml_num(self.device.memory_bandwidth)}   # bytes/s",
-                 f"memory_bytes = {_toml_num(self.device.memory_bytes)}", "",
+        lines = [f"name = {tables.toml_str(self.name)}", f"source = {tables.toml_str(self.source)}", "",
+                 "[device]", f"name = {tables.toml_str(self.device.name)}",
+                 f"memory_bandwidth = {tables.toml_num(self.device.memory_bandwidth)}   # bytes/s",
+                 f"memory_bytes = {tables.toml_num(self.device.memory_bytes)}", "",
                  "[device.flops]                  # FLOP/s per dtype"]
-        lines += [f"{_toml_str(k)} = {_toml_num(v)}" for k, v in self.device.flops.items()]
+        lines += [f"{tables.toml_str(k)} = {tables.toml_num(v)}" for k, v in self.device.flops.items()]
         for table, what in (("efficiency", "fraction of the rate per block kind"),
                             ("overhead", "seconds per forward + backward of one block"),
                             ("elementwise", "seconds per byte of a block's cache (held: of "
@@ -600,67 +447,47 @@ class Machine:
                             ("split", "zero-bubble backward halves [input, weight]")):
             if getattr(self.device, table):
                 lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
-                lines += [f"{_toml_str(k)} = " + (
-                    f"[{', '.join(_toml_num(x) for x in v)}]" if isinstance(v, tuple)
-                    else _toml_num(v)) for k, v in getattr(self.device, table).items()]
+                lines += [f"{tables.toml_str(k)} = " + (
+                    f"[{', '.join(tables.toml_num(x) for x in v)}]" if isinstance(v, tuple)
+                    else tables.toml_num(v)) for k, v in getattr(self.device, table).items()]
         for table, what in (("update", "optimizer step: [max_params, seconds_per_param] "
                                        "(float32)"),
                             ("tokens", "slowdown by tokens per call: [tokens, slowdown]")):
             if getattr(self.device, table):
                 lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
-                lines += [f"{_toml_str(k)} = {_toml_pieces(pieces)}"
+                lines += [f"{tables.toml_str(k)} = {tables.toml_pieces(pieces)}"
                           for k, pieces in getattr(self.device, table).items()]
         if not self.levels:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
             lines += ["", "[[levels]]                      # innermost first",
-                      f"name = {_toml_str(lv.name)}", f"fanout = {lv.fanout}",
-                      f"latency_s = {_toml_num(lv.latency_s)}",
-                      f"bandwidth = {_toml_pieces(lv.bandwidth)}   # [max_bytes, bytes_per_s]"]
+                      f"name = {tables.toml_str(lv.name)}", f"fanout = {lv.fanout}",
+                      f"latency_s = {tables.toml_num(lv.latency_s)}",
+                      f"bandwidth = {tables.toml_pieces(lv.bandwidth)}   # [max_bytes, bytes_per_s]"]
             if lv.reduce_bandwidth:
-                lines.append(f"reduce_bandwidth = {_toml_pieces(lv.reduce_bandwidth)}"
+                lines.append(f"reduce_bandwidth = {tables.toml_pieces(lv.reduce_bandwidth)}"
                              "   # a ring allreduce's step")
             if lv.handoff:
-                lines.append(f"handoff = {_toml_pieces(lv.handoff)}"
+                lines.append(f"handoff = {tables.toml_pieces(lv.handoff)}"
                              "   # [after_s, seconds]: a blocking exchange's wait for its peer's "
                              "core after that much compute")
             if lv.bubble_weight != 1:
-                lines.append(f"bubble_weight = {_toml_num(lv.bubble_weight)}"
+                lines.append(f"bubble_weight = {tables.toml_num(lv.bubble_weight)}"
                              "   # a pipeline's fill and drain, share of their length")
             if lv.collective_scale != 1:
-                lines.append(f"collective_scale = {_toml_num(lv.collective_scale)}"
+                lines.append(f"collective_scale = {tables.toml_num(lv.collective_scale)}"
                              "   # the executor's collectives in training / after_compute")
             if lv.group_scales:
                 lines.append("group_scales = [" + ", ".join(
-                    f"[{n}, {_toml_num(k)}]" for n, k in lv.group_scales)
+                    f"[{n}, {tables.toml_num(k)}]" for n, k in lv.group_scales)
                     + "]   # [n, k]: the scale of the curves of n ranks, where not the one above")
             if lv.after_compute:
                 lines += ["", "[levels.after_compute]".ljust(32) + "# a collective's seconds "
                           "after c seconds of compute: [c, bytes, seconds]"]
-                lines += [f"{_toml_str(k)} = [" + ", ".join(
-                    f"[{_toml_num(c)}, {_toml_num(b)}, {_toml_num(t)}]" for c, b, t in rows)
+                lines += [f"{tables.toml_str(k)} = [" + ", ".join(
+                    f"[{tables.toml_num(c)}, {tables.toml_num(b)}, {tables.toml_num(t)}]" for c, b, t in rows)
                     + "]" for k, rows in lv.after_compute.items()]
         return "\n".join(lines) + "\n"
-
-
-def _toml_str(s: str) -> str:
-    """A TOML basic string (JSON's escapes are TOML's for the characters that matter here)."""
-    import json
-    return json.dumps(s, ensure_ascii=False)
-
-
-def _toml_num(x: float) -> str:
-    """A float written so it reads back identical: inf as TOML's inf, whole numbers short."""
-    if math.isinf(x):
-        return "inf"
-    if x == int(x) and abs(x) < 2**53:
-        return str(int(x))
-    return repr(float(x))
-
-
-def _toml_pieces(pieces) -> str:
-    """Pieces ((max, value), ...) as a TOML array of pairs, inf written as TOML's inf."""
-    return "[" + ", ".join(f"[{_toml_num(m)}, {_toml_num(v)}]" for m, v in pieces) + "]"
 
 
 def _get(table: dict, key: str, where: str, kind=None):
