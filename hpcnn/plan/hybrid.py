@@ -20,7 +20,7 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
 - **a pass's own cost**: every micro-batch's forward and backward pass through a stage also
   pays the device's ``"stage"`` figure (``overhead`` and ``forward`` share: the step engine's
   instruction, the embedding, the tail's small calls and the loss, timed by ``hpcnn
-  calibrate`` at a tiny size, :func:`hpcnn.parallel.collectives.measure.stage_costs`; 0 on a
+  calibrate`` at a tiny size, :func:`hpcnn.plan.calibrate.passes.stage_costs`; 0 on a
   machine file without it);
 - **tensor parallelism** (Megatron): two allreduces of the block's activation (m x T x d) per block
   in the forward and two in the backward, each a ring over the tp group:
@@ -49,14 +49,14 @@ ParallelTransformerBlock` built without storage, ``keep=()``) and the machine's 
   every step, memory one micro-batch's passes would reuse; each such byte costs the device's
   ``elementwise["held"]`` seconds (0 on a machine file without it), once per step, the fullest
   stage's (:func:`held_seconds`). ``hpcnn calibrate`` times it through the step engine,
-  GPipe against 1F1B on one rank (:func:`hpcnn.parallel.collectives.measure.held_costs`):
+  GPipe against 1F1B on one rank (:func:`hpcnn.plan.calibrate.passes.held_costs`):
   0.22-0.33 ns a byte here, where a fresh 64 MiB array cost 0.13 ns a byte more to fill than a
   reused one and 64 MiB of 64 KiB arrays 0.45 (page faults, the allocator). On the 2- and
   4-rank validations the GPT's GPipe layouts ran 1.04-1.23x the 1F1B ones at 8-32
   micro-batches, which the price without it put equal; with it, a 4-rank validation's MAPE
   went 11.4 -> 8.8 % (its tau 0.78 either way);
 - **optimizer**: the update of the rank's parameters at the device's measured seconds per
-  parameter of hpcnn's step (``Device.update``: :func:`hpcnn.parallel.collectives.measure.
+  parameter of hpcnn's step (``Device.update``: :func:`hpcnn.plan.calibrate.update.
   update_costs` at a few parameter counts, interpolated between them), scaled by word / 4 from
   float32; on a machine without that table, a stream of the parameters, gradients and
   optimizer state through memory, :data:`UPDATE_PASSES` passes of 3 words per parameter (two

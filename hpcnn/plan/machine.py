@@ -30,7 +30,7 @@ thesis leaves open, and what is chosen here:
   (while some ranks wait for the first or last micro-batches, the others compute faster than
   all at once). Calibration sets the weight to cores / ranks and fits the handoff to small
   pipelines through the step engine
-  (:func:`hpcnn.parallel.collectives.measure.handoff_points`): on 4 ranks over 2 cores here, in
+  (:func:`hpcnn.plan.calibrate.contention.handoff_points`): on 4 ranks over 2 cores here, in
   eight calibrations, 40-90 us after 0.2 ms passes, 30-230 us after 0.9 ms, 140-760 us after
   4 ms, and a weight (fitted then) of 0.26-0.57. With one pipeline the two cancel (without
   either, a 4-stage pipeline of 1.1 ms passes ran 1.00-1.09x its price at 8 micro-batches,
@@ -40,7 +40,7 @@ thesis leaves open, and what is chosen here:
   1 MiB allreduce over 4 ranks on 2 cores here took 0.8-1.05 ms after 0.5-8 ms of compute
   against 0.55 ms back to back. ``after_compute`` on the level holds what an allreduce (per
   group size) and an all-to-all took after c seconds of compute, per size
-  (:func:`hpcnn.parallel.collectives.measure.after_compute_points`); the MLP's cost
+  (:func:`hpcnn.plan.calibrate.contention.after_compute_points`); the MLP's cost
   (:mod:`hpcnn.plan.cost`) prices the layout executor's collectives from it. The GPT's cost
   (:mod:`hpcnn.plan.hybrid`) prices its allreduces from them too (tp and dp), and keeps the
   messages and the handoff for its pipelines.
@@ -81,9 +81,9 @@ thesis leaves open, and what is chosen here:
   128 (the element-wise seconds, 25-65 % of such a block, slow with the FLOPs'). The same
   block timed bare gave 1.67-1.90 at 64 tokens for widths 128-256, and priced the one-sequence
   pipelines 10-25 % above their measured times. The linear kind's pieces are by rows, from a
-  ladder of a Linear and its ReLU (:func:`hpcnn.parallel.collectives.measure.rows_costs`).
+  ladder of a Linear and its ReLU (:func:`hpcnn.plan.calibrate.passes.rows_costs`).
   Where ranks share cores the transformer's ladder is damped by how much better its bottom
-  rung shares a core than its top (:func:`hpcnn.parallel.collectives.measure.machine_of`).
+  rung shares a core than its top (:func:`hpcnn.plan.calibrate.machine_file.machine_of`).
 - **A non-linearity's output costs more per byte than a block's input.** ``activation`` maps a
   kind to the seconds per byte of the ReLU output that follows a Linear (written by the matmul,
   passed by the bias add, the ReLU forward and backward), its ``elementwise`` figure then
@@ -157,7 +157,7 @@ class Level:
     in (0, 1], 1 by default) is the share of its length a pipeline's fill and drain take there:
     while some ranks wait for the first or last micro-batches, the others compute faster than
     the all-at-once rates. Calibration writes both where ranks share cores: the weight cores /
-    ranks, the handoff measured (:func:`hpcnn.parallel.collectives.measure.handoff_points`).
+    ranks, the handoff measured (:func:`hpcnn.plan.calibrate.contention.handoff_points`).
     A file's older scalar ``handoff_s`` reads as one flat point.
 
     ``after_compute`` (optional; calibration measures it where the level's ranks share cores) is
@@ -165,12 +165,12 @@ class Level:
     rank: {"KIND.N": ((c, bytes, seconds), ...)} for KIND "allreduce" (in place, over groups of
     N ranks, all groups at once) or "alltoall" (each of N ranks ends with ``bytes``, an
     equal part from each), the extra seconds of a loop of compute c and the call over the same
-    loop without the call (:func:`hpcnn.parallel.collectives.measure.after_compute_points`).
+    loop without the call (:func:`hpcnn.plan.calibrate.contention.after_compute_points`).
     Where it has a KIND, :meth:`collective_seconds` prices that collective from it (handoff
     included) instead of from L, g and H, times ``collective_scale`` (1 by default): what the
     layout executor's collectives took in training against these curves, fitted by calibration
     on reference MLPs through the step engine
-    (:func:`hpcnn.parallel.collectives.measure.layout_scale`). ``group_scales`` ((n, k), ...)
+    (:func:`hpcnn.plan.calibrate.scale.layout_scale`). ``group_scales`` ((n, k), ...)
     gives the curves of group size n their own scale k in place of ``collective_scale``:
     calibration fits one for the groups of 2 where the ranks pair up (on 4 ranks over 2 cores
     here the reference MLPs' collectives over pairs took 0.69x the scale of those over all
@@ -571,7 +571,7 @@ class Device:
         memory bandwidth divided by it, fixed, element-wise, ReLU-output and optimizer seconds
         multiplied; fractions (efficiency, forward shares, backward halves) and the tokens
         slowdown, ratios of seconds, unchanged. Where ranks share cores the calibration prices
-        the device so (:func:`hpcnn.parallel.collectives.measure.layout_scale`)."""
+        the device so (:func:`hpcnn.plan.calibrate.scale.layout_scale`)."""
         factor = _finite_positive(factor, "device slowdown factor")
         return replace(self, flops={k: v / factor for k, v in self.flops.items()},
                        memory_bandwidth=self.memory_bandwidth / factor,

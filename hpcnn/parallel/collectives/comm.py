@@ -397,6 +397,66 @@ class Communicator:
         return Request([self.comm.Irecv(buf, source=source, tag=tag)], self.stats, "irecv", 0,
                        t0).at(self.name, source, buf.nbytes)
 
+    # -- sub-communicators and the node ------------------------------------------------------
+    def split(self, color: int, key: int, name: str | None = None) -> "Communicator":
+        """The Communicator of the ranks passing the same ``color``, ordered by ``key``
+        (``MPI_Comm_split``, collective), sharing this one's counters; :meth:`free` it."""
+        return Communicator(self.comm.Split(color=color, key=key), stats=self.stats,
+                            name=name or self.name)
+
+    def free(self) -> None:
+        """Free the algorithms' resources and the MPI communicator of one made by
+        :meth:`split` (collective)."""
+        self.collectives.free()
+        self.comm.Free()
+
+    def ranks_on_node(self) -> int:
+        """How many ranks of this communicator share this rank's node (its memory), from
+        ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (collective)."""
+        if self.size == 1:
+            return 1
+        MPI = _mpi()
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return local.Get_size()
+        finally:
+            local.Free()
+
+    def ibarrier(self) -> Request:
+        """Start a non-blocking barrier; ``test()`` or ``wait()`` the returned request (a
+        rank can sleep between tests where a blocking ``barrier`` would spin on its core)."""
+        if self.size == 1:
+            return self._skipped("ibarrier")
+        return Request([self.comm.Ibarrier()], self.stats, "ibarrier", 0, _perf()).at(self.name)
+
+    # -- the library's calls bare, for timing them (hpcnn.plan.calibrate) ------------------------
+    # Not counted, not recorded for the watchdog, no host staging: the timed call is the MPI
+    # call alone (the counting around a call costs about as much as an 8-byte message).
+    def bare_round_trip(self, buf, peer: int, first: bool, tag: int = 0) -> None:
+        """One round trip of ``buf`` with rank ``peer``: blocking ``Send`` then ``Recv`` when
+        ``first``, else ``Recv`` then ``Send`` (the peer passes the other)."""
+        if first:
+            self.comm.Send(buf, dest=peer, tag=tag)
+            self.comm.Recv(buf, source=peer, tag=tag)
+        else:
+            self.comm.Recv(buf, source=peer, tag=tag)
+            self.comm.Send(buf, dest=peer, tag=tag)
+
+    def bare_allreduce(self, buf):
+        """The library's in-place ``Allreduce`` (sum) of the host array ``buf``; returns it."""
+        if self.size > 1:
+            MPI = _mpi()
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return buf
+
+    def bare_alltoall(self, sendbuf, recvbuf, counts) -> None:
+        """The library's ``Alltoallv`` of the host arrays: ``counts[q]`` elements to and from
+        each rank q, blocks in rank order (the displacements the library derives)."""
+        if self.size > 1:
+            self.comm.Alltoallv([sendbuf, counts], [recvbuf, counts])
+        else:
+            recvbuf.reshape(-1)[:counts[0]] = sendbuf.reshape(-1)[:counts[0]]
+
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank}/{self.size})"
 
@@ -509,6 +569,13 @@ class SelfCommunicator(Communicator):
         obj = pickle.loads(self._objects[tag].popleft())
         self.stats.add("recv_object", 0, _perf() - t)
         return obj
+
+    def split(self, color: int, key: int, name: str | None = None) -> "Communicator":
+        """Another one-rank communicator (``color`` and ``key`` choose nothing on one rank)."""
+        return SelfCommunicator(name or self.name, self.stats)
+
+    def free(self) -> None:
+        """Nothing to free: no MPI communicator."""
 
     def __repr__(self) -> str:
         return f"SelfCommunicator({self.name})"
