@@ -35,7 +35,34 @@ def calls():
         r.wait()
         return out
 
+    def split_free(c):
+        sub = c.split(3, 0, "sub")
+        got = (sub.rank, sub.size, sub.name, sub.stats is c.stats)
+        sub.free()
+        return got
+
+    def free(c):                        # a communicator made by split
+        c.split(0, 0).free()
+        return True
+
+    def round_trip(c):
+        buf = np.arange(3.0)
+        c.bare_round_trip(buf, 0, True, tag=2)
+        return buf
+
+    def alltoall(c):
+        out = np.zeros(5)
+        c.bare_alltoall(np.arange(4.0), out, [3])
+        return out
+
     return {
+        "split": split_free,
+        "free": free,
+        "ranks_on_node": lambda c: c.ranks_on_node(),
+        "ibarrier": lambda c: _waited(c.ibarrier()),
+        "bare_round_trip": round_trip,
+        "bare_allreduce": lambda c: c.bare_allreduce(np.arange(3.0)),
+        "bare_alltoall": alltoall,
         "allreduce": lambda c: [c.allreduce(np.arange(5.0), a) for a in ("mpi", "auto")],
         "iallreduce": lambda c: [_waited(c.iallreduce(np.arange(4.0), algorithm=a))
                                  for a in ("mpi", "ring", "shm", "auto")],

@@ -434,7 +434,10 @@ class Communicator:
     # call alone (the counting around a call costs about as much as an 8-byte message).
     def bare_round_trip(self, buf, peer: int, first: bool, tag: int = 0) -> None:
         """One round trip of ``buf`` with rank ``peer``: blocking ``Send`` then ``Recv`` when
-        ``first``, else ``Recv`` then ``Send`` (the peer passes the other)."""
+        ``first``, else ``Recv`` then ``Send`` (the peer passes the other). One rank: nothing
+        moves (the buffer would come back as it went)."""
+        if self.size == 1:
+            return
         if first:
             self.comm.Send(buf, dest=peer, tag=tag)
             self.comm.Recv(buf, source=peer, tag=tag)

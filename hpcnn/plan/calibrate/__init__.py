@@ -15,7 +15,7 @@ The package times this machine and writes the machine file the planner reads
 - :mod:`.machine_file`: :func:`measure` (the whole calibration) and the machine file of it;
 - :mod:`.timing`: the timing primitives they share.
 
-Every function that takes ``comm`` (an mpi4py communicator, as :func:`hpcnn.train.train` takes
+Every function that takes ``comm`` (an MPI communicator, as :func:`hpcnn.train.train` takes
 it) is called on every rank; its MPI calls go through a
 :class:`~hpcnn.parallel.collectives.Communicator`. What the figures were on the machines tried,
 and the commands that gave them: docs/results/calibration.md.

@@ -11,7 +11,7 @@ pipelines' handoff (:mod:`.contention`). :func:`machine_of` makes the
 
     mpiexec -n 2 python -m mpi4py -m hpcnn calibrate --write machines/local.toml
 
-or, from code, on every rank of ``comm`` (an mpi4py communicator)::
+or, from code, on every rank of ``comm`` (an MPI communicator)::
 
     from hpcnn.plan.calibrate import machine_text, measure
     text = machine_text(measure(comm, rounds=3), "local", comm.Get_size())

@@ -23,7 +23,7 @@ from hpcnn.train import setup
 def engine_steps(comm, cfg, steps: int) -> float:
     """The median over the steps after the first fifth of the slowest rank's step of ``cfg``
     (resolved) trained ``steps`` steps by :func:`hpcnn.engine.step.train_step` on the context
-    :func:`hpcnn.train.setup` builds over ``comm`` (an mpi4py communicator, as
+    :func:`hpcnn.train.setup` builds over ``comm`` (an MPI communicator, as
     :func:`hpcnn.train.train` takes it)."""
     cfg, ctx, task, opt, _ = setup(cfg, comm, None)
     calls = counted(comm)

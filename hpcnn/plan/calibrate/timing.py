@@ -4,7 +4,7 @@
   over a wall-clock window (what a rank gets while the scheduler shares its core);
 - :func:`evictor`: a copy of :data:`COPY_BYTES` that evicts the caches before a timed call, as a
   forward or backward pass does in training;
-- :func:`counted` wraps the mpi4py communicator the calibration is handed in a
+- :func:`counted` wraps the MPI communicator the calibration is handed in a
   :class:`~hpcnn.parallel.collectives.Communicator` (every MPI call goes through one);
   :func:`slowest`, :func:`agree` and :func:`quiet_barrier` are the small collectives the
   measurements end with;
@@ -61,7 +61,7 @@ def evictor():
 
 
 def counted(comm) -> Communicator:
-    """``comm`` (an mpi4py communicator, as :func:`hpcnn.train.train` takes it) as a
+    """``comm`` (an MPI communicator, as :func:`hpcnn.train.train` takes it) as a
     Communicator of its own counters; a Communicator is returned as it is."""
     return comm if isinstance(comm, Communicator) else Communicator(comm, name="calibrate")
 
