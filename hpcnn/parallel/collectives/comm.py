@@ -19,6 +19,9 @@ mpi4py's argument parsing); else a Python closure, 0.85-0.90x there. That path, 
 thresholds and resources live in ``comm.collectives`` (:class:`~.state.Collectives`). Counters
 and the sampling of small calls' seconds: :mod:`.stats`.
 
+The ``bare_*`` methods make the library's call alone (not counted, not recorded): what the
+machine-file calibration (:mod:`hpcnn.plan.calibrate`) times.
+
 Small picklable objects (metadata, error messages) travel by :meth:`Communicator.allgather_objects`,
 :meth:`Communicator.gather_objects` and :meth:`Communicator.bcast_object`. A serial run uses
 :meth:`Communicator.single` (a :class:`SelfCommunicator`): the same methods on one rank, without
