@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.parallel.collectives.measure import cores_here  # noqa: E402
+from hpcnn.plan.calibrate import cores_here  # noqa: E402
 
 TAG = 7
 

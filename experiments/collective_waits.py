@@ -34,7 +34,7 @@ from hpcnn.engine.step import train_step  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.schedule.placement import write_plan  # noqa: E402
 from hpcnn.plan import cost  # noqa: E402
-from hpcnn.train import _setup  # noqa: E402
+from hpcnn.train import setup  # noqa: E402
 
 # a layout group's label -> the word of its term in cost.strategy_cost
 TERMS = {"reduce": "reduce y", "out": "reduce dx", "batch": "grad allreduce"}
@@ -76,7 +76,7 @@ def timed_calls(comm, cuts, a) -> dict:
     cfg = TrainConfig(model="mlp", dataset="digits", hidden=tuple(a.hidden), batch_size=a.batch,
                       tp=comm.size, plan=path, dtype="float32", allreduce="mpi",
                       progress=False, eval_interval=0, steps=a.steps, log="").resolved()
-    cfg, ctx, task, opt, _ = _setup(cfg, comm, None)
+    cfg, ctx, task, opt, _ = setup(cfg, comm, None)
     got, live = {}, [False]
     linears = [b for b in ctx.local.blocks if hasattr(b, "groups")]
     for op, block in enumerate(linears):

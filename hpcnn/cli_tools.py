@@ -1,6 +1,6 @@
 """``hpcnn simulate`` (a pipeline schedule's predicted timeline, no MPI) and ``hpcnn calibrate``
 (the allreduce table ``--allreduce=auto`` would use on these ranks, saved for them; with
-``--write=FILE`` the machine file of these ranks instead, :mod:`hpcnn.parallel.collectives.measure`)."""
+``--write=FILE`` the machine file of these ranks instead, :mod:`hpcnn.plan.calibrate`)."""
 from __future__ import annotations
 
 import difflib
@@ -300,15 +300,15 @@ def calibrate_machine(path: str, rounds: int = CALIBRATE["rounds"][0]) -> int:
     """``hpcnn calibrate --write=PATH``: ping-pong per size, matmul and copy rates (alone and all
     ranks at once) measured on these ranks (any number, one included), written by rank 0 as the
     machine file PATH, named after the file."""
-    from hpcnn.parallel.collectives import measure, world
-    from hpcnn.plan import machine
+    from hpcnn.parallel.collectives import world
+    from hpcnn.plan import calibrate, machine
     comm = world().comm
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):                  # every rank sees it, before any collective
         print(f"hpcnn calibrate: --write={path!r}: no such directory {folder!r}", file=sys.stderr)
         return 2
     name = os.path.splitext(os.path.basename(path))[0]
-    text = measure.machine_text(measure.measure(comm, rounds), name, comm.Get_size())
+    text = calibrate.machine_text(calibrate.measure(comm, rounds), name, comm.Get_size())
     failed = ""
     if comm.Get_rank() == 0:
         try:
@@ -345,7 +345,7 @@ def cmd_calibrate(args) -> int:
               "(delete the file it names to measure again).\n"
               "With --write: times ping-pong per size (all rank pairs at once), matmul and copy "
               "rates (rank 0 alone, then all ranks at once) and writes the machine file the "
-              "planner reads (hpcnn/parallel/collectives/measure.py).\n\n"
+              "planner reads (hpcnn/plan/calibrate/).\n\n"
               + _help("calibrate", CALIBRATE))
         return 0
     args = list(args)

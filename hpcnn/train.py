@@ -37,9 +37,12 @@ def _progress(step, steps, loss, sps, elapsed):
             f"elapsed {elapsed:6.1f}s | ETA {eta:6.1f}s")
 
 
-def _setup(cfg: TrainConfig, world, data):
-    """Checks (no collective), then the context, the task, the optimizer and the resumed step;
-    the context is freed if any of it fails."""
+def setup(cfg: TrainConfig, world, data):
+    """(cfg, ctx, task, opt, start) of a run of ``cfg`` on ``world`` (an MPI communicator, or
+    None: serial; ``data``: the data set ``cfg`` names, or None to load it): checks (no
+    collective), then the context, the task, the optimizer and the resumed step; the context is
+    freed if any of it fails. What :func:`train` runs its loop on, and what the calibration
+    (:mod:`hpcnn.plan.calibrate`) trains its reference runs on; the caller frees the context."""
     from hpcnn import preflight
     size = world.Get_size() if world is not None else 1
     cfg, planned, data = preflight.planned(cfg, size, data)     # --model=gpt --plan=auto
@@ -99,7 +102,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     cfg = cfg.resolved()
     signals = StopSignals(comm, cfg.stop_signal)      # from here a signal only sets a flag
     try:
-        cfg, ctx, task, opt, start = _setup(cfg, comm, data)
+        cfg, ctx, task, opt, start = setup(cfg, comm, data)
         log = claim_log(cfg, ctx, task, start, command_line)
     except BaseException as e:         # the context was freed collectively on an Exception
         signals.close(collective=isinstance(e, Exception))

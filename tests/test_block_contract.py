@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import hpcnn.nn
-import hpcnn.parallel.tensor
+import hpcnn.parallel.tensor.linear
 from hpcnn.nn.conv import AvgPool2d, Conv2d, Flatten, MaxPool2d
 from hpcnn.nn.gcn import GraphConv, GraphOperator, NodeLoss
 from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU, reachable
@@ -243,8 +243,8 @@ def test_no_module_level_switch_in_the_blocks():
     import re
     import weakref
     names = [f"hpcnn.nn.{m.name}" for m in pkgutil.iter_modules(hpcnn.nn.__path__)]
-    names += [f"hpcnn.parallel.tensor.{m.name}"
-              for m in pkgutil.iter_modules(hpcnn.parallel.tensor.__path__)]
+    names += [f"hpcnn.parallel.tensor.linear.{m.name}"
+              for m in pkgutil.iter_modules(hpcnn.parallel.tensor.linear.__path__)]
     names += ["hpcnn.parallel.layout"]
     allowed = {("hpcnn.nn.layers", "_FILLED")}
     mutable = (dict, list, set, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)

@@ -1,5 +1,5 @@
 """The machine files and the hierarchical symmetric machine (hpcnn/plan/machine.py); the level fit
-of ``hpcnn calibrate --write`` (hpcnn/parallel/collectives/measure.py) and the command itself, on one rank and
+of ``hpcnn calibrate --write`` (hpcnn/plan/calibrate/) and the command itself, on one rank and
 (tests/mpi/machine_calibration.py) on two."""
 import glob
 import math
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from hpcnn.plan import machine as hm
-from hpcnn.parallel.collectives.measure import fit_level
+from hpcnn.plan.calibrate.links import fit_level
 from mpi_util import ROOT, run_mpi
 
 FILES = sorted(glob.glob(os.path.join(ROOT, "machines", "*.toml")))
@@ -323,7 +323,7 @@ def test_shared_figures_slow_cpu_time_by_the_sustained_ratio():
     """What a rank gets while every rank computes: rates divided by their own slowdown; without
     the kinds' own factors the fixed seconds multiplied by the float32 one and the element-wise
     seconds by the copy's; with them, by the kind's; ratios unchanged."""
-    from hpcnn.parallel.collectives.measure import shared_figures
+    from hpcnn.plan.calibrate.shared import shared_figures
     alone = {"float32": 100.0, "float64": 50.0, "copy": 10.0, "efficiency.linear": 0.9,
              "overhead.linear": 2e-5, "elementwise.linear": 3e-10, "forward.linear": 0.45,
              "update.sgd": ((1024, 1e-9), (math.inf, 2e-9))}
@@ -376,7 +376,7 @@ def test_sustained_medians_alternate_alone_and_together_windows(monkeypatch):
     its rounds (one burst of load on a window does not set the calibration)."""
     from mpi4py import MPI
 
-    from hpcnn.parallel.collectives import measure
+    from hpcnn.plan.calibrate import shared
     calls = []
     script = iter([{"float32": 100.0}, {"float32": 50.0}, {"float32": 300.0},
                    {"float32": 10.0}, {"float32": 200.0}, {"float32": 60.0}])
@@ -384,8 +384,8 @@ def test_sustained_medians_alternate_alone_and_together_windows(monkeypatch):
     def fake(seconds, blocks=False, engine=False):
         calls.append((seconds, blocks, engine))
         return next(script)
-    monkeypatch.setattr(measure, "sustained_rates", fake)
-    alone, together = measure.sustained_medians(MPI.COMM_SELF, 0.25, True, 3)
+    monkeypatch.setattr(shared, "sustained_rates", fake)
+    alone, together = shared.sustained_medians(MPI.COMM_SELF, 0.25, True, 3)
     assert alone == {"float32": 200.0} and together == {"float32": 50.0}
     assert calls == [(0.25, True, False)] * 6
 
@@ -395,7 +395,7 @@ def test_fit_handoff_recovers_the_wait_at_the_given_bubble_weight():
     weight give that wait back, one point per shape at its stage pass, and the weight."""
     from dataclasses import replace
 
-    from hpcnn.parallel.collectives.measure import _fit_handoff
+    from hpcnn.plan.calibrate.contention import _fit_handoff
     from hpcnn.plan import hybrid
     base = hm.load(os.path.join(ROOT, "machines", "local-2vcpu.toml"))
 
@@ -421,7 +421,7 @@ def test_calibrate_write_on_one_rank(tmp_path):
     """One rank writes a file without a network level (the figures themselves are timed and
     checked by the two-rank calibration below, the same function); the command refuses a
     missing directory and zero rounds before timing anything."""
-    from hpcnn.parallel.collectives.measure import machine_text
+    from hpcnn.plan.calibrate import machine_text
     alone = {"float32": 1e11, "float64": 5e10, "copy": 2e10, "efficiency.transformer": 0.9,
              "overhead.transformer": 1.5e-4, "elementwise.transformer": 8e-10,
              "forward.transformer": 0.5, "split.transformer": (0.6, 0.5),
@@ -447,7 +447,7 @@ def test_calibrate_write_on_one_rank(tmp_path):
                           capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert zero.returncode == 2 and "--rounds=0" in zero.stderr
     from hpcnn.cli_tools import CALIBRATE        # the CLI's default is the full calibration
-    from hpcnn.parallel.collectives.measure import FULL_ROUNDS
+    from hpcnn.plan.calibrate import FULL_ROUNDS
     assert CALIBRATE["rounds"][0] == FULL_ROUNDS
 
 
@@ -490,7 +490,7 @@ def test_backward_halves_round_trip_and_default():
 def test_a_levels_reduce_rate_prices_the_ring_steps():
     """With ``reduce_bandwidth`` an allreduce's 2(n-1) steps go at its rate; without it a step is
     one message. The pieces round-trip through the file and are fitted from allreduce times."""
-    from hpcnn.parallel.collectives.measure import fit_reduce
+    from hpcnn.plan.calibrate.links import fit_reduce
     plain = hm.Level("node", 4, 1e-6, ((math.inf, 1e10),))
     assert plain.allreduce_seconds(4e6, 4) == pytest.approx(6 * (1e-6 + 1e6 / 1e10), rel=1e-12)
     assert plain.allreduce_seconds(4e6, 1) == plain.allreduce_seconds(0, 4) == 0.0
@@ -536,7 +536,7 @@ def test_activation_bytes_priced_apart_and_round_trip():
 def test_a_calibration_round_separates_input_and_activation_bytes():
     """Three references whose times were made from known figures give those figures back; a
     round whose exact solution is not physical falls back to one figure for all bytes."""
-    from hpcnn.parallel.collectives.measure import _solve_round
+    from hpcnn.plan.calibrate.blocks import _solve_round
     rate, inv_e, c, a = 1e11, 1.25, 1e-10, 5e-10
     refs = [(2e9, 1e6, 1e6), (3e8, 5e5, 5e5), (6e8, 2.5e5, 2e6)]     # square, square, rectangle
     rows = [(f, q, qa, f / rate * inv_e + q * c + qa * a) for f, q, qa in refs]
@@ -702,7 +702,7 @@ def test_the_tokens_slowdown_is_written_where_it_was_measured_for_the_ranks_at_h
     """machine_of keeps the calibrated transformer tokens pieces where ranks were timed cold (a
     core each) and, where ranks share cores, only once shared_figures has timed the ladder's
     bottom rung all at once (engine_low); the linear kind's rows pieces are kept either way."""
-    from hpcnn.parallel.collectives.measure import machine_of
+    from hpcnn.plan.calibrate import machine_of
     pieces = ((64, 1.8), (128, 1.3), (512, 1.0), (math.inf, 1.0))
     rows = ((32, 1.8), (64, 1.4), (256, 1.0), (math.inf, 1.0))
     tog = {"float32": 1e11, "float64": 5e10, "copy": 1e10, "efficiency.transformer": 0.9,
@@ -719,7 +719,7 @@ def test_a_tokens_ladder_all_at_once_slows_its_small_rungs_by_their_own_sharing(
     """Where ranks share cores, the transformer's tokens pieces are rank 0's alone with each
     rung's slowdown times (bottom rung's sharing factor / top rung's) interpolated in
     log(tokens): the bottom rung by the whole ratio, the top by none, none below 1."""
-    from hpcnn.parallel.collectives.measure import _shared_tokens, shared_figures
+    from hpcnn.plan.calibrate.shared import _shared_tokens, shared_figures
     pieces = ((64, 1.44), (128, 1.2), (256, 0.98), (512, 1.0), (math.inf, 1.0))
     alone = {"float32": 100.0, "float64": 50.0, "copy": 10.0, "tokens.transformer": pieces}
     rates = {"float32": 100.0, "float64": 50.0, "copy": 10.0}
@@ -741,7 +741,7 @@ def test_a_tokens_ladder_all_at_once_slows_its_small_rungs_by_their_own_sharing(
 def test_rows_costs_give_the_linear_kinds_slowdown_by_rows():
     """The rows ladder: one piece per rung of LINEAR_ROWS and one to infinity, 1 at the top rung
     and above, every factor positive and finite (their size is the machine's)."""
-    from hpcnn.parallel.collectives.measure import LINEAR_ROWS, rows_costs
+    from hpcnn.plan.calibrate.passes import LINEAR_ROWS, rows_costs
     got = rows_costs("float32", 1e-5, repeats=2)
     assert [n for n, _ in got] == [*LINEAR_ROWS[2], math.inf]
     assert [f for _, f in got][-2:] == [1.0, 1.0] and all(0.2 < f < 10 for _, f in got), got

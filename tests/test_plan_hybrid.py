@@ -369,7 +369,7 @@ def test_every_micro_batch_pass_pays_the_stage_figure():
 def test_every_blocking_exchange_pays_the_levels_handoff(lay, handoffs):
     """Where ranks share cores (a level's ``handoff``), every blocking exchange on the step's
     path pays it once: a tensor-parallel allreduce, a pipeline pass's wait on its neighbour,
-    a pp message on the critical path, the dp allreduce. ``measure.handoff_points`` fits the
+    a pp message on the critical path, the dp allreduce. ``calibrate.contention.handoff_points`` fits the
     handoff by this same count (the price's growth per second of a flat handoff)."""
     one = Machine(per_node=4, nodes=1)
     h = 1e-4

@@ -395,12 +395,12 @@ def test_collectives_after_compute_and_the_update_of_every_part_a_device_holds()
 
 
 def test_the_scales_fitted_on_reference_runs_price_them_back():
-    """measure._fit_scale: steps made from the price with the device slowed by a known c and the
+    """calibrate.scale._fit_scale: steps made from the price with the device slowed by a known c and the
     collectives' curves times a known k give (c, k) back, from MLP plans and a data-parallel
     GPT alike; a machine whose price has no collective from the curves gives k = 1; the fit
     never goes below 0.1."""
     from dataclasses import replace as rep
-    from hpcnn.parallel.collectives.measure import LAYOUT_MLP, _fit_scale
+    from hpcnn.plan.calibrate.scale import LAYOUT_MLP, _fit_scale
     from hpcnn.plan import hybrid
     from hpcnn.plan.cost import mlp_graph
     from hpcnn.plan.machine import Device, Machine as Hsm

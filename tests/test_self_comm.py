@@ -35,7 +35,34 @@ def calls():
         r.wait()
         return out
 
+    def split_free(c):
+        sub = c.split(3, 0, "sub")
+        got = (sub.rank, sub.size, sub.name, sub.stats is c.stats)
+        sub.free()
+        return got
+
+    def free(c):                        # a communicator made by split
+        c.split(0, 0).free()
+        return True
+
+    def round_trip(c):
+        buf = np.arange(3.0)
+        c.bare_round_trip(buf, 0, True, tag=2)
+        return buf
+
+    def alltoall(c):
+        out = np.zeros(5)
+        c.bare_alltoall(np.arange(4.0), out, [3])
+        return out
+
     return {
+        "split": split_free,
+        "free": free,
+        "ranks_on_node": lambda c: c.ranks_on_node(),
+        "ibarrier": lambda c: _waited(c.ibarrier()),
+        "bare_round_trip": round_trip,
+        "bare_allreduce": lambda c: c.bare_allreduce(np.arange(3.0)),
+        "bare_alltoall": alltoall,
         "allreduce": lambda c: [c.allreduce(np.arange(5.0), a) for a in ("mpi", "auto")],
         "iallreduce": lambda c: [_waited(c.iallreduce(np.arange(4.0), algorithm=a))
                                  for a in ("mpi", "ring", "shm", "auto")],
@@ -61,9 +88,7 @@ def calls():
                                    for op in ("sum", "max", "min")],
         "ireduce_max": lambda c: reduced_max(c),
         "alltoall_objects": lambda c: c.alltoall_objects([("to", 0)]),
-        "split": lambda c: made(c.split(0, c.rank, "part")),
         "dup": lambda c: made(c.dup("copy")),
-        "free": lambda c: made(c.dup("freed")),
     }
 
 
@@ -88,8 +113,8 @@ def _waited(req):
 
 
 def public_methods():
-    return sorted(n for n, f in vars(Communicator).items()
-                  if not n.startswith("_") and inspect.isfunction(f))
+    return sorted(n for n, f in inspect.getmembers(Communicator, inspect.isfunction)
+                  if not n.startswith("_"))
 
 
 def same(a, b):

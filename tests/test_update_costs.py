@@ -1,5 +1,5 @@
 """The optimizer-update figures of ``hpcnn calibrate --write``
-(hpcnn/parallel/collectives/measure.py ``update_costs``) and what the planner predicts from them
+(hpcnn/plan/calibrate/update.py ``update_costs``) and what the planner predicts from them
 (hpcnn/plan/machine.py ``Device.update_seconds``)."""
 import math
 
@@ -8,7 +8,8 @@ import pytest
 
 from hpcnn.nn.optim import make_optimizer
 from hpcnn.nn.transformer import Embedding, TransformerBlock
-from hpcnn.parallel.collectives.measure import _median_seconds, update_costs
+from hpcnn.plan.calibrate.timing import median_seconds
+from hpcnn.plan.calibrate.update import update_costs
 from hpcnn.plan.machine import Device
 
 
@@ -55,7 +56,7 @@ def test_the_measured_figure_predicts_a_real_adamw_step():
         dev = Device("d", {"float32": 1.0}, 1.0, 1.0,
                      update={"adamw": update_costs("adamw", sizes=(2**14, 2**17, 2**20),
                                                    repeats=5)})
-        measured = _median_seconds(lambda: opt.step(1e-3), 9)
+        measured = median_seconds(lambda: opt.step(1e-3), 9)
         ratios.append(dev.update_seconds(n, "adamw") / measured)
         if 1 / 3 < ratios[-1] < 3:
             break

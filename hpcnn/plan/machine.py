@@ -67,7 +67,7 @@ class Level:
     in (0, 1], 1 by default) is the share of its length a pipeline's fill and drain take there:
     while some ranks wait for the first or last micro-batches, the others compute faster than
     the all-at-once rates. Calibration writes both where ranks share cores: the weight cores /
-    ranks, the handoff measured (:func:`hpcnn.parallel.collectives.measure.handoff_points`).
+    ranks, the handoff measured (:func:`hpcnn.plan.calibrate.contention.handoff_points`).
     A file's older scalar ``handoff_s`` reads as one flat point.
 
     ``after_compute`` (optional; calibration measures it where the level's ranks share cores) is
@@ -75,12 +75,12 @@ class Level:
     rank: {"KIND.N": ((c, bytes, seconds), ...)} for KIND "allreduce" (in place, over groups of
     N ranks, all groups at once) or "alltoall" (each of N ranks ends with ``bytes``, an
     equal part from each), the extra seconds of a loop of compute c and the call over the same
-    loop without the call (:func:`hpcnn.parallel.collectives.measure.after_compute_points`).
+    loop without the call (:func:`hpcnn.plan.calibrate.contention.after_compute_points`).
     Where it has a KIND, :meth:`collective_seconds` prices that collective from it (handoff
     included) instead of from L, g and H, times ``collective_scale`` (1 by default): what the
     layout executor's collectives took in training against these curves, fitted by calibration
     on reference MLPs through the step engine
-    (:func:`hpcnn.parallel.collectives.measure.layout_scale`). ``group_scales`` ((n, k), ...)
+    (:func:`hpcnn.plan.calibrate.scale.layout_scale`). ``group_scales`` ((n, k), ...)
     gives the curves of group size n their own scale k in place of ``collective_scale``:
     calibration fits one for the groups of 2 where the ranks pair up
     (docs/results/planner-model.md)."""
@@ -343,7 +343,7 @@ class Device:
         memory bandwidth divided by it, fixed, element-wise, ReLU-output and optimizer seconds
         multiplied; fractions (efficiency, forward shares, backward halves) and the tokens
         slowdown, ratios of seconds, unchanged. Where ranks share cores the calibration prices
-        the device so (:func:`hpcnn.parallel.collectives.measure.layout_scale`)."""
+        the device so (:func:`hpcnn.plan.calibrate.scale.layout_scale`)."""
         factor = tables.finite_positive(factor, "device slowdown factor")
         return replace(self, flops={k: v / factor for k, v in self.flops.items()},
                        memory_bandwidth=self.memory_bandwidth / factor,

@@ -1,11 +1,11 @@
-"""measure.layout_scale on 4 ranks: with curves over pairs the pair plans run too and the scale of
+"""calibrate.scale.layout_scale on 4 ranks: with curves over pairs the pair plans run too and the scale of
 the collectives over pairs is fitted apart (group_scales), the same on every rank; without them,
 no pair plan and no group scale."""
 import math
 
 from mpi4py import MPI
 
-from hpcnn.parallel.collectives.measure import layout_scale
+from hpcnn.plan.calibrate import layout_scale
 from hpcnn.plan import machine
 
 world = MPI.COMM_WORLD

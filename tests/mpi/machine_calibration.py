@@ -49,9 +49,9 @@ with open(path) as f:
     text = f.read()
 assert "ping-pong, all pairs at once" in text and "MPI allreduce (float32 sum" in text
 # timed cold (after a copy) unless the node holds more ranks than cores
-from hpcnn.parallel.collectives.measure import cores_here  # noqa: E402
+from hpcnn.plan.calibrate import cores_here  # noqa: E402
 # the transformer's tokens slowdown only where each rank has a core, the linear kind's rows
-# slowdown everywhere (measure.machine_of)
+# slowdown everywhere (calibrate.machine_file.machine_of)
 assert set(m.device.tokens) == ({"transformer", "linear"} if p <= cores_here() else {"linear"})
 for kind, pieces in m.device.tokens.items():  # the ladders: 64 .. 512 tokens, 32 .. 256 rows
     assert [t for t, _ in pieces] == ([64, 128, 256, 512, math.inf] if kind == "transformer"
@@ -62,7 +62,7 @@ assert text.count("# Cold (each call after a copy" if p <= cores_here() else
 # the handoff (a blocking exchange's wait for its peer's core) and the pipeline's fill and drain
 # weight are measured only where ranks share cores; measured here anyway on one shape, finite,
 # in range and the same on every rank
-from hpcnn.parallel.collectives.measure import handoff_points  # noqa: E402
+from hpcnn.plan.calibrate import handoff_points  # noqa: E402
 assert ("# Handoff" in text) == (p > cores_here()) == bool(node.handoff), text
 assert node.bubble_weight == (min(1.0, cores_here() / p) if node.handoff else 1.0), node
 # a core per rank: the transformer's element-wise seconds slowed as the step engine's GPT, the
@@ -75,7 +75,7 @@ assert len(pts) == 1 and 0 < pts[0][0] < 0.05 and 0 <= pts[0][1] < 0.05 and w ==
 assert len({repr((pts, w)) for _ in [0]} | set(map(repr, world.allgather((pts, w))))) == 1
 # the optimizer timed all ranks at once and the collectives after compute: recorded only where
 # ranks share cores; measured here anyway on small settings, sane and the same on every rank
-from hpcnn.parallel.collectives.measure import after_compute_points, update_costs  # noqa: E402
+from hpcnn.plan.calibrate import after_compute_points, update_costs  # noqa: E402
 shared = p > cores_here()
 assert ("# Optimizer step all ranks at once" in text) == shared == bool(node.after_compute), text
 pieces = update_costs("adamw", sizes=(64, 1024), repeats=2, comm=world)
@@ -94,7 +94,7 @@ lv = machine.Level("node", p, 1e-6, ((math.inf, 1e9),), after_compute=curves)
 assert lv.collective_seconds("allreduce", p, 1024) >= 0
 # the executor's collectives in training against those curves: reference MLPs through the engine
 from dataclasses import replace  # noqa: E402
-from hpcnn.parallel.collectives.measure import layout_scale  # noqa: E402
+from hpcnn.plan.calibrate import layout_scale  # noqa: E402
 with_curves = replace(m, levels=(replace(node, after_compute=curves),))
 c, k, own = layout_scale(world, with_curves, plans=(("col", "col", "col"), ("rep", "rep", "rep")),
                          steps=5, rounds=1, gpts=((1, 32, 2, 16, 2),))

@@ -19,6 +19,9 @@ docs/results/collectives.md). That path, the algorithms'
 thresholds and resources live in ``comm.collectives`` (:class:`~.state.Collectives`). Counters
 and the sampling of small calls' seconds: :mod:`.stats`.
 
+The ``bare_*`` methods make the library's call alone (not counted, not recorded): what the
+machine-file calibration (:mod:`hpcnn.plan.calibrate`) times.
+
 Small picklable objects (metadata, error messages) travel by :meth:`Communicator.allgather_objects`,
 :meth:`Communicator.gather_objects` and :meth:`Communicator.bcast_object`. A serial run uses
 :meth:`Communicator.single` (a :class:`SelfCommunicator`): the same methods on one rank, without
@@ -39,16 +42,13 @@ import numpy
 from hpcnn import backend
 from hpcnn.parallel.collectives import algorithms      # the algorithms behind allreduce(...)
 from hpcnn.parallel.collectives.mpi_base import Request, _cuda_aware, _mpi, host_buffers
+from hpcnn.parallel.collectives.objects import ObjectCalls
 from hpcnn.parallel.collectives.state import Collectives
 from hpcnn.parallel.collectives.stats import CommStats
 from hpcnn.parallel.collectives.watchdog import SKIP, enter, leave, recorded_allreduce, started
 
 _perf = time.perf_counter
 _ndarray = numpy.ndarray
-
-
-def _pickled_size(obj) -> int:
-    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def library_version() -> str:
@@ -79,7 +79,7 @@ class _LeanRequest(Request):
             self._finish(_perf() - t)
 
 
-class Communicator:
+class Communicator(ObjectCalls):
     """Named, counted collectives on ``comm`` (an ``mpi4py.MPI.Comm``).
 
     Attributes read by :mod:`.algorithms`: ``allreduce_table`` (what ``auto`` chooses, see
@@ -324,16 +324,6 @@ class Communicator:
                 [s, (sendcounts, sdispl)], [r, (recvcounts, rdispl)]))
         return recvbuf
 
-    def alltoall_objects(self, objs) -> list:
-        """``objs[q]`` (picklable) to rank q; returns what every rank sent this one, in rank
-        order. Counted under ``alltoall_objects``: the pickled size of what leaves this rank."""
-        if len(objs) != self.size:
-            raise ValueError(f"alltoall_objects: {len(objs)} objects for {self.size} ranks")
-        if self.size == 1:
-            return list(objs)
-        nbytes = sum(_pickled_size(o) for q, o in enumerate(objs) if q != self.rank)
-        return self._timed("alltoall_objects", nbytes, lambda: self.comm.alltoall(list(objs)))
-
     def allgather_scalars(self, values) -> numpy.ndarray:
         """(p, k) float64 array of every rank's k numbers (speeds, timings)."""
         a = numpy.ascontiguousarray(values, dtype=numpy.float64).reshape(-1)
@@ -352,74 +342,6 @@ class Communicator:
             self._timed("bcast", buf.nbytes if self.rank == root else 0,
                         lambda: self.comm.Bcast(h, root=root))
         return buf
-
-    # -- small picklable objects (metadata, error messages) ----------------------------------
-    def _check_root(self, op: str, root: int) -> None:
-        if not 0 <= root < self.size:
-            raise ValueError(f"{op}: root {root} is not a rank of {self.name} (size {self.size})")
-
-    def allgather_objects(self, obj) -> list:
-        """Every rank's ``obj`` (picklable, small), in rank order. Counted under
-        ``allgather_objects``: this rank's pickled size times p-1 (the all-gather convention)."""
-        if self.size == 1:
-            return [obj]
-        return self._timed("allgather_objects", _pickled_size(obj) * (self.size - 1),
-                           lambda: self.comm.allgather(obj))
-
-    def gather_objects(self, obj, root: int = 0) -> list | None:
-        """Every rank's ``obj`` in rank order on ``root``, None elsewhere. Counted under
-        ``gather_objects``: the pickled size on every rank but the root."""
-        self._check_root("gather_objects", root)
-        if self.size == 1:
-            return [obj]
-        nbytes = 0 if self.rank == root else _pickled_size(obj)
-        return self._timed("gather_objects", nbytes, lambda: self.comm.gather(obj, root=root))
-
-    def bcast_object(self, obj, root: int = 0):
-        """``root``'s ``obj`` on every rank (what the others pass is ignored). Counted under
-        ``bcast_object``: the pickled size on the root."""
-        self._check_root("bcast_object", root)
-        if self.size == 1:
-            return obj
-        nbytes = _pickled_size(obj) if self.rank == root else 0
-        return self._timed("bcast_object", nbytes, lambda: self.comm.bcast(obj, root=root))
-
-    def send_object(self, obj, dest: int, tag: int = 0) -> Request:
-        """Start sending ``obj`` (picklable) to rank ``dest``; ``wait()`` the returned request
-        before reusing what ``obj`` holds. Counted under ``send_object``: the pickled size."""
-        t0 = _perf()
-        if started("send_object", self.name, dest, 0):  # test-only fault hook
-            return self._skipped("send_object")
-        req = self.comm.isend(obj, dest=dest, tag=tag)
-        return Request([req], self.stats, "send_object", _pickled_size(obj), t0).at(self.name,
-                                                                                    dest)
-
-    def recv_object(self, source: int, tag: int = 0):
-        """The object rank ``source`` sends with ``tag`` (blocking). Counted under
-        ``recv_object`` with 0 bytes (the sender counts them)."""
-        return self._timed("recv_object", 0, lambda: self.comm.recv(source=source, tag=tag),
-                           peer=source)
-
-    # -- communicators made from this one --------------------------------------------------------
-    def split(self, color: int, key: int, name: str | None = None) -> "Communicator":
-        """The ranks of the same ``color``, ordered by ``key``, as a new Communicator sharing
-        this one's counters (collective; :meth:`free` it)."""
-        if self.size == 1:
-            return SelfCommunicator(name or f"{self.name}.split", self.stats)
-        return Communicator(self.comm.Split(color=color, key=key), self.stats,
-                            name or f"{self.name}.split")
-
-    def dup(self, name: str | None = None) -> "Communicator":
-        """A duplicate of this communicator (its own message space; collective; :meth:`free`
-        it), with counters of its own."""
-        if self.size == 1:
-            return SelfCommunicator(name or self.name)
-        return Communicator(self.comm.Dup(), name=name or self.name)
-
-    def free(self) -> None:
-        """Free the MPI communicator made by :meth:`split` or :meth:`dup` (collective)."""
-        if self.size > 1:
-            self.comm.Free()
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -452,6 +374,76 @@ class Communicator:
             return self._skipped("irecv")
         return Request([self.comm.Irecv(buf, source=source, tag=tag)], self.stats, "irecv", 0,
                        t0).at(self.name, source, buf.nbytes)
+
+    # -- sub-communicators and the node ------------------------------------------------------
+    def split(self, color: int, key: int, name: str | None = None) -> "Communicator":
+        """The Communicator of the ranks passing the same ``color``, ordered by ``key``
+        (``MPI_Comm_split``, collective), sharing this one's counters; :meth:`free` it."""
+        return Communicator(self.comm.Split(color=color, key=key), stats=self.stats,
+                            name=name or self.name)
+
+    def free(self) -> None:
+        """Free the algorithms' resources and the MPI communicator of one made by
+        :meth:`split` (collective)."""
+        self.collectives.free()
+        self.comm.Free()
+
+    def dup(self, name: str | None = None) -> "Communicator":
+        """A duplicate of this communicator (its own message space; collective; :meth:`free`
+        it), with counters of its own."""
+        if self.size == 1:
+            return SelfCommunicator(name or self.name)
+        return Communicator(self.comm.Dup(), name=name or self.name)
+
+    def ranks_on_node(self) -> int:
+        """How many ranks of this communicator share this rank's node (its memory), from
+        ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (collective)."""
+        if self.size == 1:
+            return 1
+        MPI = _mpi()
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return local.Get_size()
+        finally:
+            local.Free()
+
+    def ibarrier(self) -> Request:
+        """Start a non-blocking barrier; ``test()`` or ``wait()`` the returned request (a
+        rank can sleep between tests where a blocking ``barrier`` would spin on its core)."""
+        if self.size == 1:
+            return self._skipped("ibarrier")
+        return Request([self.comm.Ibarrier()], self.stats, "ibarrier", 0, _perf()).at(self.name)
+
+    # -- the library's calls bare, for timing them (hpcnn.plan.calibrate) ------------------------
+    # Not counted, not recorded for the watchdog, no host staging: the timed call is the MPI
+    # call alone (the counting around a call costs about as much as an 8-byte message).
+    def bare_round_trip(self, buf, peer: int, first: bool, tag: int = 0) -> None:
+        """One round trip of ``buf`` with rank ``peer``: blocking ``Send`` then ``Recv`` when
+        ``first``, else ``Recv`` then ``Send`` (the peer passes the other). One rank: nothing
+        moves (the buffer would come back as it went)."""
+        if self.size == 1:
+            return
+        if first:
+            self.comm.Send(buf, dest=peer, tag=tag)
+            self.comm.Recv(buf, source=peer, tag=tag)
+        else:
+            self.comm.Recv(buf, source=peer, tag=tag)
+            self.comm.Send(buf, dest=peer, tag=tag)
+
+    def bare_allreduce(self, buf):
+        """The library's in-place ``Allreduce`` (sum) of the host array ``buf``; returns it."""
+        if self.size > 1:
+            MPI = _mpi()
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return buf
+
+    def bare_alltoall(self, sendbuf, recvbuf, counts) -> None:
+        """The library's ``Alltoallv`` of the host arrays: ``counts[q]`` elements to and from
+        each rank q, blocks in rank order (the displacements the library derives)."""
+        if self.size > 1:
+            self.comm.Alltoallv([sendbuf, counts], [recvbuf, counts])
+        else:
+            recvbuf.reshape(-1)[:counts[0]] = sendbuf.reshape(-1)[:counts[0]]
 
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank}/{self.size})"
@@ -565,6 +557,13 @@ class SelfCommunicator(Communicator):
         obj = pickle.loads(self._objects[tag].popleft())
         self.stats.add("recv_object", 0, _perf() - t)
         return obj
+
+    def split(self, color: int, key: int, name: str | None = None) -> "Communicator":
+        """Another one-rank communicator (``color`` and ``key`` choose nothing on one rank)."""
+        return SelfCommunicator(name or self.name, self.stats)
+
+    def free(self) -> None:
+        """Nothing to free: no MPI communicator."""
 
     def __repr__(self) -> str:
         return f"SelfCommunicator({self.name})"
