@@ -7,14 +7,14 @@ BIN    := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: test demo bench clean
+.PHONY: test demo bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,localmpi,data]'
+	$(BIN)/python -m pip install -q -e '.[test,localmpi,data,docs]'
 	touch $@
 
 # The optional C fast path of the allreduce wrapper, built with the MPI's own mpicc; without it
@@ -45,8 +45,15 @@ demo: $(VENV)/.installed $(LEAN)
 	@echo "--- what each demo run shows"
 	@$(BIN)/hpcnn report --headline runs/demo-mlp-dp4.h5 runs/demo-gpt-dp2-pp2.h5 runs/demo-gpt-remat.h5
 
+# The documentation site (mkdocs.yml, pages under docs/) into site/; --strict fails on a broken
+# link, a missing image or a page left out of the nav. The options reference is generated from
+# hpcnn/config.py at every build (docs/hooks.py).
+docs: $(VENV)/.installed
+	$(BIN)/python -c "import mkdocs, material" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[docs]'
+	$(BIN)/python -m mkdocs build --strict -d site
+
 bench: $(VENV)/.installed $(LEAN)
 	$(BIN)/python benchmarks/serial_step.py
 
 clean:
-	rm -rf runs .pytest_cache build *.egg-info hpcnn/parallel/collectives/_lean*.so $(LEAN)
+	rm -rf runs site .pytest_cache build *.egg-info hpcnn/parallel/collectives/_lean*.so $(LEAN)

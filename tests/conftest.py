@@ -31,8 +31,9 @@ def _no_runs_in_the_tree():
 
 
 @pytest.fixture(scope="session")
-def readme_run(tmp_path_factory):
-    """The README's commands, run once each per session in one scratch directory
-    (:class:`test_readme.ReadmeRun`): the README test and the experiments' tests share it."""
-    from test_readme import ReadmeRun
-    return ReadmeRun(tmp_path_factory.mktemp("readme"))
+def docs_run(tmp_path_factory):
+    """The documented commands (README.md and docs/), run once each per session in one
+    scratch directory (:class:`test_docs.DocsRun`): the docs test and the experiments' tests
+    share it."""
+    from test_docs import DocsRun
+    return DocsRun(tmp_path_factory.mktemp("docs"))

@@ -23,13 +23,13 @@ def _figure(script, *args):
     assert p.returncode == 0, p.stderr
 
 
-def test_pipeline_bubble_experiment_and_figures(readme_run, tmp_path):
-    """The README's 2-rank run of the experiment, shortened by tests/test_readme.py's
+def test_pipeline_bubble_experiment_and_figures(docs_run, tmp_path):
+    """The documentation's 2-rank run of the experiment, shortened by tests/test_docs.py's
     SCRIPT_SHORTEN (narrow model, M in 1, 2, 8, 2 steps after 1 warm-up: the test checks the
-    plumbing, not the timing), and the README's figures of it, plus the Gantt chart's --all."""
-    stdout = readme_run.succeeded(readme_run.command_running(
+    plumbing, not the timing), and the documentation's figures of it, plus the Gantt chart's --all."""
+    stdout = docs_run.succeeded(docs_run.command_running(
         "experiments/pipeline_bubble.py", "-n", "2")).stdout
-    out = readme_run.scratch / "runs" / "pipeline_bubble_p2"
+    out = docs_run.scratch / "runs" / "pipeline_bubble_p2"
     assert "wrote" in stdout
     t, attrs = load_table(out / "results.h5", "bubble")
     assert set(t) == COLUMNS and attrs["ranks"] == 2
@@ -56,17 +56,17 @@ def test_pipeline_bubble_experiment_and_figures(readme_run, tmp_path):
     assert {"F", "B", "SEND_ACT", "RECV_ACT"} <= set(run.timeline["kind"].tolist())
     for name in ("zb_h1", "zb_v"):
         assert "W" in set(read_run(out / f"{name}-M2.h5").timeline["kind"].tolist())
-    readme_run.succeeded(readme_run.command_running("experiments/pipeline_bubble.py", "-n", "4"))
-    figures = [readme_run.command_running("analysis/pipeline_bubble.py",
+    docs_run.succeeded(docs_run.command_running("experiments/pipeline_bubble.py", "-n", "4"))
+    figures = [docs_run.command_running("analysis/pipeline_bubble.py",
                                           "runs/pipeline_bubble_p2/results.h5"),
-               readme_run.command_running("analysis/pipeline_gantt.py",
+               docs_run.command_running("analysis/pipeline_gantt.py",
                                           "runs/pipeline_bubble_p2/zb_v-M8.h5"),
-               readme_run.command_running("analysis/pipeline_gantt.py",      # 4 ranks' zb_h1
+               docs_run.command_running("analysis/pipeline_gantt.py",      # 4 ranks' zb_h1
                                           "runs/pipeline_bubble_p4/zb_h1-M8.h5")]
     pngs = []
     for index in figures:
-        readme_run.succeeded(index)
-        pngs.append(readme_run.scratch / shlex.split(readme_run.commands[index])[-1])
+        docs_run.succeeded(index)
+        pngs.append(docs_run.scratch / shlex.split(docs_run.commands[index])[-1])
     _figure("pipeline_gantt.py", out / "zb_v-M2.h5", tmp_path / "gantt_all.png", "--all")
     for png in pngs + [tmp_path / "gantt_all.png"]:
         assert png.read_bytes()[:4] == b"\x89PNG"

@@ -38,19 +38,19 @@ def test_op_layout_is_the_least_priced_without_a_batch_cut():
         assert price(names) <= price(other)
 
 
-def readme_experiment(readme_run, name):
-    """The README's runs of experiments/<name>.py (shortened by tests/test_readme.py's
+def documented_experiment(docs_run, name):
+    """The documentation's runs of experiments/<name>.py (shortened by tests/test_docs.py's
     SCRIPT_SHORTEN) and of its analysis: (output folder, the analysis's stdout, its figure)."""
-    readme_run.succeeded(readme_run.command_running(f"experiments/{name}.py"))
-    analysis = readme_run.command_running(f"analysis/{name}.py", f"runs/{name}/results.h5")
-    stdout = readme_run.succeeded(analysis).stdout
-    figure = shlex.split(readme_run.commands[analysis], comments=True)[-1]
-    return readme_run.scratch / "runs" / name, stdout, readme_run.scratch / figure
+    docs_run.succeeded(docs_run.command_running(f"experiments/{name}.py"))
+    analysis = docs_run.command_running(f"analysis/{name}.py", f"runs/{name}/results.h5")
+    stdout = docs_run.succeeded(analysis).stdout
+    figure = shlex.split(docs_run.commands[analysis], comments=True)[-1]
+    return docs_run.scratch / "runs" / name, stdout, docs_run.scratch / figure
 
 
-def test_crossover_experiment_and_figure(readme_run):
+def test_crossover_experiment_and_figure(docs_run):
     # SCRIPT_SHORTEN: --batches=8,32 --widths=8 --rounds=1 --steps=2 on local-2vcpu (the default)
-    out, stdout, figure = readme_experiment(readme_run, "plan_crossover")
+    out, stdout, figure = documented_experiment(docs_run, "plan_crossover")
     t, attrs = load_table(out / "results.h5", "points")
     e, _ = load_table(out / "results.h5", "boundary")
     s, _ = load_table(out / "results.h5", "summary")
@@ -81,10 +81,10 @@ def test_crossover_experiment_and_figure(readme_run):
     assert figure.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_portability_experiment_and_figure(readme_run):
+def test_portability_experiment_and_figure(docs_run):
     # change 5 (a 64-256x4-10 MLP, batch 64) and a GPT shape; one timed run per shape
     # (SCRIPT_SHORTEN: --changes=5,6 --reps=1 --replans=1 on local-2vcpu, the default)
-    out, stdout, figure = readme_experiment(readme_run, "plan_portability")
+    out, stdout, figure = documented_experiment(docs_run, "plan_portability")
     t, attrs = load_table(out / "results.h5", "changes")
     assert list(t["model"]) == ["mlp", "gpt"] and attrs["ranks"] == 2
     mach = machine.load(MACHINE)

@@ -66,12 +66,12 @@ def test_mlp_layouts_cover_the_uniform_and_the_planners_choice():
     assert len(some) == 7 and extra in some and ("col",) * 3 in some
 
 
-def test_experiment_and_figure(readme_run):
-    """The README's run of the experiment (shortened by tests/test_readme.py's SCRIPT_SHORTEN:
+def test_experiment_and_figure(docs_run):
+    """The documentation's run of the experiment (shortened by tests/test_docs.py's SCRIPT_SHORTEN:
     local-2vcpu, one round, 3 steps, 2 GPT and 2 MLP layouts) and of its figure."""
-    index = readme_run.command_running("experiments/plan_validation.py")
-    readme_run.succeeded(index)
-    out = readme_run.scratch / "runs" / "plan_validation"
+    index = docs_run.command_running("experiments/plan_validation.py")
+    docs_run.succeeded(index)
+    out = docs_run.scratch / "runs" / "plan_validation"
     t, attrs = load_table(out / "results.h5", "layouts")
     s, _ = load_table(out / "results.h5", "summary")
     assert set(t) == LAYOUT_COLUMNS and set(s) == SUMMARY_COLUMNS
@@ -116,21 +116,21 @@ def test_experiment_and_figure(readme_run):
         assert len(cuts) == 3 and set(cuts) <= {Cut(2, 1, 1), Cut(1, 2, 1), Cut(1, 1, 2),
                                                  Cut(1, 1, 1)}
         assert json.loads(path.read_text())["devices"] == 2
-    figure = readme_run.command_running("analysis/plan_validation.py",
+    figure = docs_run.command_running("analysis/plan_validation.py",
                                         "runs/plan_validation/results.h5")
-    readme_run.succeeded(figure)
-    png = shlex.split(readme_run.commands[figure], comments=True)[-1]
-    assert (readme_run.scratch / png).read_bytes()[:4] == b"\x89PNG"
+    docs_run.succeeded(figure)
+    png = shlex.split(docs_run.commands[figure], comments=True)[-1]
+    assert (docs_run.scratch / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_phases_of_the_readme_runs(readme_run, capsys):
-    """analysis/plan_phases.py on the README's run of the experiment: one row per MLP run of
+def test_phases_of_the_docs_runs(docs_run, capsys):
+    """analysis/plan_phases.py on the documentation's run of the experiment: one row per MLP run of
     the sweep, its measured phases inside the run's steps, its priced terms summing to the
     plan's price."""
     sys.path.insert(0, os.path.join(ROOT, "analysis"))
     import plan_phases
-    readme_run.succeeded(readme_run.command_running("experiments/plan_validation.py"))
-    out = readme_run.scratch / "runs" / "plan_validation"
+    docs_run.succeeded(docs_run.command_running("experiments/plan_validation.py"))
+    out = docs_run.scratch / "runs" / "plan_validation"
     assert plan_phases.main([str(out)]) == 0
     assert "passes and gradient wait / compute + collectives" in capsys.readouterr().out
     p, attrs = load_table(out / "phases.h5", "phases")
@@ -175,14 +175,14 @@ def test_fit_by_kind_recovers_the_factors_of_each_kind():
         assert got[r][1] < 1e-9
 
 
-def test_confirmations_of_the_readme_run_and_across_runs(readme_run, capsys, tmp_path):
-    """analysis/plan_confirm.py: on the README's run (--confirm=1, --confirm_rounds=1) each
+def test_confirmations_of_the_docs_run_and_across_runs(docs_run, capsys, tmp_path):
+    """analysis/plan_confirm.py: on the documentation's run (--confirm=1, --confirm_rounds=1) each
     confirmed MLP plan's step times are the confirm table's; per-round ratios to the best and
     the same two plans' ratios across folders, on made-up step times."""
     sys.path.insert(0, os.path.join(ROOT, "analysis"))
     import plan_confirm
-    readme_run.succeeded(readme_run.command_running("experiments/plan_validation.py"))
-    out = readme_run.scratch / "runs" / "plan_validation"
+    docs_run.succeeded(docs_run.command_running("experiments/plan_validation.py"))
+    out = docs_run.scratch / "runs" / "plan_validation"
     times = plan_confirm.confirm_times(str(out))
     c, _ = load_table(out / "results.h5", "confirm")
     mlp = c["model"] == "mlp"

@@ -1,11 +1,16 @@
-"""Every command in README.md's command blocks runs as written (shortened, never edited).
+"""Every command in the documentation's command blocks runs as written (shortened, never edited).
 
-A command block is a fenced code block with no language or a shell one (``sh``, ``bash``,
-``console``, ``shell``); ``text`` (a synopsis) and ``python`` blocks are not commands. Each line
-is one command (a trailing backslash continues it; ``#`` starts a comment, as in a shell). They
-run in README order in one scratch directory, so a command may use a file an earlier one wrote
-(``--resume`` reads the checkpoint the command before it saved). The blocks are found anew at
-every run: a command added to the README is tested without touching this file.
+The documentation is README.md and the pages of the MkDocs site under docs/ (built by
+``make docs``; :func:`test_the_site_builds` builds it here with ``--strict``). A command block is
+a fenced code block with no language or a shell one (``sh``, ``bash``, ``console``, ``shell``);
+``text`` (a synopsis or a printed result) and ``python`` blocks are not commands. Each line is one
+command (a trailing backslash continues it; ``#`` starts a comment, as in a shell). They run in
+one scratch directory in a fixed order, README.md first, then the pages by path
+(:func:`doc_pages`), each page's in its own order, so a command may use a file an earlier one
+wrote (``--resume`` reads the checkpoint the command before it saved; keep such pairs on one
+page). The blocks are found anew at every run: a command added to a page is tested without
+touching this file. docs/architecture.md is not read for commands (:data:`NOT_COMMANDS`): its
+unlabelled blocks are the module map and printed examples.
 
 What the test changes, and why:
 
@@ -18,16 +23,17 @@ What the test changes, and why:
   otherwise calibrates every algorithm at start-up: seconds to a minute on a busy 2-core
   machine, and tested in tests/test_allreduce.py). The model, layout, schedule and memory
   options stay as written, so the checks and plans they trigger run.
-- An experiment gets its :data:`SCRIPT_SHORTEN` options: the same sweep on smaller sizes.
+- An experiment or benchmark gets its :data:`SCRIPT_SHORTEN` options: the same sweep on smaller
+  sizes, wherever its command is (README or any page).
 - Skipped, because they cannot run inside a test: ``make`` (the whole test suite and demo),
   ``pip install`` and ``module load`` (they change the environment; there is no network), and
   anything naming CuPy (no GPU here).
 
-The scratch directory and the commands' results belong to one :class:`ReadmeRun` per test
-session (the ``readme_run`` fixture in conftest.py), so that a test of an experiment
-(tests/test_plan_validation.py, ...) asserts on the README's own run of it instead of running it
-a second time: :meth:`ReadmeRun.command_running` names the README command, :meth:`ReadmeRun.result`
-runs it (once) and returns its result and outputs.
+The scratch directory and the commands' results belong to one :class:`DocsRun` per test
+session (the ``docs_run`` fixture in conftest.py), so that a test of an experiment
+(tests/test_plan_validation.py, ...) asserts on the documentation's own run of it instead of
+running it a second time: :meth:`DocsRun.command_running` names the command,
+:meth:`DocsRun.result` runs it (once) and returns its result and outputs.
 """
 import os
 import re
@@ -40,6 +46,9 @@ import pytest
 from mpi_util import ROOT, mpiexec
 
 README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+# pages whose fenced blocks are not commands, and why
+NOT_COMMANDS = {"architecture.md": "the module map and printed examples, not commands"}
 SHORTEN = ["--eval_interval=0", "--eval_batches=1", "--max_plays=1", "--progress=false"]
 # experiments and benchmarks, shortened the same way (their sweeps' shape stays, sizes shrink)
 SCRIPT_SHORTEN = {
@@ -80,9 +89,25 @@ def command_blocks(text: str) -> list[list[str]]:
     return blocks
 
 
-def readme_commands() -> list[str]:
-    with open(README, encoding="utf-8") as f:
+def doc_pages() -> list[str]:
+    """README.md, then every Markdown page under docs/ by path (those of :data:`NOT_COMMANDS`
+    left out): the order in which their commands run."""
+    pages = []
+    for folder, dirs, files in os.walk(DOCS):
+        dirs.sort()
+        pages += [os.path.join(folder, f) for f in files if f.endswith(".md")]
+    pages = sorted(pages, key=lambda p: os.path.relpath(p, DOCS).split(os.sep))
+    return [README] + [p for p in pages if os.path.relpath(p, DOCS) not in NOT_COMMANDS]
+
+
+def page_commands(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
         return [c for block in command_blocks(f.read()) for c in block]
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    """(page relative to the repository, command) of every command, in the order they run."""
+    return [(os.path.relpath(page, ROOT), c) for page in doc_pages() for c in page_commands(page)]
 
 
 def skip_reason(words: list[str]) -> str:
@@ -143,38 +168,55 @@ def test_the_blocks_are_found():
     shortened = runnable(["hpcnn", "train", "--steps=1000", "--resume=a.h5"])
     assert shortened[:3] == [sys.executable, "-m", "hpcnn"] and shortened[-2:] == [
         "--steps=2", "--allreduce=mpi"]                 # the last --steps wins
-    commands = readme_commands()
-    assert len(commands) >= 15 and any(c.startswith("mpiexec -n 8") for c in commands)
+    readme = page_commands(README)
+    assert 3 <= len(readme) and any(c.startswith("make test") for c in readme)
+    commands = [c for _, c in doc_commands()]
+    assert len(commands) >= 60 and any(c.startswith("mpiexec -n 8") for c in commands)
 
 
-class ReadmeRun:
-    """The README's commands run in one scratch directory, each at most once per session.
+def test_the_pages_and_their_order():
+    """README first, then docs/ by path (a page's folder before its name), architecture.md out;
+    a checkpoint is written before it is resumed."""
+    pages = [os.path.relpath(p, ROOT) for p in doc_pages()]
+    assert pages[0] == "README.md" and "docs/architecture.md" not in pages
+    assert pages[1:] == sorted(pages[1:], key=lambda p: p.split("/"))
+    commands = [c for _, c in doc_commands()]
+    saved = [i for i, c in enumerate(commands) if "--checkpoint=runs/gpt.ckpt.h5" in c]
+    resumed = [i for i, c in enumerate(commands) if "--resume=runs/gpt.ckpt.h5" in c]
+    assert saved and resumed and max(saved) < min(resumed)
+
+
+class DocsRun:
+    """The documentation's commands run in one scratch directory, each at most once per session.
 
     :meth:`result` runs a command the first time it is asked for and returns the same
-    ``CompletedProcess`` afterwards. The README test asks in README order; a test of an
+    ``CompletedProcess`` afterwards. The docs test asks in documentation order; a test of an
     experiment may ask for that experiment's command (and its analysis) earlier, which is
-    sound because an experiment reads nothing an earlier README command wrote (its output
-    folder is its own; the analysis reads only that folder). Such a test asks for every
-    command whose files it reads, in README order (a result, failed or not, is kept).
+    sound because an experiment reads nothing an earlier command wrote (its output folder is
+    its own; the analysis reads only that folder). Such a test asks for every command whose
+    files it reads, in documentation order (a result, failed or not, is kept).
     """
 
     def __init__(self, scratch):
         self.scratch = scratch
-        self.commands = readme_commands()
+        listed = doc_commands()
+        self.pages = [page for page, _ in listed]        # where each command is written
+        self.commands = [command for _, command in listed]
         self._results = {}
 
     def command_running(self, *words: str) -> int:
-        """The index of the README command holding all of ``words`` (e.g. a script and
-        ``-n``, ``2``); fails the calling test, naming the words, if the README has none."""
+        """The index of the first documented command holding all of ``words`` (e.g. a script
+        and ``-n``, ``2``); fails the calling test, naming the words, if there is none."""
         for index, command in enumerate(self.commands):
             split = shlex.split(command, comments=True)
             if all(w in split for w in words):
                 return index
-        pytest.fail(f"README.md has no command with {list(words)} any more: give this test its "
-                    f"own run of the experiment (see tests/test_readme.py, ReadmeRun)")
+        pytest.fail(f"neither README.md nor docs/ has a command with {list(words)} any more: "
+                    f"give this test its own run of the experiment (see tests/test_docs.py, "
+                    f"DocsRun)")
 
     def result(self, index: int) -> subprocess.CompletedProcess:
-        """The finished run of the README's command ``index`` (run now if not yet); fails the
+        """The finished run of the documented command ``index`` (run now if not yet); fails the
         calling test on a timeout."""
         if index not in self._results:
             assigned, words = split_env(shlex.split(self.commands[index], comments=True))
@@ -198,16 +240,54 @@ class ReadmeRun:
     def succeeded(self, index: int) -> subprocess.CompletedProcess:
         """:meth:`result`, asserted to have exited 0 without a traceback."""
         p = self.result(index)
-        assert p.returncode == 0, (f"{self.commands[index]}\nran as: {shlex.join(p.args)}\n--- stdout\n"
+        assert p.returncode == 0, (f"{self.pages[index]}: {self.commands[index]}\nran as: {shlex.join(p.args)}\n--- stdout\n"
                                    f"{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}")
         assert "Traceback" not in p.stderr, p.stderr[-3000:]
         return p
 
 
-@pytest.mark.parametrize("index", range(len(readme_commands())), ids=readme_commands())
-def test_readme_command_runs(index, readme_run):
-    assigned, words = split_env(shlex.split(readme_run.commands[index], comments=True))
+COMMANDS = doc_commands()
+
+
+@pytest.mark.parametrize("index", range(len(COMMANDS)),
+                         ids=[f"{page}: {command}" for page, command in COMMANDS])
+def test_documented_command_runs(index, docs_run):
+    assigned, words = split_env(shlex.split(docs_run.commands[index], comments=True))
     reason = skip_reason(words)
     if reason:
         pytest.skip(reason)
-    readme_run.succeeded(index)
+    docs_run.succeeded(index)
+
+
+def test_the_options_page_lists_every_option():
+    """The generated reference page (docs/hooks.py) has every TrainConfig option with its
+    default, its range and its help comment, grouped as ``hpcnn train --help`` groups them."""
+    import dataclasses
+    import importlib.util
+    from hpcnn.config import TrainConfig, describe
+    spec = importlib.util.spec_from_file_location("docs_hooks", os.path.join(DOCS, "hooks.py"))
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = hooks.options_page()
+    for field in dataclasses.fields(TrainConfig):
+        assert f"`--{field.name}`" in page, field.name
+    headings = [ln for ln in describe().splitlines() if not ln.startswith(" ")]
+    assert [ln[3:] for ln in page.splitlines() if ln.startswith("## ")] == [
+        h.rstrip(":").capitalize() for h in headings]
+    assert "`mlp`, `cnn`, `gpt`, `gcn`" in page and "in [0, 1)" in page
+
+
+def test_the_site_builds(tmp_path):
+    """``mkdocs build --strict`` (as ``make docs`` runs it) succeeds: every page in the nav,
+    every link and image found, the options page generated."""
+    import importlib.util
+    missing = [m for m in ("mkdocs", "material") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (the docs extra: pip install -e '.[docs]'; "
+                    f"make test installs it)")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                        "-f", os.path.join(ROOT, "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                       capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "options" / "index.html").exists()
