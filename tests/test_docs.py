@@ -9,8 +9,7 @@ one scratch directory in a fixed order, README.md first, then the pages by path
 (:func:`doc_pages`), each page's in its own order, so a command may use a file an earlier one
 wrote (``--resume`` reads the checkpoint the command before it saved; keep such pairs on one
 page). The blocks are found anew at every run: a command added to a page is tested without
-touching this file. docs/architecture.md is not read for commands (:data:`NOT_COMMANDS`): its
-unlabelled blocks are the module map and printed examples.
+touching this file. A page whose blocks are not commands labels them ``text``.
 
 What the test changes, and why:
 
@@ -48,7 +47,7 @@ from mpi_util import ROOT, mpiexec
 README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
 # pages whose fenced blocks are not commands, and why
-NOT_COMMANDS = {"architecture.md": "the module map and printed examples, not commands"}
+NOT_COMMANDS: dict = {}     # page -> why its blocks are not commands (none: label them ``text``)
 SHORTEN = ["--eval_interval=0", "--eval_batches=1", "--max_plays=1", "--progress=false"]
 # experiments and benchmarks, shortened the same way (their sweeps' shape stays, sizes shrink)
 SCRIPT_SHORTEN = {
