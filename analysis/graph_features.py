@@ -6,13 +6,11 @@ Left: the test accuracy (median over the seeds, the bars their range) against th
 signal-to-noise ratio, the GCN on X alone and on [X, U_k]; right: the gain of the spectral
 features (median of the per-seed differences). Printed: the same numbers as a table.
 """
-import argparse
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
@@ -21,7 +19,7 @@ def table_and_pyplot(argv, doc: str, name: str):
     """The command line ``RESULTS PNG`` of a graph analysis script (``doc``: its docstring)
     -> (the arguments, the columns and attributes of table ``name`` of RESULTS, pyplot drawing
     without a display)."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap = scripts.parser(doc)
     ap.add_argument("results")
     ap.add_argument("png")
     a = ap.parse_args(argv)

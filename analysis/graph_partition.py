@@ -10,13 +10,11 @@ hold the "epochs" table, a last row: the median epoch (full-batch step) time of
 halo bytes per layer (right) against p, one line per kind, solid for the first training data
 set, dashed for the second, dotted for a third.
 """
-import argparse
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
@@ -55,7 +53,7 @@ def epoch_panels(row, t, attrs) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("results")
     ap.add_argument("png")
     a = ap.parse_args(argv)

@@ -8,13 +8,10 @@ dotted line: the target, 95 %), against the fraction of nodes kept; right: the t
 wall time relative to the full-graph run's. One line per coarsening method. Printed: the
 median accuracies and time ratios, and per graph and method whether the target holds at 30 %.
 """
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from graph_features import table_and_pyplot  # noqa: E402
 from hpcnn.log.report import save_figure  # noqa: E402
 

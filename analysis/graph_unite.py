@@ -9,13 +9,11 @@ legend gives each variant's median time over rounds). Single Lanczos with basis 
 P ranks, unite and conquer with (m1, m2) on two halves (thick line: the better instance's
 estimate, which the exchange makes the state both restart from; thin lines: each instance's).
 """
-import argparse
-import os
 import sys
 
 import h5py
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
@@ -23,7 +21,7 @@ STYLE = {"single_m1": "tab:gray", "single_m2": "tab:blue", "unite": "tab:red"}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("results")
     ap.add_argument("png")
     a = ap.parse_args(argv)

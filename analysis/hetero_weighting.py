@@ -16,15 +16,15 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn.log.results import load_table  # noqa: E402
-from hpcnn.log.report import save_figure  # noqa: E402
+from hpcnn import scripts
+from hpcnn.log.results import load_table
+from hpcnn.log.report import save_figure
 
 STYLE = {"equal": ("tab:gray", "o"), "prop-uniform": ("tab:orange", "s"),
          "prop-weighted": ("tab:blue", "^")}
 
 
-def main(path, out=None):
+def figure(path, out=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.ticker
@@ -85,7 +85,11 @@ def main(path, out=None):
     return out
 
 
+def main(argv=None) -> int:
+    a = scripts.figure_parser(__doc__, optional=True).parse_args(argv)
+    figure(a.results, a.figure)
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    sys.exit(main())

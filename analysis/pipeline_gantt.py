@@ -16,9 +16,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn.log import read_run  # noqa: E402
-from hpcnn.log.report import save_figure  # noqa: E402
+from hpcnn import scripts
+from hpcnn.log import read_run
+from hpcnn.log.report import save_figure
 
 COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "SEND_ACT": "0.55",
           "RECV_ACT": "0.75", "SEND_GRAD": "tab:purple", "RECV_GRAD": "plum"}
@@ -37,7 +37,7 @@ def select(run, step):
     return (tl["t_start"] >= a - 1e-9) & (tl["t_end"] <= b + 1e-9), f"step {int(m['step'][k])}"
 
 
-def main(path, out=None, step=None):
+def figure(path, out=None, step=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.patches as mpatches
@@ -90,17 +90,16 @@ def main(path, out=None, step=None):
     return out
 
 
+def main(argv=None) -> int:
+    ap = scripts.parser(__doc__)
+    ap.add_argument("log", help="a run log (HDF5)")
+    ap.add_argument("figure", nargs="?", default=None, help="the PNG to write (optional)")
+    ap.add_argument("--step", default=None, help="the step K to draw (default the last)")
+    scripts.flag(ap, "all", False, "draw the whole timeline")
+    a = ap.parse_args(argv)
+    figure(a.log, a.figure, "all" if a.all else a.step)
+    return 0
+
+
 if __name__ == "__main__":
-    flags = [a for a in sys.argv[1:] if a.startswith("--")]
-    pos = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if not pos:
-        raise SystemExit(__doc__)
-    st = None
-    for f in flags:
-        if f == "--all":
-            st = "all"
-        elif f.startswith("--step="):
-            st = f.split("=", 1)[1]
-        else:
-            raise SystemExit(f"unknown option {f!r}\n{__doc__}")
-    main(pos[0], pos[1] if len(pos) > 1 else None, st)
+    sys.exit(main())

@@ -6,7 +6,7 @@ plans' ratio moves from one validation to another.
 
 For each OUT folder given (a validation run with ``--confirm``), the MLP confirmation's run
 logs OUT/runs/mlp-confirm-rR-I.h5 give each plan (its ``--plan`` file, plan-NAME.json) one step
-time per round R (:func:`plan_validation.read_log`, the median after the first fifth). Per
+time per round R (:func:`hpcnn.plan.validation.read_log`, the median after the first fifth). Per
 folder it prints each plan's median step and its per-round ratio to the folder's best plan
 (least median) in the same round: the median and the quartiles of the ratios, the spread of
 one comparison within one validation. Then, for every two plans confirmed together in more
@@ -21,9 +21,8 @@ import sys
 import h5py
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
-import plan_validation  # noqa: E402
+from hpcnn import scripts
+from hpcnn.plan import validation as plan_validation
 
 
 def confirm_times(folder: str) -> dict:
@@ -77,12 +76,11 @@ def across(folders: dict) -> list:
 
 
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print(__doc__.strip().splitlines()[2].strip())
-        return 2
+    ap = scripts.parser(__doc__)
+    ap.add_argument("folders", nargs="+", metavar="OUT",
+                    help="a plan validation's output folder (run with --confirm)")
     folders = {}
-    for folder in args:
+    for folder in ap.parse_args(argv).folders:
         times = confirm_times(folder)
         if not times:
             print(f"{folder}: no MLP confirmation (run logs runs/mlp-confirm-r*-*.h5)")

@@ -12,14 +12,13 @@ whose predicted winner is not the measured one. Each cell gives its ratio.
 Prints the table per grid point (predicted winner, measured winner, ratios) and the summary.
 Made only from the HDF5 tables "points", "boundary" and "summary".
 """
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn.log.report import save_figure  # noqa: E402
-from hpcnn.log.results import load_table  # noqa: E402
+from hpcnn import scripts
+from hpcnn.log.report import save_figure
+from hpcnn.log.results import load_table
 
 
 def grid(t: dict, column: str, batches, widths) -> np.ndarray:
@@ -53,15 +52,14 @@ def print_table(t: dict, s: dict, e: dict) -> None:
           f"boundary equal on {s['boundaries_equal'][0]}/{len(e['width'])} widths")
 
 
-def main(argv) -> int:
-    if len(argv) != 2:
-        raise SystemExit(__doc__)
+def main(argv=None) -> int:
+    a = scripts.figure_parser(__doc__).parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    t, attrs = load_table(argv[0], "points")
-    e, _ = load_table(argv[0], "boundary")
-    s, _ = load_table(argv[0], "summary")
+    t, attrs = load_table(a.results, "points")
+    e, _ = load_table(a.results, "boundary")
+    s, _ = load_table(a.results, "summary")
     print_table(t, s, e)
     batches, widths = sorted(set(t["batch"].tolist())), sorted(set(t["width"].tolist()))
     maps = {"predicted (BSP price)": np.log10(grid(t, "pred_ratio", batches, widths)),
@@ -91,9 +89,9 @@ def main(argv) -> int:
     fig.suptitle(f"{attrs.get('ranks', '?')} ranks on {attrs.get('machine', '?')}: winner agrees "
                  f"on {s['agree'][0]}/{s['points'][0]} points; line: dp wins right of it "
                  "(dashed: predicted); x: winner differs", fontsize=9)
-    print(f"wrote {save_figure(fig, argv[1])}")
+    print(f"wrote {save_figure(fig, a.figure)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

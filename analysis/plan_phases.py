@@ -26,13 +26,11 @@ import sys
 import h5py
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
-import plan_validation  # noqa: E402
-
-from hpcnn.log.results import load_table, save_table  # noqa: E402
-from hpcnn.schedule.placement import read_plan  # noqa: E402
-from hpcnn.plan import cost  # noqa: E402
+from hpcnn import scripts
+from hpcnn.log.results import load_table, save_table
+from hpcnn.schedule.placement import read_plan
+from hpcnn.plan import cost
+from hpcnn.plan import validation as plan_validation
 
 PHASES = {"passes": ("F", "B"), "wait": ("allreduce_wait",), "optimizer": ("optimizer",)}
 
@@ -122,10 +120,10 @@ def hidden_of(command_line: str) -> list:
     return [int(v) for v in (got.group(1) if got else plan_validation.HIDDEN).split(",")]
 
 
-def main(argv) -> int:
-    if len(argv) != 1:
-        raise SystemExit(__doc__)
-    out = argv[0]
+def main(argv=None) -> int:
+    ap = scripts.parser(__doc__)
+    ap.add_argument("out", help="a plan validation's output folder (results.h5, runs/)")
+    out = ap.parse_args(argv).out
     _, attrs = load_table(os.path.join(out, "results.h5"), "layouts")
     machines = str(attrs["machine_file"]).split(",")
     hidden = hidden_of(str(attrs["command_line"]))
@@ -167,4 +165,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

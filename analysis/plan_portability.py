@@ -8,14 +8,13 @@ time; each MLP group is labelled with the ratio profiling / re-planning and "sam
 both planners chose the same cuts, else the cost model's choice's excess in profiled step time. Prints the table. Made only from the HDF5
 table "changes".
 """
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn.log.report import save_figure  # noqa: E402
-from hpcnn.log.results import load_table  # noqa: E402
+from hpcnn import scripts
+from hpcnn.log.report import save_figure
+from hpcnn.log.results import load_table
 
 
 def print_table(t: dict) -> None:
@@ -35,13 +34,12 @@ def print_table(t: dict) -> None:
           f"profiling / re-planning {t['ratio'][mlp].min():.0f}x to {t['ratio'][mlp].max():.0f}x")
 
 
-def main(argv) -> int:
-    if len(argv) != 2:
-        raise SystemExit(__doc__)
+def main(argv=None) -> int:
+    a = scripts.figure_parser(__doc__).parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    t, attrs = load_table(argv[0], "changes")
+    t, attrs = load_table(a.results, "changes")
     print_table(t)
     n = len(t["change"])
     x = np.arange(n)
@@ -65,9 +63,9 @@ def main(argv) -> int:
     ax.set_ylim(top=ax.get_ylim()[1] * 1000)       # room for the labels and the legend
     ax.title.set_fontsize(9)
     ax.legend(fontsize=8, loc="upper right")
-    print(f"wrote {save_figure(fig, argv[1])}")
+    print(f"wrote {save_figure(fig, a.figure)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

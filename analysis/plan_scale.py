@@ -7,22 +7,19 @@ layout does not fit the device memory. Right: predicted model FLOP/s per device,
 the device's peak, and memory per device. Made only from the HDF5 table "scale"; predictions
 from datasheet figures, not measurements (the title says so).
 """
-import os
 import sys
 
+from hpcnn import scripts
+from hpcnn.log.report import save_figure
+from hpcnn.log.results import load_table
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn.log.report import save_figure  # noqa: E402
-from hpcnn.log.results import load_table  # noqa: E402
 
-
-def main(argv) -> int:
-    if len(argv) != 2:
-        raise SystemExit(__doc__)
+def main(argv=None) -> int:
+    a = scripts.figure_parser(__doc__).parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    t, attrs = load_table(argv[0], "scale")
+    t, attrs = load_table(a.results, "scale")
     params = t["params"] / 1e9
     fits = t["feasible"].astype(bool)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -44,9 +41,9 @@ def main(argv) -> int:
     bx.set_title("predicted per device")
     fig.suptitle(f"hpcnn plan on {attrs.get('machine', '?')}: predictions from datasheet "
                  f"figures, not measured", fontsize=10)
-    print(f"wrote {save_figure(fig, argv[1], rect=(0, 0, 1, 0.94))}")
+    print(f"wrote {save_figure(fig, a.figure, rect=(0, 0, 1, 0.94))}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -7,14 +7,13 @@ on 4); right: against the number of devices (DRA with 10^4 operators, chain DP w
 each sweep labelled with its fitted slope (1 = linear); the DRA's 1 s target for 10^4 operators
 on 4096 devices as a dotted line. Made only from the HDF5 table "plan_search".
 """
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn.log.report import save_figure  # noqa: E402
-from hpcnn.log.results import load_table  # noqa: E402
+from hpcnn import scripts
+from hpcnn.log.report import save_figure
+from hpcnn.log.results import load_table
 
 PANELS = (("operators", (("dra_blocks", "DRA, 4096 devices"), ("dp_blocks", "chain DP, 16 devices"),
                          ("exhaustive_blocks", "exhaustive, 4 devices"))),
@@ -23,13 +22,12 @@ PANELS = (("operators", (("dra_blocks", "DRA, 4096 devices"), ("dp_blocks", "cha
 COLORS = {"dra": "tab:blue", "dp": "tab:orange", "exhaustive": "tab:green"}
 
 
-def main(argv) -> int:
-    if len(argv) != 2:
-        raise SystemExit(__doc__)
+def main(argv=None) -> int:
+    a = scripts.figure_parser(__doc__).parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    t, attrs = load_table(argv[0], "plan_search")
+    t, attrs = load_table(a.results, "plan_search")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, (x, sweeps) in zip(axes, PANELS):
         for key, label in sweeps:
@@ -45,9 +43,9 @@ def main(argv) -> int:
         ax.legend(fontsize=8)
     fig.suptitle(f"planner search time (load {attrs.get('load_avg_1min', float('nan')):.1f}); "
                  "dotted: 1 s", fontsize=10)
-    print(f"wrote {save_figure(fig, argv[1])}")
+    print(f"wrote {save_figure(fig, a.figure)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -7,26 +7,24 @@ model's scale (the geometric mean of measured / predicted: the calibrated machin
 offset); the planner's choice circled, the best measured layout marked with a star. The legend
 gives each model's Kendall tau and MAPE. Made only from the HDF5 tables "layouts" and "summary".
 """
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn.log.report import save_figure  # noqa: E402
-from hpcnn.log.results import load_table  # noqa: E402
+from hpcnn import scripts
+from hpcnn.log.report import save_figure
+from hpcnn.log.results import load_table
 
 COLORS = {"gpt": "tab:blue", "mlp": "tab:orange"}
 
 
-def main(argv) -> int:
-    if len(argv) != 2:
-        raise SystemExit(__doc__)
+def main(argv=None) -> int:
+    a = scripts.figure_parser(__doc__).parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    t, attrs = load_table(argv[0], "layouts")
-    s, _ = load_table(argv[0], "summary")
+    t, attrs = load_table(a.results, "layouts")
+    s, _ = load_table(a.results, "summary")
     fig, ax = plt.subplots(figsize=(6.2, 5.6))
     pred, meas = t["pred_s"] * 1e3, t["meas_s"] * 1e3
     lo, hi = min(pred.min(), meas.min()) / 1.5, max(pred.max(), meas.max()) * 1.5
@@ -51,9 +49,9 @@ def main(argv) -> int:
                  "circle = planner's choice, star = best measured", )
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7, loc="upper left")
-    print(f"wrote {save_figure(fig, argv[1])}")
+    print(f"wrote {save_figure(fig, a.figure)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

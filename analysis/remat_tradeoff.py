@@ -14,13 +14,11 @@ step, transients included (hollow); every point must be under y = x. Below: the 
 combine.solve against the chain length L, per slot count, on random heterogeneous chains.
 (Those two arguments are the defaults.)
 """
-import argparse
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
@@ -178,11 +176,11 @@ def solver_figure(plt, s, attrs, out):
     return save_figure(fig, os.path.join(out, "remat_solver_time.png"))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    ap = scripts.parser(__doc__)
     ap.add_argument("--results", default="runs/remat_tradeoff/results.h5")
     ap.add_argument("--out", default="docs/figures")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

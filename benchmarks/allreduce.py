@@ -31,30 +31,33 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hpcnn import cli  # noqa: E402
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.parallel.collectives import algorithms  # noqa: E402
 from hpcnn.parallel.collectives import shm  # noqa: E402
 from hpcnn.parallel.collectives import Communicator  # noqa: E402
 
 OPTS = {"max-mib": 256, "segment": algorithms.SEGMENT_BYTES, "isegment": algorithms.ISEGMENT_BYTES,
-        "piece": shm.PIECE_BYTES, "overlap": 1, "calibrate": 1}
-for a in sys.argv[1:]:
-    if a in ("--no-overlap", "--no-calibrate"):
-        OPTS[a[5:]] = 0
-    elif a.startswith("--") and "=" in a and a[2:].split("=")[0] in OPTS:
-        k, v = a[2:].split("=", 1)
-        OPTS[k] = int(v)
-    else:
-        cli.refuse(f"unknown option {a!r}; known: --max-mib=, --segment=, --isegment=, "
-                   "--piece=, --no-overlap, --no-calibrate")
+        "piece": shm.PIECE_BYTES, "overlap": 1, "calibrate": 1}        # main() sets them
+
+
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("--max-mib", type=int, default=OPTS["max-mib"], help="largest message, MiB")
+    ap.add_argument("--segment", type=int, default=OPTS["segment"],
+                    help="allreduce segment bytes")
+    ap.add_argument("--isegment", type=int, default=OPTS["isegment"],
+                    help="non-blocking allreduce segment bytes")
+    ap.add_argument("--piece", type=int, default=OPTS["piece"], help="shm piece bytes")
+    scripts.flag(ap, "overlap", True, "time the overlap of iallreduce with compute")
+    scripts.flag(ap, "calibrate", True, "calibrate auto's table first")
+    return ap
+
 
 ALGOS = ["raw", "mpi", "ring", "rd", "shm", "cma", "auto", "shm0", "auto0"]   # shm*, cma: one node
 
@@ -211,7 +214,10 @@ def bench_overlap(c, world, nbytes=64 << 20, reps=5):
     return rows
 
 
-def main():
+def main(argv=None):
+    a = parser().parse_args(argv)
+    OPTS.update({"max-mib": a.max_mib, "segment": a.segment, "isegment": a.isegment,
+                 "piece": a.piece, "overlap": int(a.overlap), "calibrate": int(a.calibrate)})
     world = MPI.COMM_WORLD
     p, lib = world.Get_size(), library()
     c = Communicator(world)

@@ -22,27 +22,19 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hpcnn import cli  # noqa: E402
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.nn import models  # noqa: E402
 from hpcnn.nn.optim import SGD  # noqa: E402
 from hpcnn.parallel.collectives import Communicator  # noqa: E402
 from hpcnn.parallel.data.bucketed import DataParallel  # noqa: E402
 
-ARGS = {"repeats": 8, "batch": 64}
-for a in sys.argv[1:]:
-    k, _, v = a.lstrip("-").partition("=")
-    if k not in ARGS:
-        cli.refuse(f"unknown option {a!r}; expected --repeats=N, --batch=N")
-    ARGS[k] = int(v)
-REPEATS, BATCH = ARGS["repeats"], ARGS["batch"]
+REPEATS, BATCH = 8, 64                  # --repeats, --batch: main() sets them
 WIDTH, LAYERS = 2048, 4
 OUT = os.path.join("runs", "bench", "data_parallel.h5")
 
@@ -51,8 +43,7 @@ rank, size = world.Get_rank(), world.Get_size()
 
 
 def say(*a):
-    if rank == 0:
-        print(*a, flush=True)
+    scripts.say(*a, rank=rank)
 
 
 def idle_until_rank0():
@@ -203,7 +194,17 @@ def table(title, rows):
         say("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
-def main():
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--batch", type=int, default=BATCH, help="per rank")
+    return ap
+
+
+def main(argv=None):
+    global REPEATS, BATCH
+    a = parser().parse_args(argv)
+    REPEATS, BATCH = a.repeats, a.batch
     x, y = batch()
     world_comm, alone = Communicator(world), Communicator(MPI.COMM_SELF)
     reps = {v: replica(world_comm if v[1] else alone, bucket_mb=v[2], overlap=v[3],

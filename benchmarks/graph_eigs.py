@@ -25,15 +25,13 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import scipy.sparse.linalg as sla  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hpcnn import cli  # noqa: E402
+from hpcnn import scripts  # noqa: E402
 from hpcnn.graph import (DistributedMatrix, lanczos, largest_component,  # noqa: E402
                          normalized_adjacency, sbm)
 from hpcnn.log.results import save_table  # noqa: E402
@@ -43,17 +41,25 @@ OPTS = {"nodes": 100_000, "k": 8, "tol": 1e-8, "rounds": 5, "degree": 10.0, "blo
         "build-only": 0}
 
 
+def whole(raw: str) -> int:
+    """An integer, also written as a float (``1e5``)."""
+    return int(float(raw))
+
+
+def parser():
+    ap = scripts.parser(__doc__)
+    for key in ("nodes", "k", "rounds", "blocks"):
+        ap.add_argument(f"--{key}", type=whole, default=OPTS[key])
+    ap.add_argument("--tol", type=float, default=OPTS["tol"])
+    ap.add_argument("--degree", type=float, default=OPTS["degree"], help="average degree")
+    scripts.flag(ap, "build-only", False, "time building the graph only")
+    return ap
+
+
 def options(argv):
-    opts = dict(OPTS)
-    for a in argv:
-        if a == "--build-only":
-            a = "--build-only=1"
-        key, _, value = a[2:].partition("=")
-        if not a.startswith("--") or key not in opts or not value:
-            cli.refuse(f"unknown option {a!r}; known: --build-only, "
-                       + ", ".join(f"--{k}=" for k in OPTS if k != "build-only"))
-        opts[key] = type(OPTS[key])(float(value)) if key != "tol" else float(value)
-    return opts
+    """The options as a dict keyed as :data:`OPTS`."""
+    a = vars(parser().parse_args(argv))
+    return {k: int(a[k.replace("-", "_")]) if k == "build-only" else a[k] for k in OPTS}
 
 
 def wait_for(comm, rank0_work):
@@ -70,8 +76,8 @@ def wait_for(comm, rank0_work):
     return comm.bcast(seconds if comm.Get_rank() == 0 else None), out
 
 
-def main():
-    opts = options(sys.argv[1:])
+def main(argv=None):
+    opts = options(argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     t = time.perf_counter()

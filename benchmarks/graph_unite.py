@@ -24,7 +24,6 @@ for ``unite`` each instance's estimate and the best of them).
 Options: ``--nodes=100000 --k=8 --m1=20 --m2=32 --tol=1e-8 --rounds=3 --seed=0
 --out=runs/bench/graph_unite.h5``.
 """
-import argparse
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -36,8 +35,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn import cli  # noqa: E402
+from hpcnn import scripts  # noqa: E402
 from hpcnn.graph import (DistributedMatrix, lanczos, largest_component,  # noqa: E402
                          normalized_adjacency, sbm, unite_and_conquer)
 from hpcnn.log.results import save_table  # noqa: E402
@@ -67,7 +65,7 @@ def run_variant(name, a, op, comm, o):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("--nodes", type=int, default=100_000)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--m1", type=int, default=20)
@@ -80,7 +78,7 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if size % 2:
-        cli.refuse(f"graph_unite: unite and conquer splits the ranks in two: got {size}")
+        scripts.refuse(f"graph_unite: unite and conquer splits the ranks in two: got {size}")
     a = normalized_adjacency(largest_component(sbm(o.nodes, blocks=4, avg_degree=10.0,
                                                    seed=o.seed)).adjacency)
     op = DistributedMatrix.from_global(a, comm=comm)

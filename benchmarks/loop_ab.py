@@ -33,8 +33,8 @@ import tempfile  # noqa: E402
 import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
-BIN = os.path.dirname(sys.executable)
-MPI = [os.path.join(BIN, "mpiexec")] if os.path.exists(os.path.join(BIN, "mpiexec")) else ["mpiexec"]
+from hpcnn import scripts  # noqa: E402
+
 TRAIN = ["-m", "hpcnn", "train", "--progress=false", "--allreduce=mpi"]
 CASES = {
     "mlp": (1, TRAIN + ["--model=mlp", "--steps=150"]),
@@ -76,9 +76,8 @@ def run_once(root: str, case: str) -> float:
             case, ["--log=" + os.path.join(out, "run.h5")])
         if case in SCRIPTS:                  # the script of that checkout, writing under ``out``
             args = [os.path.join(os.path.abspath(root), args[0])] + args[1:]
-        cmd = [sys.executable] + (["-m", "mpi4py"] if ranks > 1 else []) + args + dest
-        if ranks > 1:
-            cmd = MPI + ["-n", str(ranks)] + cmd
+        cmd = scripts.mpi_command(ranks, args + dest) if ranks > 1 else \
+            [sys.executable] + args + dest
         env = dict(os.environ, PYTHONPATH=os.path.abspath(root), HPCNN_CALIBRATION=out)
         subprocess.run(cmd, cwd=out if case in SCRIPTS else os.path.abspath(root), env=env,
                        check=True,
@@ -86,29 +85,28 @@ def run_once(root: str, case: str) -> float:
         return _median_step(case, out)
 
 
-def main(argv) -> int:
-    opts = {"rounds": "5", "cases": ",".join(CASES)}
-    paths = []
-    for a in argv:
-        if a.startswith("--"):
-            k, _, v = a[2:].partition("=")
-            if k not in opts:
-                raise SystemExit(f"unknown option {a!r}; expected --rounds=N, --cases=a,b")
-            opts[k] = v
-        else:
-            paths.append(a)
-    if len(paths) != 2:
-        raise SystemExit(__doc__)
-    old, new = paths
-    cases = opts["cases"].split(",")
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("old", help="the old checkout's folder")
+    ap.add_argument("new", help="the new checkout's folder")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cases", type=scripts.words, default=list(CASES),
+                    help=f"some of {','.join(CASES)} (default all)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    a = ap.parse_args(argv)
+    old, new, cases = a.old, a.new, a.cases
     unknown = [c for c in cases if c not in CASES]
     if unknown:
-        raise SystemExit(f"unknown case(s) {unknown}; expected some of {list(CASES)}")
+        ap.error(f"unknown case(s) {unknown}; expected some of {list(CASES)}")
     load0 = os.getloadavg()[0]
     rows = []
     for case in cases:
         times = {"old": [], "new": []}
-        for r in range(int(opts["rounds"])):
+        for r in range(a.rounds):
             order = (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old))
             for label, root in order:
                 times[label].append(run_once(root, case))
@@ -122,13 +120,11 @@ def main(argv) -> int:
               flush=True)
     load1 = os.getloadavg()[0]
     print(f"load average {load0:.1f} before, {load1:.1f} after ({os.cpu_count()} cores)")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from hpcnn.log.results import save_table
-    save_table(os.path.join("runs", "bench", "loop_ab.h5"), "loop_ab", rows,
-               attrs={"old": os.path.abspath(old), "new": os.path.abspath(new),
-                      "load_before": load0, "load_after": load1, "cores": os.cpu_count()})
+    scripts.write_tables(os.path.join("runs", "bench", "loop_ab.h5"), {"loop_ab": rows},
+                         {"old": os.path.abspath(old), "new": os.path.abspath(new),
+                          "load_before": load0, "load_after": load1, "cores": os.cpu_count()})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

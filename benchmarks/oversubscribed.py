@@ -19,15 +19,13 @@ all N computing (1.00: the waiting ranks took as much of the cores as computing 
 at most, k >= cores: no gain), and saves the table ``oversubscribed`` (rows: work, wait, active,
 seconds, ratio) with the cores and ranks as attributes.
 """
-import argparse
-import os
 import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.plan.calibrate import cores_here  # noqa: E402
 
@@ -86,7 +84,7 @@ def one(comm, work, k: int, how: str) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stream_mib", type=int, default=16)
     ap.add_argument("--out", default="runs/bench/oversubscribed.h5")

@@ -23,15 +23,14 @@ About 40 s on one idle core (``--quick``: 10**4 operators and 64 devices at most
 import os
 import random
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.plan.cost import Matmul, chain  # noqa: E402
-from hpcnn.plan.search import chain_dp, dra, exhaustive  # noqa: E402
+from hpcnn import scripts
+from hpcnn.log.results import save_table
+from hpcnn.plan.cost import Matmul, chain
+from hpcnn.plan.search import chain_dp, dra, exhaustive
 
 OUT = os.path.join("runs", "bench", "plan_search.h5")
 
@@ -69,9 +68,16 @@ def slope(rows, key):
     return float(np.polyfit(x, y, 1)[0])
 
 
-def main():
-    quick = "--quick" in sys.argv
-    tiny = "--tiny" in sys.argv             # a smoke run: 10^3 operators, 64 devices at most
+def parser():
+    ap = scripts.parser(__doc__)
+    scripts.flag(ap, "quick", False, "10**4 operators and 64 devices at most")
+    scripts.flag(ap, "tiny", False, "a smoke run: 10**3 operators, 64 devices at most")
+    return ap
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    quick, tiny = a.quick, a.tiny
     max_ops = 10 ** 3 if tiny else 10 ** 4 if quick else 10 ** 5
     max_p = 64 if tiny or quick else 4096
 

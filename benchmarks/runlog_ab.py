@@ -12,12 +12,12 @@ rank rows and 32 timeline events; plus 64 rank rows and 256 events. Prints each 
 flush time, its cost per step, and its ratio to the old copy (the median of per-round ratios).
 The files go to ``--dir`` (the file system measured) and are removed after.
 """
-import importlib
 import inspect
 import os
 import statistics
-import sys
 import tempfile
+
+from hpcnn import scripts
 
 WORKLOADS = {"6 metrics": (0, 0), "+8 ranks, 32 events": (8, 32), "+64 ranks, 256 events": (64, 256)}
 FLUSH_EVERY = 10
@@ -25,13 +25,7 @@ FLUSH_EVERY = 10
 
 def load(root: str):
     """The ``hpcnn.log.runlog`` module of the checkout at ``root``."""
-    for name in [m for m in sys.modules if m == "hpcnn" or m.startswith("hpcnn.")]:
-        del sys.modules[name]
-    sys.path.insert(0, os.path.abspath(root))
-    try:
-        return importlib.import_module("hpcnn.log.runlog")
-    finally:
-        sys.path.pop(0)
+    return scripts.checkout_modules(root, "hpcnn.log.runlog")[0]
 
 
 def variants(old, new) -> dict:
@@ -58,15 +52,22 @@ def log_flush(log, step0: int, ranks: int, events: int) -> float:
     return log.last_flush_s
 
 
-def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
-    if len(args) != 2:
-        sys.exit(__doc__)
-    rounds = int(opts.get("rounds", 60))
-    old, new = load(args[0]), load(args[1])
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("old", help="the old checkout's folder")
+    ap.add_argument("new", help="the new checkout's folder")
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--dir", default=None, help="where the log files go (the file system "
+                    "measured); default: the system's temporary folder")
+    return ap
+
+
+def main(argv=None) -> None:
+    a = parser().parse_args(argv)
+    rounds = a.rounds
+    old, new = load(a.old), load(a.new)
     var = variants(old, new)
-    with tempfile.TemporaryDirectory(dir=opts.get("dir")) as tmp:
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         print(f"{rounds} rounds, flush_every={FLUSH_EVERY}, files in {tmp}; median flush ms "
               f"(per step), ratio to old")
         for wname, (ranks, events) in WORKLOADS.items():

@@ -21,30 +21,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.nn import models  # noqa: E402
 from hpcnn.nn.optim import SGD  # noqa: E402
 
-REPEATS = 20
+REPEATS = 20                    # --repeats, --breakdown: main() sets them
 BREAKDOWN = False
-for a in sys.argv[1:]:
-    if a.startswith("--repeats="):
-        REPEATS = int(a.split("=", 1)[1])
-    elif a == "--breakdown":
-        BREAKDOWN = True
-    else:
-        sys.exit(f"unknown argument {a!r}; usage: serial_step.py [--repeats=N] [--breakdown]")
 
 
-def timeit_interleaved(fns: dict, repeats=REPEATS, warmup=3) -> dict:
+def timeit_interleaved(fns: dict, repeats=None, warmup=3) -> dict:
     """Median seconds per call of each function, measured in alternation (round r times every
-    function once) so that a change in machine load affects all of them alike."""
+    function once) so that a change in machine load affects all of them alike; ``repeats``
+    rounds (default :data:`REPEATS`)."""
+    repeats = REPEATS if repeats is None else repeats
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -210,7 +204,17 @@ def torch_step(name, B):
     return step, torch.__version__
 
 
-def main():
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("--repeats", type=int, default=REPEATS)
+    scripts.flag(ap, "breakdown", False, "time the parts of each step too")
+    return ap
+
+
+def main(argv=None):
+    global REPEATS, BREAKDOWN
+    a = parser().parse_args(argv)
+    REPEATS, BREAKDOWN = a.repeats, a.breakdown
     from hpcnn import backend
     backend.tune_allocator()          # as `hpcnn train` does: no page faults on step temporaries
     out = os.path.join("runs", "bench", "serial_step.h5")

@@ -20,25 +20,18 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import importlib  # noqa: E402
 import inspect  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from hpcnn import scripts  # noqa: E402
+
 
 def load(root: str):
     """The ``hpcnn.nn.models`` and ``hpcnn.nn.optim`` modules of the checkout at ``root``."""
-    for name in [m for m in sys.modules if m == "hpcnn" or m.startswith("hpcnn.")]:
-        del sys.modules[name]
-    sys.path.insert(0, os.path.abspath(root))
-    try:
-        return (importlib.import_module("hpcnn.nn.models"),
-                importlib.import_module("hpcnn.nn.optim"))
-    finally:
-        sys.path.pop(0)
+    return scripts.checkout_modules(root, "hpcnn.nn.models", "hpcnn.nn.optim")
 
 
 def steps(models, optim) -> dict:
@@ -67,16 +60,20 @@ def steps(models, optim) -> dict:
     return out
 
 
-def main(argv) -> None:
-    roots = [a for a in argv if not a.startswith("--")]
-    rounds = 40
-    for a in argv:
-        if a.startswith("--rounds="):
-            rounds = int(a.split("=", 1)[1])
-        elif a.startswith("--"):
-            sys.exit(f"unknown option {a!r}; usage: serial_step_ab.py OLD NEW [--rounds=N]")
-    if len(roots) != 2 or rounds < 1:
-        sys.exit("usage: serial_step_ab.py OLD NEW [--rounds=N]  (two checkout folders, N >= 1)")
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("old", help="the old checkout's folder")
+    ap.add_argument("new", help="the new checkout's folder")
+    ap.add_argument("--rounds", type=int, default=40, help="N >= 1")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
+    a = ap.parse_args(argv)
+    roots, rounds = [a.old, a.new], a.rounds
+    if rounds < 1:
+        ap.error(f"--rounds={rounds}: expected N >= 1")
     copies = {"old": steps(*load(roots[0])), "new": steps(*load(roots[1]))}
     print(f"old={roots[0]} new={roots[1]} rounds={rounds} "
           f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
@@ -98,4 +95,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

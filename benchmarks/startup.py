@@ -108,14 +108,10 @@ def worker(args) -> None:
                           "source": (cal or {}).get("source", "")}))
 
 
-def mpiexec() -> str:
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return local if os.path.exists(local) else "mpiexec"
-
-
 def launch(code, n, args, env) -> dict:
+    from hpcnn import scripts
     e = dict(os.environ, PYTHONPATH=code, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **env)
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", __file__, "--worker", *args]
+    cmd = scripts.mpi_command(n, [__file__, "--worker", *args])
     p = subprocess.run(cmd, capture_output=True, text=True, env=e, cwd=ROOT, timeout=1800)
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
@@ -217,17 +213,28 @@ def demo(before, tmp, repeats, startup_rows) -> list:
     return rows
 
 
-def main(argv) -> None:
-    opts = {"before": "", "ranks": [2, 3, 4], "repeats": 3, "demo": False,
-            "models": list(MODELS)}
-    for a in argv:
-        k, _, v = a.lstrip("-").partition("=")
-        if k not in opts or k == "models" and not set(v.split(",")) <= set(MODELS):
-            raise SystemExit(f"unknown option {a!r}; expected --before=REV, --ranks=2,3,4, "
-                             f"--repeats=N, --models={','.join(MODELS)}, --demo")
-        opts[k] = (True if k == "demo" else v if k == "before" else int(v) if k == "repeats"
-                   else v.split(",") if k == "models" else [int(x) for x in v.split(",")])
-    sys.path.insert(0, ROOT)
+def parser():
+    import argparse
+    from hpcnn import scripts
+    ap = scripts.parser(__doc__)
+    ap.add_argument("--before", default="", help="a git revision whose code is timed too")
+    ap.add_argument("--ranks", type=scripts.ints, default=[2, 3, 4])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", type=scripts.words, default=list(MODELS),
+                    help=f"some of {','.join(MODELS)} (default all)")
+    scripts.flag(ap, "demo", False, "time the Makefile's demo too")
+    ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--worker"]:      # under mpiexec, with the timed code's hpcnn (PYTHONPATH),
+        return worker(argv[1:])       # which may predate hpcnn.scripts: no parser here
+    ap = parser()
+    opts = vars(ap.parse_args(argv))
+    if not set(opts["models"]) <= set(MODELS):
+        ap.error(f"--models={','.join(opts['models'])}: expected some of {','.join(MODELS)}")
     from hpcnn.log.results import save_table
     print(f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,7 +248,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2:])
-    else:
-        main(sys.argv[1:])
+    main()

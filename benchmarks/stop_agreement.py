@@ -18,13 +18,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hpcnn import scripts
 from hpcnn.config import parse_overrides
 from hpcnn.signals import StopSignals
 from hpcnn.train import train
 
-world = MPI.COMM_WORLD
-opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-steps, repeats = int(opts.get("steps", 200)), int(opts.get("repeats", 5))
 agreeing, in_poll = StopSignals.poll, []
 
 
@@ -35,24 +33,46 @@ def timed_poll(self):
     return out
 
 
-tmp = tempfile.mkdtemp() if world.rank == 0 else None
-tmp = world.bcast(tmp, root=0)
-per_step = {"agreement": [], "none": []}
-for rep in range(repeats):
-    for variant in ("agreement", "none") if rep % 2 == 0 else ("none", "agreement"):
-        StopSignals.poll = timed_poll if variant == "agreement" else (lambda self: 0)
-        cfg = parse_overrides(["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2",
-                               "--block_size=8", "--batch_size=8", "--eval_interval=0",
-                               f"--steps={steps}", f"--dp={world.size}", "--progress=false",
-                               f"--log={os.path.join(tmp, f'{variant}-{rep}.h5')}"])
-        world.Barrier()
-        wall = train(cfg, comm=world)["wall_s"]
-        per_step[variant].append(world.allreduce(wall, op=MPI.MAX) / steps)
-StopSignals.poll = agreeing
-polls = world.gather(in_poll, root=0)
-if world.rank == 0:
-    a, n = (float(np.median(per_step[v])) for v in ("agreement", "none"))
-    print(f"{world.size} ranks, {steps} steps x {repeats} repeats per variant (medians): "
-          f"with agreement {a * 1e3:.3f} ms/step, without {n * 1e3:.3f} ms/step, "
-          f"difference {(a - n) * 1e6:+.0f} us/step ({(a / n - 1) * 100:+.1f} %); inside poll: "
-          f"median {np.median(np.concatenate(polls)) * 1e6:.0f} us (every rank's calls)")
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    return ap
+
+
+def per_step_seconds(world, steps: int, repeats: int) -> dict:
+    """variant -> the slowest rank's loop seconds per step, one per repeat, the variants
+    alternating."""
+    tmp = tempfile.mkdtemp() if world.rank == 0 else None
+    tmp = world.bcast(tmp, root=0)
+    per_step = {"agreement": [], "none": []}
+    for rep in range(repeats):
+        for variant in ("agreement", "none") if rep % 2 == 0 else ("none", "agreement"):
+            StopSignals.poll = timed_poll if variant == "agreement" else (lambda self: 0)
+            cfg = parse_overrides(["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2",
+                                   "--block_size=8", "--batch_size=8", "--eval_interval=0",
+                                   f"--steps={steps}", f"--dp={world.size}", "--progress=false",
+                                   f"--log={os.path.join(tmp, f'{variant}-{rep}.h5')}"])
+            world.Barrier()
+            wall = train(cfg, comm=world)["wall_s"]
+            per_step[variant].append(world.allreduce(wall, op=MPI.MAX) / steps)
+    StopSignals.poll = agreeing
+    return per_step
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    world, steps, repeats = MPI.COMM_WORLD, a.steps, a.repeats
+    per_step = per_step_seconds(world, steps, repeats)
+    polls = world.gather(in_poll, root=0)
+    if world.rank == 0:
+        a, n = (float(np.median(per_step[v])) for v in ("agreement", "none"))
+        print(f"{world.size} ranks, {steps} steps x {repeats} repeats per variant (medians): "
+              f"with agreement {a * 1e3:.3f} ms/step, without {n * 1e3:.3f} ms/step, "
+              f"difference {(a - n) * 1e6:+.0f} us/step ({(a / n - 1) * 100:+.1f} %); inside "
+              f"poll: median {np.median(np.concatenate(polls)) * 1e6:.0f} us (every rank's calls)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

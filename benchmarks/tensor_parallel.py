@@ -35,25 +35,17 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hpcnn import cli  # noqa: E402
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.parallel.collectives import CommStats, Communicator  # noqa: E402
 from hpcnn.parallel.tensor.attention import ParallelTransformerBlock  # noqa: E402
 
-ARGS = {"repeats": 10}
-for a in sys.argv[1:]:
-    k, _, v = a.lstrip("-").partition("=")
-    if k not in ARGS:
-        cli.refuse(f"unknown option {a!r}; expected --repeats=N")
-    ARGS[k] = int(v)
-REPEATS = ARGS["repeats"]
+REPEATS = 10                            # --repeats: main() sets it
 BATCH, SEQ, HEADS, WIDTHS = 8, 128, 8, (256, 512)   # B, T of the brief; 8 heads split by tp<=8
 OUT = os.path.join("runs", "bench", "tensor_parallel.h5")
 
@@ -62,8 +54,7 @@ rank, size = world.Get_rank(), world.Get_size()
 
 
 def say(*a):
-    if rank == 0:
-        print(*a, flush=True)
+    scripts.say(*a, rank=rank)
 
 
 class Config:
@@ -131,7 +122,15 @@ def table(rows):
         say("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
-def main():
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("--repeats", type=int, default=REPEATS)
+    return ap
+
+
+def main(argv=None):
+    global REPEATS
+    REPEATS = parser().parse_args(argv).repeats
     tps = [tp for tp in (1, 2, 4) if size % tp == 0 and tp <= size]
     groups = {tp: world.Split(color=rank // tp, key=rank % tp) for tp in tps}
     configs = [Config(groups[tp], tp, w, sp) for tp in tps for w in WIDTHS

@@ -17,11 +17,11 @@ load it was measured under.
 """
 import os
 import statistics
-import sys
 import time
 
 import numpy
 
+from hpcnn import scripts
 from hpcnn.parallel.collectives import watchdog
 
 
@@ -72,8 +72,14 @@ def allreduce_us(rounds: int, n: int = 20000):
             statistics.median(ratios), comm.rank, comm.size)
 
 
-def main(argv) -> None:
-    rounds = int(next((a.split("=", 1)[1] for a in argv if a.startswith("--rounds=")), 15))
+def parser():
+    ap = scripts.parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=15)
+    return ap
+
+
+def main(argv=None) -> None:
+    rounds = parser().parse_args(argv).rounds
     load = os.getloadavg()[0]
     under_mpi = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
     rank = 0
@@ -96,4 +102,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

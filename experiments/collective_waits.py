@@ -16,7 +16,6 @@ bytes, and where ``--machine`` is given the price of that collective in
 :func:`hpcnn.plan.cost.strategy_cost` (its term "opN reduce y", "opN reduce dx" or "opN grad
 allreduce", the same bytes and group); table "calls" of ``--out``.
 """
-import argparse
 import os
 import sys
 import time
@@ -24,24 +23,20 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import plan_validation  # noqa: E402
-
-from hpcnn import cli  # noqa: E402
-from hpcnn.config import TrainConfig  # noqa: E402
-from hpcnn.engine.step import train_step  # noqa: E402
-from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.schedule.placement import write_plan  # noqa: E402
-from hpcnn.plan import cost  # noqa: E402
-from hpcnn.train import setup  # noqa: E402
+from hpcnn import scripts
+from hpcnn.config import TrainConfig
+from hpcnn.engine.step import train_step
+from hpcnn.schedule.placement import write_plan
+from hpcnn.plan import cost
+from hpcnn.plan import validation as plan_validation
+from hpcnn.train import setup
 
 # a layout group's label -> the word of its term in cost.strategy_cost
 TERMS = {"reduce": "reduce y", "out": "reduce dx", "batch": "grad allreduce"}
 
 
-def parse(argv, ranks: int):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser():
+    ap = scripts.parser(__doc__)
     ap.add_argument("--plans", default="col-row-rep,col-col-row,row-col-row")
     ap.add_argument("--hidden", default="1024,1024")
     ap.add_argument("--batch", type=int, default=256)
@@ -49,6 +44,13 @@ def parse(argv, ranks: int):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--machine", default="")
     ap.add_argument("--out", default="runs/collective_waits/results.h5")
+    return ap
+
+
+def parse(argv, ranks: int):
+    """The options of ``argv``, the plans' cuts checked on ``ranks`` ranks; a refusal (alike on
+    every rank, before any call) exits by :func:`hpcnn.scripts.refuse`."""
+    ap = parser()
     a = ap.parse_args(argv)
     a.hidden = [int(v) for v in a.hidden.split(",")]
     options = plan_validation.cut_options(ranks)
@@ -116,13 +118,9 @@ def priced(graph, cuts, machine) -> dict:
     return out
 
 
-def main(argv) -> int:
+def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
-    try:
-        a = parse(argv, comm.size)               # every rank refuses alike, before any call
-    except SystemExit as e:
-        return cli.leave_refused(comm, e.code)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    a = parse(argv, comm.size)               # every rank refuses alike, before any call
     timed = {name: {} for name in a.cuts}
     for _ in range(a.rounds):
         for name, cuts in a.cuts.items():
@@ -153,12 +151,12 @@ def main(argv) -> int:
               f"{mine[0]['calls_per_step']:.0f}/step: "
               + " ".join(f"{r['median_s'] * 1e3:.2f}" for r in mine)
               + f" ms per rank, priced {mine[0]['priced_s'] * 1e3:.2f}")
-    save_table(a.out, "calls", rows, attrs={"ranks": comm.size, "steps": a.steps,
-                                             "rounds": a.rounds, "machine_file": a.machine,
-                                             "command_line": " ".join(sys.argv)})
+    scripts.write_tables(a.out, {"calls": rows}, {"ranks": comm.size, "steps": a.steps,
+                                                  "rounds": a.rounds, "machine_file": a.machine,
+                                                  "command_line": scripts.command_line()})
     print(f"wrote {a.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -19,11 +19,10 @@ little signal (at snr 0 they carry none: what a GCN learns then comes from the g
 Output: ``<out>/results.h5``, table "features" (one row per snr, k and seed); the runs' logs
 under ``<out>/logs``.
 """
-import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn.config import parse_overrides  # noqa: E402
 from hpcnn.graph.graphs import sbm  # noqa: E402
 from hpcnn.graph.nodes import from_graph  # noqa: E402
@@ -51,7 +50,7 @@ def _preprocessing(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("--out", default="runs/graph_features")
     ap.add_argument("--nodes", type=int, default=3000)
     ap.add_argument("--blocks", type=int, default=4)

@@ -41,7 +41,6 @@ the times then include the oversubscription.
 Output: ``<out>/results.h5``, table "partitions" (one row per graph, p and method) and table
 "epochs" (one row per training data set, p and kind), the run logs under ``<out>/runs``.
 """
-import argparse
 import os
 import statistics
 import subprocess
@@ -51,16 +50,13 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from hpcnn import scripts  # noqa: E402
 from hpcnn.graph.graphs import digits_knn, largest_component, sbm  # noqa: E402
 from hpcnn.graph.rows import partition_stats  # noqa: E402
 from hpcnn.graph.partitioners import metis_available, partition  # noqa: E402
 from hpcnn.log import read_run  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 
-BIN = os.path.dirname(sys.executable)
-MPIEXEC = os.path.join(BIN, "mpiexec") if os.path.exists(os.path.join(BIN, "mpiexec")) \
-    else "mpiexec"
 
 
 def shuffled(g, seed: int):
@@ -70,7 +66,7 @@ def shuffled(g, seed: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("--out", default="runs/graph_partition")
     ap.add_argument("--nodes", type=int, default=100000, help="SBM nodes")
     ap.add_argument("--blocks", type=int, default=4, help="SBM blocks")
@@ -125,10 +121,10 @@ def main(argv=None) -> int:
 
 def train_run(graph: str, p: int, kind: str, a, log: str) -> dict:
     """One ``hpcnn train --model=gcn`` on p ranks; its median step time and /plan partition."""
-    cmd = [MPIEXEC, "-n", str(p), sys.executable, "-m", "mpi4py", "-m", "hpcnn", "train",
-           "--model=gcn", f"--dataset={graph}", f"--dp={p}", f"--partition={kind}",
-           f"--steps={a.steps}", f"--hidden={a.hidden}", "--dtype=float32", "--eval_interval=0",
-           "--progress=false", "--allreduce=mpi", f"--log={log}"]
+    cmd = scripts.mpi_command(p, [
+        "-m", "hpcnn", "train", "--model=gcn", f"--dataset={graph}", f"--dp={p}",
+        f"--partition={kind}", f"--steps={a.steps}", f"--hidden={a.hidden}", "--dtype=float32",
+        "--eval_interval=0", "--progress=false", "--allreduce=mpi", f"--log={log}"])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     run = read_run(log)

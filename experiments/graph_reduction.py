@@ -22,13 +22,11 @@ the full-graph accuracy with 30 % of the nodes.
 Output: ``<out>/results.h5``, table "reduction" (one row per graph, method, ratio and seed); the
 runs' logs under ``<out>/logs``.
 """
-import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from graph_features import train_gcn  # noqa: E402
+from hpcnn import scripts  # noqa: E402
 from hpcnn.graph.graphs import digits_knn, sbm  # noqa: E402
 from hpcnn.graph.nodes import coarsened, from_graph  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
@@ -37,7 +35,7 @@ METHODS = ("spectral", "heavy_edge", "random")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("--out", default="runs/graph_reduction")
     ap.add_argument("--nodes", type=int, default=5000, help="SBM nodes")
     ap.add_argument("--snr", type=float, default=0.5, help="SBM feature signal-to-noise ratio")

@@ -34,16 +34,13 @@ the slow replica gets the minimum share (docs/figures/hetero_weighting_p4.png).
     mpiexec -n 2 python -m mpi4py experiments/hetero_weighting.py --seeds=3
     mpiexec -n 4 python -m mpi4py experiments/hetero_weighting.py --factors=1,2,4 --seeds=3
 """
-import argparse
 import os
-import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn import cli  # noqa: E402
+from hpcnn import scripts  # noqa: E402
 from hpcnn.config import TrainConfig  # noqa: E402
 from hpcnn.datasets import steps_per_epoch  # noqa: E402
 from hpcnn.log import read_run  # noqa: E402
@@ -83,8 +80,8 @@ def balance_summary(log_path, batch):
     return mean, shares[-1], (max(med) - min(med)) / max(med)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    ap = scripts.parser(__doc__)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--factors", default="1,2,4")
     ap.add_argument("--shards", default="contiguous,skewed")
@@ -95,11 +92,11 @@ def main():
     ap.add_argument("--allreduce", default="mpi")
     ap.add_argument("--slowdown-mode", default="sleep")
     ap.add_argument("--out", default="runs/hetero_weighting")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()
     if p < 2:
-        cli.refuse("run under mpiexec with 2 or more ranks")
+        scripts.refuse("run under mpiexec with 2 or more ranks")
     factors = [float(f) for f in args.factors.split(",")]
     os.makedirs(args.out, exist_ok=True)
     serial_rows, rows, serial_params = [], [], {}

@@ -34,7 +34,6 @@ waiting), so a rank's compute times include time descheduled and the measured bu
 the results table records ``cores`` and ``oversubscribed`` and the figure says so in its title.
 Each rank times its events from its own clock, started right after a barrier (no global clock).
 """
-import argparse
 import os
 import sys
 import time
@@ -42,8 +41,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hpcnn import cli  # noqa: E402
+from hpcnn import scripts  # noqa: E402
 from hpcnn.schedule.ops import PIPELINE as COMPUTE  # noqa: E402  (F, B, W)
 from hpcnn.log import RunLog  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
@@ -173,8 +171,8 @@ def summarize(args, name, M, v, p, lists, ranges, gathered):
     return row, mem_rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    ap = scripts.parser(__doc__)
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb_h1,zb_v")
     ap.add_argument("--micro-batches", dest="micro_batches", default="1,2,4,8,16")
     ap.add_argument("--width", type=int, default=1024)      # a stage's F is a few ms on one core
@@ -184,14 +182,14 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/pipeline_bubble")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()
     names = args.schedules.split(",")
     Ms = [int(m) for m in args.micro_batches.split(",")]
     bad = [s for s in names if s not in schedules.SCHEDULES]
     if p < 2 or bad or args.pairs % p or args.steps < 1:   # identical on every rank: no collective
-        cli.refuse(f"need >= 2 ranks (got {p}), schedules in {list(schedules.SCHEDULES)} "
+        scripts.refuse(f"need >= 2 ranks (got {p}), schedules in {list(schedules.SCHEDULES)} "
                    f"(unknown: {bad}), --pairs ({args.pairs}) a multiple of pp ({p}), "
                    f"--steps ({args.steps}) >= 1")
     os.makedirs(args.out, exist_ok=True)

@@ -28,7 +28,6 @@ grid points where the predicted winner is the measured one.
 Output: OUT/results.h5, tables ``points`` (one row per grid point), ``boundary`` (one per width)
 and ``summary`` (one row); the plan files and run logs under OUT/runs.
 """
-import argparse
 import itertools
 import math
 import os
@@ -36,13 +35,11 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-import plan_validation as pv  # noqa: E402
-
-from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.plan import cost, machine  # noqa: E402
+from hpcnn import scripts
+from hpcnn import validation_runs as validation
+from hpcnn.log.results import save_table
+from hpcnn.plan import cost, machine
+from hpcnn.plan import validation as pv
 
 LINEARS = 3                         # 64 -> w -> w -> 10
 
@@ -70,7 +67,7 @@ def boundary(batches, dp_wins) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("--machine", default="local-2vcpu", help="machine file or name")
     ap.add_argument("--out", default="runs/plan_crossover")
     ap.add_argument("--ranks", type=int, default=2)
@@ -83,7 +80,7 @@ def main(argv=None) -> int:
     widths = sorted(int(v) for v in a.widths.split(","))
     bad = [v for v in batches + widths if v < a.ranks or v % a.ranks]
     if bad or a.rounds < 1 or a.steps < 2:
-        raise SystemExit(f"batches {batches} and widths {widths} must be multiples of --ranks "
+        scripts.refuse(f"batches {batches} and widths {widths} must be multiples of --ranks "
                          f"({a.ranks}) (bad: {bad}); rounds ({a.rounds}) >= 1, steps ({a.steps}) >= 2")
     folder = os.path.join(os.path.abspath(a.out), "runs")
     os.makedirs(folder, exist_ok=True)
@@ -109,7 +106,7 @@ def main(argv=None) -> int:
     runs = {name: [] for name, _, _ in cases}
     for r in range(a.rounds):
         order = cases if r % 2 == 0 else cases[::-1]
-        for name, got in pv.measure(order, a.ranks, a.steps, folder, f"r{r}").items():
+        for name, got in validation.measure(order, a.ranks, a.steps, folder, f"r{r}").items():
             runs[name].append(got)
         print(f"round {r + 1}/{a.rounds} done ({time.time() - t0:.0f} s)", flush=True)
 
@@ -149,7 +146,7 @@ def main(argv=None) -> int:
                 "rounds": a.rounds, "steps": a.steps, "load_before": load_before,
                 "load_after": load_after, "wall_s": time.time() - t0}]
     attrs = {"machine": mach.name, "machine_file": path, "ranks": a.ranks,
-             "command_line": " ".join(sys.argv)}
+             "command_line": scripts.command_line()}
     out = os.path.join(a.out, "results.h5")
     save_table(out, "points", rows, attrs=attrs)
     save_table(out, "boundary", edges, attrs=attrs)

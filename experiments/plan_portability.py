@@ -42,14 +42,13 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-import numpy as np  # noqa: E402
+import numpy as np
 
-import plan_validation as pv  # noqa: E402
-from hpcnn.log.results import save_table  # noqa: E402
-from hpcnn.plan import cost, hybrid, machine, search  # noqa: E402
+from hpcnn import scripts
+from hpcnn import validation_runs as validation
+from hpcnn.log.results import save_table
+from hpcnn.plan import cost, hybrid, machine, search
+from hpcnn.plan import validation as pv
 
 # (name, kind, shape): MLP shape = (hidden widths, batch); GPT = (layers, dim, heads, context, batch)
 CHANGES = [
@@ -226,12 +225,12 @@ def selected(which: str) -> list:
     picks = [int(v) for v in which.split(",")]
     bad = [v for v in picks if not 0 <= v < len(CHANGES)]
     if bad:
-        raise SystemExit(f"--changes: indices {bad} outside 0..{len(CHANGES) - 1}")
+        scripts.refuse(f"--changes: indices {bad} outside 0..{len(CHANGES) - 1}")
     return [CHANGES[v] for v in picks]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("--machine", default="local-2vcpu", help="machine file or name")
     ap.add_argument("--out", default="runs/plan_portability")
     ap.add_argument("--ranks", type=int, default=2)
@@ -243,8 +242,8 @@ def main(argv=None) -> int:
     if a.worker:
         return worker(a)
     if a.ranks != 2 or a.reps < 1 or a.replans < 1:
-        raise SystemExit(f"--ranks ({a.ranks}) must be 2 (the profiler's collectives join all "
-                         f"ranks), --reps ({a.reps}) and --replans ({a.replans}) >= 1")
+        scripts.refuse(f"--ranks ({a.ranks}) must be 2 (the profiler's collectives join all "
+                       f"ranks), --reps ({a.reps}) and --replans ({a.replans}) >= 1")
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     load_before = os.getloadavg()[0]
@@ -253,11 +252,12 @@ def main(argv=None) -> int:
     changes = selected(a.changes)
 
     result = os.path.join(os.path.abspath(a.out), "profiles.json")
-    p = subprocess.run(pv.mpi_command(a.ranks, [os.path.abspath(__file__), f"--machine={path}",
-                                                f"--reps={a.reps}", f"--changes={a.changes}",
-                                                f"--worker={result}"]),
-                       cwd=pv.ROOT, env=pv.run_env(), stderr=subprocess.PIPE, text=True,
-                       timeout=3000)
+    p = subprocess.run(scripts.mpi_command(a.ranks, [os.path.abspath(__file__),
+                                                     f"--machine={path}", f"--reps={a.reps}",
+                                                     f"--changes={a.changes}",
+                                                     f"--worker={result}"]),
+                       cwd=validation.ROOT, env=validation.run_env(), stderr=subprocess.PIPE,
+                       text=True, timeout=3000)
     if p.returncode:
         raise RuntimeError(f"profiling workers failed ({p.returncode}): {p.stderr[-2000:]}")
     with open(result) as f:
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()[0]
     attrs = {"machine": mach.name, "machine_file": path, "ranks": a.ranks, "reps": a.reps,
              "replans": a.replans, "load_before": load_before, "load_after": load_after,
-             "command_line": " ".join(sys.argv), "wall_s": time.time() - t0}
+             "command_line": scripts.command_line(), "wall_s": time.time() - t0}
     out = os.path.join(a.out, "results.h5")
     save_table(out, "changes", rows, attrs=attrs)
     print(f"load average {load_before:.2f} before, {load_after:.2f} after; "

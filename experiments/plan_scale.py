@@ -17,12 +17,11 @@ growing with the model) is the analysis's.
 
 Output: table ``scale`` in OUT/results.h5 (one row per model).
 """
-import argparse
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
 from hpcnn.plan import hybrid, machine  # noqa: E402
 
@@ -35,7 +34,7 @@ FAMILY = [("1.7B", 24, 2304, 24, 32, 512), ("3.6B", 30, 3072, 32, 64, 512),
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scripts.parser(__doc__)
     ap.add_argument("--machine", default="machines/dgx-a100-cluster.toml")
     ap.add_argument("--models", default=",".join(f[0] for f in FAMILY))
     ap.add_argument("--out", default="runs/plan_scale")
@@ -44,7 +43,7 @@ def main(argv=None) -> int:
     wanted = a.models.split(",")
     unknown = [w for w in wanted if w not in {f[0] for f in FAMILY}]
     if unknown:
-        raise SystemExit(f"unknown model(s) {unknown}; expected some of {[f[0] for f in FAMILY]}")
+        scripts.refuse(f"unknown model(s) {unknown}; expected some of {[f[0] for f in FAMILY]}")
     rows = []
     for name, layers, dim, heads, devices, batch in FAMILY:
         if name not in wanted:

@@ -51,7 +51,6 @@ bandwidth, budget), "models" (chain, batch, profile totals), "headline" (the num
 the end: see :func:`headline`), "solver" (kind, L, slots, seconds) and "channel" (bytes moved and
 achieved bandwidth per model and bandwidth). Figures: analysis/remat_tradeoff.py.
 """
-import argparse
 import gc
 import os
 import sys
@@ -62,7 +61,7 @@ from dataclasses import replace
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hpcnn import scripts  # noqa: E402
 from hpcnn import backend  # noqa: E402
 from hpcnn import datasets as data  # noqa: E402
 from hpcnn.log.results import save_table  # noqa: E402
@@ -365,8 +364,8 @@ def summary(rows, heads, model_rows, chan_rows):
               f"transfers, {c['bytes'] / MiB:.0f} MiB, achieved {c['achieved'] / 1e9:.2f} GB/s")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    ap = scripts.parser(__doc__)
     ap.add_argument("--models", default="cnn,gpt,gpth")     # gpth: the GPT in half layers
     ap.add_argument("--points", type=int, default=12)       # budgets from least to store-all
     ap.add_argument("--repeats", type=int, default=5)       # interleaved timed rounds
@@ -376,15 +375,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/remat_tradeoff")
     ap.add_argument("--quick", action="store_true", help="tiny models, 4 points, 3 repeats")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     backend.tune_allocator()          # as the training loop does: freed steps' memory stays mapped
     if args.quick:
         args.points, args.repeats, args.warmup = 4, 3, 1      # 3 pairs: a median, not one sample
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
     if args.points < 2 or args.repeats < 1 or args.warmup < 0 or min(bandwidths) <= 0:
-        raise SystemExit(f"need --points >= 2 (got {args.points}), --repeats >= 1 "
-                         f"({args.repeats}), --warmup >= 0 ({args.warmup}), bandwidths > 0 "
-                         f"({bandwidths})")
+        scripts.refuse(f"need --points >= 2 (got {args.points}), --repeats >= 1 "
+                       f"({args.repeats}), --warmup >= 0 ({args.warmup}), bandwidths > 0 "
+                       f"({bandwidths})")
     t_start = time.perf_counter()
     rows, heads, model_rows, chan_rows = [], [], [], []
     for name in args.models.split(","):

@@ -31,9 +31,19 @@ USAGE = ("usage: hpcnn <command> [options]     (hpcnn <command> --help: its opti
          + "".join(f"  {f'{name} {args}':<31}{line}\n" for name, args, line in SUBCOMMANDS))
 
 
+# The interpreter's arguments that run a module or script under mpi4py's launcher, with which an
+# uncaught exception on one rank aborts the whole job: python -m mpi4py [-m] ...
+LAUNCHER = ("-m", "mpi4py")
+
+
+def mpi_loaded() -> bool:
+    """True when MPI has been loaded in this process (mpi4py's MPI module imported)."""
+    return "mpi4py.MPI" in sys.modules
+
+
 def _under_mpi() -> bool:
     """True when launched by an MPI starter (or mpi4py is already loaded)."""
-    if "mpi4py.MPI" in sys.modules:
+    if mpi_loaded():
         return True
     keys = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
     return any(k in os.environ for k in keys)

@@ -6,7 +6,6 @@ on one rank aborts the whole job, and the timeout turns a deadlock into a failed
 """
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 
@@ -17,19 +16,19 @@ ROOT = os.path.dirname(HERE)
 
 
 def mpiexec() -> str:
-    """The mpiexec next to this Python (the MPICH wheel's), else the one on PATH."""
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = local if os.path.exists(local) else shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("no mpiexec found: install the 'localmpi' extra or a system MPI")
-    return found
+    """The mpiexec next to this Python (the MPICH wheel's), else the one on PATH
+    (:func:`hpcnn.scripts.mpiexec`)."""
+    from hpcnn import scripts
+    try:
+        return scripts.mpiexec()
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
 
 
 def _launch(script: str, n: int, args, timeout: float, env=None) -> subprocess.CompletedProcess:
     """``mpiexec -n n python -m mpi4py tests/mpi/<script>.py args``; returncode None on a timeout."""
-    cmd = [mpiexec(), "-n", str(n)]
-    if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
-        cmd += ["--oversubscribe", "--allow-run-as-root"]
+    from hpcnn import scripts
+    cmd = [mpiexec(), "-n", str(n), *scripts.mpiexec_flags()]     # Open MPI: --oversubscribe
     # a shared window kept at free() because an array still uses it is a leak: fail the scenario
     cmd += [sys.executable, "-W", "error:shm:ResourceWarning", "-m", "mpi4py",
             os.path.join(HERE, "mpi", script + ".py"), *map(str, args)]

@@ -39,7 +39,7 @@ def test_every_priced_allreduce_is_timed_once_a_step_with_its_bytes(tmp_path):
     # every priced allreduce term was timed: none the price counts is missing from training
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import collective_waits
-    import plan_validation
+    from hpcnn.plan import validation as plan_validation
     machine = plan_validation.machine_for(f"{ROOT}/machines/local-2vcpu.toml", 2)
     graph = plan_validation.mlp_graph([32, 16], 32)
     options = plan_validation.cut_options(2)

@@ -42,6 +42,7 @@ import sys
 
 import pytest
 
+from hpcnn import scripts
 from mpi_util import ROOT, mpiexec
 
 README = os.path.join(ROOT, "README.md")
@@ -138,10 +139,7 @@ def runnable(words: list[str]) -> list[str]:
         elif w == "python":
             out.append(sys.executable)
         elif w == "mpiexec":
-            out.append(mpiexec())
-            version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True)
-            if "Open MPI" in version.stdout:
-                out += ["--oversubscribe", "--allow-run-as-root"]
+            out += [mpiexec(), *scripts.mpiexec_flags()]    # Open MPI: --oversubscribe
         else:
             out.append(w)
     for script, extra in SCRIPT_SHORTEN.items():

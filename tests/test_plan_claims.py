@@ -11,11 +11,11 @@ import numpy as np
 from hpcnn.log.results import load_table
 from hpcnn.schedule.placement import Cut
 from hpcnn.plan import cost, machine, search
+from hpcnn.plan import validation as plan_validation
 from mpi_util import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import plan_crossover  # noqa: E402
-import plan_validation  # noqa: E402
 
 MACHINE = os.path.join(ROOT, "machines", "local-2vcpu.toml")
 

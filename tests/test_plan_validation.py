@@ -13,10 +13,8 @@ import pytest
 
 from hpcnn.log.results import load_table
 from hpcnn.schedule.placement import Cut, read_plan
+from hpcnn.plan import validation as plan_validation
 from mpi_util import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import plan_validation  # noqa: E402
 
 LAYOUT_COLUMNS = {"model", "layout", "dp", "tp", "pp", "schedule", "microbatches", "remat",
                   "pred_s", "pred_min_s", "pred_max_s", "meas_s", "meas_min_s", "meas_max_s", "rounds", "steps", "load1",
