@@ -94,10 +94,10 @@ def cmd_simulate(args) -> int:
         return 2
     if o["model"]:
         return simulate_planned(o, "hpcnn simulate " + " ".join(args))
-    from hpcnn.schedule import pipeline as schedules
-    if o["schedule"] not in schedules.SCHEDULES:
+    from hpcnn.schedule import pipeline
+    if o["schedule"] not in pipeline.SCHEDULES:
         print(f"hpcnn simulate: --schedule={o['schedule']!r}: one of "
-              f"{', '.join(schedules.SCHEDULES)}", file=sys.stderr)
+              f"{', '.join(pipeline.SCHEDULES)}", file=sys.stderr)
         return 2
     p, m, v = o["ranks"], o["microbatches"], o["virtual"]
     try:
@@ -105,8 +105,8 @@ def cmd_simulate(args) -> int:
             raise ValueError(f"ranks, microbatches, virtual, width must be >= 1 and times >= 0, "
                              f"got {p}, {m}, {v}, {o['width']}, {o['t_f']}, {o['t_b']}, "
                              f"{o['t_w']}, {o['t_comm']}")
-        lists = schedules.SCHEDULES[o["schedule"]](p * v, m, p)
-        sim = schedules.simulate(lists, o["t_f"], o["t_b"] - o["t_w"], o["t_w"], o["t_comm"])
+        lists = pipeline.SCHEDULES[o["schedule"]](p * v, m, p)
+        sim = pipeline.simulate(lists, o["t_f"], o["t_b"] - o["t_w"], o["t_w"], o["t_comm"])
     except ValueError as e:
         print(f"hpcnn simulate: {e}", file=sys.stderr)
         return 2
@@ -116,7 +116,7 @@ def cmd_simulate(args) -> int:
           f"micro-batch F {o['t_f']:g}, B {o['t_b']:g} (W {o['t_w']:g}), message {o['t_comm']:g}")
     print(f"makespan {sim.makespan:g} (all busy: {ideal:g}); bubble {sim.bubble:.3f}, "
           f"(S-1)/(M+S-1) = {(p - 1) / (m + p - 1):.3f}")
-    formula = schedules.formula_makespan(o["schedule"], p, m, o["t_f"], o["t_b"] - o["t_w"],
+    formula = pipeline.formula_makespan(o["schedule"], p, m, o["t_f"], o["t_b"] - o["t_w"],
                                          o["t_w"], v)
     if formula is not None and o["t_comm"] == 0:
         print(f"published formula: makespan {formula:g}, bubble {1 - ideal / formula:.3f}")
@@ -364,13 +364,13 @@ def cmd_calibrate(args) -> int:
     if opts["write"]:
         return calibrate_machine(opts["write"], opts["rounds"])
     from hpcnn.parallel.collectives import algorithms, world
-    from hpcnn.parallel.collectives import autotune as calibration
+    from hpcnn.parallel.collectives import autotune
     comm = world()
     if comm.size == 1:
         print("hpcnn calibrate: one rank: nothing to reduce (run it under mpiexec -n N)",
               file=sys.stderr)
         return 2
-    key = calibration.key(comm, opts["dtype"])
+    key = autotune.key(comm, opts["dtype"])
     table = algorithms.calibrate(comm, dtype=opts["dtype"])
     status = 0
     if comm.rank == 0:
@@ -382,10 +382,10 @@ def cmd_calibrate(args) -> int:
         for i, (n, choice) in enumerate(zip(table["sizes"], table["choice"])):
             print(f"{n:>10} " + " ".join(f"{table['times'][a][i] * 1e6:9.1f}" for a in algos)
                   + f"  {choice}")
-        path = calibration.path_for(key)
-        failed = calibration.save(path, key, table, replace=True) if path else ""
+        path = autotune.path_for(key)
+        failed = autotune.save(path, key, table, replace=True) if path else ""
         print(f"hpcnn calibrate: {failed}" if failed else f"saved to {path}" if path else
-              f"not saved ({calibration.ENV}=off)", file=sys.stderr if failed else sys.stdout)
+              f"not saved ({autotune.ENV}=off)", file=sys.stderr if failed else sys.stdout)
         status = 1 if failed else 0
     algorithms.free(comm)
     return status

@@ -12,7 +12,7 @@ import time
 
 from hpcnn import scripts
 from hpcnn.plan import machine, search
-from hpcnn.plan import validation as pv
+from hpcnn.plan import validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where hpcnn is imported from
 TRAIN = ["-m", "hpcnn", "train", "--progress=false", "--eval_interval=0", "--allreduce=mpi",
@@ -46,7 +46,7 @@ def measure(cases, ranks: int, steps: int, folder: str, tag: str) -> dict:
                            stderr=subprocess.PIPE, text=True, timeout=600)
         if p.returncode:
             raise RuntimeError(f"{name}: hpcnn train failed ({p.returncode}): {p.stderr[-2000:]}")
-        out[name] = dict(pv.read_log(log), load1=load)
+        out[name] = dict(validation.read_log(log), load1=load)
     return out
 
 
@@ -69,7 +69,7 @@ def layouts(a, out_dir: str, folder: str):
     """The GPT's and the MLP's cases of the options ``a`` (experiments/plan_validation.py's) and
     the first round's machine file (calibrated here unless ``--machine``): (models, path),
     models: name -> (cases, steps)."""
-    gcases = pv.gpt_cases(scripts.ints(a.gpt), a.ranks, None if a.microbatches == "all" else
+    gcases = validation.gpt_cases(scripts.ints(a.gpt), a.ranks, None if a.microbatches == "all" else
                           scripts.ints(a.microbatches))
     if a.gpt_layouts != "all":
         gcases = gcases[:int(a.gpt_layouts)]
@@ -77,8 +77,8 @@ def layouts(a, out_dir: str, folder: str):
     # layout on it (what --plan=auto runs) is always among those measured
     first = machine.resolve(a.machine) if a.machine else calibrate(a.ranks, out_dir,
                                                                    "machine-r0.toml")
-    mcases = pv.mlp_cases(scripts.ints(a.hidden), a.mlp_batch, a.ranks, a.mlp_layouts, folder,
-                          pv.machine_for(first, a.ranks))
+    mcases = validation.mlp_cases(scripts.ints(a.hidden), a.mlp_batch, a.ranks, a.mlp_layouts, folder,
+                          validation.machine_for(first, a.ranks))
     return {"gpt": (gcases, a.gpt_steps), "mlp": (mcases, a.mlp_steps)}, first
 
 
@@ -92,7 +92,7 @@ def rounds(a, models: dict, out_dir: str, folder: str, first: str, t0: float):
     for r in range(a.rounds):
         path = first if r == 0 or a.machine else calibrate(a.ranks, out_dir,
                                                            f"machine-r{r}.toml")
-        mach = pv.machine_for(path, a.ranks)
+        mach = validation.machine_for(path, a.ranks)
         paths.append(path)
         print(f"round {r + 1}: machine {mach.name} ({path}), {mach.p} devices, "
               f"float32 {mach.device.flops['float32'] / 1e9:.0f} GFLOP/s, efficiency "
@@ -110,20 +110,20 @@ def rounds(a, models: dict, out_dir: str, folder: str, first: str, t0: float):
 def figures(a, m: str, cases: list, steps: int, runs: dict, preds: dict, folder: str):
     """Model ``m``'s layout rows, its summary (None without layouts) and its confirmation's
     rows (``--confirm``: the choice and the fastest others measured again)."""
-    choice = pv.least_priced(preds)
-    rows = [pv.layout_row(m, name, runs[name], preds[name], steps, a.ranks, choice)
+    choice = validation.least_priced(preds)
+    rows = [validation.layout_row(m, name, runs[name], preds[name], steps, a.ranks, choice)
             for name, _, _ in cases]
     if not rows:
         return rows, None, []
-    s = pv.summarize(m, rows, choice)
+    s = validation.summarize(m, rows, choice)
     times = {}
     if a.confirm and len(rows) > 1:
-        times = confirm(cases, pv.confirm_names(rows, choice, a.confirm), a.ranks, steps,
+        times = confirm(cases, validation.confirm_names(rows, choice, a.confirm), a.ranks, steps,
                         a.confirm_rounds, folder, f"{m}-confirm")
-    s.update(pv.confirm_summary(times, choice))
-    for line in pv.summary_lines(s):
+    s.update(validation.confirm_summary(times, choice))
+    for line in validation.summary_lines(s):
         print(line, flush=True)
-    return rows, s, pv.confirm_rows(m, times, rows, choice)
+    return rows, s, validation.confirm_rows(m, times, rows, choice)
 
 
 def validate(a) -> int:
@@ -138,8 +138,8 @@ def validate(a) -> int:
     print(f"{len(models['gpt'][0])} GPT and {len(models['mlp'][0])} MLP layouts, "
           f"{a.rounds} rounds", flush=True)
     runs, preds, paths = rounds(a, models, out_dir, folder, first, t0)
-    graph = pv.mlp_graph(scripts.ints(a.hidden), a.mlp_batch)
-    dra = "-".join(pv.cut_name(c, a.ranks) for c in search.dra(graph, a.ranks)[0])
+    graph = validation.mlp_graph(scripts.ints(a.hidden), a.mlp_batch)
+    dra = "-".join(validation.cut_name(c, a.ranks) for c in search.dra(graph, a.ranks)[0])
     rows, summary, confirmed = [], [], []
     for m, (cases, steps) in models.items():
         mrows, s, crows = figures(a, m, cases, steps, runs[m], preds[m], folder)

@@ -22,7 +22,7 @@ from hpcnn.engine.stage import Stage, attach_remat, boundary_shapes, build_stage
 from hpcnn.nn.chain import Chain
 from hpcnn.nn.optim import grad_norm_sq
 from hpcnn.parallel.data import hetero
-from hpcnn.schedule import stages as partition, pipeline as schedules
+from hpcnn.schedule import stages as partition, pipeline
 from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.data.bucketed import NONBLOCKING, DataParallel, LocalGradients
 
@@ -77,7 +77,7 @@ class ParallelContext:
         cfg = self.cfg
         self.ranges = (partition.parse_layout(cfg.layout, len(model)) if cfg.layout
                        else partition.by_spec(model, micro_shape, cfg.pp * cfg.virtual))
-        self.owner = schedules.placement(cfg.schedule, len(self.ranges), self.pp.size)
+        self.owner = pipeline.placement(cfg.schedule, len(self.ranges), self.pp.size)
         stages = build_stages(model, self.ranges, self.pp.rank, self.pp.size, self.owner)
         return {q.name for st in stages for q in st.chain.params}
 
@@ -122,10 +122,10 @@ class ParallelContext:
                                    overlap=cfg.overlap and not self.pipelined
                                    and cfg.allreduce in NONBLOCKING)
         if cfg.allreduce == "auto" and self.dp.size > 1:   # time (or load) only what it sends
-            from hpcnn.parallel.collectives import autotune as calibration
-            self.calibration = calibration.for_run(self.dp, self.engine.auto_sizes(), cfg.dtype)
+            from hpcnn.parallel.collectives import autotune
+            self.calibration = autotune.for_run(self.dp, self.engine.auto_sizes(), cfg.dtype)
             if self.rank == 0 and cfg.progress:
-                print("".join(f"hpcnn: {x}\n" for x in calibration.describe(self.calibration)),
+                print("".join(f"hpcnn: {x}\n" for x in autotune.describe(self.calibration)),
                       end="", flush=True)
         self.engine.broadcast_parameters()
 
@@ -157,8 +157,8 @@ class ParallelContext:
         if n_micro not in self._lists:
             name = self.cfg.schedule if self.pipelined else "1f1b"
             n_stages = len(self.ranges)
-            lists = schedules.SCHEDULES[name](n_stages, n_micro, self.pp.size)
-            schedules.validate(lists, n_stages, n_micro, self.pp.size, self.owner)
+            lists = pipeline.SCHEDULES[name](n_stages, n_micro, self.pp.size)
+            pipeline.validate(lists, n_stages, n_micro, self.pp.size, self.owner)
             self._lists[n_micro] = lists[self.pp.rank]
         return self._lists[n_micro]
 

@@ -23,7 +23,7 @@ from hpcnn import backend
 from hpcnn.engine.execute import run
 from hpcnn.engine.stage import attach_remat, boundary_shapes, build_stages
 from hpcnn.engine.step import micro_draws, split_batch
-from hpcnn.schedule import stages as partition, pipeline as schedules
+from hpcnn.schedule import stages as partition, pipeline
 
 
 def forward_only(chain, ranges, pp, x, y=None, owner=None):
@@ -34,7 +34,7 @@ def forward_only(chain, ranges, pp, x, y=None, owner=None):
     by point-to-point.
     """
     p, S = pp.size, len(ranges)
-    owner = owner or schedules.round_robin(S, p)
+    owner = owner or pipeline.round_robin(S, p)
     chains = partition.stage_chains(chain, ranges)
     shapes = boundary_shapes(chain, ranges, [x.shape])[0]
     dtype = chain.params[0].data.dtype
@@ -63,9 +63,9 @@ def _pp_communicator(comm):
 
 def _plan(schedule_name, chain, p: int, n_micro: int, ranges, layout, virtual: int):
     """Stage ranges, stage owners and the validated per-rank lists (the same on every rank)."""
-    if schedule_name not in schedules.SCHEDULES:
+    if schedule_name not in pipeline.SCHEDULES:
         raise ValueError(f"unknown schedule {schedule_name!r}: one of "
-                         f"{', '.join(schedules.SCHEDULES)}")
+                         f"{', '.join(pipeline.SCHEDULES)}")
     n_stages = p * int(virtual)
     if ranges is None:
         ranges = (partition.parse_layout(layout, len(chain)) if layout is not None
@@ -73,9 +73,9 @@ def _plan(schedule_name, chain, p: int, n_micro: int, ranges, layout, virtual: i
     ranges = [tuple(r) for r in ranges]
     if len(ranges) != n_stages:
         raise ValueError(f"{len(ranges)} stages given, expected pp * virtual = {p} * {virtual}")
-    owner = schedules.placement(schedule_name, n_stages, p)
-    lists = schedules.SCHEDULES[schedule_name](n_stages, n_micro, p)
-    schedules.validate(lists, n_stages, n_micro, p, owner)
+    owner = pipeline.placement(schedule_name, n_stages, p)
+    lists = pipeline.SCHEDULES[schedule_name](n_stages, n_micro, p)
+    pipeline.validate(lists, n_stages, n_micro, p, owner)
     return ranges, owner, lists
 
 
@@ -86,13 +86,13 @@ def train_step(schedule_name, chain, comm, x, y, n_micro, *, ranges=None, layout
 
     ``comm``: ProcessGrid, pipeline Communicator or MPI communicator of p ranks. Stages: the
     explicit ``ranges``, else ``layout`` (``"1|3|2|1"``), else :func:`.partition.uniform` into
-    ``p * virtual`` stages. The schedule ``schedules.SCHEDULES[schedule_name](S, n_micro, p)`` is
+    ``p * virtual`` stages. The schedule ``pipeline.SCHEDULES[schedule_name](S, n_micro, p)`` is
     validated, the local stages' gradients zeroed once, the list run (the engine's executor) with
     dloss = dloss_scale * micro-batch size / global size (the global mean loss, scaled: data
     parallelism passes b_i/B so that the replicas' sum is the full-batch gradient). Every rank needs x and y for
     the shapes (the first stage reads x, the last y).
 
-    Stage s runs on rank ``schedules.placement(schedule_name, S, p)[s]``: round robin, or the V
+    Stage s runs on rank ``pipeline.placement(schedule_name, S, p)[s]``: round robin, or the V
     of zb_v (which needs ``virtual=2``); the loss is broadcast from the last stage's rank.
 
     ``remat``: a :class:`hpcnn.engine.remat.RematPolicy`; each local stage then runs its

@@ -20,7 +20,7 @@ from __future__ import annotations
 from hpcnn import backend
 from hpcnn.engine.stage import boundary_shapes
 from hpcnn.engine.step import split_batch
-from hpcnn.schedule import stages as partition
+from hpcnn.schedule import stages
 
 ACT, GRAD = 0, 1        # tags: activations go down the pipeline (s -> s+1), gradients up
 
@@ -30,9 +30,9 @@ def train_step(schedule: str, chain, pp, x, y, n_micro: int, layout=None):
     uniform) over the pipeline Communicator ``pp``; accumulates this rank's stage's gradients
     (zeroed first) and returns ``(stage chain, loss)``, the loss on the last stage only."""
     S, s = pp.size, pp.rank
-    ranges = (partition.parse_layout(layout, len(chain)) if layout is not None
-              else partition.uniform(len(chain), S))
-    stage = partition.stage_chains(chain, ranges)[s]
+    ranges = (stages.parse_layout(layout, len(chain)) if layout is not None
+              else stages.uniform(len(chain), S))
+    stage = stages.stage_chains(chain, ranges)[s]
     first, last = s == 0, s == S - 1
     xs, ys = split_batch(x, y, n_micro)                     # (b_mb, ...) each, b_mb ~ B / M
     factor = [a.shape[0] / x.shape[0] for a in xs]          # dL/dloss_mb: the batch mean

@@ -27,7 +27,7 @@ from hpcnn import backend
 from hpcnn.config import ConfigError
 from hpcnn.schedule.ops import fmt
 from hpcnn.memory import combine, profile, rotor
-from hpcnn.schedule import sequences as sequence
+from hpcnn.schedule import sequences
 from hpcnn.memory.executor import Executor
 from hpcnn.memory.simulate import simulate
 
@@ -75,7 +75,7 @@ class RematPolicy:
         t0 = time.perf_counter()
         budget, channel = None, None
         if self.mode in ("sqrt", "full"):
-            seq = sequence.segments(len(prof), len(prof) if self.mode == "full" else None,
+            seq = sequences.segments(len(prof), len(prof) if self.mode == "full" else None,
                                     has_loss=chain.loss is not None)
         else:
             budget = self.budget / inflight
@@ -99,7 +99,7 @@ class RematPolicy:
             "budget_bytes": budget or 0.0, "predicted_peak_bytes": float(sim.peak),
             "store_all_bytes": float(prof.store_all_bytes()),
             "predicted_time_s": float(sim.time), "store_all_time_s": prof.store_all_time,
-            "recomputed_forwards": sequence.recomputations(seq),
+            "recomputed_forwards": sequences.recomputations(seq),
             "solve_s": time.perf_counter() - t0,
             "sequence": fmt(seq)})
         return Executor(chain, seq, channel=channel, need_dx=need_dx, prof=prof, budget=budget)

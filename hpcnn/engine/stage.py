@@ -18,7 +18,7 @@ the same blocks, the same per-block backward (:func:`hpcnn.nn.chain.backward_blo
 from __future__ import annotations
 
 from hpcnn.nn.chain import splittable
-from hpcnn.schedule import stages as partition, pipeline as schedules
+from hpcnn.schedule import stages as partition, pipeline
 
 
 class Stage:
@@ -103,7 +103,7 @@ def build_stages(chain, ranges, rank: int, n_ranks: int, owner=None) -> list[Sta
     (default round robin: s = rank, rank + p, ..., p = n_ranks), in stage order."""
     if len(ranges) % n_ranks:
         raise ValueError(f"{len(ranges)} stages do not split evenly over {n_ranks} pipeline ranks")
-    owner = owner or schedules.round_robin(len(ranges), n_ranks)
+    owner = owner or pipeline.round_robin(len(ranges), n_ranks)
     chains = partition.stage_chains(chain, ranges)
     return [Stage(s, chains[s], len(ranges)) for s in range(len(ranges)) if owner[s] == rank]
 

@@ -123,11 +123,11 @@ def graph_data(name: str, seed: int = 0, coarsen: str = "none", reduction: float
     """The graph data set ``name`` (one of :data:`GRAPH_DATASETS`), split with ``seed``;
     with ``coarsen`` (not "none"), its coarsening to ``reduction`` of the nodes
     (:func:`coarsened`, seeded by ``seed``)."""
-    from hpcnn.graph import graphs as g
-    makers = {"karate": g.karate_club, "lesmis": g.les_miserables,
-              "digits_knn": lambda: g.digits_knn(10),
-              "sbm": lambda: g.sbm(2000, blocks=4, avg_degree=10.0, features=16, snr=0.5, seed=0),
-              "sbm20k": lambda: g.sbm(20000, blocks=4, avg_degree=10.0, features=16, snr=0.5,
+    from hpcnn.graph import graphs
+    makers = {"karate": graphs.karate_club, "lesmis": graphs.les_miserables,
+              "digits_knn": lambda: graphs.digits_knn(10),
+              "sbm": lambda: graphs.sbm(2000, blocks=4, avg_degree=10.0, features=16, snr=0.5, seed=0),
+              "sbm20k": lambda: graphs.sbm(20000, blocks=4, avg_degree=10.0, features=16, snr=0.5,
                                       seed=0)}
     if name not in makers:
         raise ValueError(f"graph data set {name!r}: expected one of {', '.join(GRAPH_DATASETS)}")

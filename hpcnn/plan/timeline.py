@@ -26,7 +26,7 @@ tests/test_plan_timeline.py).
 """
 from __future__ import annotations
 
-from hpcnn.schedule import pipeline as schedules
+from hpcnn.schedule import pipeline
 
 Event = tuple     # (rank, kind, microbatch, t_start, t_end), as RunLog.log_events takes them
 
@@ -42,8 +42,8 @@ def gpt_events(model, layout, machine) -> list[Event]:
     from hpcnn.plan import hybrid
     st = hybrid.stage_times(model, layout, machine)
     pp, m_count = layout.pp, layout.microbatches
-    lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
-    sim = schedules.simulate(lists, st.t_f, st.t_b - st.t_w, st.t_w)
+    lists = pipeline.SCHEDULES[layout.schedule](pp, m_count, pp)
+    sim = pipeline.simulate(lists, st.t_f, st.t_b - st.t_w, st.t_w)
     warp = _warp(sim, hybrid._neighbours(layout, machine).bubble_weight if pp > 1 else 1.0)
     fill = (pp - 1) * st.msg                       # activation of micro-batch 0, relayed down
     per_stage = []

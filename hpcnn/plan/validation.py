@@ -30,8 +30,8 @@ DIGITS = (64, 10)            # features and classes of the digits data set the M
 def gpt_vocab(dataset: str = "sonnet") -> int:
     """The character vocabulary of the GPT's data set (what ``hpcnn train`` builds the model on)."""
     from hpcnn.config import TrainConfig
-    from hpcnn import datasets as data
-    return data.for_config(TrainConfig(model="gpt", dataset=dataset).resolved()).vocab
+    from hpcnn import datasets
+    return datasets.for_config(TrainConfig(model="gpt", dataset=dataset).resolved()).vocab
 
 
 def gpt_args(shape, lay) -> list:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from hpcnn import datasets as data
+from hpcnn import datasets
 from hpcnn.config import TrainConfig
 from hpcnn.engine.step import train_step
 from hpcnn.plan import hybrid
@@ -56,4 +56,4 @@ def gpt_model(cfg):
     """The :class:`hpcnn.plan.hybrid.Transformer` the planner prices for ``cfg``
     (:func:`gpt_config`)."""
     return hybrid.Transformer(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.block_size,
-                              data.for_config(cfg).vocab, cfg.batch_size, "float32")
+                              datasets.for_config(cfg).vocab, cfg.batch_size, "float32")
