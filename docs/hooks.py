@@ -27,15 +27,6 @@ def _config():
     return config
 
 
-def _shown(value) -> str:
-    """A value as it is typed on the command line: 256,256 for a tuple, true/false."""
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
 def _escaped(text: str) -> str:
     """Help text as Markdown shows it literally."""
     text = text.replace("\\", "\\\\").replace("<", "&lt;")
@@ -75,7 +66,7 @@ def options_page() -> str:
         elif m and m.group(1) in fields:
             name, typ, help_ = m.groups()
             typ = typ.replace("tuple[int, ...]", "tuple of int")
-            default = _shown(fields[name].default)
+            default = config.shown(fields[name].default)
             lines.append(f"- **`--{name}`** (default `{default or chr(34) * 2}`; "
                          f"{_allowed(config, name, typ)}): {_escaped(help_)}")
     return "\n".join(lines) + "\n"

@@ -489,7 +489,7 @@ def parse_overrides(args, base: TrainConfig | None = None, cls=TrainConfig):
     return cfg
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     """A default as it is typed on the command line: 256,256 for a tuple, true/false."""
     if isinstance(value, tuple):
         return ",".join(map(str, value))
@@ -510,7 +510,7 @@ def describe(cls=TrainConfig) -> str:
         if s.startswith("# --"):
             rows.append((s.strip("# -").strip() + ":", None))
         elif m and m.group(1) in defaults:
-            rows.append((f"  --{m.group(1)}={_shown(defaults[m.group(1)])}", m.group(2)))
+            rows.append((f"  --{m.group(1)}={shown(defaults[m.group(1)])}", m.group(2)))
     width = max(len(k) for k, c in rows if c is not None) + 2
     return "\n".join(k if c is None else f"{k:<{width}}{c}" for k, c in rows)
 
