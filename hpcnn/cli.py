@@ -41,6 +41,16 @@ def mpi_loaded() -> bool:
     return "mpi4py.MPI" in sys.modules
 
 
+def mpi_ranks() -> int:
+    """The ranks of this process's MPI job: 1 unless MPI is loaded and running with more."""
+    if not mpi_loaded():
+        return 1
+    from mpi4py import MPI
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return 1
+    return MPI.COMM_WORLD.Get_size()
+
+
 def _under_mpi() -> bool:
     """True when launched by an MPI starter (or mpi4py is already loaded)."""
     if mpi_loaded():

@@ -158,11 +158,11 @@ def say(*parts, rank: int = 0, **kw) -> None:
 
 
 def refuse(message: str, code: int = 2):
-    """Refuse the input: ``message`` on stderr and exit ``code``. Under MPI (MPI loaded)
+    """Refuse the input: ``message`` on stderr and exit ``code``. Under MPI (several ranks)
     through :func:`hpcnn.cli.refuse`, so that every rank's line is out before any rank exits;
     alike on every rank and before any collective. Never returns."""
     from hpcnn import cli
-    if cli.mpi_loaded():
+    if cli.mpi_ranks() > 1:
         cli.refuse(message, code)
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)
