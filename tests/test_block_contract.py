@@ -243,8 +243,8 @@ def test_no_module_level_switch_in_the_blocks():
     import re
     import weakref
     names = [f"hpcnn.nn.{m.name}" for m in pkgutil.iter_modules(hpcnn.nn.__path__)]
-    names += [f"hpcnn.parallel.tensor.linear.{m.name}"
-              for m in pkgutil.iter_modules(hpcnn.parallel.tensor.linear.__path__)]
+    names += [f"hpcnn.parallel.tensor.{m.name}"
+              for m in pkgutil.iter_modules(hpcnn.parallel.tensor.__path__)]
     names += ["hpcnn.parallel.layout"]
     allowed = {("hpcnn.nn.layers", "_FILLED")}
     mutable = (dict, list, set, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
