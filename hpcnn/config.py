@@ -22,12 +22,12 @@ import re
 import typing
 from dataclasses import dataclass
 
-from hpcnn.graph.nodes import GRAPH_DATASETS
 from hpcnn.schedule.pipeline import SCHEDULES
 from hpcnn.signals import STOP_SIGNALS
 
 MODELS = ("mlp", "cnn", "gpt", "gcn")
 GRAPH_PARTITIONS = ("contiguous", "random", "spectral", "metis")  # hpcnn.graph.partitioners
+GRAPH_DATASETS = ("karate", "lesmis", "digits_knn", "sbm", "sbm20k")   # hpcnn.graph.nodes.makers
 DATASETS = ("digits", "shakespeare", "sonnet") + GRAPH_DATASETS
 DEFAULT_DATASET = {"mlp": "digits", "cnn": "digits", "gpt": "shakespeare", "gcn": "karate"}
 

@@ -32,9 +32,6 @@ from dataclasses import dataclass, field, replace
 import numpy
 import scipy.sparse as sp
 
-GRAPH_DATASETS = ("karate", "lesmis", "digits_knn", "sbm", "sbm20k")   # --dataset for --model=gcn
-
-
 @dataclass
 class GraphData:
     """A graph for node classification: Â, features, labels and the node split."""
@@ -118,20 +115,27 @@ def from_graph(graph, seed: int = 0) -> GraphData:
                      graph.labels, train, test, int(graph.labels.max()) + 1, graph.adjacency)
 
 
+def makers() -> dict:
+    """Each graph data set's name (``--dataset`` of ``--model=gcn``: config.GRAPH_DATASETS) ->
+    a function building its :class:`~hpcnn.graph.graphs.Graph`."""
+    from hpcnn.graph import graphs
+    return {"karate": graphs.karate_club, "lesmis": graphs.les_miserables,
+            "digits_knn": lambda: graphs.digits_knn(10),
+            "sbm": lambda: graphs.sbm(2000, blocks=4, avg_degree=10.0, features=16, snr=0.5,
+                                      seed=0),
+            "sbm20k": lambda: graphs.sbm(20000, blocks=4, avg_degree=10.0, features=16,
+                                         snr=0.5, seed=0)}
+
+
 def graph_data(name: str, seed: int = 0, coarsen: str = "none", reduction: float = 1.0
                ) -> GraphData:
-    """The graph data set ``name`` (one of :data:`GRAPH_DATASETS`), split with ``seed``;
+    """The graph data set ``name`` (one of :func:`makers`), split with ``seed``;
     with ``coarsen`` (not "none"), its coarsening to ``reduction`` of the nodes
     (:func:`coarsened`, seeded by ``seed``)."""
-    from hpcnn.graph import graphs
-    makers = {"karate": graphs.karate_club, "lesmis": graphs.les_miserables,
-              "digits_knn": lambda: graphs.digits_knn(10),
-              "sbm": lambda: graphs.sbm(2000, blocks=4, avg_degree=10.0, features=16, snr=0.5, seed=0),
-              "sbm20k": lambda: graphs.sbm(20000, blocks=4, avg_degree=10.0, features=16, snr=0.5,
-                                      seed=0)}
-    if name not in makers:
-        raise ValueError(f"graph data set {name!r}: expected one of {', '.join(GRAPH_DATASETS)}")
-    data = replace(from_graph(makers[name](), seed), name=name)
+    built = makers()
+    if name not in built:
+        raise ValueError(f"graph data set {name!r}: expected one of {', '.join(built)}")
+    data = replace(from_graph(built[name](), seed), name=name)
     if coarsen == "none":
         return data
     return coarsened(data, coarsen, reduction, seed)
