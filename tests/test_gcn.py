@@ -123,3 +123,11 @@ def test_serial_training_on_karate_learns_the_factions(tmp_path):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_distributed_gcn_equals_serial(n, tmp_path):
     assert f"OK on {n} ranks" in run_mpi("gcn_equivalence", n, tmp_path)
+
+
+def test_the_graph_data_sets_are_the_configs_choices():
+    """--dataset's graph choices (config, which must not load the graph package) are exactly
+    the data sets hpcnn.graph.nodes builds."""
+    from hpcnn.config import GRAPH_DATASETS
+    from hpcnn.graph.nodes import makers
+    assert tuple(makers()) == GRAPH_DATASETS
