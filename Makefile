@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: test demo bench docs clean
+.PHONY: test test-long demo bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ $(LEAN): hpcnn/parallel/collectives/_lean.c hpcnn/parallel/collectives/lean_buil
 
 test: $(VENV)/.installed $(LEAN)
 	$(BIN)/python -m pytest -q
+
+# The tests marked long (setup.cfg's markers), left out of `make test` for its time budget.
+test-long: $(VENV)/.installed $(LEAN)
+	$(BIN)/python -m pytest -q -m long
 
 # 4 data-parallel ranks, then a GPT on 2 data-parallel x 2 pipeline ranks (1F1B, 4 micro-batches),
 # oversubscribed on small machines; `python -m mpi4py` makes an exception on one rank abort the

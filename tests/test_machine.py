@@ -455,6 +455,7 @@ def test_layout_scale_fits_the_pairs_scale_apart_on_four_ranks():
     assert "layout_scale_pairs OK on 4 ranks" in run_mpi("layout_scale_pairs", 4, timeout=120)
 
 
+@pytest.mark.long     # ~13 s, and its floors on small allreduces assume a machine not overloaded
 def test_calibrate_write_on_two_ranks(tmp_path):
     out = run_mpi("machine_calibration", 2, tmp_path)
     assert "machine_calibration OK on 2 ranks" in out
