@@ -317,6 +317,25 @@ def _padding_hint(saved_json: str, cfg) -> str:
             f"the same --pad_vocab, e.g. --pad_vocab={max(was, now)})")
 
 
+def describe(path: str) -> str:
+    """A checkpoint in a few lines (``hpcnn report CKPT.h5``): its step, the layout it was saved
+    under, the optimizer and the model-defining options (:data:`MODEL_OPTIONS`), what it holds."""
+    s = summary(path)
+    cfg = s["config"]
+    dp, tp, pp = (str(s.get("layout", "?,?,?")).split(",") + ["?"] * 3)[:3]
+    names = COMMON_OPTIONS + MODEL_OPTIONS.get(cfg.get("model"), ())
+    with h5py.File(path, "r") as f:
+        n_params = len(f["params"]) if "params" in f else 0
+        values = sum(f["params"][k].size for k in f["params"]) if "params" in f else 0
+    return "\n".join([
+        f"checkpoint {path} (format {s.get('format')}, hpcnn {s.get('hpcnn_version', '?')})",
+        f"step     {s.get('step')} (steps done; --resume continues from here)",
+        f"layout   saved at dp={dp} x tp={tp} x pp={pp} (a resume may use another)",
+        "options  " + ", ".join(f"{k}={_shown(cfg[k])}" for k in names if k in cfg)
+        + f"; optimizer {s.get('optimizer', '?')}",
+        f"holds    {n_params} parameter arrays, {values:,} values, with their optimizer slots"])
+
+
 def summary(path: str) -> dict:
     """The checkpoint's attributes (step, layout, optimizer, config as a dict)."""
     with h5py.File(path, "r") as f:

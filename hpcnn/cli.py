@@ -94,8 +94,10 @@ def cmd_train(args) -> int:
         agree.Free()
     if comm is None or comm.Get_rank() == 0:
         keys = [k for k in ("loss", "test_acc", "test_loss", "val_loss", "unigram_entropy") if k in result]
+        done = result.get("steps_done", result["steps"])    # a run stopped early: of the plan
+        steps = done if done == result["steps"] else f"{done} of {result['steps']}"
         print("result: " + ", ".join(f"{k}={result[k]:.4f}" for k in keys)
-              + f", steps={result['steps']}, wall={result['wall_s']:.1f}s, log={result['log']}"
+              + f", steps={steps}, wall={result['wall_s']:.1f}s, log={result['log']}"
               + ("" if result["status"] == "finished" else f", {result['status']}"))
     if result["exit_code"] and comm is not None:    # interrupted: 128 + signal, without the
         from mpi4py import MPI                      # MPI_Abort mpi4py makes of a non-zero exit
@@ -266,6 +268,7 @@ def cmd_info(args) -> int:
 def cmd_report(args) -> int:
     if not args or args[0] in ("-h", "--help"):
         print("usage: hpcnn report RUN.h5 [OUT.png]     figure, headline and summary of one run\n"
+              "       hpcnn report CHECKPOINT.h5          its step, saved layout, model options\n"
               "       hpcnn report --headline RUN.h5 ...  one line of figures per run\n"
               "       hpcnn report RUN.h5 --trace OUT.json  the timeline as a Chrome trace (Perfetto)\n"
               "       hpcnn report MEASURED.h5 --predicted=PRED.h5 --gantt=OUT.png [--step=-1]\n"
@@ -275,25 +278,61 @@ def cmd_report(args) -> int:
         return _report_trace(args)
     if any(a.startswith(("--predicted", "--gantt")) for a in args):
         return _report_gantt(args)
+    from hpcnn.checkpoint import describe
     from hpcnn.log.report import headline, make_report, summary
     if args[0] == "--headline":
-        missing = [p for p in args[1:] if not os.path.exists(p)]
-        if missing or len(args) == 1:
-            print(f"hpcnn report --headline: no such file: {' '.join(missing) or '(none given)'}",
-                  file=sys.stderr)
+        kinds = _report_inputs(args[1:], [], "hpcnn report --headline", checkpoints=True)
+        if kinds is None or len(args) == 1:
+            if len(args) == 1:
+                print("hpcnn report --headline: no run log given", file=sys.stderr)
             return 2
         for p in args[1:]:
-            print(headline(p))
+            print(headline(p) if kinds[p] == "run log" else _checkpoint_headline(p))
         return 0
     path = args[0]
-    if not os.path.exists(path):
-        print(f"hpcnn report: no such file: {path}", file=sys.stderr)
+    png = args[1] if len(args) > 1 else os.path.splitext(path)[0] + ".png"
+    kinds = _report_inputs([path], [png], "hpcnn report", checkpoints=True)
+    if kinds is None:
         return 2
-    png = make_report(path, args[1] if len(args) > 1 else None)
+    if kinds[path] == "checkpoint":
+        print(describe(path))
+        return 0
+    png = make_report(path, png)
     print(headline(path))
     print(summary(path))
     print(f"wrote {png}")
     return 0
+
+
+def _report_inputs(paths, outputs, command: str, checkpoints: bool = False) -> dict | None:
+    """{path: "run log" | "checkpoint"} of the files ``hpcnn report`` reads (checkpoints only
+    where ``checkpoints``), once every one reads and every path of ``outputs`` can be written;
+    else None, the first problem printed in one line naming its path."""
+    from hpcnn.cli_tools import output_problem
+    from hpcnn.log.report import log_kind
+    kinds = {}
+    try:
+        for p in paths:
+            kinds[p] = log_kind(p)
+            if kinds[p] == "checkpoint" and not checkpoints:
+                raise ValueError(f"{p}: a checkpoint, not a run log (hpcnn report {p} "
+                                 f"describes it)")
+    except ValueError as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return None
+    for out in outputs:
+        bad = output_problem(out, "output")
+        if bad:
+            print(f"{command}: {bad}", file=sys.stderr)
+            return None
+    return kinds
+
+
+def _checkpoint_headline(path: str) -> str:
+    """``hpcnn report --headline`` of a checkpoint: its description on one line."""
+    from hpcnn.checkpoint import describe
+    return f"{os.path.basename(path)}: checkpoint; " + "; ".join(
+        " ".join(line.split()) for line in describe(path).splitlines()[1:4])
 
 
 def _report_trace(args) -> int:
@@ -305,8 +344,7 @@ def _report_trace(args) -> int:
         print("hpcnn report: --trace needs one run log and one output path: "
               "hpcnn report RUN.h5 --trace OUT.json", file=sys.stderr)
         return 2
-    if not os.path.exists(rest[0]):
-        print(f"hpcnn report: no such file: {rest[0]}", file=sys.stderr)
+    if _report_inputs(rest, [args[k + 1]], "hpcnn report") is None:
         return 2
     try:
         n = write_trace(rest[0], args[k + 1])
@@ -336,9 +374,7 @@ def _report_gantt(args) -> int:
     if len(files) != 1 or not opts.get("predicted") or not opts.get("gantt"):
         print(f"hpcnn report: {usage}", file=sys.stderr)
         return 2
-    missing = [p for p in (files[0], opts["predicted"]) if not os.path.exists(p)]
-    if missing:
-        print(f"hpcnn report: no such file: {' '.join(missing)}", file=sys.stderr)
+    if _report_inputs([files[0], opts["predicted"]], [opts["gantt"]], "hpcnn report") is None:
         return 2
     try:
         drawn = gantt_report(files[0], opts["predicted"], opts["gantt"],

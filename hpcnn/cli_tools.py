@@ -57,6 +57,75 @@ def _options(args, spec, command):
     return out, None
 
 
+def input_problem(path: str, what: str) -> str:
+    """What is wrong with ``path`` as an input file (``what``: "machine file", "plan file"), in
+    a few words naming it; '' when it is a file this process can read."""
+    if not os.path.exists(path):
+        return f"{path}: no such {what}"
+    if os.path.isdir(path):
+        return f"{path}: a directory, not a {what}"
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        return f"{path}: cannot read the {what}: {e.strerror or e}"
+    return ""
+
+
+def output_problem(path: str, what: str) -> str:
+    """What keeps ``path`` from being written (``what``: "figure", "trace"), in a few words
+    naming it; '' when its folder exists or can be made and takes a new file (a file created
+    and removed there at once: the answer holds for root and for read-only file systems)."""
+    import tempfile
+    if os.path.isdir(path):
+        return f"{path}: a directory, not a file to write the {what} into"
+    top = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(top):
+        top = os.path.dirname(top)
+    if not os.path.isdir(top):
+        return f"{path}: cannot write the {what}: {top} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=top):
+            pass
+    except OSError as e:
+        return f"{path}: cannot write the {what}: no new file can be made in {top} ({e.strerror or e})"
+    return ""
+
+
+def load_machine(name: str):
+    """The machine file ``name`` (a path, or a name under machines/; '' this machine's, as
+    ``hpcnn train`` finds it), loaded; a ValueError of one line naming the file otherwise."""
+    from hpcnn.plan import machine as machines
+    name = name or os.environ.get(machines.ENV, "")
+    if not name:
+        return machines.this_machine()
+    path = machines.resolve(name)
+    bad = input_problem(path, "machine file")
+    if bad:
+        raise ValueError(bad)
+    try:
+        return machines.load(path)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a TOML machine file (not text)") from None
+
+
+def load_cut_plan(path: str):
+    """(cuts, devices) of the JSON plan file ``path`` (:func:`hpcnn.schedule.placement.read_plan`);
+    a ValueError of one line naming the file otherwise."""
+    import json
+
+    from hpcnn.schedule.placement import read_plan
+    bad = input_problem(path, "plan file") if path else "--model=mlp needs --plan=FILE (the cuts)"
+    if bad:
+        raise ValueError(bad)
+    try:
+        cuts = read_plan(path)
+        with open(path) as f:
+            return cuts, json.load(f)["devices"]
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a JSON plan file (not text)") from None
+
+
 def _help(command, spec):
     lines = [f"usage: hpcnn {command} [--key=value ...]", "", "options (default, meaning):"]
     lines += [f"  --{k}={str(v[0]).lower() if v[1] is bool else v[0]!s:<8} {v[2]}"
@@ -91,6 +160,10 @@ def cmd_simulate(args) -> int:
     o, err = _options(args, SIMULATE, "simulate")
     if err:
         print(err, file=sys.stderr)
+        return 2
+    bad = output_problem(o["log"], "run log") if o["log"] else ""
+    if bad:
+        print(f"hpcnn simulate: --log={bad}", file=sys.stderr)
         return 2
     if o["model"]:
         return simulate_planned(o, "hpcnn simulate " + " ".join(args))
@@ -150,9 +223,9 @@ def simulate_planned(o: dict, command_line: str) -> int:
     (:mod:`hpcnn.plan.timeline`): a GPT layout priced by :func:`hpcnn.plan.hybrid.price`, or an
     MLP cut plan priced by :func:`hpcnn.plan.cost.strategy_cost`; printed, and with ``--log``
     written as a predicted run log."""
-    from hpcnn.plan import cost, hybrid, machine as machines, timeline
+    from hpcnn.plan import cost, hybrid, timeline
     try:
-        mach = machines.load(o["machine"])
+        mach = load_machine(o["machine"])
         if o["model"] == "gpt":
             model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"],
                                        o["vocab"], o["batch"], o["dtype"])
@@ -175,15 +248,9 @@ def simulate_planned(o: dict, command_line: str) -> int:
             plan = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "schedule": lay.schedule,
                     "microbatches": lay.microbatches, "remat": lay.remat}
         elif o["model"] == "mlp":
-            import json
-
-            from hpcnn.schedule.placement import read_plan
-            if not o["plan"]:
-                raise ValueError("--model=mlp needs --plan=FILE (the cuts, as hpcnn train reads)")
             widths = [int(w) for w in o["widths"].split(",")]
-            cuts = read_plan(o["plan"])
-            with open(o["plan"]) as f:
-                mach = mach.with_devices(json.load(f)["devices"])
+            cuts, devices = load_cut_plan(o["plan"])
+            mach = mach.with_devices(devices)
             graph = cost.mlp_graph(widths, o["batch"])
             events = timeline.mlp_events(graph, cuts, mach, o["dtype"])
             priced = cost.strategy_cost(graph, cuts, mach, o["dtype"])
@@ -233,9 +300,13 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
         "json": (False, bool, "print JSON for scripts")}
 
 
+NOTHING_FITS = 3       # hpcnn plan's exit code when no layout fits the devices' memory
+
+
 def cmd_plan(args) -> int:
     """Rank every layout of a GPT on a machine by predicted step time (:mod:`hpcnn.plan.hybrid`):
-    no profiling, no MPI; prints the winner's formula and what separates it from the next. A
+    no profiling, no MPI; prints the winner's formula and what separates it from the next, or
+    exits with :data:`NOTHING_FITS` when no layout fits the devices' memory. A
     layout the planner cut into stages shows its transformer blocks per stage (``stages 3|5``;
     ``stages`` in the JSON rows, [] for the uniform cut)."""
     if any(a in ("-h", "--help") for a in args):
@@ -244,16 +315,18 @@ def cmd_plan(args) -> int:
     o, err = _options(args, PLAN, "plan")
     if err is None and o["model"] != "gpt":
         err = f"hpcnn plan: --model={o['model']!r}: only gpt is planned here"
+    if err is None and o["top"] < 1:
+        err = f"hpcnn plan: --top={o['top']}: the layouts to print must be >= 1"
     if err:
         print(err, file=sys.stderr)
         return 2
     import json
     import time
 
-    from hpcnn.plan import hybrid, machine as machines
+    from hpcnn.plan import hybrid
     t0 = time.perf_counter()
     try:
-        mach = machines.load(o["machine"]) if o["machine"] else machines.this_machine()
+        mach = load_machine(o["machine"])
         model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"], o["vocab"],
                                    o["batch"], o["dtype"])
         ranked = hybrid.plan(model, mach, o["devices"] or mach.p,
@@ -266,11 +339,19 @@ def cmd_plan(args) -> int:
     flops = hybrid.flops_per_step(model)
     rows = [{"layout": str(q.layout), "step_s": q.step_s, "memory_gb": q.memory_bytes / 1e9,
              "tflops_per_device": flops / q.step_s / devices / 1e12, "feasible": q.feasible,
-             "stages": list(q.layout.stages), "parts": q.parts} for q in ranked[:max(1, o["top"])]]
+             "stages": list(q.layout.stages), "parts": q.parts} for q in ranked[:o["top"]]]
+    fits = bool(ranked) and ranked[0].feasible      # ranked: the layouts that fit first
     if o["json"]:
         print(json.dumps({"machine": mach.name, "devices": devices, "params": model.params(),
-                          "layouts": len(ranked), "search_s": seconds, "ranked": rows}))
-        return 0
+                          "layouts": len(ranked), "search_s": seconds, "feasible": fits,
+                          "ranked": rows}))
+        return 0 if fits else NOTHING_FITS
+    return _print_plan(model, mach, devices, ranked, rows, seconds)
+
+
+def _print_plan(model, mach, devices: int, ranked: list, rows: list, seconds: float) -> int:
+    """``hpcnn plan``'s text: the ranked ``rows``, the winner's formula and what separates it
+    from the next; :data:`NOTHING_FITS` with one line when no layout fits, else 0."""
     print(f"{model.params() / 1e9:.2f} B parameters on {devices} devices of {mach.name}: "
           f"{len(ranked)} layouts priced in {seconds:.3f} s")
     width = max(60, *(len(r["layout"]) for r in rows))
@@ -278,6 +359,11 @@ def cmd_plan(args) -> int:
         print(f"{k:>3}. {r['layout']:<{width}} {r['step_s']:10.4g} s  {r['memory_gb']:7.2f} GB/dev  "
               f"{r['tflops_per_device']:7.2f} TFLOP/s/dev{'' if r['feasible'] else '  (does not fit)'}")
     best = ranked[0]
+    if not best.feasible:
+        print(f"hpcnn plan: no layout fits in memory (the least, {best.layout}, needs "
+              f"{best.memory_bytes / 1e9:.3g} GB a device); more devices, --memory_gb or a "
+              f"smaller model", file=sys.stderr)
+        return NOTHING_FITS
     print(f"winner: {best.formula}")
     if len(ranked) > 1:
         nxt = ranked[1]

@@ -86,7 +86,7 @@ def _resume(cfg, ctx, task, opt) -> int:
 
 
 def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=None) -> dict:
-    """Train as ``cfg`` says; returns a summary dict (final metrics, steps, log path, the model).
+    """Train as ``cfg`` says; returns a summary dict (final metrics, steps planned, steps_done, log path, the model).
 
     ``comm`` is the world communicator (None: a serial run without MPI). Every rank checks the
     configuration, the layout, the data and the stage cut identically before the first
@@ -132,7 +132,8 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
         if watch is not None:
             watch.stop()
     out = _summary(cfg, ctx, task, opt, last, time.perf_counter() - t_start)
-    out.update(status=status, exit_code=signals.exit_code())
+    out.update(status=status, exit_code=signals.exit_code(),
+               steps_done=last["step"] + 1 if last else start)
     return out
 
 

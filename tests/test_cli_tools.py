@@ -97,3 +97,56 @@ def test_calibrate_under_mpi_and_alone(tmp_path):
     alone = subprocess.run([sys.executable, "-m", "hpcnn", "calibrate"], capture_output=True,
                            text=True, timeout=60, env=env, cwd=ROOT)
     assert alone.returncode == 2 and "one rank" in alone.stderr
+
+
+def test_simulate_and_plan_refuse_bad_files_in_one_line(tmp_path, capsys):
+    """A machine file or plan file that is missing, a directory, not text or not TOML/JSON, and
+    a --log that cannot be written: one line naming the path, exit 2, nothing computed."""
+    from hpcnn.cli_tools import cmd_plan
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "bad.toml").write_text("x = = 1\n")
+    (tmp_path / "bad.json").write_text('{"devices": 2\n')
+    (tmp_path / "binary").write_bytes(b"\x89HDF\r\n\x1a\n\xff\xfe")
+    t = str(tmp_path)
+    cases = [
+        ([f"--machine={t}/nope.toml"], f"{t}/nope.toml: no such machine file"),
+        ([f"--machine={t}/folder"], f"{t}/folder: a directory, not a machine file"),
+        ([f"--machine={t}/binary"], f"{t}/binary: not a TOML machine file (not text)"),
+        ([f"--machine={t}/bad.toml"], f"{t}/bad.toml: not valid TOML")]
+    for args, message in cases:
+        for command, run in (("plan", cmd_plan), ("simulate", cmd_simulate)):
+            extra = ["--model=gpt"] if command == "simulate" else []
+            assert run(extra + args) == 2, (command, args)
+            out = capsys.readouterr()
+            assert out.out == "" and out.err.startswith(f"hpcnn {command}: {message}"), out.err
+    for name, message in (("nope.json", "no such plan file"), ("folder", "a directory, not a "
+                          "plan file"), ("binary", "not a JSON plan file (not text)"),
+                          ("bad.json", "not JSON")):
+        assert cmd_simulate(["--model=mlp", f"--plan={t}/{name}"]) == 2
+        assert capsys.readouterr().err.startswith(f"hpcnn simulate: {t}/{name}: {message}")
+    for log, message in (("folder", "a directory, not a file to write the run log into"),
+                         ("bad.json/x.h5", f"cannot write the run log: {t}/bad.json is not a "
+                                           f"directory")):
+        assert cmd_simulate([f"--log={t}/{log}"]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err == f"hpcnn simulate: --log={t}/{log}: {message}\n"
+
+
+def test_plan_exits_3_when_nothing_fits_and_refuses_top_0(capsys):
+    from hpcnn.cli_tools import NOTHING_FITS, cmd_plan
+    small = ["--n_layers=2", "--dim=64", "--n_heads=4", "--seq=32", "--vocab=65", "--batch=8",
+             "--machine=local-2vcpu"]
+    assert cmd_plan(small + ["--top=0"]) == 2
+    assert capsys.readouterr().err == ("hpcnn plan: --top=0: the layouts to print must be "
+                                       ">= 1\n")
+    assert cmd_plan(small + ["--memory_gb=1e-6", "--top=2"]) == NOTHING_FITS == 3
+    out = capsys.readouterr()
+    assert "winner" not in out.out and out.out.count("(does not fit)") == 2
+    assert out.err.startswith("hpcnn plan: no layout fits in memory (the least, ")
+    assert out.err.count("\n") == 1
+    assert cmd_plan(small + ["--memory_gb=1e-6", "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["feasible"] is False and not doc["ranked"][0]["feasible"]
+    assert cmd_plan(small + ["--json", "--top=1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["feasible"] is True and len(doc["ranked"]) == 1

@@ -151,6 +151,7 @@ def test_serial_run_stops_on_a_signal(tmp_path, sig, status, code):
     run = read_run(str(tmp_path / "run.h5"))
     k = len(run.metrics["step"])
     assert run.attrs["status"] == status and 5 <= k < 1000000
+    assert (r["steps_done"], r["steps"]) == (k, 1000000)        # done, of the planned count
     assert np.array_equal(run.metrics["step"], np.arange(k))
     assert os.path.exists(ck.format(step=k)) == (status == "stopped" or k % 5 == 0)
     if status == "stopped":

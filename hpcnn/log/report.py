@@ -16,6 +16,43 @@ from .runlog import RunData, read_run
 THROUGHPUT_NAMES = ("samples_per_s", "samples_per_sec", "samples_s", "tokens_per_s", "throughput")
 
 
+def log_kind(path) -> str:
+    """What ``path`` holds: "run log" (:class:`hpcnn.log.RunLog`'s, readable by :func:`read_run`)
+    or "checkpoint" (:mod:`hpcnn.checkpoint`'s: a root attribute ``format`` and no
+    ``schema_version``); a ValueError of one line naming the path and what is wrong otherwise
+    (missing, a directory, not HDF5, truncated or damaged, another HDF5 file)."""
+    import h5py
+
+    from . import journal
+    from .runlog import _open
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: a directory, not a run log")
+    view = None
+    try:
+        view = journal.committed_view(path)        # as read_run reads it
+        with (h5py.File(view, "r") if view is not None else _open(path, "r")) as f:
+            attrs = set(f.attrs)
+    except OSError as e:
+        why = str(e).partition("(")[2].rstrip(")") or str(e)
+        kind = "a damaged HDF5 file" if h5py.is_hdf5(path) else "not an HDF5 file"
+        raise ValueError(f"{path}: {kind} ({why})") from None
+    finally:
+        if view is not None:
+            view.close()
+    if "schema_version" not in attrs:
+        if {"format", "step", "layout"} <= attrs:
+            return "checkpoint"
+        raise ValueError(f"{path}: an HDF5 file but neither a run log nor a checkpoint")
+    try:
+        read_run(path)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: a damaged run log ({' '.join(str(e).split())})") from None
+    return "run log"
+
+
 def _model_name(config: dict) -> str:
     """``config["model"]`` as a string, or its ``name`` when it is a nested dict; "" if absent."""
     model = config.get("model", config.get("model_name", ""))
@@ -131,12 +168,25 @@ def _remat_figures(run: RunData) -> str:
     return ", ".join(p for p in parts if p)
 
 
+def stopped_early(run: RunData) -> str:
+    """A run's status with the steps it did (its metrics' last step + 1) and, when its config
+    names them, the steps it planned: "interrupted after 3 of 100 steps"."""
+    step = run.metrics.get("step", ())
+    done = int(step[-1]) + 1 if len(step) else 0
+    planned = int(run.config.get("steps") or 0)
+    return (f"{run.status or 'no status'} after {done}" + (f" of {planned}" if planned else "")
+            + f" step{'' if done == 1 and not planned else 's'}")
+
+
 def headline(h5_path) -> str:
     """The one line of figures a run exists to show: what it learned (against the unigram
     entropy, or its accuracy), its layout and median throughput, and for a rematerialized run
-    the memory budget, peaks and overheads (:func:`_remat_figures`). ``make demo`` prints it."""
+    the memory budget, peaks and overheads (:func:`_remat_figures`); first, unless the run
+    finished, its status and steps done (:func:`stopped_early`). ``make demo`` prints it."""
     run = read_run(h5_path)
     plan, parts = run.plan, [_learning(run)]
+    if run.status != "finished":
+        parts.insert(0, stopped_early(run))
     layout = f"dp={plan.get('dp', 1)} x tp={plan.get('tp', 1)} x pp={plan.get('pp', 1)}"
     if int(plan.get("pp", 1)) > 1:
         layout += f" ({plan.get('schedule')}, {plan.get('microbatches')} micro-batches)"
