@@ -133,7 +133,7 @@ def _path_errors(cfg: TrainConfig) -> list[str]:
 def _destination_errors(cfg: TrainConfig) -> list[str]:
     """--checkpoint, before step 0 rather than at the first save: not a folder; its folder (or
     the nearest existing one above, where the save creates the rest) a writable folder, tried by
-    creating and removing a file (``os.access`` says yes on a read-only mount for root); a file
+    creating and removing a file (``os.access`` may say yes where that fails); a file
     there, unless it is the resumed one, a checkpoint of the same model (another model's, or a
     file that is no checkpoint, is not replaced)."""
     import glob
