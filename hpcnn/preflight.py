@@ -151,8 +151,8 @@ def _destination_errors(cfg: TrainConfig) -> list[str]:
     why = _unwritable(folder)
     if why:
         return [f"checkpoint={path!r} cannot be written: {why}"]
-    there = glob.glob(glob.escape(path).replace("{step}", "[0-9]*")) if "{step}" in path \
-        else [path] if os.path.exists(path) else []
+    there = [n for n in glob.glob(glob.escape(path).replace("{step}", "[0-9]*"))
+             if _same_file(path, n)]                      # {step}: the file of any step
     for old in sorted(there):
         if cfg.resume and os.path.realpath(old) == os.path.realpath(cfg.resume):
             continue
