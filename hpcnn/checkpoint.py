@@ -17,7 +17,9 @@ to world rank 0, which builds the HDF5 file in memory and writes its bytes to a 
 with plain ``os.write`` calls, fsyncs it and renames it over the target. HDF5 never touches the
 disk when saving (why: docs/results/runlog.md); any failure to write removes the temporary file,
 leaves the previous checkpoint as it was and raises one :class:`CheckpointError` on every rank.
-The price: world rank 0 holds the whole file's bytes while it writes them.
+The price: world rank 0 holds the whole file's bytes while it writes them. A save killed before
+its rename leaves ``<path>.tmp<pid>``: the next run's rank 0 removes it (:func:`remove_stale`);
+what a save may replace is checked before step 0 (:func:`hpcnn.preflight.check`).
 
 Resuming checks, on every rank, before anything is communicated: the format, the optimizer, every
 model-defining option (:data:`MODEL_OPTIONS`), every parameter's name and shape, the steps left;
@@ -290,16 +292,61 @@ def _verified(ds, path: str) -> numpy.ndarray:
     return a
 
 
-def _same_model(path: str, saved: dict, cfg) -> None:
-    """Refuse a checkpoint of another model: every option of :data:`COMMON_OPTIONS` and of the
-    model's :data:`MODEL_OPTIONS` must be what the saving run had (options absent from an
-    older file's config are not compared)."""
+def model_differences(saved: dict, cfg) -> list[str]:
+    """The model-defining options (:data:`COMMON_OPTIONS` and the model's
+    :data:`MODEL_OPTIONS`) whose value in ``saved``, a checkpoint's config, is not ``cfg``'s, one
+    phrase each (options absent from an older file's config are not compared)."""
     names = COMMON_OPTIONS + MODEL_OPTIONS.get(saved.get("model", cfg.model), ())
     now = cfg.to_dict()
-    diff = [f"--{k}={_shown(saved[k])} in the checkpoint, {_shown(now[k])} here"
+    return [f"--{k}={_shown(saved[k])} in the checkpoint, {_shown(now[k])} here"
             for k in names if k in saved and saved[k] != now[k]]
+
+
+def _same_model(path: str, saved: dict, cfg) -> None:
+    """Refuse a checkpoint of another model (:func:`model_differences`)."""
+    diff = model_differences(saved, cfg)
     if diff:
         raise ValueError(f"--resume={path}: a checkpoint of another model: " + "; ".join(diff))
+
+
+def saved_config(path: str) -> dict | None:
+    """The config a checkpoint at ``path`` was saved with, or None if the file is no
+    checkpoint (not HDF5, or without the format and config attributes)."""
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") not in READABLE or "config" not in f.attrs:
+                return None
+            return json.loads(f.attrs["config"])
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError):
+        return None
+
+
+def stale_temporaries(path: str) -> list[str]:
+    """The temporary files a killed save of ``path`` left (``<path>.tmp<pid>``, with ``{step}``
+    standing for any step), whose process no longer runs on this host."""
+    import glob
+    import re
+    from hpcnn.log.lock import alive
+    pattern = re.escape(path).replace(re.escape("{step}"), r"\d+") + r"\.tmp(\d+)"
+    found = []
+    for name in glob.glob(glob.escape(path).replace(glob.escape("{step}"), "*") + ".tmp*"):
+        m = re.fullmatch(pattern, name)
+        if m and int(m.group(1)) != os.getpid() and not alive(int(m.group(1))):
+            found.append(name)
+    return sorted(found)
+
+
+def remove_stale(path: str) -> str | None:
+    """Remove :func:`stale_temporaries` of ``path``; the line saying so, or None if none."""
+    gone = []
+    for name in stale_temporaries(path):
+        try:
+            os.remove(name)
+            gone.append(name)
+        except FileNotFoundError:
+            pass
+    return (f"hpcnn: removed {len(gone)} temporary file(s) of an interrupted checkpoint save: "
+            f"{', '.join(gone)}") if gone else None
 
 
 def _shown(v) -> str:

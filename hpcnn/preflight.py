@@ -4,7 +4,10 @@
 engine cannot run from the options alone. :func:`check` adds what needs the world size (dp·tp·pp
 must equal it), the loaded data (a context window longer than the validation text, a batch larger
 than the training set), the model's length (a ``--layout`` that does not sum to it, more pipeline
-stages than blocks) and the ``--log`` path (another live run writing it: its lock). It communicates
+stages than blocks), the ``--log`` path (another live run writing it: its lock) and the paths of
+the files a run writes (:func:`_path_errors`: the log, the checkpoint and the resumed file not
+one another; the checkpoint's folder writable; no other model's checkpoint and no other file
+replaced). It communicates
 with no one: every rank loads the same data and builds the same shapes, so every rank takes the
 same decision, before the first collective.
 ``hpcnn train`` runs it before MPI is even initialised, with the world size the launcher announces
@@ -64,7 +67,7 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
         errs += _stage_errors(cfg, data)
     if cfg.plan and cfg.plan != "auto":
         errs += _plan_errors(cfg)
-    errs += _log_errors(cfg)
+    errs += _log_errors(cfg) + _path_errors(cfg)
     if errs:
         raise ConfigError("invalid configuration: " + "; ".join(errs))
     return data
@@ -103,6 +106,80 @@ def _log_errors(cfg: TrainConfig) -> list[str]:
         return [f"log={cfg.log!r} already exists (pass --overwrite=true to replace it)"]
     why = refusal(cfg.log)
     return [why] if why else []
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (symbolic links resolved); ``{step}`` in ``a``
+    (a checkpoint's) stands for any step."""
+    import re
+    if "{step}" not in a:
+        return os.path.realpath(a) == os.path.realpath(b)
+    pattern = re.escape(os.path.realpath(a)).replace(re.escape("{step}"), r"\d+")
+    return re.fullmatch(pattern, os.path.realpath(b)) is not None
+
+
+def _path_errors(cfg: TrainConfig) -> list[str]:
+    """The files the run writes: the log is neither the checkpoint nor the resumed file (the run
+    log would replace it; --resume=P --checkpoint=P, a run that resumes and keeps saving to one
+    file, is the resumable job's pattern); the checkpoint's destination
+    (:func:`_destination_errors`)."""
+    errs = [f"log={cfg.log!r} and {role}={getattr(cfg, role)!r} are the same file: the run log "
+            f"would replace the checkpoint; pass another --log"
+            for role in ("checkpoint", "resume")
+            if getattr(cfg, role) and _same_file(getattr(cfg, role), cfg.log)]
+    return errs or (_destination_errors(cfg) if cfg.checkpoint else [])
+
+
+def _destination_errors(cfg: TrainConfig) -> list[str]:
+    """--checkpoint, before step 0 rather than at the first save: not a folder; its folder (or
+    the nearest existing one above, where the save creates the rest) a writable folder, tried by
+    creating and removing a file (``os.access`` may say yes where that fails); a file
+    there, unless it is the resumed one, a checkpoint of the same model (another model's, or a
+    file that is no checkpoint, is not replaced)."""
+    import glob
+    from hpcnn import checkpoint
+    path = cfg.checkpoint
+    first = path.replace("{step}", "1")
+    if os.path.isdir(first):
+        return [f"checkpoint={path!r} is a directory: pass a file name, e.g. "
+                f"--checkpoint={os.path.join(path, 'run.ckpt.h5')}"]
+    folder = os.path.dirname(os.path.abspath(first))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return [f"checkpoint={path!r} cannot be written: {folder} is not a directory"]
+    why = _unwritable(folder)
+    if why:
+        return [f"checkpoint={path!r} cannot be written: {why}"]
+    there = [n for n in glob.glob(glob.escape(path).replace("{step}", "[0-9]*"))
+             if _same_file(path, n)]                      # {step}: the file of any step
+    for old in sorted(there):
+        if cfg.resume and os.path.realpath(old) == os.path.realpath(cfg.resume):
+            continue
+        saved = checkpoint.saved_config(old)
+        if saved is None:
+            return [f"checkpoint={path!r}: {old} exists and is not a checkpoint: it is not "
+                    f"replaced (remove it or pass another --checkpoint)"]
+        diff = checkpoint.model_differences(saved, cfg)
+        if diff:
+            return [f"checkpoint={path!r}: {old} holds a checkpoint of another model ("
+                    + "; ".join(diff) + "): it is not replaced (remove it or pass another "
+                    "--checkpoint)"]
+    return []
+
+
+def _unwritable(folder: str) -> str | None:
+    """Why no file can be created in ``folder`` (it is tried), or None."""
+    import socket
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"no permission to write in {folder}"
+    probe = os.path.join(folder, f".hpcnn-probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        os.remove(probe)
+    except OSError as e:
+        return f"cannot create a file in {folder} ({e.strerror or e})"
+    return None
 
 
 def _plan_errors(cfg: TrainConfig) -> list[str]:

@@ -15,6 +15,7 @@ and prints::
 """
 from __future__ import annotations
 
+import sys
 import time
 
 from hpcnn import backend, checkpoint
@@ -47,6 +48,10 @@ def setup(cfg: TrainConfig, world, data):
     size = world.Get_size() if world is not None else 1
     cfg, planned, data = preflight.planned(cfg, size, data)     # --model=gpt --plan=auto
     data = preflight.check(cfg, size, data)
+    if cfg.checkpoint and (world is None or world.Get_rank() == 0):
+        note = checkpoint.remove_stale(cfg.checkpoint)     # a save killed before its rename
+        if note:
+            print(note, file=sys.stderr, flush=True)
     backend.set_device(cfg.device)
     backend.tune_allocator()
     ctx = ParallelContext(cfg, world)

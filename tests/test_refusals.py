@@ -228,6 +228,7 @@ def run_mpi_cli(n, *args, timeout=240, cwd=None):
     (["--dp=2", "--pp=2", "--schedule=interleaved", "--virtual=2", "--microbatches=3"],
      ["microbatches=3"]),
     (["--dp=3"], ["world size (4) != dp*tp*pp (3*1*1 = 3)"]),
+    (["--dp=4", "--checkpoint=."], ["checkpoint='.' is a directory"]),   # before step 0
     # refused after MPI started, on every rank alike (a checkpoint every rank fails to read)
     (["--dp=4", "--allreduce=mpi", "--resume=missing.h5", *TINY_GPT], ["--resume=missing.h5"]),
 ])

@@ -34,7 +34,7 @@ def holder(path: str) -> dict | None:
         return {}
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether process ``pid`` of this host runs (a zombie, killed but not reaped, does not)."""
     try:
         os.kill(pid, 0)
@@ -51,7 +51,7 @@ def _alive(pid: int) -> bool:
 
 def _stale(who: dict) -> bool:
     return (who.get("host") == socket.gethostname() and isinstance(who.get("pid"), int)
-            and not _alive(who["pid"]))
+            and not alive(who["pid"]))
 
 
 def _describe(path: str, who: dict) -> str:
