@@ -142,3 +142,22 @@ def axpy(alpha: float, x, y) -> None:
         fn(x.reshape(-1), y.reshape(-1), a=alpha)      # writes into y's memory (intent in,out)
         return
     y += alpha * x
+
+
+def blas_threads() -> int:
+    """The threads each BLAS or OpenMP pool loaded in this process may use (the largest):
+    threadpoolctl's count if it is installed, else ``OMP_NUM_THREADS``,
+    ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS`` if set, else this process's cores (what
+    OpenBLAS and OpenMP start by default)."""
+    try:
+        from threadpoolctl import threadpool_info
+        counts = [int(p.get("num_threads") or 1) for p in threadpool_info()]
+        if counts:
+            return max(counts)
+    except ImportError:
+        pass
+    for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        value = os.environ.get(key, "").split(",")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return len(os.sched_getaffinity(0))

@@ -59,7 +59,57 @@ def _under_mpi() -> bool:
     return any(k in os.environ for k in keys)
 
 
+def launched_by_mpi4py() -> bool:
+    """True when this process runs under ``python -m mpi4py`` (:data:`LAUNCHER`), which aborts
+    the whole job on an uncaught exception."""
+    return "mpi4py.run" in sys.modules
+
+
+def abort_on_uncaught(world) -> None:
+    """Make an uncaught exception on this rank print its traceback and abort every rank of
+    ``world`` (an MPI communicator of more than one rank), as ``python -m mpi4py`` does, instead
+    of leaving the others waiting in a collective until ``--hang_timeout``."""
+    import time
+
+    def hook(kind, value, tb):
+        sys.__excepthook__(kind, value, tb)
+        if issubclass(kind, KeyboardInterrupt):
+            return
+        print(f"hpcnn: rank {world.Get_rank()} of {world.Get_size()} failed "
+              f"({kind.__name__}): aborting the job", file=sys.stderr, flush=True)
+        time.sleep(0.5)      # let the launcher forward these lines before the abort kills it
+        world.Abort(1)
+    sys.excepthook = hook
+
+
+START_UP = "hpcnn: interrupted during start-up"
+INTERRUPT_AGREE_SECONDS = 5.0   # how long an interrupted rank waits for the others to be too
+
+
+def interrupted_at_start() -> int:
+    """A SIGINT before the run's own handlers (:mod:`hpcnn.signals`) were in place: one line,
+    no traceback, exit status 130. Under MPI, every rank normally got it (``mpiexec`` forwards
+    it): MPI is finalized once all have (so that ``python -m mpi4py`` does not make an abort of
+    the non-zero exit), else, after :data:`INTERRUPT_AGREE_SECONDS`, the job is aborted."""
+    print(START_UP, file=sys.stderr, flush=True)
+    if mpi_ranks() > 1:
+        from mpi4py import MPI
+        return leave_refused(MPI.COMM_WORLD, 130, INTERRUPT_AGREE_SECONDS)
+    if mpi_loaded():
+        from mpi4py import MPI
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    return 130
+
+
 def cmd_train(args) -> int:
+    try:
+        return _train(args)
+    except KeyboardInterrupt:
+        return interrupted_at_start()
+
+
+def _train(args) -> int:
     from hpcnn import preflight
     from hpcnn.config import ConfigError, TrainConfig, describe, flags_note, parse_overrides
     if any(a in ("-h", "--help") for a in args):
@@ -80,6 +130,8 @@ def cmd_train(args) -> int:
     if mpi:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
+        if comm.Get_size() > 1 and not launched_by_mpi4py():
+            abort_on_uncaught(comm)
         agree = comm.Dup()        # used only to find out whether every rank stopped
     try:
         result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args), data=data)
@@ -144,28 +196,28 @@ def _stop_every_rank(message: str, agree) -> int:
     return 2
 
 
-def _every_rank_arrived(comm) -> bool:
+def _every_rank_arrived(comm, seconds: float = AGREE_SECONDS) -> bool:
     """A non-blocking barrier on ``comm``, polled: whether every rank entered it within
-    :data:`AGREE_SECONDS`."""
+    ``seconds``."""
     import time
     req, t0 = comm.Ibarrier(), time.monotonic()
     while not req.Test():
-        if time.monotonic() - t0 > AGREE_SECONDS:
+        if time.monotonic() - t0 > seconds:
             return False
         time.sleep(0.005)
     return True
 
 
-def leave_refused(comm, code: int = 2) -> int:
+def leave_refused(comm, code: int = 2, seconds: float = AGREE_SECONDS) -> int:
     """End a script run under mpiexec whose ranks each refused its input, alike and before any
-    collective, and printed why: flush, wait until every rank has (:data:`AGREE_SECONDS` at
-    most, else abort the job: never a hang), finalize MPI and return ``code`` for ``sys.exit``.
+    collective, and printed why: flush, wait until every rank has (``seconds`` at most, else
+    abort the job: never a hang), finalize MPI and return ``code`` for ``sys.exit``.
     A non-zero exit straight away would become the MPI_Abort of ``python -m mpi4py``, which can
     kill a rank before its message is out."""
     from mpi4py import MPI
     sys.stdout.flush()
     sys.stderr.flush()
-    if not _every_rank_arrived(comm):
+    if not _every_rank_arrived(comm, seconds):
         comm.Abort(code)
     MPI.Finalize()
     return code

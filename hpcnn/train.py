@@ -21,7 +21,7 @@ import time
 from hpcnn import backend, checkpoint
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.engine.context import ParallelContext
-from hpcnn.engine.record import claim_log, flush_ranks, record_memory, run_header
+from hpcnn.engine.record import claim_log, flush_ranks, record_memory, run_header, thread_warning
 from hpcnn.engine.step import train_step
 from hpcnn.schedule.expand import show as show_schedule
 from hpcnn.nn.optim import make_optimizer
@@ -113,6 +113,9 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
         signals.close(collective=isinstance(e, Exception))
         raise
     say = (lambda s: print(s, flush=True)) if (ctx.rank == 0 and cfg.progress) else (lambda s: None)
+    warning = thread_warning(ctx.world)         # rank 0's, once: oversubscribed cores
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     say(run_header(cfg, task.model, task, ctx.world.size, start))
     t_start = time.perf_counter()
     status, last, together = "failed", {}, False

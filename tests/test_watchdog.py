@@ -42,7 +42,7 @@ def test_enter_leave_nest_and_count():
 def test_fault_hook_parses_arms_at_its_step_and_skips_once():
     assert watchdog.parse_fault("") is None
     assert watchdog.parse_fault("skip_collective:rank=1:step=2:kind=isend") == \
-        {"rank": 1, "step": 2, "kind": "isend", "stall": False}
+        {"rank": 1, "step": 2, "kind": "isend", "stall": False, "raise": False}
     for bad in ("skip:rank=1:step=2", "skip_collective:rank=1", "skip_collective:rank=x:step=2",
                 "skip_collective:rank=1:step=2:when=3"):
         with pytest.raises(ValueError, match="HPCNN_FAULT"):

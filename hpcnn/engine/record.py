@@ -44,6 +44,28 @@ def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -
     return line + f", log {cfg.log}"
 
 
+def thread_warning(world) -> str:
+    """Collective on ``world``: on rank 0, a warning line when the ranks on some node, times
+    the BLAS/OpenMP threads each uses (:func:`hpcnn.backend.blas_threads`), exceed the cores
+    they may run on (the union of their CPU affinities); "" otherwise, and on the other ranks.
+    Oversubscribed cores make every step many times slower, and nothing else says so."""
+    mine = (os.uname().nodename, frozenset(os.sched_getaffinity(0)), backend.blas_threads())
+    everyone = world.gather_objects(mine, root=0)
+    if not everyone:
+        return ""
+    nodes: dict = {}
+    for node, cpus, threads in everyone:
+        ranks, cores, total = nodes.get(node, (0, frozenset(), 0))
+        nodes[node] = (ranks + 1, cores | cpus, total + threads)
+    node, (ranks, cores, total) = max(nodes.items(), key=lambda kv: kv[1][2] / len(kv[1][1]))
+    if total <= len(cores):
+        return ""
+    where = f" on node {node}" if len(nodes) > 1 else ""
+    return (f"hpcnn: warning: {ranks} rank(s) x {total // ranks} BLAS/OpenMP thread(s) = {total} "
+            f"threads on {len(cores)} core(s){where}: the cores are oversubscribed and steps "
+            f"can run many times slower; set OMP_NUM_THREADS=1 (or cores / ranks per node)")
+
+
 def open_log(cfg, ctx, task, start: int, command_line):
     """Rank 0's run log: the run's attributes, its config and its plan (layout, schedule,
     memory, allreduce, where it resumed from)."""

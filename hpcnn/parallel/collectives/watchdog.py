@@ -24,8 +24,9 @@ most two seconds) and calls ``MPI_Abort`` on ``MPI.COMM_WORLD``.
 A test-only fault hook, ``HPCNN_FAULT=skip_collective:rank=R:step=S`` (optionally ``:kind=K``),
 read once by :func:`arm_fault`, makes rank R skip its first recorded call (of kind K) from step S
 on (:func:`at_step` is told each step): the hang this module diagnoses, on purpose.
-``stall_collective:...`` instead stops rank R before that call for good. Never set it outside
-tests.
+``stall_collective:...`` instead stops rank R before that call for good, and
+``raise_error:rank=R:step=S`` raises a RuntimeError on rank R when step S starts (a rank that
+fails alone). Never set it outside tests.
 """
 from __future__ import annotations
 
@@ -116,13 +117,13 @@ def parse_fault(text: str) -> dict | None:
         return None
     what, *fields = text.split(":")
     keys = dict(f.split("=", 1) for f in fields if "=" in f)
-    if what not in ("skip_collective", "stall_collective") or "rank" not in keys or "step" not in keys or \
+    if what not in ("skip_collective", "stall_collective", "raise_error") or "rank" not in keys or "step" not in keys or \
             len(keys) != len(fields) or set(keys) - {"rank", "step", "kind"}:
-        raise ValueError(f"HPCNN_FAULT={text!r}: expected skip_collective:rank=R:step=S[:kind=K] "
-                         "or stall_collective:... (a test-only fault hook)")
+        raise ValueError(f"HPCNN_FAULT={text!r}: expected skip_collective:rank=R:step=S[:kind=K], "
+                         "stall_collective:... or raise_error:... (a test-only fault hook)")
     try:
         return {"rank": int(keys["rank"]), "step": int(keys["step"]), "kind": keys.get("kind"),
-                "stall": what == "stall_collective"}
+                "stall": what == "stall_collective", "raise": what == "raise_error"}
     except ValueError:
         raise ValueError(f"HPCNN_FAULT={text!r}: rank and step must be integers") from None
 
@@ -139,6 +140,10 @@ def at_step(step: int) -> None:
     f = _pending[0]
     if f is not None and step >= f["step"]:
         _fault[0], _pending[0] = f, None
+        if f["raise"]:
+            _fault[0] = None
+            raise RuntimeError(f"HPCNN_FAULT: rank {f['rank']} raises at step {step} "
+                               "(test-only fault hook)")
 
 
 def _fires(kind: str) -> bool:

@@ -1,0 +1,73 @@
+"""Start-up of ``hpcnn train``: a warning when the ranks of a node times their BLAS/OpenMP threads
+oversubscribe its cores; under ``mpiexec`` without ``python -m mpi4py``, an uncaught exception on
+one rank aborts the job at once (not after ``--hang_timeout``); Ctrl-C before the run's signal
+handlers are in place ends the process with one line and exit status 130, no traceback."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hpcnn import cli
+from mpi_util import ROOT, mpiexec
+
+MLP = ["--model=mlp", "--steps=2", "--eval_interval=0", "--no-progress"]
+
+
+def _env(**extra):
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OPENBLAS_NUM_THREADS="", **extra)
+
+
+def _mpi_train(n, args, env, launcher=("-m", "mpi4py"), timeout=120):
+    cmd = [mpiexec(), "-n", str(n), sys.executable, *launcher, "-m", "hpcnn", "train", *args]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    return p, time.perf_counter() - t0
+
+
+def test_oversubscribed_cores_are_named_once_with_the_fix(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    many = str(2 * cores)        # each rank's pool takes every core: 2 ranks oversubscribe them
+    p, _ = _mpi_train(2, MLP + ["--dp=2", f"--log={tmp_path}/a.h5"], _env(OMP_NUM_THREADS=many))
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if "oversubscribed" in ln]
+    assert len(lines) == 1 and "OMP_NUM_THREADS=1" in lines[0] and "2 rank(s)" in lines[0], \
+        p.stderr
+    assert f"on {cores} core(s)" in lines[0], lines
+    p, _ = _mpi_train(2, MLP + ["--dp=2", f"--log={tmp_path}/b.h5"], _env(OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and "oversubscribed" not in p.stderr, p.stderr
+
+
+def test_a_rank_that_raises_without_the_launcher_aborts_the_job(tmp_path):
+    """No ``-m mpi4py``: rank 1 raises at step 1; the job ends in seconds with its traceback,
+    not after the 60 s hang timeout with rank 0 still waiting in the allreduce."""
+    args = MLP + ["--dp=2", "--steps=20", "--hang_timeout=60", f"--log={tmp_path}/r.h5"]
+    env = _env(OMP_NUM_THREADS="1", HPCNN_FAULT="raise_error:rank=1:step=1")
+    p, seconds = _mpi_train(2, args, env, launcher=())
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert seconds < 40, (seconds, p.stderr)
+    assert "RuntimeError: HPCNN_FAULT: rank 1 raises at step 1" in p.stderr, p.stderr
+    assert "hpcnn: rank 1 of 2 failed (RuntimeError): aborting the job" in p.stderr, p.stderr
+
+
+def test_refusal_without_the_launcher_still_exits_2_once(tmp_path):
+    args = ["--model=mlp", "--dp=3", f"--log={tmp_path}/x.h5"]        # 3 != 2 ranks
+    p, _ = _mpi_train(2, args, _env(OMP_NUM_THREADS="1"), launcher=())
+    assert p.returncode == 2 and p.stderr.count("hpcnn train:") == 1, p.stderr
+    assert "Traceback" not in p.stderr and "aborting" not in p.stderr, p.stderr
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
+    cmd = [sys.executable, "-m", "hpcnn", "train", "--model=gpt", "--steps=100000",
+           f"--log={tmp_path}/s.h5"]
+    for delay in (0.3, 1.0):             # while Python loads; while the data set is read
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=_env(OMP_NUM_THREADS="1"), cwd=ROOT)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 130, (delay, out, err)
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        # before the run's handlers: the start-up line; after: the run's own interrupted stop
+        assert err.strip() in ("", cli.START_UP), err
