@@ -103,10 +103,12 @@ def test_cli_rejects_bad_options(tmp_path):
     p = _cli("train", "--dp=2", "--steps=1")              # refused by the layout check in train()
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "world size (1) != dp*tp*pp (2*1*1 = 2)" in p.stderr, p.stderr
-    p = _cli("train", "--steps=1", "--checkpoint=/dev/null/ck.h5",   # cannot be written
-             f"--log={tmp_path / 'ck.h5'}")
+    p = _cli("train", "--steps=1", "--checkpoint=/dev/null/ck.h5",   # cannot be written: refused
+             f"--log={tmp_path / 'ck.h5'}")                         # before step 0, not at the save
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert "hpcnn train: checkpoint /dev/null/ck.h5:" in p.stderr, p.stderr
+    assert "checkpoint='/dev/null/ck.h5' cannot be written: /dev/null is not a directory" \
+        in p.stderr, p.stderr
+    assert not os.path.exists(tmp_path / "ck.h5")                     # nothing ran, no log
     p = _cli("frobnicate")
     assert p.returncode == 2 and "unknown command" in p.stderr
     p = _cli("train", "--help")
