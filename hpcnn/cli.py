@@ -196,10 +196,11 @@ def _stop_every_rank(message: str, agree) -> int:
     return 2
 
 
-def _every_rank_arrived(comm, seconds: float = AGREE_SECONDS) -> bool:
+def _every_rank_arrived(comm, seconds: float | None = None) -> bool:
     """A non-blocking barrier on ``comm``, polled: whether every rank entered it within
-    ``seconds``."""
+    ``seconds`` (None: :data:`AGREE_SECONDS` as it is at the call)."""
     import time
+    seconds = AGREE_SECONDS if seconds is None else seconds
     req, t0 = comm.Ibarrier(), time.monotonic()
     while not req.Test():
         if time.monotonic() - t0 > seconds:
@@ -208,10 +209,11 @@ def _every_rank_arrived(comm, seconds: float = AGREE_SECONDS) -> bool:
     return True
 
 
-def leave_refused(comm, code: int = 2, seconds: float = AGREE_SECONDS) -> int:
+def leave_refused(comm, code: int = 2, seconds: float | None = None) -> int:
     """End a script run under mpiexec whose ranks each refused its input, alike and before any
-    collective, and printed why: flush, wait until every rank has (``seconds`` at most, else
-    abort the job: never a hang), finalize MPI and return ``code`` for ``sys.exit``.
+    collective, and printed why: flush, wait until every rank has (``seconds`` at most, None:
+    :data:`AGREE_SECONDS`, else abort the job: never a hang), finalize MPI and return ``code``
+    for ``sys.exit``.
     A non-zero exit straight away would become the MPI_Abort of ``python -m mpi4py``, which can
     kill a rank before its message is out."""
     from mpi4py import MPI
