@@ -4,11 +4,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from hpcnn.log.results import load_table
 from mpi_util import ROOT, run_mpi
 
 
+@pytest.mark.long     # ~5-8 s: the experiment's quick sweep and its figures
 def test_hetero_weighting_experiment_and_figure(tmp_path):
     out = tmp_path / "hw"
     script = os.path.join(ROOT, "experiments", "hetero_weighting.py")

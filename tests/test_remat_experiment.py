@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from hpcnn.log.results import load_table
 
@@ -18,6 +19,7 @@ def _run(script, *args, timeout=120):
     return p.stdout
 
 
+@pytest.mark.long     # ~5-8 s: the experiment's quick sweep and its figures
 def test_remat_tradeoff_quick_and_figures(tmp_path):
     out = _run(("experiments", "remat_tradeoff.py"), "--quick", f"--out={tmp_path}")
     assert "HEADLINE" in out and "wrote" in out
