@@ -210,27 +210,22 @@ class Communicator(ObjectCalls):
     def allreduce_scalars(self, values, op: str = "sum") -> numpy.ndarray:
         """Reduce a few float64 numbers (loss, norms, counts) over all ranks: sum, max or min."""
         a = numpy.ascontiguousarray(values, dtype=numpy.float64).reshape(-1)
-        if self.size == 1:
-            return a
-        MPI = _mpi()
-        mop = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-        out = numpy.empty_like(a)
-        self._timed("allreduce_scalars", 2 * (self.size - 1) * a.nbytes // self.size,
-                    lambda: self.comm.Allreduce(a, out, op=mop))
-        return out
+        return a if self.size == 1 else self._reduced("allreduce_scalars", a, op)
 
     def reduce_array(self, x, op: str = "sum"):
         """A new array: ``x`` reduced element-wise over all ranks (``"sum"``, ``"max"`` or
         ``"min"``), its dtype and shape kept; a copy of ``x`` on one rank. Counted under
         ``reduce_array`` as an allreduce (2(p-1)/p of the bytes)."""
         a = numpy.ascontiguousarray(x)
-        out = numpy.empty_like(a)
-        if self.size == 1:
-            out[...] = a
-            return out
+        return a.copy() if self.size == 1 else self._reduced("reduce_array", a, op)
+
+    def _reduced(self, name: str, a, op: str):
+        """A new array: the contiguous host array ``a`` reduced over all ranks by ``op``
+        ("sum", "max", "min"), counted under ``name`` as an allreduce."""
         MPI = _mpi()
         mop = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-        self._timed("reduce_array", 2 * (self.size - 1) * a.nbytes // self.size,
+        out = numpy.empty_like(a)
+        self._timed(name, 2 * (self.size - 1) * a.nbytes // self.size,
                     lambda: self.comm.Allreduce(a, out, op=mop))
         return out
 
