@@ -74,22 +74,13 @@ def input_problem(path: str, what: str) -> str:
 
 def output_problem(path: str, what: str) -> str:
     """What keeps ``path`` from being written (``what``: "figure", "trace"), in a few words
-    naming it; '' when its folder exists or can be made and takes a new file (a file created
-    and removed there at once: the answer holds for root and for read-only file systems)."""
-    import tempfile
+    naming it; '' when its folder exists or can be made and takes a new file
+    (:func:`hpcnn.log.paths.creation_problem`)."""
+    from hpcnn.log.paths import creation_problem
     if os.path.isdir(path):
         return f"{path}: a directory, not a file to write the {what} into"
-    top = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(top):
-        top = os.path.dirname(top)
-    if not os.path.isdir(top):
-        return f"{path}: cannot write the {what}: {top} is not a directory"
-    try:
-        with tempfile.TemporaryFile(dir=top):
-            pass
-    except OSError as e:
-        return f"{path}: cannot write the {what}: no new file can be made in {top} ({e.strerror or e})"
-    return ""
+    why = creation_problem(path)
+    return f"{path}: cannot write the {what}: {why}" if why else ""
 
 
 def load_machine(name: str):

@@ -132,23 +132,19 @@ def _path_errors(cfg: TrainConfig) -> list[str]:
 
 def _destination_errors(cfg: TrainConfig) -> list[str]:
     """--checkpoint, before step 0 rather than at the first save: not a folder; its folder (or
-    the nearest existing one above, where the save creates the rest) a writable folder, tried by
-    creating and removing a file (``os.access`` may say yes where that fails); a file
+    the nearest existing one above, where the save creates the rest) a writable folder
+    (:func:`hpcnn.log.paths.creation_problem`); a file
     there, unless it is the resumed one, a checkpoint of the same model (another model's, or a
     file that is no checkpoint, is not replaced)."""
     import glob
     from hpcnn import checkpoint
+    from hpcnn.log.paths import creation_problem
     path = cfg.checkpoint
     first = path.replace("{step}", "1")
     if os.path.isdir(first):
         return [f"checkpoint={path!r} is a directory: pass a file name, e.g. "
                 f"--checkpoint={os.path.join(path, 'run.ckpt.h5')}"]
-    folder = os.path.dirname(os.path.abspath(first))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        return [f"checkpoint={path!r} cannot be written: {folder} is not a directory"]
-    why = _unwritable(folder)
+    why = creation_problem(first)
     if why:
         return [f"checkpoint={path!r} cannot be written: {why}"]
     there = [n for n in glob.glob(glob.escape(path).replace("{step}", "[0-9]*"))
@@ -166,20 +162,6 @@ def _destination_errors(cfg: TrainConfig) -> list[str]:
                     + "; ".join(diff) + "): it is not replaced (remove it or pass another "
                     "--checkpoint)"]
     return []
-
-
-def _unwritable(folder: str) -> str | None:
-    """Why no file can be created in ``folder`` (it is tried), or None."""
-    import socket
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"no permission to write in {folder}"
-    probe = os.path.join(folder, f".hpcnn-probe.{socket.gethostname()}.{os.getpid()}")
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
-        os.remove(probe)
-    except OSError as e:
-        return f"cannot create a file in {folder} ({e.strerror or e})"
-    return None
 
 
 def _plan_errors(cfg: TrainConfig) -> list[str]:
