@@ -33,9 +33,10 @@ from hpcnn.graph.rows import Halo, RowPartition, build_halo
 from hpcnn.parallel.collectives import as_communicator
 
 
-def _allreduce(comm, x: np.ndarray) -> np.ndarray:
-    """Sum of ``x`` over the ranks of ``comm`` (``x`` itself when ``comm`` is None)."""
-    return x if comm is None else comm.reduce_array(x, "sum")
+def _allreduce(comm, x: np.ndarray, op: str = "sum") -> np.ndarray:
+    """``x`` reduced element-wise ("sum", "max" or "min") over the ranks of ``comm`` (``x``
+    itself when ``comm`` is None)."""
+    return x if comm is None else comm.reduce_array(x, op)
 
 
 class DistributedMatrix:

@@ -30,11 +30,6 @@ from hpcnn.parallel.collectives import as_communicator
 TIE = 1e-8            # entries within this relative distance of the largest magnitude count as tied
 
 
-def _reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
-    """Elementwise "max" or "min" of ``x`` over the ranks of ``comm`` (``x`` when comm is None)."""
-    return x if comm is None else comm.reduce_array(x, op)
-
-
 def sign_normalize(vectors: np.ndarray, rows: np.ndarray | None = None, comm=None) -> np.ndarray:
     """A copy of ``vectors`` (n_local, k) with each column's sign fixed (module docstring).
 
@@ -45,14 +40,14 @@ def sign_normalize(vectors: np.ndarray, rows: np.ndarray | None = None, comm=Non
     n_local, k = v.shape
     rows = np.arange(n_local) if rows is None else np.asarray(rows)
     mag = np.abs(v)
-    biggest = _reduce(comm, mag.max(axis=0) if n_local else np.zeros(k), "max")      # (k,)
+    biggest = _allreduce(comm, mag.max(axis=0) if n_local else np.zeros(k), "max")      # (k,)
     big = np.iinfo(np.int64).max
     first = np.full(k, big, dtype=np.int64)
     for i in range(k):
         near = np.flatnonzero(mag[:, i] >= (1 - TIE) * biggest[i])
         if near.size:
             first[i] = rows[near].min()
-    first = _reduce(comm, first, "min")                                                # (k,)
+    first = _allreduce(comm, first, "min")                                                # (k,)
     sign = np.zeros(k)
     for i in range(k):
         at = np.flatnonzero(rows == first[i])
