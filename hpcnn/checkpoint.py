@@ -90,11 +90,18 @@ def _local_state(params, opt, tp) -> dict:
     return out
 
 
-def save(path: str, step: int, cfg, params, opt, ctx=None) -> None:
+class Abandoned(Exception):
+    """A checkpoint being written was given up (``save``'s ``abandon`` said so)."""
+
+
+def save(path: str, step: int, cfg, params, opt, ctx=None, abandon=None) -> bool:
     """Write the state after ``step`` steps to ``path``: collective over the ranks of ``ctx``,
     the run's :class:`hpcnn.engine.context.ParallelContext` (None: one process on its own).
     ``params``: this rank's parameters. If the file cannot be written, every rank raises the
-    same :class:`CheckpointError`; no temporary file is left and a previous ``path`` is intact."""
+    same :class:`CheckpointError`; no temporary file is left and a previous ``path`` is intact.
+    ``abandon``: a callable the writing rank (world rank 0) asks between arrays and between
+    chunks written; when it says True the save is given up the same way (an interrupt: the
+    run stops). True on every rank when the file was written, False when it was given up."""
     arrays = None
     if ctx is None:
         arrays = _local_state(params, opt, None).items()
@@ -108,16 +115,21 @@ def save(path: str, step: int, cfg, params, opt, ctx=None) -> None:
     err = ""
     if ctx is None or ctx.rank == 0:
         try:
-            image = _image(step, cfg, arrays, opt, ctx)
-            _write_atomically(path, image)
-        except (OSError, ValueError) as e:                # disk full, no permission, ...
+            image = _image(step, cfg, arrays, opt, ctx, abandon or _never)
+            _write_atomically(path, image, abandon or _never)
+        except (OSError, ValueError, Abandoned) as e:     # disk full, no permission, ...
             for _ in arrays:                              # still receive what others send
                 pass
-            err = f"checkpoint {path}: {_one_line(e)}"
+            err = "abandoned" if isinstance(e, Abandoned) else f"checkpoint {path}: {_one_line(e)}"
     if ctx is not None:                                   # the file exists when save returns,
         err = ctx.world.bcast_object(err, root=0)         # or every rank raises
-    if err:
+    if err and err != "abandoned":
         raise CheckpointError(err)
+    return not err
+
+
+def _never() -> bool:
+    return False
 
 
 def _one_line(e: BaseException) -> str:
@@ -146,8 +158,9 @@ def _dataset(group, name, a) -> None:
     group.create_dataset(name, data=a).attrs["crc32"] = checksum(a)
 
 
-def _image(step, cfg, arrays, opt, ctx) -> memoryview:
-    """The whole checkpoint file, built in memory (HDF5 writes into a BytesIO, never to disk)."""
+def _image(step, cfg, arrays, opt, ctx, abandon) -> memoryview:
+    """The whole checkpoint file, built in memory (HDF5 writes into a BytesIO, never to disk);
+    :class:`Abandoned` raised between two arrays when ``abandon()`` says so."""
     import hpcnn
     buf = io.BytesIO()
     with h5py.File(buf, "w") as f:
@@ -156,6 +169,8 @@ def _image(step, cfg, arrays, opt, ctx) -> memoryview:
                         "config": cfg.to_json()})
         params, optim = f.create_group("params"), f.create_group("optim")
         for key, a in arrays:                             # (name, array) pairs
+            if abandon():
+                raise Abandoned()
             _dataset(optim if "/" in key else params, key, a)
         for k, v in opt.state.items():
             if numpy.isscalar(v):
@@ -167,10 +182,11 @@ def _image(step, cfg, arrays, opt, ctx) -> memoryview:
     return buf.getbuffer()
 
 
-def _write_atomically(path: str, data) -> None:
+def _write_atomically(path: str, data, abandon=_never) -> None:
     """``data`` to ``path`` through ``path.tmp<pid>``: written, fsynced, renamed over ``path``.
     On any error the temporary file is removed (``path`` keeps its previous content) and the
-    error is raised, naming the temporary file and saying the previous checkpoint is kept."""
+    error is raised, naming the temporary file and saying the previous checkpoint is kept;
+    :class:`Abandoned` likewise when ``abandon()`` says so between two chunks."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -180,19 +196,28 @@ def _write_atomically(path: str, data) -> None:
         try:
             view = memoryview(data).cast("B")
             while len(view):                               # os.write may write less than asked
+                if abandon():
+                    raise Abandoned()
                 view = view[os.write(fd, view[:WRITE_CHUNK]):]
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
+    except Abandoned:
+        _remove(tmp)
+        raise
     except OSError as e:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
+        _remove(tmp)
         kept = "the previous checkpoint is unchanged" if had else "nothing was written"
         raise OSError(e.errno, f"{e.strerror or e} writing {tmp} ({kept})") from e
     _sync_folder(folder)
+
+
+def _remove(tmp: str) -> None:
+    try:
+        os.remove(tmp)
+    except FileNotFoundError:
+        pass
 
 
 def _sync_folder(folder: str) -> None:

@@ -72,19 +72,27 @@ class Task:
         dtype = None if self.is_text else self.cfg.dtype
         return backend.asarray(x, dtype=dtype), backend.asarray(y)
 
-    def eval_sums(self, ctx=None) -> numpy.ndarray:
+    def eval_sums(self, ctx=None, stop=None) -> numpy.ndarray | None:
         """[loss sum, correct, count] over this data-parallel rank's share of the held-out data
         (``ctx`` the run's context, None: all of it; with pp > 1 computed on the last stage,
-        broadcast over the pipeline)."""
+        broadcast over the pipeline). ``stop``: a collective callable asked after each round
+        of text batches (one per data-parallel rank; every rank asks as often); when it says
+        so the evaluation is given up and None returned."""
         m, c = self.model, self.cfg
         rank, size = (ctx.dp.rank, ctx.dp.size) if ctx is not None else (0, 1)
         tot = numpy.zeros(3)
         if self.is_text:
-            for i in range(rank, c.eval_batches, size):
-                x, y = datasets.text_batch(self.data.val, c.batch_size, c.block_size, i, VAL_SEED)
-                logits = self._logits(backend.asarray(x), ctx)
-                if logits is not None:
-                    tot += [m.loss.forward(logits, backend.asarray(y))[0] * y.size, 0.0, y.size]
+            for first in range(0, c.eval_batches, size):
+                i = first + rank
+                if i < c.eval_batches:
+                    x, y = datasets.text_batch(self.data.val, c.batch_size, c.block_size, i,
+                                               VAL_SEED)
+                    logits = self._logits(backend.asarray(x), ctx)
+                    if logits is not None:
+                        tot += [m.loss.forward(logits, backend.asarray(y))[0] * y.size, 0.0,
+                                y.size]
+                if stop is not None and stop():
+                    return None
         else:
             part = numpy.array_split(numpy.arange(len(self.data.y_test)), size)[rank]
             if len(part):
@@ -117,9 +125,9 @@ class GraphTask(Task):
     def global_batch(self, step: int):
         return self.data.features[self.order], self.data.targets()[self.order]
 
-    def eval_sums(self, ctx=None) -> numpy.ndarray:
+    def eval_sums(self, ctx=None, stop=None) -> numpy.ndarray:
         """[test loss sum, correct, count] over the test nodes among this rank's rows (every
-        rank must call it: the forward exchanges halos)."""
+        rank must call it: the forward exchanges halos). ``stop`` is not asked: one forward."""
         from hpcnn.nn.loss import SoftmaxCrossEntropy
         d, rows, convs = self.data, self.rows, [b for b in self.model.blocks if hasattr(b, "op")]
         train_op = convs[0].op

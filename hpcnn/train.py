@@ -105,7 +105,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     rank alike (:data:`EVERY_RANK_ALIKE`); after another error it is left to the process's end.
     """
     cfg = cfg.resolved()
-    signals = StopSignals(comm, cfg.stop_signal)      # from here a signal only sets a flag
+    signals = StopSignals(comm, cfg.stop_signal, first_grace=cfg.hang_timeout)  # sets a flag
     try:
         cfg, ctx, task, opt, start = setup(cfg, comm, data)
         log = claim_log(cfg, ctx, task, start, command_line)
@@ -113,6 +113,10 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
         signals.close(collective=isinstance(e, Exception))
         raise
     say = (lambda s: print(s, flush=True)) if (ctx.rank == 0 and cfg.progress) else (lambda s: None)
+    if log is not None:          # a process ending on its own or killed still closes the log
+        signals.first_words = lambda: log.mark("interrupted")
+        signals.last_words = lambda why: log.close_at_exit(
+            "interrupted", f"{why} (the other ranks' rows since the last log interval are lost)")
     warning = thread_warning(ctx.world)         # rank 0's, once: oversubscribed cores
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -147,8 +151,9 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
 
 def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
     """The steps from ``start``: train, checkpoint, evaluate, log; returns the last row. Ends
-    early at a boundary where every rank agrees a signal came (:mod:`hpcnn.signals`): the
-    pending rows flushed, and on the stop signal a checkpoint of the steps done."""
+    early at a safe point where every rank agrees a signal came (:mod:`hpcnn.signals`): the
+    pending rows flushed, and on the stop signal a checkpoint of the steps done. Each step,
+    checkpoint and evaluation round is timed for the signals' grace period."""
     pending_rows, pending_events, last, saved_at = [], [], {}, -1
     task.model.train()
     for step in range(start, task.steps):
@@ -157,19 +162,18 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
             flush_ranks(ctx, log, pending_rows, pending_events)
             _stopped_at(cfg, ctx, opt, step, signals, say, saved=saved_at == step)
             break
+        t0 = time.perf_counter()
         row, rank_row, events = train_step(ctx, task, opt, step, t_start)
+        signals.took(time.perf_counter() - t0)
         if ctx.traced is not None:                   # --show_schedule, after the first step
             show_schedule(ctx, log, say)
         pending_rows.append(rank_row)
         pending_events += events
         done = step + 1
-        if cfg.checkpoint and (done == task.steps or (cfg.checkpoint_every and
-                                                      done % cfg.checkpoint_every == 0)):
-            checkpoint.save(cfg.checkpoint.replace("{step}", str(done)), done, cfg,
-                            opt.params, opt, ctx)
+        if _checkpointed(cfg, ctx, opt, done, task.steps, signals, say):
             saved_at = done
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
-            row.update(_evaluate(ctx, task))
+            row.update(_evaluate(ctx, task, signals))
         last = dict(row, step=step)
         flush = done % cfg.log_interval == 0 or done == task.steps
         if flush:          # per-rank rows and events reach rank 0 once per log interval
@@ -185,6 +189,20 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
     return last
 
 
+def _checkpointed(cfg, ctx, opt, done: int, steps: int, signals, say) -> bool:
+    """The checkpoint after ``done`` steps, if one is due: True when written. An interrupt
+    seen by the writing rank gives it up (the previous one kept), and a line says so."""
+    if not cfg.checkpoint or not (done == steps or (cfg.checkpoint_every and
+                                                    done % cfg.checkpoint_every == 0)):
+        return False
+    path, t0 = cfg.checkpoint.replace("{step}", str(done)), time.perf_counter()
+    saved = checkpoint.save(path, done, cfg, opt.params, opt, ctx, abandon=signals.interrupted)
+    signals.took(time.perf_counter() - t0)
+    if not saved:
+        say(f"checkpoint {path} of step {done} given up on an interrupt (any earlier file kept)")
+    return saved
+
+
 def _stopped_at(cfg, ctx, opt, done: int, signals, say, saved: bool) -> None:
     """A run stopped by a signal after ``done`` steps: on the stop signal, the checkpoint to
     resume from (unless this step's was just written); a line saying so."""
@@ -195,12 +213,21 @@ def _stopped_at(cfg, ctx, opt, done: int, signals, say, saved: bool) -> None:
         + (f", checkpoint {path}" if signals.status == "stopped" and cfg.checkpoint else ""))
 
 
-def _evaluate(ctx, task) -> dict:
+def _evaluate(ctx, task, signals) -> dict:
     """Held-out metrics, each data-parallel rank scoring its share; the model back in training
-    mode after."""
-    sums = ctx.dp.allreduce_scalars(task.eval_sums(ctx))
+    mode after. Given up ({}) at a round of batches where every rank agrees a signal came
+    (each round timed for the signals' grace period)."""
+    last = [time.perf_counter()]
+
+    def stop() -> bool:
+        now = time.perf_counter()
+        signals.took(now - last[0])
+        last[0] = now
+        return signals.poll() != 0
+    sums = task.eval_sums(ctx, stop=stop)
     task.model.train()
-    return metrics_from_sums(sums, task.is_text)
+    return {} if sums is None else metrics_from_sums(ctx.dp.allreduce_scalars(sums),
+                                                     task.is_text)
 
 
 def _summary(cfg, ctx, task, opt, last: dict, wall_s: float) -> dict:

@@ -216,6 +216,39 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypat
         np.testing.assert_array_equal(v, opt.state[k])
 
 
+def test_an_interrupt_gives_up_a_save_at_any_point(tmp_path, monkeypatch):
+    """``save``'s ``abandon`` saying True at its k-th question (between arrays, then between
+    4 KB chunks written): the save returns False, no temporary file is left and the previous
+    checkpoint is byte for byte the same; never asked True, the save returns True."""
+    from hpcnn.nn.optim import make_optimizer
+    from hpcnn.task import build_task
+    ck = str(tmp_path / "ck.h5")
+    _run(tmp_path, "a.h5", *GPT, "--steps=2", f"--checkpoint={ck}")
+    good = open(ck, "rb").read()
+    cfg = parse_overrides([f"--log={tmp_path / 'x.h5'}", *GPT]).resolved()
+    task = build_task(cfg)
+    opt = make_optimizer(cfg.optimizer, task.model.params)
+    monkeypatch.setattr(checkpoint, "WRITE_CHUNK", 4096)
+    asked = {"n": 0}
+
+    def count():
+        asked["n"] += 1
+        return False
+    assert checkpoint.save(str(tmp_path / "whole.h5"), 2, cfg, task.model.params, opt,
+                           abandon=count) is True
+    chunks = os.path.getsize(tmp_path / "whole.h5") // 4096
+    assert asked["n"] > chunks > 10                  # asked between arrays and chunks
+    for k in range(1, asked["n"] + 1, max(1, asked["n"] // 12)):
+        asked["n"] = 0
+
+        def at_k(k=k):
+            asked["n"] += 1
+            return asked["n"] >= k
+        assert checkpoint.save(ck, 4, cfg, task.model.params, opt, abandon=at_k) is False, k
+        assert open(ck, "rb").read() == good, k
+        assert not [n for n in os.listdir(tmp_path) if ".tmp" in n], k
+
+
 def _cli_mpi(n, *args):
     """``mpiexec -n n python -m mpi4py -m hpcnn train ARGS``: the completed process."""
     import subprocess

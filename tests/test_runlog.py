@@ -239,3 +239,30 @@ def test_result_tables_round_trip(tmp_path):
     assert cols["c"].tolist() == ["x", "yy"] and attrs["n"] == 3
     save_table(path, "u", [{"a": 1}], attrs=attrs)          # attrs read back (NumPy scalars)
     assert load_table(path, "u")[1]["n"] == 3
+
+
+def test_mark_and_close_at_exit_from_another_thread(tmp_path):
+    """What a run's signal handling does when the process must end on its own: ``mark``
+    (from a thread) flushes the buffered rows and sets the status, the log still open;
+    ``close_at_exit`` records why, closes it and releases the lock, then keeps the file's
+    update lock: a later write of the main thread would wait, never interleave."""
+    import threading
+    from hpcnn.log import lock
+    p = str(tmp_path / "run.h5")
+    log = RunLog(p, {"a": 1}, command_line="x", flush_every=100)
+    for s in range(3):
+        log.log_metrics(s, loss=1.0 / (s + 1))
+    t = threading.Thread(target=log.mark, args=("interrupted",))
+    t.start(), t.join()
+    run = read_run(p)
+    assert run.attrs["status"] == "interrupted" and list(run.metrics["step"]) == [0, 1, 2]
+    assert lock.holder(p) is not None                  # still open: the run goes on
+    log.log_metrics(3, loss=0.25)
+    done = []
+    t = threading.Thread(target=lambda: done.append(log.close_at_exit("interrupted", "why")))
+    t.start(), t.join()
+    run = read_run(p)
+    assert done == [True] and run.attrs["status"] == "interrupted"
+    assert list(run.metrics["step"]) == [0, 1, 2, 3] and run.plan["ended"] == "why"
+    assert lock.holder(p) is None
+    assert not log._io.acquire(timeout=0.05)           # held by the (ended) closing thread

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -185,6 +186,7 @@ class RunLog:
         self._kinds_on_disk = 0
         self._last_step: int | None = None
         self._rows_in_file = 0
+        self._io = threading.RLock()        # one update of the file at a time (close_at_exit)
         note = lock.acquire(self.path)
         if note:
             print(f"hpcnn: {note}", file=sys.stderr, flush=True)
@@ -253,7 +255,8 @@ class RunLog:
         if bad:
             raise ValueError(f"metric names {bad} not allowed ('step' is the row key; no '/')")
         self._last_step = step
-        self._metric_rows.append((step, {k: float(v) for k, v in values.items()}))
+        with self._io:
+            self._metric_rows.append((step, {k: float(v) for k, v in values.items()}))
         if len(self._metric_rows) >= self.flush_every:
             self.flush()
 
@@ -299,12 +302,22 @@ class RunLog:
         if not (self._metric_rows or self._rank_rows or self._events):
             return
         t0 = time.perf_counter()
-        if self._write(self._append_rows):
-            self._rows_in_file += len(self._metric_rows)
-            self._kinds_on_disk = len(self._kinds)
-            self.n_flushes += 1
-        self._metric_rows, self._rank_rows, self._events = [], [], []
+        with self._io:            # rows buffered by another thread meanwhile wait for the next
+            if self._write(self._append_rows):
+                self._rows_in_file += len(self._metric_rows)
+                self._kinds_on_disk = len(self._kinds)
+                self.n_flushes += 1
+            self._metric_rows, self._rank_rows, self._events = [], [], []
         self.last_flush_s = time.perf_counter() - t0
+
+    def mark(self, status: str) -> None:
+        """Flush the buffered rows and write ``status`` now, the log staying open (from any
+        thread): what a run about to stop already knows, kept even if it is killed before
+        :meth:`close` (an interrupt, then a scheduler's or launcher's SIGKILL)."""
+        with self._io:
+            if not self.closed:
+                self.flush()
+                self._write(lambda f: f.attrs.update({"status": status}))
 
     def _append_rows(self, f: h5py.File) -> None:
         if self._metric_rows:
@@ -325,7 +338,7 @@ class RunLog:
         if self.error is not None:
             return False
         try:
-            with _update(self.path, self.durable) as f:
+            with self._io, _update(self.path, self.durable) as f:
                 fill(f)
             return True
         except OSError as e:
@@ -367,6 +380,19 @@ class RunLog:
                 os.unlink(journal.journal_path(self.path))
         lock.release(self.path)
         self.closed = True
+
+    def close_at_exit(self, status: str, why: str, wait_s: float = 2.0) -> bool:
+        """Close the log from another thread just before the process ends on its own
+        (:mod:`hpcnn.signals`): wait up to ``wait_s`` for a write in progress, then, holding the
+        file's update lock until the process is gone (a later write of the main thread waits
+        for ever), record ``why`` under ``/plan`` ``ended``, flush every buffered row and write
+        ``status``. False if the write in progress did not end in time (the log is left as
+        last committed)."""
+        if self.closed or not self._io.acquire(timeout=wait_s):
+            return False
+        self.set_plan({"ended": why})
+        self.close(status)
+        return True
 
     def __enter__(self) -> "RunLog":
         return self
