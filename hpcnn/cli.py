@@ -116,10 +116,13 @@ def _train(args) -> int:
         print("usage: hpcnn train [--key=value ...]\n\noptions (default, meaning):\n"
               + describe(TrainConfig) + "\n\n" + flags_note("progress"))
         return 0
+    from hpcnn.memory_check import MemoryRefusal
     mpi = _under_mpi()
     try:                  # every check that needs no MPI, before MPI starts: a refused run
         cfg = parse_overrides(args).resolved()        # prints one line and starts nothing
         data = preflight.check(cfg, preflight.world_size_from_env() if mpi else 1)
+    except MemoryRefusal as e:
+        return _refused_for_memory(str(e), mpi)
     except ConfigError as e:
         if preflight.rank_from_env() == 0:
             print(f"hpcnn train: {e}", file=sys.stderr)
@@ -155,6 +158,23 @@ def _train(args) -> int:
         from mpi4py import MPI                      # MPI_Abort mpi4py makes of a non-zero exit
         MPI.Finalize()
     return result["exit_code"]
+
+
+def _refused_for_memory(message: str, mpi: bool) -> int:
+    """A rank that does not fit in its node's memory (:mod:`hpcnn.memory_check`): each node
+    decides for itself, so every rank that refuses prints its line (with its rank under MPI).
+    Under MPI with several ranks it then leaves by :func:`leave_refused`, which starts MPI: the
+    job ends with exit code 2 once every rank has refused, and a rank whose node had the memory,
+    waiting in MPI's start or first collective for this one, is aborted rather than left
+    waiting."""
+    from hpcnn import preflight
+    size = (preflight.world_size_from_env() or 1) if mpi else 1
+    where = f"rank {preflight.rank_from_env()} of {size}: " if size > 1 else ""
+    print(f"hpcnn train: {where}{message}", file=sys.stderr, flush=True)
+    if not mpi:
+        return 2
+    from mpi4py import MPI
+    return leave_refused(MPI.COMM_WORLD, 2)
 
 
 def merge_messages(messages: list[str]) -> list[str]:

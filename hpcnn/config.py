@@ -112,7 +112,7 @@ class TrainConfig:
     resume: str = ""                    # checkpoint to start from (any dp/tp/pp layout)
     stop_signal: str = "USR1"           # on this signal: stop at a step all ranks agree on, checkpoint, log "stopped", exit 0 (none = ignore it)
     progress: bool = True               # print a progress line on rank 0
-    hang_timeout: float = 300.0         # seconds one rank may wait inside one communication call before the job is reported as hung and aborted (0 = no watchdog)
+    hang_timeout: float = 300.0         # seconds one rank may wait inside one communication call before the job is reported as hung and aborted (0 = no watchdog; else >= 1)
     show_schedule: bool = False         # print (and log) each rank's first step as the schedule it ran
     plan: str = ""                      # MLP: per-Linear layouts over the --tp ranks: a JSON plan file, or auto (the planner's search); GPT: auto (dp x tp x pp, schedule, micro-batches of least predicted step)
     machine: str = ""                   # --plan=auto for the GPT: machine file (machines/*.toml); "" = this machine's (as hpcnn.plan.machine.this_machine)
@@ -209,6 +209,9 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
     "checkpoint_every": AT_LEAST_0, "hang_timeout": AT_LEAST_0,
     "spectral_features": AT_LEAST_0, "reduction": Range(0, 1, open_lo=True),
 }
+# --hang_timeout: the least seconds in one call that report a hang and abort the job (a
+# collective waits that long for a peer's compute in healthy runs; 0 turns the watchdog off)
+MIN_HANG_TIMEOUT = 1.0
 # options with any value of their type: switches and paths; layout, speeds and slowdown are
 # parsed by _syntax_errors
 FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "log_durable", "progress",
@@ -288,6 +291,10 @@ def combination_errors(c: TrainConfig) -> list[str]:
     # -- runs and files --
     need(not (c.checkpoint_every and not c.checkpoint),
          f"checkpoint_every={c.checkpoint_every} needs --checkpoint")
+    need(c.hang_timeout == 0 or c.hang_timeout >= MIN_HANG_TIMEOUT,
+         f"hang_timeout={c.hang_timeout:g}: pass 0 (no watchdog) or at least "
+         f"{MIN_HANG_TIMEOUT:g} s: healthy steps wait that long in communication calls, and "
+         f"the run would be aborted as hung")
     need(c.device != "gpu" or importlib.util.find_spec("cupy") is not None,
          "device='gpu' needs CuPy, which is not installed here (pip install 'hpcnn[gpu]')")
     return errs

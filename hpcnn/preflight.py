@@ -7,9 +7,11 @@ than the training set), the model's length (a ``--layout`` that does not sum to 
 stages than blocks), the ``--log`` path (another live run writing it: its lock) and the paths of
 the files a run writes (:func:`_path_errors`: the log, the checkpoint and the resumed file not
 one another; the checkpoint's folder writable; no other model's checkpoint and no other file
-replaced). It communicates
+replaced), and last the memory a rank needs against its node's (:mod:`hpcnn.memory_check`,
+before anything of the model is allocated). It communicates
 with no one: every rank loads the same data and builds the same shapes, so every rank takes the
-same decision, before the first collective.
+same decision, before the first collective; but for the memory, which each node reads for itself
+(:class:`~hpcnn.memory_check.MemoryRefusal`, printed by every rank that raises it).
 ``hpcnn train`` runs it before MPI is even initialised, with the world size the launcher announces
 (:func:`world_size_from_env`), so that a refused run prints one line and starts no MPI at all.
 """
@@ -45,13 +47,14 @@ def rank_from_env() -> int:
 
 
 def check(cfg: TrainConfig, world_size: int | None = None, data=None):
-    """Raise ConfigError naming every option the ranks, the data or the model cannot serve; else
-    return the data (loaded unless given), for the run to use.
+    """Raise ConfigError naming every option the ranks, the data or the model cannot serve, then
+    :class:`~hpcnn.memory_check.MemoryRefusal` if a rank would not fit in its node's memory;
+    else return the data (loaded unless given), for the run to use.
 
     ``cfg`` is a resolved configuration (:meth:`TrainConfig.resolved`, which has validated it);
     ``world_size`` the number of ranks (None: not checked).
     """
-    from hpcnn import datasets
+    from hpcnn import datasets, memory_check
     from hpcnn.parallel.collectives.grid import GridError, check_layout
     if world_size is not None:     # --model=gpt --plan=auto: check the layout it chooses
         cfg, _, data = planned(cfg, world_size, data)
@@ -70,6 +73,7 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     errs += _log_errors(cfg) + _path_errors(cfg)
     if errs:
         raise ConfigError("invalid configuration: " + "; ".join(errs))
+    memory_check.check(cfg, data, world_size)       # this node's memory: MemoryRefusal
     return data
 
 

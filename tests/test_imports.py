@@ -140,6 +140,7 @@ LAYERS = (
     ("hpcnn.datasets",),
     ("hpcnn.engine",),
     ("hpcnn.plan",),
+    ("hpcnn.memory_check",),
     ("hpcnn.task",),
     ("hpcnn.checkpoint",),
     ("hpcnn.preflight",),

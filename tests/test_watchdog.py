@@ -110,6 +110,40 @@ def test_watchdog_reports_a_stuck_call_and_aborts(tmp_path):
     assert list(recs) == [0] and recs[0]["kind"] == "allgather" and recs[0]["in_call"]
 
 
+def test_a_call_that_returns_before_the_report_is_no_hang(tmp_path):
+    """A call outlasts the timeout, then returns while the records are gathered: no report
+    (before, one said "ranks [] waited"), the side channel withdrawn, the watch going on; a
+    call that stays stuck afterwards is reported with its rank."""
+    w, aborted, reasons = _watch(tmp_path, 0.05)
+    out = w.out = open(tmp_path / "out.txt", "w")
+    side = tmp_path / "side"
+    prev = watchdog.enter("allreduce", "dp", -1, 8)
+    w.start()
+    t0 = time.monotonic()
+    while not side.exists() and time.monotonic() - t0 < 10:       # the record is written
+        time.sleep(0.005)
+    watchdog.leave(prev)                                           # ... and the call returns
+    time.sleep(0.6)                                                # (grace 0.2 s)
+    assert aborted == [] and reasons == [] and not side.exists() and w.thread.is_alive()
+    watchdog.enter("bcast", "pp", -1, 16)                          # now stuck for good
+    w.thread.join(timeout=10)
+    out.close()
+    assert aborted == [3] and "bcast on pp" in reasons[0]
+    assert reasons[0].startswith("hang: ranks [0] wait in a communication call, ranks [0] for "
+                                 "more than --hang_timeout=0.05 s")
+    assert (tmp_path / "out.txt").read_text().count("hpcnn: hang:") == 1
+
+
+def test_a_hang_timeout_below_a_second_is_refused():
+    from hpcnn.config import ConfigError, parse_overrides
+    for ok in ("0", "1", "300"):
+        parse_overrides([f"--hang_timeout={ok}"]).resolved()
+    with pytest.raises(ConfigError, match=r"hang_timeout=0.001: pass 0 \(no watchdog\) or at "
+                                          r"least 1 s") as e:
+        parse_overrides(["--hang_timeout=0.001"]).resolved()
+    assert "\n" not in str(e.value)
+
+
 # -- whole runs under MPI -----------------------------------------------------------------------
 GPT = ["--model=gpt", "--n_layers=1", "--dim=16", "--n_heads=2", "--block_size=8",
        "--batch_size=4", "--max_plays=1"]

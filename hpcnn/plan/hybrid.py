@@ -397,6 +397,30 @@ def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float,
             + largest) * model.word + _held_bytes(model, layout, stage, blocks)
 
 
+def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
+                words: int | None = None, held: bool = True) -> float:
+    """Bytes some rank of ``layout`` holds at least, however its stages are cut: the mean over
+    its pp stages of :func:`_stage_memory` on the uniform cut (n_layers / pp transformer blocks
+    each, the embedding's tables on the first stage, the LM head on the last only), which for
+    pp = 1 is :func:`price`'s ``memory_bytes``. The stages' parameters, gradients and optimizer
+    state sum to the model's whatever the cut, so the fullest stage holds at least their mean;
+    so do the held activations where every stage holds as many micro-batches (one micro-batch:
+    the least a stage holds). ``words``: words held per parameter (default
+    :data:`STATE_WORDS` of ``optimizer``; SGD without momentum holds 2); ``held=False``: without
+    the held activations (a rematerialization this module does not price)."""
+    pp, blocks = layout.pp, model.n_layers / layout.pp
+    total = 0.0
+    for s in range(pp):
+        head = s == pp - 1
+        total += _stage_memory(model, layout, s, blocks, head, optimizer)
+        if words is not None:
+            total -= ((STATE_WORDS[optimizer] - words) * model.word
+                      * _stage_params(model, layout, s, blocks, head))
+        if not held:
+            total -= _held_bytes(model, layout, s, blocks)
+    return total / pp
+
+
 def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=None):
     """(span, pp messages, busiest stage's (t_f, t_b, t_w, tp_s), dp allreduce + update of the
     fullest stage as (dp_s, opt_s), memory per rank) of a layout with explicit ``stages``.

@@ -17,9 +17,13 @@ polls the current call and times it from when it first saw its sequence number; 
 rank's has, it writes this rank's record as a small JSON file in a **side channel**: a directory
 rank 0 named and broadcast at start (:func:`side_channel`, next to the run log), so that no MPI is
 needed on the stuck communicators. Rank 0 (or, if it does not answer within a grace period, the
-first rank to claim the report) gathers the files, prints one table (which rank waits in which
-call since when), runs the ``on_hang`` callback (rank 0: the run log marked "failed", given at
-most two seconds) and calls ``MPI_Abort`` on ``MPI.COMM_WORLD``.
+first rank to claim the report) gathers the files. If some rank is still in its call after more
+than the timeout, it prints one table (which rank waits in which call since when), runs the
+``on_hang`` callback (rank 0: the run log marked "failed" with the ranks in a call, and which of
+them for more than the timeout: never none; given at most two seconds) and calls ``MPI_Abort``
+on ``MPI.COMM_WORLD``. Otherwise the call that lasted too long has returned meanwhile: no hang,
+nothing is printed, and the reporter removes the side channel, so that every rank watches
+afresh.
 
 A test-only fault hook, ``HPCNN_FAULT=skip_collective:rank=R:step=S`` (optionally ``:kind=K``),
 read once by :func:`arm_fault`, makes rank R skip its first recorded call (of kind K) from step S
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -283,10 +288,15 @@ class Watchdog:
         return os.path.join(self.directory, name)
 
     def _write_mine(self) -> None:
+        """Write this rank's record (not if the reporter withdrew the side channel meanwhile:
+        then the next poll tries again, if there is still cause)."""
         call = _calls[1]
         since = self._since(call)
-        os.makedirs(self.directory, exist_ok=True)
-        _write_json(self._path(f"rank{self.rank}.json"), _record(self.rank, call, since))
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            _write_json(self._path(f"rank{self.rank}.json"), _record(self.rank, call, since))
+        except OSError:
+            return
         self._written, self._written_seq = True, call[0] if call is not None else None
 
     def _since(self, call):
@@ -303,7 +313,7 @@ class Watchdog:
         try:
             os.close(os.open(self._path("report"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             return True
-        except FileExistsError:
+        except OSError:             # another rank's claim, or the side channel withdrawn
             return False
 
     def _run(self) -> None:
@@ -313,29 +323,41 @@ class Watchdog:
             self._since(call)
             stuck = call is not None and _now() - self._seen[1] > self.timeout
             seen = os.path.isdir(self.directory)
+            if self._written and not seen:      # the reporter withdrew it: no hang after all
+                self._written, hung_at = False, None
             if (stuck or seen) and not self._written:
                 self._write_mine()
-                hung_at = _now()
+                hung_at = _now() if self._written else None
             elif self._written and (call[0] if call is not None else None) != self._written_seq:
                 self._write_mine()  # moved on since: keep the record current
             if hung_at is None:
                 continue
             # rank 0 reports at once; another rank only if nobody did within the grace period
             if (self.rank == 0 or _now() - hung_at > 2 * self.grace) and self._claim():
-                self._report()
-                return
+                if self._report():
+                    return
+                self._written, hung_at = False, None
 
-    def _report(self) -> None:
+    def _report(self) -> bool:
+        """Gather the records (the grace period at most), then, if some rank has waited in its
+        current call for more than the timeout, print the table, run ``on_hang`` with the ranks
+        in a call (and those of them stuck that long) and abort (True); else nobody is stuck any
+        more (the call that lasted too long returned): withdraw the side channel, so that every
+        rank watches afresh, and report nothing (False)."""
         deadline = _now() + self.grace
         while _now() < deadline and len(read_records(self.directory)) < self.size:
             time.sleep(min(0.05, self.poll))
         self._write_mine()
-        records = read_records(self.directory)
-        text = table(records, self.size, self.timeout) + f"\n(records in {self.directory})"
-        print(text, file=self.out or sys.stderr, flush=True)
+        records, now = read_records(self.directory), time.time()
         waiting = sorted(r for r, rec in records.items() if rec["in_call"])
-        reason = (f"hang: ranks {waiting} waited more than --hang_timeout={self.timeout:g} s in a "
-                  f"communication call; " + "; ".join(
+        stuck = [r for r in waiting if now - (records[r].get("since") or now) > self.timeout]
+        if not stuck:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            return False
+        text = table(records, self.size, self.timeout, now) + f"\n(records in {self.directory})"
+        print(text, file=self.out or sys.stderr, flush=True)
+        reason = (f"hang: ranks {waiting} wait in a communication call, ranks {stuck} for more "
+                  f"than --hang_timeout={self.timeout:g} s; " + "; ".join(
                       f"rank {r} in {records[r].get('kind')} on {records[r].get('comm')}"
                       for r in waiting))
         if self.on_hang is not None:    # e.g. the run log marked failed; never blocks the abort
@@ -347,6 +369,7 @@ class Watchdog:
         else:                           # pragma: no cover - ends the process
             from mpi4py import MPI
             MPI.COMM_WORLD.Abort(3)
+        return True
 
     def _safe_on_hang(self, reason: str) -> None:
         try:
