@@ -34,10 +34,9 @@ points measured so far, at least :data:`GRACE_SECONDS`; before the first is meas
 (the run's: rank 0 closes the log as ``"interrupted"`` with every row it holds and the reason)
 runs before the exit with 128 + the signal, from a thread of its own, so that a write of the log
 in progress on the main thread completes first. Already at the first interrupt ``first_words``
-(rank 0: the log's buffered rows flushed and its status set to ``"interrupted"``,
-:meth:`hpcnn.log.runlog.RunLog.mark`) runs in a thread: a launcher or scheduler that follows
-its signal with a SIGKILL (hydra on a second Ctrl-C, Slurm after ``KillWait``) cannot leave the
-log saying ``"running"``.
+(rank 0: :meth:`hpcnn.log.runlog.RunLog.mark` flushes the log and sets ``"interrupted"``) runs
+in a thread: a SIGKILL after the signal (hydra on a second Ctrl-C, Slurm after ``KillWait``)
+cannot leave the log saying ``"running"``.
 """
 from __future__ import annotations
 

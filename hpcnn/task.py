@@ -35,6 +35,7 @@ class Task:
     steps: int
     layout: dict | None = None        # --plan: the cut of each Linear, who chose it, its price
     hybrid: dict | None = None        # GPT --plan=auto: the chosen layout, who chose it, its price
+    divergence: object = None         # the run's watch on its loss (hpcnn.engine.record.Divergence)
 
     @property
     def is_text(self) -> bool:

@@ -21,7 +21,8 @@ import time
 from hpcnn import backend, checkpoint
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.engine.context import ParallelContext
-from hpcnn.engine.record import claim_log, flush_ranks, record_memory, run_header, thread_warning
+from hpcnn.engine.record import (Divergence, claim_log, flush_ranks, record_memory, run_header,
+                                 thread_warning, watch_divergence)
 from hpcnn.engine.step import train_step
 from hpcnn.schedule.expand import show as show_schedule
 from hpcnn.nn.optim import make_optimizer
@@ -61,6 +62,7 @@ def setup(cfg: TrainConfig, world, data):
         except ValueError as e:     # dimensions the layout does not divide, and the like
             raise ConfigError(str(e)) from e
         task.hybrid = planned
+        task.divergence = Divergence(cfg.divergence)
         ctx.attach(task)
         opt = make_optimizer(cfg.optimizer, ctx.local.params, momentum=cfg.momentum,
                              weight_decay=cfg.weight_decay)
@@ -175,6 +177,7 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
             row.update(_evaluate(ctx, task, signals))
         last = dict(row, step=step)
+        watch_divergence(task.divergence, step, row["loss"], log, ctx.rank == 0)
         flush = done % cfg.log_interval == 0 or done == task.steps
         if flush:          # per-rank rows and events reach rank 0 once per log interval
             flush_ranks(ctx, log, pending_rows, pending_events)
@@ -234,7 +237,7 @@ def _summary(cfg, ctx, task, opt, last: dict, wall_s: float) -> dict:
     """What :func:`train` returns: the last step's metrics, the run's size and wall time, the
     model and this rank's parameter names, the final shares and the remat records."""
     out = dict(last)
-    out.update(steps=task.steps, log=cfg.log, wall_s=wall_s,
+    out.update(steps=task.steps, log=cfg.log, wall_s=wall_s, divergence=task.divergence.note,
                params=task.model.num_params(), model=task.model,
                local_params=[q.name for q in opt.params],   # this rank's (pipeline stages')
                shares=ctx.balancer.shares.tolist())

@@ -130,3 +130,22 @@ def test_run_header_names_the_layout_the_whole_model_and_a_resume():
     assert "resumed from runs/a.h5 at step 30" in line, line
     serial = run_header(parse_overrides(["--log=x.h5"]).resolved(), model, task, world_size=1)
     assert "dp=1 x tp=1 x pp=1 on 1 rank(s)" in serial and "resumed" not in serial, serial
+
+
+def test_a_diverging_loss_is_named_in_the_log_the_report_and_the_result_line(tmp_path):
+    """AdamW at lr=10 on the MLP: the loss jumps past 100 x its first value at step 2 (finite:
+    the run goes on); the log's /plan, ``report``'s summary and headline, the result line and
+    one warning on stderr name it; --divergence=0 names nothing, the same run otherwise."""
+    from hpcnn.log.report import headline, summary
+    log = tmp_path / "div.h5"
+    p = _cli("train", "--model=mlp", "--lr=10", "--steps=6", f"--log={log}", "--progress=false")
+    assert p.returncode == 0, p.stderr
+    note = read_run(str(log)).plan["divergence"]
+    assert note.startswith("diverged at step 2: loss ") and "> 100 x the first step's" in note
+    assert p.stdout.strip().endswith(", " + note), p.stdout
+    assert p.stderr.count("warning: diverged at step 2") == 1, p.stderr
+    assert f"warning  {note}" in summary(str(log))
+    assert headline(str(log)).startswith(f"div.h5: {note}")
+    quiet = _run(tmp_path, "quiet.h5", "--model=mlp", "--lr=10", "--steps=6", "--divergence=0")
+    assert quiet["divergence"] == "" and "divergence" not in read_run(quiet["log"]).plan
+    assert f"{quiet['loss']:.4f}" in p.stdout            # the watch changes nothing else

@@ -1,7 +1,8 @@
 """What a training run records about itself: the header line it prints, and rank 0's run log
 (its attributes, config and plan, every rank's per-step rows and timeline events, the measured
-memory of every rank and the remat plans), for :mod:`hpcnn.train`. Rank 0 alone writes the log
-(:class:`hpcnn.log.RunLog`); the other ranks send it what it writes."""
+memory of every rank and the remat plans), and a loss that diverges (:class:`Divergence`), for
+:mod:`hpcnn.train`. Rank 0 alone writes the log (:class:`hpcnn.log.RunLog`); the other ranks send
+it what it writes."""
 from __future__ import annotations
 
 import math
@@ -159,3 +160,33 @@ def claim_log(cfg, ctx, task, start, command_line):
         ctx.free()
         raise ConfigError(err)
     return log
+
+
+class Divergence:
+    """Watch the loss for divergence: a finite loss above ``factor`` times the run's first
+    (0: off; a first loss of 0 or less gives no ratio to watch). The same on every rank: the
+    loss is the reduced one."""
+
+    def __init__(self, factor: float):
+        self.factor, self.first, self.note = float(factor), None, ""
+
+    def see(self, step: int, loss: float) -> str:
+        """The note when ``loss`` after step ``step`` first passes the bound, else ""."""
+        if self.first is None:
+            self.first = loss
+            return ""
+        if self.note or not self.factor or self.first <= 0 or loss <= self.factor * self.first:
+            return ""
+        self.note = (f"diverged at step {step + 1}: loss {loss:.4g} > {self.factor:g} x the "
+                     f"first step's {self.first:.4g}")
+        return self.note
+
+
+def watch_divergence(divergence: Divergence, step: int, loss: float, log, rank0: bool) -> None:
+    """Name a divergence once: under ``/plan`` ``divergence`` in the log, and a warning."""
+    note = divergence.see(step, loss)
+    if note and log is not None:
+        log.set_plan({"divergence": note})
+    if note and rank0:
+        print(f"hpcnn: warning: {note}; the run goes on (--divergence=0: no watch)",
+              file=sys.stderr, flush=True)

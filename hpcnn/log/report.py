@@ -105,6 +105,8 @@ def summary(h5_path) -> str:
              f"status   {run.status}, world size {run.attrs.get('world_size', '?')}, "
              f"backend {run.attrs.get('backend', '?')}"]
     lines.append(f"steps    {len(step)}" + (f" (last step {int(step[-1])})" if len(step) else ""))
+    if run.plan.get("divergence"):
+        lines.append(f"warning  {run.plan['divergence']}")
     if "loss" in run.metrics and np.isfinite(run.metrics["loss"]).any():
         s, y = _finite(run, "loss")
         lines.append(f"loss     final {y[-1]:.6g} at step {int(s[-1])}, min {y.min():.6g}")
@@ -187,6 +189,8 @@ def headline(h5_path) -> str:
     plan, parts = run.plan, [_learning(run)]
     if run.status != "finished":
         parts.insert(0, stopped_early(run))
+    if plan.get("divergence"):
+        parts.insert(0, plan["divergence"])
     layout = f"dp={plan.get('dp', 1)} x tp={plan.get('tp', 1)} x pp={plan.get('pp', 1)}"
     if int(plan.get("pp", 1)) > 1:
         layout += f" ({plan.get('schedule')}, {plan.get('microbatches')} micro-batches)"
