@@ -172,7 +172,7 @@ def _refused_for_memory(message: str, mpi: bool) -> int:
     size = (preflight.world_size_from_env() or 1) if mpi else 1
     where = f"rank {preflight.rank_from_env()} of {size}: " if size > 1 else ""
     print(f"hpcnn train: {where}{message}", file=sys.stderr, flush=True)
-    if not mpi:
+    if size <= 1:                # one process: MPI (if loaded) stays usable for its caller
         return 2
     from mpi4py import MPI
     return leave_refused(MPI.COMM_WORLD, 2)
