@@ -103,13 +103,23 @@ def planned(cfg: TrainConfig, world_size: int, data=None):
 
 
 def _log_errors(cfg: TrainConfig) -> list[str]:
-    """--log: no live run holds its lock (:mod:`hpcnn.log.lock`; rank 0 takes it after these
-    checks, when it creates the file) and, with --overwrite=false, no file is there yet."""
+    """--log: not a folder; a file can be created there (:func:`hpcnn.log.paths.
+    creation_problem`; before the lock, which an unreadable folder would make look held); no
+    live run holds its lock (:mod:`hpcnn.log.lock`; rank 0 takes it
+    after these checks, when it creates the file) and, with --overwrite=false, no file is
+    there yet."""
     from hpcnn.log.lock import refusal
+    from hpcnn.log.paths import creation_problem
+    if os.path.isdir(cfg.log):
+        return [f"log={cfg.log!r} is a directory: pass a file name, e.g. "
+                f"--log={os.path.join(cfg.log, 'run.h5')}"]
     if os.path.exists(cfg.log) and not cfg.overwrite:
         return [f"log={cfg.log!r} already exists (pass --overwrite=true to replace it)"]
-    why = refusal(cfg.log)
-    return [why] if why else []
+    why = creation_problem(cfg.log)
+    if why:
+        return [f"log={cfg.log!r} cannot be written: {why}"]
+    locked = refusal(cfg.log)
+    return [locked] if locked else []
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -100,6 +100,22 @@ def test_a_read_only_mount_is_refused(tmp_path, capsys):
         assert "cannot be written: " in line and line.endswith(str(disk)), line
 
 
+def test_an_unwritable_log_is_refused_before_step_0(tmp_path, capsys):
+    """Before: a traceback (IsADirectoryError at the log's creation, or the read-only file
+    system's OSError). A directory, a folder that is a file, a read-only mount (a tmpfs
+    mounted read-only where mounting is allowed)."""
+    line = _refused(capsys, f"--log={tmp_path}")
+    assert f"log='{tmp_path}' is a directory: pass a file name" in line
+    (tmp_path / "plain").write_text("a file")
+    line = _refused(capsys, f"--log={tmp_path / 'plain' / 'run.h5'}")
+    assert f"cannot be written: {tmp_path / 'plain'} is not a directory" in line
+    from test_checkpoint import tmpfs
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as disk:
+        line = _refused(capsys, f"--log={disk / 'run.h5'}")
+        assert line.startswith(f"hpcnn train: invalid configuration: log='{disk / 'run.h5'}' "
+                               "cannot be written: "), line
+
+
 def test_no_other_file_is_replaced(tmp_path, ck, capsys):
     """Before: a run of another model silently replaced the first run's checkpoint."""
     line = _refused(capsys, "--hidden=16", f"--log={tmp_path / 'b.h5'}", f"--checkpoint={ck}")
