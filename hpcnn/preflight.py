@@ -147,12 +147,13 @@ def _path_errors(cfg: TrainConfig) -> list[str]:
 def _destination_errors(cfg: TrainConfig) -> list[str]:
     """--checkpoint, before step 0 rather than at the first save: not a folder; its folder (or
     the nearest existing one above, where the save creates the rest) a writable folder
-    (:func:`hpcnn.log.paths.creation_problem`); a file
+    (:func:`hpcnn.log.paths.creation_problem`); no live run holds its lock; a file
     there, unless it is the resumed one, a checkpoint of the same model (another model's, or a
     file that is no checkpoint, is not replaced)."""
     import glob
     from hpcnn import checkpoint
     from hpcnn.log.paths import creation_problem
+    from hpcnn.log.lock import refusal
     path = cfg.checkpoint
     first = path.replace("{step}", "1")
     if os.path.isdir(first):
@@ -161,6 +162,9 @@ def _destination_errors(cfg: TrainConfig) -> list[str]:
     why = creation_problem(first)
     if why:
         return [f"checkpoint={path!r} cannot be written: {why}"]
+    locked = refusal(path, "checkpoint", "--checkpoint")
+    if locked:
+        return [locked]
     there = [n for n in glob.glob(glob.escape(path).replace("{step}", "[0-9]*"))
              if _same_file(path, n)]                      # {step}: the file of any step
     for old in sorted(there):

@@ -21,8 +21,8 @@ import time
 from hpcnn import backend, checkpoint
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.engine.context import ParallelContext
-from hpcnn.engine.record import (Divergence, claim_log, flush_ranks, record_memory, run_header,
-                                 thread_warning, watch_divergence)
+from hpcnn.engine.record import (Divergence, claim_log, flush_ranks, record_memory,
+                                 release_claims, run_header, thread_warning, watch_divergence)
 from hpcnn.engine.step import train_step
 from hpcnn.schedule.expand import show as show_schedule
 from hpcnn.nn.optim import make_optimizer
@@ -140,6 +140,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
             log.set_plan({"shares_history": [[int(s), [int(v) for v in sh]]
                                              for s, sh, _ in ctx.balancer.history]})
             log.close(status=status)
+        release_claims(cfg, ctx)
         signals.close(collective=together)
         if together:        # collective cleanup only when every rank is known to be here too
             ctx.free()

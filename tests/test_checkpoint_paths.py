@@ -116,6 +116,26 @@ def test_an_unwritable_log_is_refused_before_step_0(tmp_path, capsys):
                                "cannot be written: "), line
 
 
+def test_one_run_at_a_time_saves_to_a_checkpoint_path(tmp_path, capsys):
+    """A live run holding ``P.lock`` (here: this process, as another run would) refuses a
+    second run's --checkpoint=P before step 0; a finished run leaves no lock; a dead holder's
+    lock is taken over with a note."""
+    import json
+    import socket
+    path = tmp_path / "ck-{step}.h5"
+    lock = tmp_path / "ck-{step}.h5.lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                "start_time": "now"}))
+    line = _refused(capsys, f"--log={tmp_path / 'a.h5'}", f"--checkpoint={path}")
+    assert f"checkpoint {path} is being written by another run (host " in line
+    assert "pass another --checkpoint, or remove" in line
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1,
+                                "start_time": "then"}))      # beyond pid_max: not running
+    assert main([*MLP, f"--log={tmp_path / 'b.h5'}", f"--checkpoint={path}"]) == 0
+    assert "took over the stale lock" in capsys.readouterr().err
+    assert not lock.exists() and (tmp_path / "ck-2.h5").exists()
+
+
 def test_no_other_file_is_replaced(tmp_path, ck, capsys):
     """Before: a run of another model silently replaced the first run's checkpoint."""
     line = _refused(capsys, "--hidden=16", f"--log={tmp_path / 'b.h5'}", f"--checkpoint={ck}")

@@ -147,19 +147,35 @@ def record_memory(ctx, task, opt, log) -> None:
 
 
 def claim_log(cfg, ctx, task, start, command_line):
-    """Rank 0 opens the run log (None on the other ranks); if another run took its lock since
-    the checks, every rank stops alike with the same ConfigError, before any step."""
+    """Rank 0 takes the checkpoint path's lock (``--checkpoint``: one run saves there at a
+    time; :func:`release_claims` gives it back) and opens the run log (None on the other
+    ranks); if another run took either lock since the checks, every rank stops alike with the
+    same ConfigError, before any step."""
+    from hpcnn.log import lock
     log, err = None, ""
     if ctx.rank == 0:
         try:
+            if cfg.checkpoint:               # (its folder made now: the save would make it)
+                os.makedirs(os.path.dirname(os.path.abspath(cfg.checkpoint)), exist_ok=True)
+                note = lock.acquire(cfg.checkpoint, "checkpoint", "--checkpoint")
+                if note:
+                    print(f"hpcnn: {note}", file=sys.stderr, flush=True)
             log = open_log(cfg, ctx, task, start, command_line)
         except FileExistsError as e:
+            release_claims(cfg, ctx)
             err = str(e)
     err = ctx.world.allgather_objects(err)[0]
     if err:
         ctx.free()
         raise ConfigError(err)
     return log
+
+
+def release_claims(cfg, ctx) -> None:
+    """Rank 0 gives back the checkpoint path's lock (if it holds it)."""
+    from hpcnn.log import lock
+    if ctx.rank == 0 and cfg.checkpoint:
+        lock.release(cfg.checkpoint)
 
 
 class Divergence:

@@ -1,4 +1,5 @@
-"""One writer per run log: the lock file ``<log>.lock`` (host, pid, start time, as JSON).
+"""One writer per file: the lock file ``<path>.lock`` (host, pid, start time, as JSON) of a run
+log, and of a checkpoint path (``role`` and ``option`` name which, in the refusals).
 
 :func:`acquire` creates it atomically (written under a temporary name, then ``os.link``, which
 fails if the name exists), so of two runs started together on one log exactly one gets it. A lock
@@ -54,22 +55,22 @@ def _stale(who: dict) -> bool:
             and not alive(who["pid"]))
 
 
-def _describe(path: str, who: dict) -> str:
+def _describe(path: str, who: dict, role: str = "run log", option: str = "--log") -> str:
     if not who:
-        return (f"run log {path} is locked by {lock_path(path)}, which cannot be read; "
-                f"remove it if no run writes this log")
-    return (f"run log {path} is being written by another run (host {who.get('host')}, "
-            f"pid {who.get('pid')}, started {who.get('start_time')}); pass another --log, or "
+        return (f"{role} {path} is locked by {lock_path(path)}, which cannot be read; "
+                f"remove it if no run writes this {role}")
+    return (f"{role} {path} is being written by another run (host {who.get('host')}, "
+            f"pid {who.get('pid')}, started {who.get('start_time')}); pass another {option}, or "
             f"remove {lock_path(path)} if that run is dead")
 
 
-def refusal(path: str) -> str | None:
+def refusal(path: str, role: str = "run log", option: str = "--log") -> str | None:
     """Why a run may not write ``path`` now (a live holder of its lock), or None."""
     who = holder(path)
-    return None if who is None or _stale(who) else _describe(path, who)
+    return None if who is None or _stale(who) else _describe(path, who, role, option)
 
 
-def acquire(path: str) -> str | None:
+def acquire(path: str, role: str = "run log", option: str = "--log") -> str | None:
     """Take the lock of ``path`` for this process; returns a note if a stale lock was taken over.
 
     Raises
@@ -94,11 +95,11 @@ def acquire(path: str) -> str | None:
                 if who is None:
                     continue                      # released meanwhile: try again
                 if not _stale(who):
-                    raise LogLockedError(_describe(path, who)) from None
+                    raise LogLockedError(_describe(path, who, role, option)) from None
                 note = (f"note: took over the stale lock {lock_path(path)} of pid {who['pid']} "
                         f"(no longer running on {who['host']})")
                 os.unlink(lock_path(path))
-        raise LogLockedError(_describe(path, holder(path) or {}))
+        raise LogLockedError(_describe(path, holder(path) or {}, role, option))
     finally:
         os.unlink(tmp)
 
