@@ -71,6 +71,8 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     if cfg.plan and cfg.plan != "auto":
         errs += _plan_errors(cfg)
     errs += _log_errors(cfg) + _path_errors(cfg)
+    if not errs and cfg.checkpoint:
+        errs += _space_errors(cfg, data)
     if errs:
         raise ConfigError("invalid configuration: " + "; ".join(errs))
     memory_check.check(cfg, data, world_size)       # this node's memory: MemoryRefusal
@@ -180,6 +182,33 @@ def _destination_errors(cfg: TrainConfig) -> list[str]:
                     + "; ".join(diff) + "): it is not replaced (remove it or pass another "
                     "--checkpoint)"]
     return []
+
+
+SLOTS = {"adamw": 2, "sgd": 1}      # optimizer arrays per parameter in a checkpoint (sgd:
+                                    # its momentum buffer, none without momentum)
+
+
+def checkpoint_bytes(cfg: TrainConfig, data) -> int:
+    """The size of one checkpoint of ``cfg`` on ``data``: every parameter and optimizer slot at
+    the run's precision (the HDF5 headers' few KiB aside)."""
+    from hpcnn.memory_check import param_count
+    slots = 0 if cfg.optimizer == "sgd" and cfg.momentum == 0 else SLOTS[cfg.optimizer]
+    return param_count(cfg, data) * (1 + slots) * (8 if cfg.dtype == "float64" else 4)
+
+
+def _space_errors(cfg: TrainConfig, data) -> list[str]:
+    """--checkpoint: its file system has the room for the first checkpoint (written beside the
+    previous one, then renamed over it)."""
+    import shutil
+    folder = os.path.dirname(os.path.abspath(cfg.checkpoint))
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    need, free = checkpoint_bytes(cfg, data), shutil.disk_usage(folder).free
+    if free >= need:
+        return []
+    return [f"checkpoint={cfg.checkpoint!r}: a checkpoint of this model takes {need / 2**20:.1f} "
+            f"MiB, {folder} has {free / 2**20:.1f} MiB free: free some, or pass a --checkpoint "
+            f"on another file system"]
 
 
 def _plan_errors(cfg: TrainConfig) -> list[str]:

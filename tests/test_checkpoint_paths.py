@@ -136,6 +136,27 @@ def test_one_run_at_a_time_saves_to_a_checkpoint_path(tmp_path, capsys):
     assert not lock.exists() and (tmp_path / "ck-2.h5").exists()
 
 
+def test_a_file_system_without_room_for_the_checkpoint_is_refused(tmp_path, capsys):
+    """A 64 KiB tmpfs cannot take the checkpoint of the MLP with 256 hidden units (its 19k
+    parameters and two AdamW slots in float32, about as large as the file a run writes):
+    refused before step 0, naming both sizes; the estimate is checked against a real file."""
+    from hpcnn import datasets
+    from hpcnn.config import parse_overrides
+    from hpcnn.preflight import checkpoint_bytes
+    from test_checkpoint import tmpfs
+    wide = [a if a != "--hidden=8" else "--hidden=256" for a in MLP]
+    assert main([*wide, f"--log={tmp_path / 'a.h5'}", f"--checkpoint={tmp_path / 'ck.h5'}"]) == 0
+    capsys.readouterr()
+    cfg = parse_overrides([*wide[1:], f"--checkpoint={tmp_path / 'ck.h5'}"]).resolved()
+    need = checkpoint_bytes(cfg, datasets.for_config(cfg))
+    assert need <= os.path.getsize(tmp_path / "ck.h5") <= need + 64 * 1024
+    with tmpfs(tmp_path / "small", "size=64k") as disk:
+        assert main([*wide, f"--log={tmp_path / 'b.h5'}", f"--checkpoint={disk / 'ck.h5'}"]) == 2
+        line = capsys.readouterr().err.strip()
+        assert f"takes {need / 2**20:.1f} MiB, {disk} has 0.1 MiB free" in line, line
+        assert "\n" not in line and not os.listdir(disk)
+
+
 def test_no_other_file_is_replaced(tmp_path, ck, capsys):
     """Before: a run of another model silently replaced the first run's checkpoint."""
     line = _refused(capsys, "--hidden=16", f"--log={tmp_path / 'b.h5'}", f"--checkpoint={ck}")
