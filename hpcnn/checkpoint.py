@@ -74,14 +74,15 @@ def _full_shape(p, tp_size: int) -> tuple:
     return tuple(shape)
 
 
-def _local_state(params, opt, tp) -> dict:
+def _local_state(params, state, tp) -> dict:
     """name -> full host array of each parameter and '<name>/<slot>' of its optimizer slots
-    (collective over ``tp``, the tensor-parallel Communicator, when it has several ranks)."""
+    (``state``: the optimizer's whole state; collective over ``tp``, the tensor-parallel
+    Communicator, when it has several ranks)."""
     from hpcnn.parallel.tensor.linear import unshard
     out = {}
     for p in params:
         arrays = {p.name: p.data}
-        arrays.update({k: v for k, v in opt.state.items() if k.startswith(p.name + "/")})
+        arrays.update({k: v for k, v in state.items() if k.startswith(p.name + "/")})
         for key, a in arrays.items():
             cut = _shard_of(p)
             if cut is not None and tp is not None and tp.size > 1:
@@ -102,11 +103,11 @@ def save(path: str, step: int, cfg, params, opt, ctx=None, abandon=None) -> bool
     ``abandon``: a callable the writing rank (world rank 0) asks between arrays and between
     chunks written; when it says True the save is given up the same way (an interrupt: the
     run stops). True on every rank when the file was written, False when it was given up."""
-    arrays = None
+    arrays, state = None, opt.full_state()              # (sharded: collective over dp)
     if ctx is None:
-        arrays = _local_state(params, opt, None).items()
+        arrays = _local_state(params, state, None).items()
     elif ctx.dp.rank == 0:                                # replicas are identical: one writes
-        mine = _local_state(params, opt, ctx.tp)
+        mine = _local_state(params, state, ctx.tp)
         if ctx.tp.rank == 0:                              # the stages' owners -> world rank 0,
             if ctx.pp.rank > 0:                           # one pipeline rank at a time
                 ctx.pp.send_object(mine, dest=0, tag=7).wait()
@@ -296,7 +297,7 @@ def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
         p.data[...] = local(p, read(saved[p.name]))
         if p.name in optim:
             for slot, ds in optim[p.name].items():
-                opt.state[f"{p.name}/{slot}"] = local(p, read(ds))
+                opt.set_slot(p.name, slot, local(p, read(ds)))
     for k, v in optim.attrs.items():
         opt.state[k] = v.item() if hasattr(v, "item") else v
     if ctx is not None and "balancer" in f and len(f["balancer/shares"]) == ctx.dp.size:

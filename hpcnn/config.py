@@ -71,6 +71,7 @@ class TrainConfig:
     momentum: float = 0.9               # SGD momentum
     weight_decay: float = 0.0           # decoupled (AdamW) or L2 (SGD); matrices only
     clip: float = 0.0                   # global gradient-norm clip, 0 = off
+    zero: int = 0                       # ZeRO stage: 1 = optimizer state sharded over the dp ranks (each updates 1/dp of the parameters, then they are gathered); 0 = every rank holds all of it
     divergence: float = 100.0           # a loss above this many times the run's first is named as divergence in the log and the result line (0 = off; a non-finite loss always stops the run)
     # -- parallelism ------------------------------------------------------------------------
     dp: int = 1                         # data-parallel replicas (world size = dp * tp * pp)
@@ -201,7 +202,8 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
     "n_heads": AT_LEAST_1, "block_size": AT_LEAST_1, "dropout": UNIT, "max_plays": AT_LEAST_0,
     "steps": AT_LEAST_0, "epochs": AT_LEAST_0, "batch_size": AT_LEAST_1, "lr": POSITIVE,
     "min_lr": AT_LEAST_0, "warmup": AT_LEAST_0, "momentum": UNIT, "weight_decay": AT_LEAST_0,
-    "clip": AT_LEAST_0, "divergence": AT_LEAST_0, "dp": AT_LEAST_1, "tp": AT_LEAST_1, "pp": AT_LEAST_1,
+    "clip": AT_LEAST_0, "divergence": AT_LEAST_0, "zero": Range(0, 1),
+    "dp": AT_LEAST_1, "tp": AT_LEAST_1, "pp": AT_LEAST_1,
     "microbatches": AT_LEAST_1, "virtual": AT_LEAST_1, "pad_vocab": AT_LEAST_0,
     "grad_accum": AT_LEAST_1, "bucket_mb": POSITIVE, "rebalance_every": AT_LEAST_1,
     "memory_budget": AT_LEAST_0, "offload_gbps": AT_LEAST_0,

@@ -64,8 +64,8 @@ def setup(cfg: TrainConfig, world, data):
         task.hybrid = planned
         task.divergence = Divergence(cfg.divergence)
         ctx.attach(task)
-        opt = make_optimizer(cfg.optimizer, ctx.local.params, momentum=cfg.momentum,
-                             weight_decay=cfg.weight_decay)
+        opt = ctx.optimizer(lambda params: make_optimizer(
+            cfg.optimizer, params, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
         start = _resume(cfg, ctx, task, opt) if cfg.resume else 0
     except Exception:
         ctx.free()

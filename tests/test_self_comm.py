@@ -72,6 +72,7 @@ def calls():
         "allreduce_max": lambda c: c.allreduce_max(np.array([3.0, -1.0])),
         "reduce_scatter": lambda c: c.reduce_scatter(np.arange(4.0), np.zeros(4)),
         "allgather": lambda c: c.allgather(np.arange(3.0), np.zeros((1, 3))),
+        "allgather_parts": lambda c: c.allgather_parts(np.arange(3.0), [3]),
         "alltoallv": lambda c: c.alltoallv(np.arange(4.0), [3], np.zeros(5), [3]),
         "allgather_scalars": lambda c: c.allgather_scalars([1.0, 2.0]),
         "bcast": lambda c: c.bcast(np.arange(3.0)),

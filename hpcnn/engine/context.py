@@ -15,6 +15,8 @@ step (:mod:`.step`) have no serial branch::
 """
 from __future__ import annotations
 
+import sys
+
 import numpy
 
 from hpcnn.config import ConfigError
@@ -25,6 +27,7 @@ from hpcnn.parallel.data import hetero
 from hpcnn.schedule import stages as partition, pipeline
 from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.data.bucketed import NONBLOCKING, DataParallel, LocalGradients
+from hpcnn.parallel.data.sharded import ShardedDataParallel, ShardedOptimizer
 
 
 class ParallelContext:
@@ -117,7 +120,8 @@ class ParallelContext:
             self.engine = LocalGradients(self.local)
             return
         self._check_single_copy()
-        self.engine = DataParallel(self.local, self.dp, bucket_mb=cfg.bucket_mb,
+        engine = ShardedDataParallel if cfg.zero and self.dp.size > 1 else DataParallel
+        self.engine = engine(self.local, self.dp, bucket_mb=cfg.bucket_mb,
                                    algorithm=cfg.allreduce,   # rd and cma block: no overlap
                                    overlap=cfg.overlap and not self.pipelined
                                    and cfg.allreduce in NONBLOCKING)
@@ -128,6 +132,17 @@ class ParallelContext:
                 print("".join(f"hpcnn: {x}\n" for x in autotune.describe(self.calibration)),
                       end="", flush=True)
         self.engine.broadcast_parameters()
+
+    def optimizer(self, make):
+        """The run's optimizer: ``make(params)`` over this rank's parameters, or with
+        ``--zero=1`` over dp > 1 ranks the sharded one (:mod:`hpcnn.parallel.data.sharded`)."""
+        if isinstance(self.engine, ShardedDataParallel):
+            return ShardedOptimizer(self.engine, make, self.local.params)
+        if self.cfg.zero and self.rank == 0:
+            print(f"hpcnn: note: --zero={self.cfg.zero} with dp=1 changes nothing: there is no "
+                  f"other data-parallel rank to share the optimizer state with", file=sys.stderr,
+                  flush=True)
+        return make(self.local.params)
 
     def _check_single_copy(self) -> None:
         """--allreduce=shm or cma: refuse on every rank, before training, replicas that cannot

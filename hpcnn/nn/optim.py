@@ -11,7 +11,7 @@ import math
 from hpcnn import backend
 
 
-def _decays(p) -> bool:
+def decays(p) -> bool:
     """Default weight-decay rule: matrices and kernels decay; biases, norms, embeddings' 1-D don't."""
     return p.data.ndim >= 2
 
@@ -19,7 +19,7 @@ def _decays(p) -> bool:
 class Optimizer:
     """Base class: ``step(lr)`` applies one update from ``p.grad`` to ``p.data`` for every param."""
 
-    def __init__(self, params, weight_decay: float = 0.0, decay_filter=_decays):
+    def __init__(self, params, weight_decay: float = 0.0, decay_filter=decays):
         self.params = list(params)
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
@@ -51,6 +51,16 @@ class Optimizer:
 
     def state_dict(self) -> dict:
         return dict(self.state)
+
+    def full_state(self) -> dict:
+        """The whole state, every slot at its parameter's full shape (here: :attr:`state`; a
+        sharded optimizer assembles it over its ranks, collectively)."""
+        return self.state
+
+    def set_slot(self, name: str, slot: str, array) -> None:
+        """Restore slot ``slot`` (``momentum``, ``m``, ``v``) of parameter ``name`` from its
+        whole array (a sharded optimizer keeps its part)."""
+        self.state[f"{name}/{slot}"] = array
 
     def load_state_dict(self, state: dict) -> None:
         self.state = dict(state)

@@ -290,6 +290,24 @@ class Communicator(ObjectCalls):
                         lambda: self.comm.Allgather(s, r))
         return recvbuf
 
+    def allgather_parts(self, buf, counts):
+        """In place: rank r's part of the flat, contiguous ``buf`` (``counts[r]`` elements after
+        the earlier ranks' parts) copied into every rank's ``buf`` (``MPI_Allgatherv`` with
+        ``MPI_IN_PLACE``; uneven parts, zeros included). Counted under ``allgather`` as the bytes
+        of the parts the others hold. Returns ``buf``."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != buf.size:
+            raise ValueError(f"allgather_parts: {len(counts)} counts summing to {sum(counts)} for "
+                             f"{self.size} ranks and a buffer of {buf.size} elements")
+        if self.size == 1:
+            return buf
+        MPI = _mpi()
+        displs = [sum(counts[:r]) for r in range(self.size)]
+        with host_buffers(buf, writeback=(0,)) as (b,):
+            self._timed("allgather", (buf.size - counts[self.rank]) * buf.itemsize,
+                        lambda: self.comm.Allgatherv(MPI.IN_PLACE, [b, (counts, displs)]))
+        return buf
+
     def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
         """Personalised all-to-all: this rank sends ``sendcounts[q]`` elements to rank q and
         receives ``recvcounts[q]`` from it, each block contiguous in rank order in the flat,

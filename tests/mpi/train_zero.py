@@ -1,0 +1,97 @@
+"""--zero=1 equals --zero=0 (float64, 1e-10): losses, parameters and the whole optimizer state
+(read back from each run's final checkpoint), on every layout this world size allows; each
+rank's optimizer holds 1/dp of the slots (the run log's account); a checkpoint saved at zero 1
+resumes at zero 0 and the reverse, as the uninterrupted run.
+
+    mpiexec -n N python -m mpi4py tests/mpi/train_zero.py TMPDIR
+"""
+import os
+import sys
+
+import h5py
+import numpy as np
+from mpi4py import MPI
+
+from hpcnn.config import parse_overrides
+from hpcnn.log import read_run
+from hpcnn.train import train
+
+world = MPI.COMM_WORLD
+rank, p = world.Get_rank(), world.Get_size()
+tmp = sys.argv[1]
+GPT = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_size=12",
+       "--batch_size=12"]
+MLP = ["--model=mlp", "--hidden=16,24", "--batch_size=24"]
+
+
+def run(name, *args):
+    """A 10-step float64 run that checkpoints at its end; returns (summary, log, checkpoint)."""
+    log, ck = os.path.join(tmp, name + ".h5"), os.path.join(tmp, name + ".ckpt.h5")
+    cfg = parse_overrides([f"--log={log}", f"--checkpoint={ck}", "--progress=false",
+                           "--dtype=float64", "--steps=10", "--eval_interval=5",
+                           "--log_interval=5", *args])
+    return train(cfg, comm=world), log, ck
+
+
+def arrays(ck):
+    """Every parameter and optimizer slot of a checkpoint, by path."""
+    out = {}
+    with h5py.File(ck, "r") as f:
+        f.visititems(lambda k, v: out.__setitem__(k, v[...]) if isinstance(v, h5py.Dataset)
+                     else None)
+    return out
+
+
+def same(name, a, b):
+    """Rank 0: the two runs' losses and every checkpointed array within 1e-10."""
+    if rank:
+        return
+    la, lb = read_run(a[1]).metrics["loss"], read_run(b[1]).metrics["loss"]
+    assert np.max(np.abs(la - lb)) < 1e-10, (name, la - lb)
+    xa, xb = arrays(a[2]), arrays(b[2])
+    assert sorted(xa) == sorted(xb) and any("/m" in k or "momentum" in k for k in xa), name
+    for k in xa:
+        if k.startswith(("params/", "optim/")):
+            assert np.max(np.abs(xa[k] - xb[k])) < 1e-10, (name, k, np.max(np.abs(xa[k] - xb[k])))
+
+
+layouts = {"mlp-adamw": [*MLP, f"--dp={p}"],
+           "mlp-sgd-clip-accum": [*MLP, f"--dp={p}", "--optimizer=sgd", "--lr=0.05",
+                                  "--clip=0.5", "--grad_accum=3", "--weight_decay=0.01"],
+           "mlp-speeds-weighted": [*MLP, f"--dp={p}", "--balance=proportional",
+                                   "--speeds=" + ",".join(str(i + 1) for i in range(p))],
+           "gpt": [*GPT, f"--dp={p}", "--clip=1.0"],
+           "gcn": ["--model=gcn", f"--dp={p}"]}
+if p == 4:
+    layouts.update({"gpt-tp2": [*GPT, "--dp=2", "--tp=2"],
+                    "gpt-pp2-1f1b": [*GPT, "--dp=2", "--pp=2", "--n_layers=2",
+                                     "--microbatches=2", "--schedule=1f1b"]})
+for name, args in layouts.items():
+    zero0, zero1 = run(f"{name}-z0", *args), run(f"{name}-z1", *args, "--zero=1")
+    same(name, zero0, zero1)
+    if rank == 0:             # each rank's optimizer: its part of the slots, plus its scratch
+        held = [read_run(r[1]).plan["optimizer_bytes_per_rank"] for r in (zero0, zero1)]
+        dp = int(read_run(zero1[1]).plan["dp"])
+        assert max(held[1]) <= max(held[0]) / dp * 1.5, (name, held)
+        assert sum(held[1]) < sum(held[0]), (name, held)
+
+# a checkpoint moves between zero stages: a 20-step run at zero 1 saves at step 10; resumed
+# there at zero 0, its last 10 steps are the straight run's; and the reverse
+def twenty(name, *args):
+    log = os.path.join(tmp, name + ".h5")
+    train(parse_overrides([f"--log={log}", "--progress=false", "--dtype=float64", "--steps=20",
+                           "--eval_interval=0", "--log_interval=5", *MLP, f"--dp={p}", *args]),
+          comm=world)
+    return log
+
+
+for first, then in ((1, 0), (0, 1)):
+    ck = os.path.join(tmp, f"at-{first}-{{step}}.h5")
+    whole = twenty(f"whole-{first}", f"--zero={first}", f"--checkpoint={ck}",
+                   "--checkpoint_every=10")
+    resumed = twenty(f"resumed-{first}", f"--zero={then}", f"--resume={ck.format(step=10)}")
+    if rank == 0:
+        a, b = read_run(whole).metrics["loss"][10:], read_run(resumed).metrics["loss"]
+        assert len(b) == 10 and np.max(np.abs(a - b)) < 1e-10, (first, a - b)
+if rank == 0:
+    print(f"train_zero OK on {p} ranks", flush=True)

@@ -1,0 +1,42 @@
+"""ZeRO stage 1 (hpcnn/parallel/data/sharded.py): the optimizer state sharded over the
+data-parallel ranks, against zero 0 in float64 on 2, 3 and 4 ranks (tests/mpi/train_zero.py:
+MLP with AdamW, SGD with clipping, accumulation and weight decay, weighted speeds; GPT; GCN;
+at 4 ranks also tp=2 and pp=2 with 1F1B), the slots' memory split, checkpoints across stages;
+and the parts, the in-place gather and the refusals on their own."""
+import numpy as np
+import pytest
+
+from hpcnn.cli import main
+from hpcnn.parallel.data.sharded import bounds
+from mpi_util import CaseRuns
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    return CaseRuns([(n, "train_zero", (CaseRuns.FOLDER,)) for n in (2, 3, 4)],
+                    folder=tmp_path_factory.mktemp("zero"), timeout=240)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_zero1_equals_zero0_and_shards_the_optimizer(n, zero_runs):
+    assert f"train_zero OK on {n} ranks" in zero_runs.stdout(n, "train_zero", CaseRuns.FOLDER)
+
+
+def test_parts_cover_every_element_once_nearly_evenly():
+    for n, parts in [(10, 3), (7, 4), (3, 4), (1000003, 3)]:
+        cut = bounds(n, parts)
+        sizes = np.diff(cut)
+        assert cut[0] == 0 and cut[-1] == n and sizes.min() >= 0
+        assert sizes.max() - sizes.min() <= 1
+
+
+def test_zero_without_data_parallel_ranks_is_a_note(tmp_path, capsys):
+    assert main(["train", "--model=mlp", "--hidden=8", "--steps=2", "--zero=1",
+                 "--progress=false", f"--log={tmp_path / 'a.h5'}"]) == 0
+    assert "note: --zero=1 with dp=1 changes nothing" in capsys.readouterr().err
+
+
+def test_a_zero_stage_not_built_is_refused(tmp_path, capsys):
+    assert main(["train", "--model=mlp", "--zero=2", f"--log={tmp_path / 'a.h5'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpcnn train: ") and "zero=2" in err and len(err.splitlines()) == 1
