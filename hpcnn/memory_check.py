@@ -68,11 +68,13 @@ def param_count(cfg, data) -> int:
     return (vocab + cfg.block_size) * d + cfg.n_layers * (12 * d * d + 13 * d) + 2 * d + d * vocab
 
 
-def _state_words(cfg) -> int:
-    """Words held per parameter: the parameter, its gradient and the optimizer's slots."""
+def _state_words(cfg) -> float:
+    """Words held per parameter: the parameter, its gradient and the optimizer's slots (with
+    ``--zero=1``, 1/dp of the slots: :mod:`hpcnn.parallel.data.sharded`)."""
     from hpcnn.plan.hybrid import STATE_WORDS
     plain_sgd = cfg.optimizer == "sgd" and cfg.momentum == 0
-    return STATE_WORDS[cfg.optimizer] - (1 if plain_sgd else 0)
+    slots = STATE_WORDS[cfg.optimizer] - 2 - (1 if plain_sgd else 0)
+    return 2 + slots / (cfg.dp if cfg.zero else 1)
 
 
 def rank_need(cfg, data) -> tuple[float, str]:

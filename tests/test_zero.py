@@ -40,3 +40,17 @@ def test_a_zero_stage_not_built_is_refused(tmp_path, capsys):
     assert main(["train", "--model=mlp", "--zero=2", f"--log={tmp_path / 'a.h5'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hpcnn train: ") and "zero=2" in err and len(err.splitlines()) == 1
+
+
+def test_the_memory_check_counts_a_rank_s_part_of_the_slots():
+    """Under --zero=1 a rank holds its parameters, its gradients and 1/dp of the AdamW slots:
+    the memory check's floor falls by (2 - 2/dp) words a parameter (exactly, for the CNN)."""
+    from hpcnn import datasets, memory_check
+    from hpcnn.config import parse_overrides
+    cfg0 = parse_overrides(["--model=cnn", "--dp=4"]).resolved()
+    data = datasets.for_config(cfg0)
+    need0, _ = memory_check.rank_need(cfg0, data)
+    need1, _ = memory_check.rank_need(parse_overrides(["--model=cnn", "--dp=4",
+                                                       "--zero=1"]).resolved(), data)
+    n = memory_check.param_count(cfg0, data)
+    assert need0 - need1 == pytest.approx((2 - 2 / 4) * n * 4)

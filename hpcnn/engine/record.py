@@ -85,6 +85,7 @@ def open_log(cfg, ctx, task, start: int, command_line):
                  extra_attrs=extra, flush_every=cfg.log_interval, overwrite=cfg.overwrite,
                  durable=cfg.log_durable)
     log.set_plan({"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+                  "zero": cfg.zero if ctx.dp.size > 1 else 0,
                   "schedule": cfg.schedule if cfg.pp > 1 else "none",
                   "microbatches": cfg.microbatches, "virtual": cfg.virtual,
                   "stages": [list(r) for r in ctx.ranges] if ctx.pipelined else [],

@@ -115,7 +115,30 @@ def summary(h5_path) -> str:
         lines.append(f"accuracy best {best[0]} {best[1]:.4f}")
     if "step_time" in run.metrics and np.isfinite(run.metrics["step_time"]).any():
         lines.append(f"time     median step_time {np.nanmedian(run.metrics['step_time']) * 1e3:.3f} ms")
-    return "\n".join(lines)
+    return "\n".join(lines + _memory_lines(run.plan))
+
+
+MEMORY_PARTS = (("parameters", "param_bytes_per_rank"), ("gradients", "grad_bytes_per_rank"),
+                ("optimizer", "optimizer_bytes_per_rank"),
+                ("activations", "peak_activation_bytes_per_rank"))
+
+
+def _memory_lines(plan: dict, shown: int = 8) -> list[str]:
+    """One line per rank (the first ``shown``) of the bytes it held: parameters, gradients,
+    optimizer state and scratch, peak activations (the run's own account, :func:`hpcnn.engine.
+    record.record_memory`), with the ZeRO stage when it shards."""
+    if "param_bytes_per_rank" not in plan:
+        return []
+    got = [plan.get(key) or [] for _, key in MEMORY_PARTS]
+    zero = int(plan.get("zero", 0) or 0)
+    out = [f"memory   per rank{f' (zero {zero})' if zero else ''}, MiB: "
+           + ", ".join(name for name, _ in MEMORY_PARTS)]
+    for r in range(min(shown, len(got[0]))):
+        out.append(f"         rank {r}: " + ", ".join(
+            f"{float(g[r]) / 2**20:.1f}" if r < len(g) else "-" for g in got))
+    if len(got[0]) > shown:
+        out.append(f"         ({len(got[0]) - shown} more ranks in /plan)")
+    return out
 
 
 def _mib(nbytes) -> str:
@@ -192,6 +215,8 @@ def headline(h5_path) -> str:
     if plan.get("divergence"):
         parts.insert(0, plan["divergence"])
     layout = f"dp={plan.get('dp', 1)} x tp={plan.get('tp', 1)} x pp={plan.get('pp', 1)}"
+    if int(plan.get("zero", 0) or 0):
+        layout += f" zero {int(plan['zero'])}"
     if int(plan.get("pp", 1)) > 1:
         layout += f" ({plan.get('schedule')}, {plan.get('microbatches')} micro-batches)"
     parts.append(layout)
