@@ -288,6 +288,7 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
         "devices": (0, int, "devices to plan for (0: all of the machine's)"),
         "memory_gb": (0.0, float, "memory per device in GB (0: the machine file's)"),
         "top": (10, int, "layouts to print"),
+        "zero": ("0", str, "ZeRO stages to consider, e.g. 0,1 (1: optimizer state over dp)"),
         "json": (False, bool, "print JSON for scripts")}
 
 
@@ -308,6 +309,9 @@ def cmd_plan(args) -> int:
         err = f"hpcnn plan: --model={o['model']!r}: only gpt is planned here"
     if err is None and o["top"] < 1:
         err = f"hpcnn plan: --top={o['top']}: the layouts to print must be >= 1"
+    zero = sorted({z.strip() for z in o["zero"].split(",")}) if err is None else []
+    if err is None and (not zero or set(zero) - {"0", "1"}):
+        err = f"hpcnn plan: --zero={o['zero']}: ZeRO stages are 0 and 1, e.g. --zero=0,1"
     if err:
         print(err, file=sys.stderr)
         return 2
@@ -321,7 +325,8 @@ def cmd_plan(args) -> int:
         model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"], o["vocab"],
                                    o["batch"], o["dtype"])
         ranked = hybrid.plan(model, mach, o["devices"] or mach.p,
-                             memory_bytes=o["memory_gb"] * 1e9 or None)
+                             memory_bytes=o["memory_gb"] * 1e9 or None,
+                             zero=tuple(int(z) for z in zero))
     except (ValueError, OSError) as e:
         print(f"hpcnn plan: {e}", file=sys.stderr)
         return 2
@@ -330,7 +335,8 @@ def cmd_plan(args) -> int:
     flops = hybrid.flops_per_step(model)
     rows = [{"layout": str(q.layout), "step_s": q.step_s, "memory_gb": q.memory_bytes / 1e9,
              "tflops_per_device": flops / q.step_s / devices / 1e12, "feasible": q.feasible,
-             "stages": list(q.layout.stages), "parts": q.parts} for q in ranked[:o["top"]]]
+             "stages": list(q.layout.stages), "zero": q.layout.zero, "parts": q.parts}
+            for q in ranked[:o["top"]]]
     fits = bool(ranked) and ranked[0].feasible      # ranked: the layouts that fit first
     if o["json"]:
         print(json.dumps({"machine": mach.name, "devices": devices, "params": model.params(),

@@ -150,3 +150,22 @@ def test_plan_exits_3_when_nothing_fits_and_refuses_top_0(capsys):
     assert cmd_plan(small + ["--json", "--top=1"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["feasible"] is True and len(doc["ranked"]) == 1
+
+
+def test_plan_prices_zero_stages_when_asked(capsys):
+    """``--zero=0,1`` adds each dp > 1 layout at ZeRO stage 1 (its JSON row says which);
+    another stage is refused in one line."""
+    import json
+    from hpcnn.cli_tools import cmd_plan
+    small = ["--n_layers=2", "--dim=64", "--n_heads=4", "--seq=32", "--vocab=65", "--batch=8",
+             "--machine=local-2vcpu", "--json", "--top=1000"]
+    assert cmd_plan(small) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cmd_plan(small + ["--zero=0,1"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert {r["zero"] for r in plain["ranked"]} == {0} and {r["zero"] for r in both["ranked"]} == {0, 1}
+    assert both["layouts"] > plain["layouts"]
+    assert all(r["layout"].endswith("zero 1") == (r["zero"] == 1) for r in both["ranked"])
+    assert cmd_plan(small + ["--zero=2"]) == 2
+    assert capsys.readouterr().err == ("hpcnn plan: --zero=2: ZeRO stages are 0 and 1, "
+                                       "e.g. --zero=0,1\n")

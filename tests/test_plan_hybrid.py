@@ -442,3 +442,42 @@ def test_held_activations_cost_their_fresh_bytes_beyond_one_micro_batch():
     # 1F1B's first stage holds pp micro-batches, GPipe's every stage all M: GPipe pays more
     assert (price(model, Layout(1, 1, 4, 8, "gpipe"), held).parts["held"]
             > price(model, Layout(1, 1, 4, 8, "1f1b"), held).parts["held"] > 0)
+
+
+def test_zero1_prices_a_dp_th_of_the_slots_and_a_gather():
+    """At zero 1 a rank holds 1/dp of AdamW's two slots (and a scratch no larger than its part):
+    the memory falls by 2 (1 - 1/dp) words a parameter, at most a scratch more; the update
+    covers 1/dp of the parameters, then half a ring allreduce gathers them."""
+    from hpcnn.plan.hybrid import ring_allreduce_s, sharded_update_seconds, state_words
+    m = Machine()
+    lay0, lay1 = Layout(8, 1, 1, 1), Layout(8, 1, 1, 1, zero=1)
+    assert (state_words("adamw", lay0), state_words("adamw", lay1)) == (4, 2 + 2 / 8)
+    q0, q1 = price(SMALL, lay0, m), price(SMALL, lay1, m)
+    n, word = SMALL.params(), SMALL.word
+    saved = q0.memory_bytes - q1.memory_bytes
+    assert 2 * (1 - 1 / 8) * n * word * 0.99 < saved < (2 * (1 - 1 / 8) * n + 4 * 512 * 512
+                                                        + 1024 * 512) * word
+    gather = ring_allreduce_s(n * word, 8, m.level_for_group(8)) / 2
+    assert q1.parts["optimizer"] == pytest.approx(
+        update_seconds(n / 8, word, m.device) + gather, rel=0.02)
+    assert sharded_update_seconds(n, lay0, m, word, "adamw") == update_seconds(n, word, m.device)
+    assert "zero 1" in str(lay1) and "zero" not in str(lay0)
+
+
+def test_zero1_is_a_layout_dimension_that_memory_can_decide():
+    """Asked for (``zero=(0, 1)``), every dp > 1 layout comes at both stages, dp = 1 at zero 0
+    only; a model that only data parallelism splits (one head, one block), given memory for
+    zero 1's layouts only, is planned at zero 1."""
+    m = Machine(per_node=8, nodes=1)
+    both = plan(SMALL, m, 8, zero=(0, 1))
+    assert len(both) == len(plan(SMALL, m, 8)) + sum(
+        q.layout.dp > 1 for q in plan(SMALL, m, 8))
+    assert all(q.layout.zero == 0 for q in both if q.layout.dp == 1)
+    one = Transformer(n_layers=1, dim=512, n_heads=1, seq=256, vocab=1024, batch=64)
+    every = plan(one, m, 8, zero=(0, 1))
+    assert {q.layout.dp for q in every} == {8}
+    least0, least1 = (min(q.memory_bytes for q in every if q.layout.zero == z) for z in (0, 1))
+    assert least1 < least0
+    tight = plan(one, m, 8, memory_bytes=(least0 + least1) / 2, zero=(0, 1))
+    assert tight[0].feasible and tight[0].layout.zero == 1
+    assert not plan(one, m, 8, memory_bytes=(least0 + least1) / 2)[0].feasible

@@ -50,6 +50,25 @@ UPDATE_PASSES = {"adamw": 11, "sgd": 4}
 STATE_WORDS = {"adamw": 4, "sgd": 3}
 
 
+def state_words(optimizer: str, layout=None) -> float:
+    """Words a rank holds per parameter: the parameter, its gradient and the optimizer's slots
+    (:data:`STATE_WORDS`), of which a ``layout`` with ``zero=1`` holds 1/dp."""
+    slots = STATE_WORDS[optimizer] - 2
+    return 2 + (slots / layout.dp if layout is not None and layout.zero else slots)
+
+
+def sharded_update_seconds(local_params: float, layout, machine, word: int,
+                           optimizer: str) -> float:
+    """The update of a rank's ``local_params``: the whole at zero 0; at zero 1 its 1/dp part,
+    then the parts gathered over dp (our choice: a ring allgather, half the ring allreduce's
+    2(dp-1) steps, at the level spanning tp x dp)."""
+    if not layout.zero or layout.dp == 1:
+        return update_seconds(local_params, word, machine.device, optimizer)
+    level = machine.level_for_group(layout.tp * layout.dp)
+    return (update_seconds(local_params / layout.dp, word, machine.device, optimizer)
+            + ring_allreduce_s(local_params * word, layout.dp, level) / 2)
+
+
 def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw") -> float:
     """One optimizer step over ``n_params`` parameters of ``word`` bytes. From the device's
     measured figure where it has one for ``optimizer`` (:meth:`~hpcnn.plan.machine.Device.
@@ -151,6 +170,7 @@ class Layout:
     schedule: str = "1f1b"
     remat: str = "none"
     stages: tuple = ()      # transformer blocks per stage; () the uniform cut, n_layers / pp each
+    zero: int = 0           # ZeRO stage (hpcnn/parallel/data/sharded.py): 1 = slots over dp
 
     def __post_init__(self):
         if self.stages and (len(self.stages) != self.pp or min(self.stages) < 1):
@@ -160,7 +180,8 @@ class Layout:
     def __str__(self) -> str:
         cut = f", stages {'|'.join(map(str, self.stages))}" if self.stages else ""
         return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}, {self.schedule}, "
-                f"{self.microbatches} micro-batches, remat={self.remat}{cut}")
+                f"{self.microbatches} micro-batches, remat={self.remat}{cut}"
+                + (f", zero {self.zero}" if self.zero else ""))
 
 
 @dataclass
@@ -326,7 +347,7 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     local_params = _stage_params(model, layout, 0, per_stage, True)
     dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp),
                             after=t_b)
-    opt_s = update_seconds(local_params, model.word, dev, optimizer)
+    opt_s = sharded_update_seconds(local_params, layout, machine, model.word, optimizer)
     held_s = held_seconds(model, layout, machine)
     return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
             (cache, xbytes), local_params)
@@ -387,14 +408,18 @@ def _stage_params(model: Transformer, layout: Layout, stage: int, blocks: float,
 def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float, head: bool,
                   optimizer: str) -> float:
     """Bytes one rank of stage ``stage`` holds at its peak: its parameters (:func:`_stage_params`)
-    x :data:`STATE_WORDS` words (parameter, gradient, optimizer slots), the optimizer's scratch
+    x :func:`state_words` (parameter, gradient, optimizer slots, 1/dp of them at zero 1), the
+    optimizer's scratch (at zero 1 at most the rank's part)
     array, the size of its largest parameter (an MLP weight, dim x 4 dim / tp, or a table), and
     its held activations (:func:`_held_bytes`)."""
     table = model.vocab * model.dim / layout.tp
     largest = max(4 * model.dim * model.dim / layout.tp, table if head or stage == 0 else 0,
                   model.seq * model.dim if stage == 0 else 0)
-    return (STATE_WORDS[optimizer] * _stage_params(model, layout, stage, blocks, head)
-            + largest) * model.word + _held_bytes(model, layout, stage, blocks)
+    params = _stage_params(model, layout, stage, blocks, head)
+    if layout.zero:                          # the scratch: at most the rank's part
+        largest = min(largest, params / layout.dp)
+    return (state_words(optimizer, layout) * params + largest) * model.word \
+        + _held_bytes(model, layout, stage, blocks)
 
 
 def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
@@ -446,7 +471,7 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     params = [_stage_params(model, layout, s, n, s in heads) for s, n in enumerate(layout.stages)]
     level = machine.level_for_group(layout.tp * layout.dp)
     reduce = [(ring_allreduce_s(q * word, layout.dp, level, after=max(t_b)),
-               update_seconds(q, word, machine.device, optimizer)) for q in params]
+               sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
     memory = max(_stage_memory(model, layout, s, n, s in heads, optimizer)
                  for s, n in enumerate(layout.stages))
     busiest = max(times, key=lambda t: t[0] + t[1])
@@ -540,11 +565,12 @@ STAGE_CUT_PASSES = 64
 
 
 def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT, machine=None,
-            memory_bytes: float | None = None):
+            memory_bytes: float | None = None, zero=(0,)):
     """Every layout of ``model`` on ``devices``: dp x tp x pp = devices, tp dividing the heads,
     pp dividing the layers, micro-batches M a power of two with dp x M dividing the batch (and
     M >= pp for the pipelined schedules' steady state), each schedule and remat choice (no
-    rematerialized zero-bubble schedule: their split backward is not rematerialized).
+    rematerialized zero-bubble schedule: their split backward is not rematerialized), each
+    ZeRO stage of ``zero`` (stage 1 only where dp > 1).
 
     With a ``machine``, each pipelined choice (pp > 1) with pp x M <= :data:`STAGE_CUT_PASSES`
     also comes with explicit stages cut by :func:`stage_cut` for that machine and
@@ -566,25 +592,31 @@ def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMA
                         for r in remat:
                             if r != "none" and s.startswith("zb"):  # as hpcnn train refuses
                                 continue
-                            lay = Layout(dp, tp, pp, m_count, s, r)
-                            if uniform:
-                                yield lay
-                            if machine is not None and pp > 1 and \
-                                    pp * m_count <= STAGE_CUT_PASSES:
-                                yield dataclasses.replace(lay, stages=stage_cut(
-                                    model, lay, machine, memory_bytes))
+                            for z in zero if dp > 1 else (0,):
+                                yield from _with_cut(Layout(dp, tp, pp, m_count, s, r, zero=z),
+                                                     uniform, model, machine, memory_bytes)
                 m_count *= 2
 
 
+def _with_cut(lay: Layout, uniform: bool, model, machine, memory_bytes):
+    """``lay`` if its stages are uniform, and with a ``machine`` its stage cut (pipelined, up
+    to :data:`STAGE_CUT_PASSES` passes)."""
+    if uniform:
+        yield lay
+    if machine is not None and lay.pp > 1 and lay.pp * lay.microbatches <= STAGE_CUT_PASSES:
+        yield dataclasses.replace(lay, stages=stage_cut(model, lay, machine, memory_bytes))
+
+
 def plan(model: Transformer, machine, devices: int | None = None, *,
-         memory_bytes: float | None = None) -> list[Priced]:
+         memory_bytes: float | None = None, zero=(0,)) -> list[Priced]:
     """Every layout priced (:func:`layouts` with this machine: the uniform ones and the stage
     cuts), the feasible ones first, each group by predicted step time."""
     devices = machine.p if devices is None else int(devices)
     if devices < 1 or devices > machine.p:
         raise ValueError(f"devices={devices}: the machine {machine.name!r} has {machine.p}")
     out = [price(model, lay, machine, memory_bytes)
-           for lay in layouts(model, devices, machine=machine, memory_bytes=memory_bytes)]
+           for lay in layouts(model, devices, machine=machine, memory_bytes=memory_bytes,
+                              zero=zero)]
     if not out:
         raise ValueError(f"no layout of {model} fits {devices} devices (tp must divide the "
                          f"{model.n_heads} heads, pp the {model.n_layers} layers or be cut "

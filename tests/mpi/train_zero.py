@@ -75,6 +75,25 @@ for name, args in layouts.items():
         assert max(held[1]) <= max(held[0]) / dp * 1.5, (name, held)
         assert sum(held[1]) < sum(held[0]), (name, held)
 
+# the planner's price of what a rank holds (parameters, gradients, optimizer state and its
+# scratch: hpcnn.plan.hybrid._stage_memory less the activations) is the runs' account within 5 %
+if rank == 0:
+    from hpcnn import datasets
+    from hpcnn.config import padded_vocab
+    from hpcnn.plan import hybrid
+    cfg = parse_overrides([*GPT, f"--dp={p}"]).resolved()
+    model = hybrid.Transformer(cfg.n_layers, cfg.dim, cfg.n_heads, seq=cfg.block_size,
+                               vocab=padded_vocab(datasets.for_config(cfg).vocab, cfg),
+                               batch=cfg.batch_size, dtype="float64")
+    for zero in (0, 1):
+        plan = read_run(os.path.join(tmp, f"gpt-z{zero}.h5")).plan
+        held = max(map(sum, zip(*(plan[k] for k in ("param_bytes_per_rank", "grad_bytes_per_rank",
+                                                     "optimizer_bytes_per_rank")))))
+        lay = hybrid.Layout(p, 1, 1, 1, zero=zero)
+        priced = (hybrid._stage_memory(model, lay, 0, cfg.n_layers, True, "adamw")
+                  - hybrid._held_bytes(model, lay, 0, cfg.n_layers))
+        assert abs(priced / held - 1) < 0.05, (zero, priced, held)
+
 # a checkpoint moves between zero stages: a 20-step run at zero 1 saves at step 10; resumed
 # there at zero 0, its last 10 steps are the straight run's; and the reverse
 def twenty(name, *args):
