@@ -61,11 +61,14 @@ layouts = {"mlp-adamw": [*MLP, f"--dp={p}"],
            "mlp-speeds-weighted": [*MLP, f"--dp={p}", "--balance=proportional",
                                    "--speeds=" + ",".join(str(i + 1) for i in range(p))],
            "gpt": [*GPT, f"--dp={p}", "--clip=1.0"],
+           "gpt-remat-shm": [*GPT, f"--dp={p}", "--remat=sqrt", "--allreduce=shm"],
            "gcn": ["--model=gcn", f"--dp={p}"]}
 if p == 4:
     layouts.update({"gpt-tp2": [*GPT, "--dp=2", "--tp=2"],
                     "gpt-pp2-1f1b": [*GPT, "--dp=2", "--pp=2", "--n_layers=2",
-                                     "--microbatches=2", "--schedule=1f1b"]})
+                                     "--microbatches=2", "--schedule=1f1b"],
+                    "gpt-pp2-zbh1": [*GPT, "--dp=2", "--pp=2", "--n_layers=2",
+                                     "--microbatches=2", "--schedule=zb_h1"]})
 for name, args in layouts.items():
     zero0, zero1 = run(f"{name}-z0", *args), run(f"{name}-z1", *args, "--zero=1")
     same(name, zero0, zero1)
