@@ -1,8 +1,9 @@
 """ZeRO stage 1 (hpcnn/parallel/data/sharded.py): the optimizer state sharded over the
 data-parallel ranks, against zero 0 in float64 on 2, 3 and 4 ranks (tests/mpi/train_zero.py:
 MLP with AdamW, SGD with clipping, accumulation and weight decay, weighted speeds; GPT, also
-with remat and the shm allreduce; GCN; at 4 ranks also tp=2 and pp=2 with 1F1B and ZB-H1), the slots' memory split, checkpoints across stages;
-and the parts, the in-place gather and the refusals on their own."""
+with remat and the shm allreduce; GCN; at 4 ranks also tp=2 and pp=2 with 1F1B and ZB-H1),
+the slots' memory split, checkpoints across stages, the planner's price of what a rank holds;
+and the parts, the note and the refusal on their own."""
 import numpy as np
 import pytest
 
