@@ -1,11 +1,12 @@
-"""ZeRO stage 1 against zero 0: step time and each rank's optimizer bytes, side by side.
+"""ZeRO stages 1 and 2 against zero 0: step time and each rank's held bytes, side by side.
 
 Trains, in-process on every rank (``--dp`` = the world), the 64 MiB MLP (five hidden layers of
 2048, float32, batch 256, on digits) and a GPT (4 blocks, width 128, context 64, batch 32, on
-sonnet), at ``--zero=0`` and ``--zero=1`` alternately (the order swapped every round), overlap
-on. Per model and stage: the median over rounds of the run's median step time (its first step
-left out), and the optimizer bytes per rank from the run log's account; then the
-ratios zero 1 / zero 0. Rows go to ``runs/bench/zero.h5`` (table ``zero``) with the load.
+sonnet), at ``--zero=0``, ``1`` and ``2`` in turn (the order rotated every round), overlap on.
+Per model and stage: the median over rounds of the run's median step time (its first step left
+out), and from the run log's account the optimizer and gradient bytes per rank and (stage 2)
+the peak of the buckets' storage; then the ratios to zero 0. Rows go to ``runs/bench/zero.h5``
+(table ``zero``) with the load.
 
     OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py benchmarks/zero.py [--rounds=3] [--steps=6]
 """
@@ -34,9 +35,13 @@ def parser():
     return ap
 
 
+STAGES = (0, 1, 2)
+
+
 def one_run(world, tmp, model, zero, steps, k) -> tuple:
-    """(the median step seconds, the optimizer bytes of every rank), on rank 0 (a step's time
-    is the same on every rank: each waits for the others in the gradient reduction)."""
+    """(the median step seconds, rank 0's optimizer bytes, gradient bytes, buckets' peak), on
+    rank 0 (a step's time is the same on every rank: each waits for the others in the gradient
+    reduction)."""
     log = os.path.join(tmp, f"{model}-{zero}-{k}.h5")
     cfg = parse_overrides([*MODELS[model], f"--dp={world.size}", f"--zero={zero}",
                            f"--steps={steps}", "--eval_interval=0", "--progress=false",
@@ -44,22 +49,24 @@ def one_run(world, tmp, model, zero, steps, k) -> tuple:
     world.Barrier()
     train(cfg, comm=world)
     if world.rank:
-        return 0.0, []
+        return 0.0, 0, 0, 0
     run = read_run(log)
-    per_step = float(np.median(run.metrics["step_time"][1:]))
-    return per_step, [int(b) for b in run.plan["optimizer_bytes_per_rank"]]
+    plan = run.plan
+    return (float(np.median(run.metrics["step_time"][1:])),
+            *(int(plan[key][0]) for key in ("optimizer_bytes_per_rank", "grad_bytes_per_rank",
+                                            "grad_buffer_peak_bytes_per_rank")))
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     world = MPI.COMM_WORLD
     tmp = world.bcast(tempfile.mkdtemp() if world.rank == 0 else None, root=0)
-    seen = {(m, z): [] for m in MODELS for z in (0, 1)}
+    seen = {(m, z): [] for m in MODELS for z in STAGES}
     held = {}
     for k in range(a.rounds):
         for model in MODELS:
-            for zero in ((0, 1) if k % 2 == 0 else (1, 0)):
-                s, b = one_run(world, tmp, model, zero, a.steps, k)
+            for zero in STAGES[k % 3:] + STAGES[:k % 3]:
+                s, *b = one_run(world, tmp, model, zero, a.steps, k)
                 seen[model, zero].append(s)
                 held[model, zero] = b
     if world.rank:
@@ -67,15 +74,17 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     rows = []
     for model in MODELS:
-        t0, t1 = (float(np.median(seen[model, z])) for z in (0, 1))
-        b0, b1 = max(held[model, 0]), max(held[model, 1])
-        rows.append({"model": model, "ranks": world.size, "zero0_step_s": t0,
-                     "zero1_step_s": t1, "step_ratio": t1 / t0, "zero0_optimizer_bytes": b0,
-                     "zero1_optimizer_bytes": b1, "optimizer_ratio": b1 / b0})
-        print(f"{model}, {world.size} ranks, {a.rounds} rounds x {a.steps} steps (load {load:.1f}):"
-              f" step zero0 {t0 * 1e3:.1f} ms, zero1 {t1 * 1e3:.1f} ms, ratio {t1 / t0:.3f}; "
-              f"optimizer bytes per rank zero0 {b0 / 2**20:.1f} MiB, zero1 {b1 / 2**20:.1f} MiB, "
-              f"ratio {b1 / b0:.3f}", flush=True)
+        t0 = float(np.median(seen[model, 0]))
+        for zero in STAGES:
+            t = float(np.median(seen[model, zero]))
+            o, g, buf = held[model, zero]
+            rows.append({"model": model, "ranks": world.size, "zero": zero, "step_s": t,
+                         "step_ratio": t / t0, "optimizer_bytes": o, "grad_bytes": g,
+                         "bucket_peak_bytes": buf})
+            print(f"{model}, {world.size} ranks, zero {zero}, {a.rounds} rounds x {a.steps} steps "
+                  f"(load {load:.1f}): step {t * 1e3:.1f} ms ({t / t0:.3f} of zero 0); per rank "
+                  f"optimizer {o / 2**20:.1f} MiB, gradients {g / 2**20:.1f} MiB"
+                  + (f", buckets' peak {buf / 2**20:.1f} MiB" if zero == 2 else ""), flush=True)
     scripts.write_tables(a.out, {"zero": rows}, {"load": load, "command": scripts.command_line()})
     return 0
 

@@ -71,7 +71,7 @@ class TrainConfig:
     momentum: float = 0.9               # SGD momentum
     weight_decay: float = 0.0           # decoupled (AdamW) or L2 (SGD); matrices only
     clip: float = 0.0                   # global gradient-norm clip, 0 = off
-    zero: int = 0                       # ZeRO stage: 1 = optimizer state sharded over the dp ranks (each updates 1/dp of the parameters, then they are gathered); 0 = every rank holds all of it
+    zero: int = 0                       # ZeRO stage: 1 = optimizer state sharded over the dp ranks (each updates 1/dp of the parameters, then they are gathered); 2 = gradients too (reduce-scattered per bucket, held only while a bucket is in use); 0 = every rank holds all of it
     divergence: float = 100.0           # a loss above this many times the run's first is named as divergence in the log and the result line (0 = off; a non-finite loss always stops the run)
     # -- parallelism ------------------------------------------------------------------------
     dp: int = 1                         # data-parallel replicas (world size = dp * tp * pp)
@@ -202,7 +202,7 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
     "n_heads": AT_LEAST_1, "block_size": AT_LEAST_1, "dropout": UNIT, "max_plays": AT_LEAST_0,
     "steps": AT_LEAST_0, "epochs": AT_LEAST_0, "batch_size": AT_LEAST_1, "lr": POSITIVE,
     "min_lr": AT_LEAST_0, "warmup": AT_LEAST_0, "momentum": UNIT, "weight_decay": AT_LEAST_0,
-    "clip": AT_LEAST_0, "divergence": AT_LEAST_0, "zero": Range(0, 1),
+    "clip": AT_LEAST_0, "divergence": AT_LEAST_0, "zero": Range(0, 2),
     "dp": AT_LEAST_1, "tp": AT_LEAST_1, "pp": AT_LEAST_1,
     "microbatches": AT_LEAST_1, "virtual": AT_LEAST_1, "pad_vocab": AT_LEAST_0,
     "grad_accum": AT_LEAST_1, "bucket_mb": POSITIVE, "rebalance_every": AT_LEAST_1,
@@ -286,6 +286,12 @@ def combination_errors(c: TrainConfig) -> list[str]:
     need(not (c.speeds and c.balance != "proportional"),
          f"speeds={c.speeds!r} with balance={c.balance!r}: fixed speeds set proportional "
          f"shares (--balance=proportional)")
+    need(not (c.zero == 2 and c.allreduce not in ("mpi", "auto")),
+         f"zero=2 with allreduce={c.allreduce!r}: ZeRO-2 reduce-scatters each bucket with the "
+         f"MPI library; pass --allreduce=mpi or auto")
+    need(not (c.zero == 2 and c.sequence_parallel),
+         "zero=2 with sequence_parallel=true: sequence parallelism sums the replicated "
+         "parameters' whole gradients over tp after the reduction, which ZeRO-2 no longer holds")
     # -- memory --
     need(not (c.remat == "optimal" and not c.memory_budget > 0),
          f"remat='optimal' needs --memory_budget > 0 (MiB), got {c.memory_budget}")

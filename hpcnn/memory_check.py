@@ -70,10 +70,13 @@ def param_count(cfg, data) -> int:
 
 def _state_words(cfg) -> float:
     """Words held per parameter: the parameter, its gradient and the optimizer's slots (with
-    ``--zero=1``, 1/dp of the slots: :mod:`hpcnn.parallel.data.sharded`)."""
+    ``--zero=1``, 1/dp of the slots, with ``--zero=2`` of the gradient too:
+    :mod:`hpcnn.parallel.data.sharded`)."""
     from hpcnn.plan.hybrid import STATE_WORDS
     plain_sgd = cfg.optimizer == "sgd" and cfg.momentum == 0
     slots = STATE_WORDS[cfg.optimizer] - 2 - (1 if plain_sgd else 0)
+    if cfg.zero == 2:                 # the gradient's part too (its buckets' storage aside)
+        return 1 + (1 + slots) / cfg.dp
     return 2 + slots / (cfg.dp if cfg.zero else 1)
 
 

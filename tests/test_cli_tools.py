@@ -166,6 +166,6 @@ def test_plan_prices_zero_stages_when_asked(capsys):
     assert {r["zero"] for r in plain["ranked"]} == {0} and {r["zero"] for r in both["ranked"]} == {0, 1}
     assert both["layouts"] > plain["layouts"]
     assert all(r["layout"].endswith("zero 1") == (r["zero"] == 1) for r in both["ranked"])
-    assert cmd_plan(small + ["--zero=2"]) == 2
-    assert capsys.readouterr().err == ("hpcnn plan: --zero=2: ZeRO stages are 0 and 1, "
-                                       "e.g. --zero=0,1\n")
+    assert cmd_plan(small + ["--zero=3"]) == 2
+    assert capsys.readouterr().err == ("hpcnn plan: --zero=3: ZeRO stages are 0, 1 and 2, "
+                                       "e.g. --zero=0,1,2\n")

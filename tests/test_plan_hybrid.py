@@ -481,3 +481,17 @@ def test_zero1_is_a_layout_dimension_that_memory_can_decide():
     tight = plan(one, m, 8, memory_bytes=(least0 + least1) / 2, zero=(0, 1))
     assert tight[0].feasible and tight[0].layout.zero == 1
     assert not plan(one, m, 8, memory_bytes=(least0 + least1) / 2)[0].feasible
+
+
+def test_zero2_prices_the_gradient_s_part_and_a_reduce_scatter():
+    """At zero 2 a rank also holds 1/dp of the gradient, and its reduction is the
+    reduce-scatter half of the allreduce."""
+    from hpcnn.plan.hybrid import state_words
+    m = Machine()
+    lay1, lay2 = Layout(8, 1, 1, 1, zero=1), Layout(8, 1, 1, 1, zero=2)
+    assert state_words("adamw", lay2) == 1 + 3 / 8 and state_words("sgd", lay2) == 1 + 2 / 8
+    q1, q2 = price(SMALL, lay1, m), price(SMALL, lay2, m)
+    assert q1.memory_bytes - q2.memory_bytes == pytest.approx((1 - 1 / 8) * SMALL.params()
+                                                              * SMALL.word, rel=1e-9)
+    assert q2.parts["dp_comm"] == pytest.approx(q1.parts["dp_comm"] / 2, rel=1e-12)
+    assert q2.parts["optimizer"] == q1.parts["optimizer"] and "zero 2" in str(lay2)

@@ -73,6 +73,8 @@ def calls():
         "reduce_scatter": lambda c: c.reduce_scatter(np.arange(4.0), np.zeros(4)),
         "allgather": lambda c: c.allgather(np.arange(3.0), np.zeros((1, 3))),
         "allgather_parts": lambda c: c.allgather_parts(np.arange(3.0), [3]),
+        "ireduce_scatter_parts": lambda c: _waited(c.ireduce_scatter_parts(
+            np.arange(3.0), np.zeros(3), [3])),
         "alltoallv": lambda c: c.alltoallv(np.arange(4.0), [3], np.zeros(5), [3]),
         "allgather_scalars": lambda c: c.allgather_scalars([1.0, 2.0]),
         "bcast": lambda c: c.bcast(np.arange(3.0)),

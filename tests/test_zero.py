@@ -1,5 +1,5 @@
-"""ZeRO stage 1 (hpcnn/parallel/data/sharded.py): the optimizer state sharded over the
-data-parallel ranks, against zero 0 in float64 on 2, 3 and 4 ranks (tests/mpi/train_zero.py:
+"""ZeRO stages 1 and 2 (hpcnn/parallel/data/sharded.py): the optimizer state, and at stage 2
+the gradients, sharded over the data-parallel ranks, against zero 0 in float64 on 2, 3 and 4 ranks (tests/mpi/train_zero.py:
 MLP with AdamW, SGD with clipping, accumulation and weight decay, weighted speeds; GPT, also
 with remat and the shm allreduce; GCN; at 4 ranks also tp=2 and pp=2 with 1F1B and ZB-H1),
 the slots' memory split, checkpoints across stages, the planner's price of what a rank holds;
@@ -19,7 +19,7 @@ def zero_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_zero1_equals_zero0_and_shards_the_optimizer(n, zero_runs):
+def test_zero1_and_2_equal_zero0_and_shard_the_state(n, zero_runs):
     assert f"train_zero OK on {n} ranks" in zero_runs.stdout(n, "train_zero", CaseRuns.FOLDER)
 
 
@@ -37,10 +37,16 @@ def test_zero_without_data_parallel_ranks_is_a_note(tmp_path, capsys):
     assert "note: --zero=1 with dp=1 changes nothing" in capsys.readouterr().err
 
 
-def test_a_zero_stage_not_built_is_refused(tmp_path, capsys):
-    assert main(["train", "--model=mlp", "--zero=2", f"--log={tmp_path / 'a.h5'}"]) == 2
+@pytest.mark.parametrize("args,words", [
+    (["--zero=3"], "zero=3"),
+    (["--zero=2", "--dp=2", "--allreduce=ring"], "zero=2 with allreduce='ring': ZeRO-2 "
+                                                 "reduce-scatters each bucket with the MPI library"),
+    (["--model=gpt", "--dataset=sonnet", "--zero=2", "--tp=2", "--sequence_parallel=true"],
+     "zero=2 with sequence_parallel=true")])
+def test_what_zero_cannot_run_is_refused_in_one_line(tmp_path, capsys, args, words):
+    assert main(["train", *args, f"--log={tmp_path / 'a.h5'}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hpcnn train: ") and "zero=2" in err and len(err.splitlines()) == 1
+    assert err.startswith("hpcnn train: ") and words in err and len(err.splitlines()) == 1
 
 
 def test_the_memory_check_counts_a_rank_s_part_of_the_slots():

@@ -27,7 +27,7 @@ from hpcnn.parallel.data import hetero
 from hpcnn.schedule import stages as partition, pipeline
 from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.data.bucketed import NONBLOCKING, DataParallel, LocalGradients
-from hpcnn.parallel.data.sharded import ShardedDataParallel, ShardedOptimizer
+from hpcnn.parallel.data.sharded import ShardedDataParallel, ShardedGradients, ShardedOptimizer
 
 
 class ParallelContext:
@@ -120,7 +120,8 @@ class ParallelContext:
             self.engine = LocalGradients(self.local)
             return
         self._check_single_copy()
-        engine = ShardedDataParallel if cfg.zero and self.dp.size > 1 else DataParallel
+        engine = {1: ShardedDataParallel, 2: ShardedGradients}.get(
+            cfg.zero if self.dp.size > 1 else 0, DataParallel)
         self.engine = engine(self.local, self.dp, bucket_mb=cfg.bucket_mb,
                                    algorithm=cfg.allreduce,   # rd and cma block: no overlap
                                    overlap=cfg.overlap and not self.pipelined
@@ -135,12 +136,12 @@ class ParallelContext:
 
     def optimizer(self, make):
         """The run's optimizer: ``make(params)`` over this rank's parameters, or with
-        ``--zero=1`` over dp > 1 ranks the sharded one (:mod:`hpcnn.parallel.data.sharded`)."""
+        ``--zero`` >= 1 over dp > 1 ranks the sharded one (:mod:`hpcnn.parallel.data.sharded`)."""
         if isinstance(self.engine, ShardedDataParallel):
             return ShardedOptimizer(self.engine, make, self.local.params)
         if self.cfg.zero and self.rank == 0:
             print(f"hpcnn: note: --zero={self.cfg.zero} with dp=1 changes nothing: there is no "
-                  f"other data-parallel rank to share the optimizer state with", file=sys.stderr,
+                  f"other data-parallel rank to share the state with", file=sys.stderr,
                   flush=True)
         return make(self.local.params)
 
@@ -214,14 +215,20 @@ class ParallelContext:
         return float(self.pp.bcast(numpy.array([loss_sum]), root=self.owner[-1])[0])
 
     def grad_norm_sq(self, params) -> float:
-        """Squared global gradient norm: tp shards summed over tp, replicated tensors once."""
+        """Squared global gradient norm: tp shards summed over tp, replicated tensors once; at
+        ZeRO-2 (``params``: this rank's parts) the parts summed over dp first."""
         if self.tp.size == 1:
-            return float(self.pp.allreduce_scalars([grad_norm_sq(params)])[0])
-        sharded = [p for p in params if getattr(p, "tp_axis", None) is not None]
-        replicated = [p for p in params if getattr(p, "tp_axis", None) is None]
-        local = grad_norm_sq(sharded) + (grad_norm_sq(replicated) if self.tp.rank == 0 else 0.0)
-        total = float(self.tp.allreduce_scalars([local])[0])
-        return float(self.pp.allreduce_scalars([total])[0])
+            local = grad_norm_sq(params)
+        else:
+            sharded = [p for p in params if getattr(p, "tp_axis", None) is not None]
+            replicated = [p for p in params if getattr(p, "tp_axis", None) is None]
+            local = grad_norm_sq(sharded) + (grad_norm_sq(replicated) if self.tp.rank == 0
+                                             else 0.0)
+        if getattr(self.engine, "shards_gradients", False):
+            local = float(self.dp.allreduce_scalars([local])[0])
+        if self.tp.size > 1:
+            local = float(self.tp.allreduce_scalars([local])[0])
+        return float(self.pp.allreduce_scalars([local])[0])
 
     def free(self) -> None:
         """Release the engine's shared buffers, the remat channel and the grid's communicators."""

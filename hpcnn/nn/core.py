@@ -49,7 +49,7 @@ class Parameter:
     saves a pass over memory and a temporary per step. Reading ``grad`` always gives true values.
     """
 
-    __slots__ = ("data", "_grad", "_zero", "name")
+    __slots__ = ("data", "_grad", "_zero", "name", "_source")
 
     def __init__(self, data, name: str):
         self.data = data
@@ -57,9 +57,33 @@ class Parameter:
         self._grad = data if is_placeholder(data) else backend.xp.zeros_like(data)
         self._zero = False
         self.name = name
+        self._source = None
+
+    def lend_grad(self, source) -> None:
+        """Give up the gradient's storage: from now on ``source(self)`` binds it (and sets it
+        to read as zero) just before the gradient is first read or written (ZeRO-2's buckets,
+        :mod:`hpcnn.parallel.data.sharded`, bind storage only while a bucket is in use);
+        ``source=None`` gives the parameter a private zero gradient again."""
+        self._source = source
+        self._grad = None if source is not None else backend.xp.zeros_like(self.data)
+        self._zero = source is None
+
+    def bind_lent(self, array) -> None:
+        """Bind ``array`` (the parameter's shape) as the lent gradient's storage, read as zero
+        until written (its ``source`` calls this)."""
+        self._grad, self._zero = array, True
+
+    def grad_storage(self):
+        """The gradient's storage as it is (None while lent and unbound), binding nothing."""
+        return self._grad
+
+    def _claim(self) -> None:
+        self._source(self)
 
     @property
     def grad(self):
+        if self._grad is None:
+            self._claim()
         if self._zero:
             self._grad[...] = 0
             self._zero = False
@@ -68,6 +92,8 @@ class Parameter:
     @grad.setter
     def grad(self, value):
         """Assigning copies into the gradient storage (which may be a view of a flat buffer)."""
+        if self._grad is None:
+            self._claim()
         if value is not self._grad:
             self._grad[...] = value
         self._zero = False
@@ -84,6 +110,8 @@ class Parameter:
 
     def add_grad(self, value) -> None:
         """grad += value (written, not added, after zero_grad)."""
+        if self._grad is None:
+            self._claim()
         if self._zero:
             self._grad[...] = value
             self._zero = False
@@ -92,6 +120,8 @@ class Parameter:
 
     def add_matmul(self, a, b) -> None:
         """grad += a @ b for 2-D a, b whose product has grad's size (reshaped to grad's shape)."""
+        if self._grad is None:
+            self._claim()
         if self._zero:
             backend.xp.matmul(a, b, out=self._grad.reshape(a.shape[0], b.shape[1]))
             self._zero = False

@@ -52,9 +52,19 @@ STATE_WORDS = {"adamw": 4, "sgd": 3}
 
 def state_words(optimizer: str, layout=None) -> float:
     """Words a rank holds per parameter: the parameter, its gradient and the optimizer's slots
-    (:data:`STATE_WORDS`), of which a ``layout`` with ``zero=1`` holds 1/dp."""
+    (:data:`STATE_WORDS`), of which a ``layout`` with ``zero=1`` holds 1/dp, with ``zero=2``
+    of the gradient too (the buckets' storage while in use aside)."""
     slots = STATE_WORDS[optimizer] - 2
-    return 2 + (slots / layout.dp if layout is not None and layout.zero else slots)
+    zero = layout.zero if layout is not None else 0
+    if zero == 2:
+        return 1 + (1 + slots) / layout.dp
+    return 2 + (slots / layout.dp if zero else slots)
+
+
+def reduced_share(layout) -> float:
+    """The share of a ring allreduce the gradients' reduction costs: all of it, or at ZeRO-2
+    its reduce-scatter half (each rank receives its part only)."""
+    return 0.5 if layout.zero == 2 and layout.dp > 1 else 1.0
 
 
 def sharded_update_seconds(local_params: float, layout, machine, word: int,
@@ -170,7 +180,8 @@ class Layout:
     schedule: str = "1f1b"
     remat: str = "none"
     stages: tuple = ()      # transformer blocks per stage; () the uniform cut, n_layers / pp each
-    zero: int = 0           # ZeRO stage (hpcnn/parallel/data/sharded.py): 1 = slots over dp
+    zero: int = 0           # ZeRO stage (hpcnn/parallel/data/sharded.py): 1 = slots over dp,
+    #                         2 = and the gradients
 
     def __post_init__(self):
         if self.stages and (len(self.stages) != self.pp or min(self.stages) < 1):
@@ -346,7 +357,7 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     # embedding's and position tables too
     local_params = _stage_params(model, layout, 0, per_stage, True)
     dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp),
-                            after=t_b)
+                            after=t_b) * reduced_share(layout)
     opt_s = sharded_update_seconds(local_params, layout, machine, model.word, optimizer)
     held_s = held_seconds(model, layout, machine)
     return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
@@ -470,7 +481,8 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     _, pp_s = _messages(model, layout, machine, max(t_f))
     params = [_stage_params(model, layout, s, n, s in heads) for s, n in enumerate(layout.stages)]
     level = machine.level_for_group(layout.tp * layout.dp)
-    reduce = [(ring_allreduce_s(q * word, layout.dp, level, after=max(t_b)),
+    reduce = [(ring_allreduce_s(q * word, layout.dp, level, after=max(t_b))
+               * reduced_share(layout),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
     memory = max(_stage_memory(model, layout, s, n, s in heads, optimizer)
                  for s, n in enumerate(layout.stages))
@@ -570,7 +582,7 @@ def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMA
     pp dividing the layers, micro-batches M a power of two with dp x M dividing the batch (and
     M >= pp for the pipelined schedules' steady state), each schedule and remat choice (no
     rematerialized zero-bubble schedule: their split backward is not rematerialized), each
-    ZeRO stage of ``zero`` (stage 1 only where dp > 1).
+    ZeRO stage of ``zero`` (stages 1 and 2 only where dp > 1).
 
     With a ``machine``, each pipelined choice (pp > 1) with pp x M <= :data:`STAGE_CUT_PASSES`
     also comes with explicit stages cut by :func:`stage_cut` for that machine and

@@ -1,7 +1,8 @@
-"""--zero=1 equals --zero=0 (float64, 1e-10): losses, parameters and the whole optimizer state
-(read back from each run's final checkpoint), on every layout this world size allows; each
-rank's optimizer holds 1/dp of the slots (the run log's account); a checkpoint saved at zero 1
-resumes at zero 0 and the reverse, as the uninterrupted run.
+"""--zero=1 and --zero=2 equal --zero=0 (float64, 1e-10): losses, parameters and the whole
+optimizer state (read back from each run's final checkpoint), on every layout this world size
+allows; each rank's optimizer holds 1/dp of the slots, and at zero 2 1/dp of the gradient (the
+run log's account); a checkpoint saved at zero 1 resumes at zero 0 and the reverse, as the
+uninterrupted run.
 
     mpiexec -n N python -m mpi4py tests/mpi/train_zero.py TMPDIR
 """
@@ -61,7 +62,8 @@ layouts = {"mlp-adamw": [*MLP, f"--dp={p}"],
            "mlp-speeds-weighted": [*MLP, f"--dp={p}", "--balance=proportional",
                                    "--speeds=" + ",".join(str(i + 1) for i in range(p))],
            "gpt": [*GPT, f"--dp={p}", "--clip=1.0"],
-           "gpt-remat-shm": [*GPT, f"--dp={p}", "--remat=sqrt", "--allreduce=shm"],
+           "gpt-remat": [*GPT, f"--dp={p}", "--remat=sqrt"],
+           "gpt-shm": [*GPT, f"--dp={p}", "--allreduce=shm"],
            "gcn": ["--model=gcn", f"--dp={p}"]}
 if p == 4:
     layouts.update({"gpt-tp2": [*GPT, "--dp=2", "--tp=2"],
@@ -69,17 +71,34 @@ if p == 4:
                                      "--microbatches=2", "--schedule=1f1b"],
                     "gpt-pp2-zbh1": [*GPT, "--dp=2", "--pp=2", "--n_layers=2",
                                      "--microbatches=2", "--schedule=zb_h1"]})
+def plans(*runs):
+    return [read_run(r[1]).plan for r in runs]
+
+
 for name, args in layouts.items():
     zero0, zero1 = run(f"{name}-z0", *args), run(f"{name}-z1", *args, "--zero=1")
     same(name, zero0, zero1)
+    zero2 = None if "--allreduce=shm" in args else run(f"{name}-z2", *args, "--zero=2")
+    if zero2 is not None:
+        same(name + " zero 2", zero0, zero2)
     if rank == 0:             # each rank's optimizer: its part of the slots, plus its scratch
-        held = [read_run(r[1]).plan["optimizer_bytes_per_rank"] for r in (zero0, zero1)]
-        dp = int(read_run(zero1[1]).plan["dp"])
+        p0, p1 = plans(zero0, zero1)
+        held = [p["optimizer_bytes_per_rank"] for p in (p0, p1)]
+        dp = int(p1["dp"])
         assert max(held[1]) <= max(held[0]) / dp * 1.5, (name, held)
         assert sum(held[1]) < sum(held[0]), (name, held)
+        assert p1["grad_bytes_per_rank"] == p0["grad_bytes_per_rank"], name
+    if rank == 0 and zero2 is not None:       # stage 2: the gradient's parts, 1/dp each
+        p2, = plans(zero2)
+        whole, parts = max(p0["grad_bytes_per_rank"]), p2["grad_bytes_per_rank"]
+        if dp == p:           # (the parts of every dp group: one group when dp is the world)
+            assert 0 <= whole - sum(parts) <= 2 * 8, (name, whole, parts)  # less the sentinels
+        assert max(parts) <= whole / dp + 2 * 8, (name, whole, parts)
+        assert max(p2["grad_buffer_peak_bytes_per_rank"]) <= whole, name
 
-# the planner's price of what a rank holds (parameters, gradients, optimizer state and its
-# scratch: hpcnn.plan.hybrid._stage_memory less the activations) is the runs' account within 5 %
+# the planner's price of what a rank holds (parameters, gradients or their part, optimizer state
+# and its scratch: hpcnn.plan.hybrid._stage_memory less the activations) is the runs' account
+# within 5 %, at each stage
 if rank == 0:
     from hpcnn import datasets
     from hpcnn.config import padded_vocab
@@ -88,7 +107,7 @@ if rank == 0:
     model = hybrid.Transformer(cfg.n_layers, cfg.dim, cfg.n_heads, seq=cfg.block_size,
                                vocab=padded_vocab(datasets.for_config(cfg).vocab, cfg),
                                batch=cfg.batch_size, dtype="float64")
-    for zero in (0, 1):
+    for zero in (0, 1, 2):
         plan = read_run(os.path.join(tmp, f"gpt-z{zero}.h5")).plan
         held = max(map(sum, zip(*(plan[k] for k in ("param_bytes_per_rank", "grad_bytes_per_rank",
                                                      "optimizer_bytes_per_rank")))))

@@ -290,6 +290,26 @@ class Communicator(ObjectCalls):
                         lambda: self.comm.Allgather(s, r))
         return recvbuf
 
+    def ireduce_scatter_parts(self, sendbuf, recvbuf, counts) -> Request:
+        """Start: ``recvbuf`` = this rank's part (``counts[rank]`` elements, after the earlier
+        ranks' parts) of the element-wise sum of every rank's flat ``sendbuf``
+        (``MPI_Ireduce_scatter``; uneven parts, zeros included); ``wait()`` the request.
+        Counted under ``ireduce_scatter`` as the bytes of the parts the others receive."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != sendbuf.size or \
+                recvbuf.size != counts[self.rank]:
+            raise ValueError(f"ireduce_scatter_parts: counts {counts} for {self.size} ranks, a "
+                             f"send buffer of {sendbuf.size} and a receive buffer of "
+                             f"{recvbuf.size} elements")
+        t0 = _perf()
+        if self.size == 1:
+            recvbuf[...] = sendbuf
+            return _SelfRequest(self.stats, "ireduce_scatter")
+        backend.sync()
+        req = self.comm.Ireduce_scatter(sendbuf, recvbuf, counts, op=_mpi().SUM)
+        nbytes = (sendbuf.size - counts[self.rank]) * sendbuf.itemsize
+        return Request([req], self.stats, "ireduce_scatter", nbytes, t0).at(self.name)
+
     def allgather_parts(self, buf, counts):
         """In place: rank r's part of the flat, contiguous ``buf`` (``counts[r]`` elements after
         the earlier ranks' parts) copied into every rank's ``buf`` (``MPI_Allgatherv`` with

@@ -95,6 +95,9 @@ class Bucket:
     params: list
     view: object = None
     last: bool = False
+    counts: list = None          # ZeRO-2 (hpcnn.parallel.data.sharded): its elements per rank's
+    at: int = 0                  # part, where they start in this rank's part, the storage's
+    source: object = None        # binder
 
 
 class DataParallel:
@@ -259,11 +262,15 @@ class DataParallel:
                 r.wait()
             info = {"wait_s": time.perf_counter() - t, "reduce_s": self._reduce_s,
                     "bytes": self.nbytes, "buckets": len(self.order)}
+            self._reduced()
             if self.check_finite:
                 self._check(step)
             return info
         finally:
             self._reset()
+
+    def _reduced(self) -> None:
+        """Every bucket of the step is reduced (a subclass frees what it no longer needs)."""
 
     def _check(self, step: int) -> None:
         # sentinels and reduced buffers are the same on every rank: all take the same branches

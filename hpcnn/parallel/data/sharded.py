@@ -1,5 +1,5 @@
-"""ZeRO stage 1: the optimizer state sharded over the data-parallel ranks (Rajbhandari et al.,
-SC'20).
+"""ZeRO stages 1 and 2: the optimizer state, and at stage 2 the gradients, sharded over the
+data-parallel ranks (Rajbhandari et al., SC'20).
 
 :class:`ShardedDataParallel` reduces the gradients as :class:`~hpcnn.parallel.data.bucketed.
 DataParallel` does (buckets allreduced during the backward, the weighted combine unchanged) and
@@ -12,20 +12,23 @@ element-wise arithmetic as an unsharded step's), so its slots (momentum, AdamW's
 1/dp of the memory; then every rank's updated part is gathered into every rank's buffer (one
 ``MPI_Allgatherv`` in place per dtype).
 
-The gradients stay whole on every rank, so clipping sees the global norm as before. A checkpoint
+At stage 1 the gradients stay whole on every rank, so clipping sees the global norm as before;
+stage 2 (:class:`ShardedGradients`) reduce-scatters them per bucket instead. A checkpoint
 holds the whole state: :meth:`ShardedOptimizer.full_state` assembles each slot over the ranks
 (collective), and :meth:`ShardedOptimizer.set_slot` keeps this rank's part of a resumed one, so
 a checkpoint moves between zero stages, dp sizes and layouts.
 
-    mpiexec -n 2 python -m mpi4py -m hpcnn train --model=mlp --dp=2 --zero=1
+    mpiexec -n 2 python -m mpi4py -m hpcnn train --model=mlp --dp=2 --zero=2
 """
 from __future__ import annotations
+
+import math
 
 import numpy
 
 from hpcnn import backend
 from hpcnn.nn.optim import decays
-from hpcnn.parallel.data.bucketed import DataParallel
+from hpcnn.parallel.data.bucketed import Bucket, DataParallel
 
 
 def bounds(n: int, parts: int) -> list[int]:
@@ -39,16 +42,25 @@ class Segment:
     the parameter at each use (its storage, a shared window during the run, is rebound to
     private memory when the engine is released: no view of the window may outlive it)."""
 
-    __slots__ = ("full", "lo", "hi", "data", "name", "tp_axis")
+    __slots__ = ("full", "lo", "hi", "data", "name", "tp_axis", "part")
 
-    def __init__(self, full, lo: int, hi: int):
+    def __init__(self, full, lo: int, hi: int, part=None):
         self.full, self.lo, self.hi, self.name = full, lo, hi, full.name
         self.data = full.data.reshape(-1)[lo:hi]
         self.tp_axis = getattr(full, "tp_axis", None)
+        self.part = part           # ZeRO-2: the reduced gradient's elements, in the rank's part
 
     @property
     def grad(self):
+        if self.part is not None:
+            return self.part
         return self.full.grad.reshape(-1)[self.lo:self.hi]
+
+    @grad.setter
+    def grad(self, value):           # (``seg.grad *= s`` assigns the scaled view back)
+        g = self.grad
+        if value is not g:
+            g[...] = value
 
     @property
     def size(self) -> int:
@@ -78,17 +90,23 @@ class ShardedDataParallel(DataParallel):
             self.pflats.append(flat)
             self.bounds.append(bounds(int(offs[-1]), comm.size))
 
+    shards_gradients = False         # stage 1: every rank holds the whole reduced gradient
+
     def segments(self) -> list[Segment]:
         """This rank's part of every flat buffer, as one :class:`Segment` per parameter it
         touches (a parameter at most once)."""
         out, r = [], self.comm.rank
-        for (ps, offs), cut in zip(self.groups, self.bounds):
+        for k, ((ps, offs), cut) in enumerate(zip(self.groups, self.bounds)):
             a, b = cut[r], cut[r + 1]
             for p, o in zip(ps, offs):
                 lo, hi = max(a, o) - o, min(b, o + p.size) - o
                 if lo < hi:
-                    out.append(Segment(p, lo, hi))
+                    out.append(Segment(p, lo, hi, self._part_view(k, o + lo - a, hi - lo)))
         return out
+
+    def _part_view(self, k: int, at: int, n: int):
+        """Stage 1: None (a segment's gradient is a view of the whole one)."""
+        return None
 
     def gather_parameters(self) -> None:
         """Every rank's updated part into every rank's parameters (one allgather per dtype)."""
@@ -115,6 +133,8 @@ class ShardedOptimizer:
         self.inner = make(self.segments)
         self.inner.decay = {s.name: decays(s.full) for s in self.segments}
         self._segment = {s.name: s for s in self.segments}
+        # what clipping scales: the whole gradients, or at stage 2 this rank's part of them
+        self.clipped = self.segments if engine.shards_gradients else self.params
 
     @property
     def state(self) -> dict:
@@ -151,3 +171,116 @@ class ShardedOptimizer:
         s = self._segment.get(name)
         if s is not None:
             self.inner.state[f"{name}/{slot}"] = array.reshape(-1)[s.lo:s.hi].copy()
+
+
+class ShardedGradients(ShardedDataParallel):
+    """ZeRO stage 2: :class:`ShardedDataParallel` whose gradients are sharded too. Buckets hold
+    whole parameters (one larger than ``bucket_mb`` alone); a bucket's gradient storage is
+    bound when the backward first writes one of its parameters (:meth:`hpcnn.nn.core.Parameter.
+    lend_grad`), reduce-scattered over the ranks when it is final (``MPI_Ireduce_scatter``,
+    started during the backward as the allreduce is at stage 0), each rank receiving the
+    elements of its part into ``flats`` (its reduced gradient, 1/dp), and freed once reduced.
+    Finite: each rank tests its part; one small allgather names the ranks whose own gradient
+    was not. Clipping sums the parts' squares over dp (``shards_gradients``)."""
+
+    shards_gradients = True
+
+    def _layout(self, params, owner) -> None:
+        k, dtype = len(self.flats), params[0].data.dtype
+        offs = numpy.cumsum([0] + [p.size for p in params])
+        cut = bounds(int(offs[-1]), self.comm.size)
+        self.flats.append(backend.xp.zeros(cut[self.comm.rank + 1] - cut[self.comm.rank], dtype))
+        step, start = max(1, int(self.bucket_mb * 2 ** 20) // dtype.itemsize), 0
+        while start < len(params):
+            end = start + 1
+            while end < len(params) and offs[end + 1] - offs[start] <= step:
+                end += 1
+            ps = params[start:end]
+            b = Bucket(k, int(offs[start]), int(offs[end]), min(owner[id(p)] for p in ps), ps,
+                       last=end == len(params))
+            b.counts = [max(0, min(b.hi, cut[q + 1]) - max(b.lo, cut[q]))
+                        for q in range(self.comm.size)]
+            b.at = max(0, b.lo - cut[self.comm.rank])        # where its part starts in mine
+            b.source = lambda _p, b=b: self._bind(b)
+            for p in ps:
+                p.lend_grad(b.source)
+            self.buckets.append(b)
+            start = end
+        self.live_bytes = self.peak_bytes = 0
+
+    def __init__(self, model, comm, **kw):
+        super().__init__(model, comm, **kw)
+        self.nbytes = sum((b.hi - b.lo) * self.flats[b.flat].itemsize for b in self.buckets)
+
+    def _part_view(self, k: int, at: int, n: int):
+        return self.flats[k][at:at + n]
+
+    def _bind(self, b) -> None:
+        """Storage for bucket ``b``'s gradients (read as zero until written)."""
+        b.view = backend.xp.empty(b.hi - b.lo, dtype=self.flats[b.flat].dtype)
+        o = 0
+        for q in b.params:
+            q.bind_lent(b.view[o:o + q.size].reshape(q.shape))
+            o += q.size
+        self.live_bytes += b.view.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _free(self, b) -> None:
+        if b.view is not None:
+            self.live_bytes -= b.view.nbytes
+        for q in b.params:
+            q.lend_grad(b.source)
+        b.view = None
+
+    def _launch(self, b) -> None:
+        if b.view is None:
+            self._bind(b)                              # nothing written this step: zeros
+        for p in b.params:
+            p.grad                                     # a lazy zero written now
+        if self.check_finite:
+            with numpy.errstate(over="ignore", invalid="ignore"):
+                sq = float(backend.xp.dot(b.view, b.view))
+            if not math.isfinite(sq) and not self._local_bad:
+                self._local_bad = not bool(backend.xp.isfinite(b.view).all())
+        mine = self.flats[b.flat][b.at:b.at + b.counts[self.comm.rank]]
+        req = self.comm.ireduce_scatter_parts(b.view, mine, b.counts)
+        self._reqs.append(req)
+        self._inflight.append((req, b))
+
+    def _launch_ready(self, i: int) -> None:
+        """As at stage 0, then free the storage of every bucket whose reduction is done."""
+        super()._launch_ready(i)
+        still = []
+        for r, b in self._inflight:
+            if r.done:
+                self._free(b)
+            else:
+                still.append((r, b))
+        self._inflight = still
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._inflight = []
+
+    def _reduced(self) -> None:
+        """Every bucket reduce-scattered: free the storage of those not freed yet."""
+        for b in self.buckets:
+            self._free(b)
+
+    def _check(self, step: int) -> None:
+        bad = not all(bool(backend.xp.isfinite(f).all()) for f in self.flats)
+        flags = self.comm.allgather_scalars([1.0 if bad else 0.0,
+                                             1.0 if self._local_bad else 0.0])
+        if flags[:, 0].any():
+            ranks = ", ".join(str(int(r)) for r in numpy.flatnonzero(flags[:, 1]))
+            raise FloatingPointError(f"non-finite gradient at step {step} on rank(s) "
+                                     f"{ranks or 'none (the sum overflowed)'}")
+
+    def auto_sizes(self) -> list[int]:
+        return []
+
+    def release(self) -> None:
+        """Private zero gradients again; the parts dropped."""
+        for p in self.params:
+            p.lend_grad(None)
+        self.flats, self.buckets, self.order, self._reqs = [], [], [], []
