@@ -1,9 +1,10 @@
 """ZeRO stages 1 and 2 (hpcnn/parallel/data/sharded.py): the optimizer state, and at stage 2
-the gradients, sharded over the data-parallel ranks, against zero 0 in float64 on 2, 3 and 4 ranks (tests/mpi/train_zero.py:
-MLP with AdamW, SGD with clipping, accumulation and weight decay, weighted speeds; GPT, also
-with remat and the shm allreduce; GCN; at 4 ranks also tp=2 and pp=2 with 1F1B and ZB-H1),
-the slots' memory split, checkpoints across stages, the planner's price of what a rank holds;
-and the parts, the note and the refusal on their own."""
+the gradients, sharded over the data-parallel ranks, against zero 0 in float64
+(tests/mpi/train_zero.py; at 2 ranks: MLP with AdamW, SGD with clipping, accumulation and
+weight decay, weighted speeds; GPT, also with remat and the shm allreduce; GCN; at 3 ranks
+(uneven parts) the SGD, weighted and GPT cases; at 4 ranks dp = 4, tp = 2 and pp = 2 with 1F1B
+and ZB-H1), the memory split, checkpoints across stages, the planner's price of what a rank
+holds; and the parts, the note and the refusals on their own."""
 import numpy as np
 import pytest
 
