@@ -138,5 +138,31 @@ for first, then in ((1, 0), (0, 2), (2, 1)) if p == 2 else ():
     if rank == 0:
         a, b = read_run(whole).metrics["loss"][10:], read_run(resumed).metrics["loss"]
         assert len(b) == 10 and np.max(np.abs(a - b)) < 1e-10, (first, a - b)
+# stage 2 on its own: a NaN in rank 1's batch is named on every rank (its part of the reduced
+# gradient is not finite), then the next step's parts are finite again; between steps no
+# gradient storage is bound
+if p == 2:
+    from hpcnn.nn import models
+    from hpcnn.parallel.collectives import world as communicator
+    from hpcnn.parallel.data.sharded import ShardedGradients
+    model = models.mlp(8, (16, 16), 4, dtype=np.float64)
+    engine = ShardedGradients(model, communicator(), bucket_mb=1e-3)
+    x = np.random.default_rng(rank).standard_normal((6, 8))
+    y = np.arange(6) % 4
+    for step, bad in ((7, rank == 1), (8, False)):
+        xs = x.copy()
+        if bad:
+            xs[0, 3] = np.nan
+        engine.zero_grad()
+        _, caches = model.forward(xs, y)
+        engine.backward(0.5, caches)
+        try:
+            engine.finish(step)
+            assert step == 8, "a NaN gradient was not reported"
+        except FloatingPointError as e:
+            assert step == 7 and str(e) == "non-finite gradient at step 7 on rank(s) 1", e
+        assert all(q.grad_storage() is None for q in model.params), step
+    assert all(np.isfinite(f).all() for f in engine.flats)
+    engine.release()
 if rank == 0:
     print(f"train_zero OK on {p} ranks", flush=True)
