@@ -62,3 +62,18 @@ def test_the_memory_check_counts_a_rank_s_part_of_the_slots():
                                                        "--zero=1"]).resolved(), data)
     n = memory_check.param_count(cfg0, data)
     assert need0 - need1 == pytest.approx((2 - 2 / 4) * n * 4)
+
+
+def test_report_prints_each_rank_s_memory_and_stage_2_s_buckets():
+    from hpcnn.log.report import _memory_lines
+    plan = {"zero": 2, "param_bytes_per_rank": [2**20, 2**20],
+            "grad_bytes_per_rank": [2**19, 2**19], "optimizer_bytes_per_rank": [3 * 2**19] * 2,
+            "peak_activation_bytes_per_rank": [5 * 2**20] * 2,
+            "grad_buffer_peak_bytes_per_rank": [2**20, 2**19]}
+    assert _memory_lines(plan) == [
+        "memory   per rank (zero 2), MiB: parameters, gradients, optimizer, activations, "
+        "gradient buckets' peak",
+        "         rank 0: 1.0, 0.5, 1.5, 5.0, 1.0", "         rank 1: 1.0, 0.5, 1.5, 5.0, 0.5"]
+    assert _memory_lines(dict(plan, zero=0))[0].endswith("optimizer, activations")
+    assert len(_memory_lines(dict(plan, param_bytes_per_rank=[1] * 10))) == 1 + 8 + 1
+    assert _memory_lines({}) == []

@@ -126,13 +126,16 @@ MEMORY_PARTS = (("parameters", "param_bytes_per_rank"), ("gradients", "grad_byte
 def _memory_lines(plan: dict, shown: int = 8) -> list[str]:
     """One line per rank (the first ``shown``) of the bytes it held: parameters, gradients,
     optimizer state and scratch, peak activations (the run's own account, :func:`hpcnn.engine.
-    record.record_memory`), with the ZeRO stage when it shards."""
+    record.record_memory`), with the ZeRO stage when it shards (at stage 2 also the peak of
+    the gradient buckets' storage)."""
     if "param_bytes_per_rank" not in plan:
         return []
-    got = [plan.get(key) or [] for _, key in MEMORY_PARTS]
     zero = int(plan.get("zero", 0) or 0)
+    parts = MEMORY_PARTS + ((("gradient buckets' peak", "grad_buffer_peak_bytes_per_rank"),)
+                            if zero == 2 else ())
+    got = [plan.get(key) or [] for _, key in parts]
     out = [f"memory   per rank{f' (zero {zero})' if zero else ''}, MiB: "
-           + ", ".join(name for name, _ in MEMORY_PARTS)]
+           + ", ".join(name for name, _ in parts)]
     for r in range(min(shown, len(got[0]))):
         out.append(f"         rank {r}: " + ", ".join(
             f"{float(g[r]) / 2**20:.1f}" if r < len(g) else "-" for g in got))
