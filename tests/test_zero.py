@@ -19,9 +19,22 @@ def zero_runs(tmp_path_factory):
                     folder=tmp_path_factory.mktemp("zero"), timeout=240)
 
 
+@pytest.fixture(scope="module")
+def every_zero_run(tmp_path_factory):           # (jobs of their own: make test-long only)
+    return CaseRuns([(n, "train_zero", (CaseRuns.FOLDER, "--every")) for n in (3, 4)],
+                    folder=tmp_path_factory.mktemp("zero-every"), timeout=240)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_zero1_and_2_equal_zero0_and_shard_the_state(n, zero_runs):
     assert f"train_zero OK on {n} ranks" in zero_runs.stdout(n, "train_zero", CaseRuns.FOLDER)
+
+
+@pytest.mark.long     # ~30 s: every case, and the resumes, at 3 and 4 ranks as well
+@pytest.mark.parametrize("n", [3, 4])
+def test_every_zero_case_at_3_and_4_ranks(n, every_zero_run):
+    assert f"train_zero OK on {n} ranks" in every_zero_run.stdout(n, "train_zero",
+                                                                  CaseRuns.FOLDER, "--every")
 
 
 def test_parts_cover_every_element_once_nearly_evenly():

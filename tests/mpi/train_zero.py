@@ -4,7 +4,7 @@ allows; each rank's optimizer holds 1/dp of the slots, and at zero 2 1/dp of the
 run log's account); a checkpoint saved at one stage resumes at another as the uninterrupted
 run.
 
-    mpiexec -n N python -m mpi4py tests/mpi/train_zero.py TMPDIR
+    mpiexec -n N python -m mpi4py tests/mpi/train_zero.py TMPDIR [--every]
 """
 import os
 import sys
@@ -20,6 +20,7 @@ from hpcnn.train import train
 world = MPI.COMM_WORLD
 rank, p = world.Get_rank(), world.Get_size()
 tmp = sys.argv[1]
+every = "--every" in sys.argv[2:]        # every case at every size (make test-long)
 GPT = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_size=12",
        "--batch_size=12"]
 MLP = ["--model=mlp", "--hidden=16,24", "--batch_size=24"]
@@ -65,10 +66,11 @@ layouts = {"mlp-adamw": [*MLP, f"--dp={p}"],
            "gpt-remat": [*GPT, f"--dp={p}", "--remat=sqrt"],
            "gpt-shm": [*GPT, f"--dp={p}", "--allreduce=shm"],
            "gcn": ["--model=gcn", f"--dp={p}"]}
-if p == 3:      # (uneven parts: three cases; the rest ran at 2 ranks)
+if p == 3 and not every:     # (uneven parts: three cases; the rest ran at 2 ranks)
     layouts = {k: layouts[k] for k in ("mlp-sgd-clip-accum", "mlp-speeds-weighted", "gpt")}
-if p == 4:      # the layouts that need 4 ranks, and one at dp = 4
-    layouts = {"mlp-adamw": layouts["mlp-adamw"], "gpt-tp2": [*GPT, "--dp=2", "--tp=2"],
+if p == 4:      # the layouts that need 4 ranks, and (unless every) one at dp = 4
+    layouts = {**(layouts if every else {"mlp-adamw": layouts["mlp-adamw"]}),
+               "gpt-tp2": [*GPT, "--dp=2", "--tp=2"],
                "gpt-pp2-1f1b": [*GPT, "--dp=2", "--pp=2", "--n_layers=2",
                                 "--microbatches=2", "--schedule=1f1b"],
                "gpt-pp2-zbh1": [*GPT, "--dp=2", "--pp=2", "--n_layers=2",
@@ -130,7 +132,7 @@ def twenty(name, *args):
     return log
 
 
-for first, then in ((1, 0), (0, 2), (2, 1)) if p == 2 else ():
+for first, then in ((1, 0), (0, 2), (2, 1)) if p == 2 or every else ():
     ck = os.path.join(tmp, f"at-{first}-{{step}}.h5")
     whole = twenty(f"whole-{first}", f"--zero={first}", f"--checkpoint={ck}",
                    "--checkpoint_every=10")
