@@ -23,14 +23,14 @@ communicator of its own), so all ranks read the same answer at the same point, e
 signal reached only some of them or at different times. While steps are short (under
 :data:`BLOCKING_STRETCH_S`) the reduction started at one safe point is completed at the next, so
 it overlaps a step and costs no synchronisation, and the run stops one short step after the
-first point every rank reaches; once they are longer it is completed at once (one rendezvous, a
-small part of such a step) and the run stops at that first point. A checkpoint being written is abandoned on an interrupt (its temporary file
-removed, the previous checkpoint kept; :func:`hpcnn.checkpoint.save`'s ``abandon``).
+first point every rank reaches; once they are longer it is completed at once (one rendezvous)
+and the run stops at that first point. An interrupt abandons a checkpoint being written
+(:func:`hpcnn.checkpoint.save`'s ``abandon``: the previous checkpoint kept).
 
 A second interrupt ends the process at once, and so does a first one that is not honoured within
 the grace period (:meth:`StopSignals.grace`: three times the longest stretch between two safe
-points measured so far, at least :data:`GRACE_SECONDS`; before the first is measured, the
-``--hang_timeout``): a rank stuck in a collective because a peer is gone. Then ``last_words``
+points :meth:`StopSignals.poll` has measured, at least :data:`GRACE_SECONDS`; before one is,
+the ``--hang_timeout``): a rank stuck in a collective because a peer is gone. Then ``last_words``
 (the run's: rank 0 closes the log as ``"interrupted"`` with every row it holds and the reason)
 runs before the exit with 128 + the signal, from a thread of its own, so that a write of the log
 in progress on the main thread completes first. Already at the first interrupt ``first_words``
@@ -72,7 +72,8 @@ def _noted(signum, frame) -> None:
 class StopSignals:
     """Signal handlers for one run and the agreement on when to stop (collective: make it on
     every rank of ``comm``: a Communicator, an MPI communicator, or None for a serial run).
-    ``first_grace``: the grace (s) before any stretch is measured (:meth:`took`).
+    ``first_grace``: the grace (s) before any stretch between two safe points is measured
+    (:meth:`poll` measures them).
 
     Handlers are installed only from the main thread and restored by :meth:`close`.
     """
@@ -122,11 +123,6 @@ class StopSignals:
                     if signum in numbers:
                         self._handle(signum, None)
         threading.Thread(target=loop, name="hpcnn-signals", daemon=True).start()
-
-    def took(self, seconds: float) -> None:
-        """A stretch between two safe points (a step, an evaluation round, a checkpoint) took
-        ``seconds``: the grace of a later interrupt grows with the longest."""
-        self.longest = max(self.longest, float(seconds))
 
     def grace(self) -> float:
         """Seconds an interrupt waits to be honoured before the process ends on its own."""
@@ -190,10 +186,12 @@ class StopSignals:
         stretch longer than :data:`BLOCKING_STRETCH_S` (a bit carried by the same reduction,
         so that every rank switches at the same call), it is completed at once and a signal
         is agreed at the first safe point after it."""
-        now = time.perf_counter()
-        slow = int(self._since is not None and now - self._since > BLOCKING_STRETCH_S)
+        stretch = 0.0 if self._since is None else time.perf_counter() - self._since
+        self.longest = max(self.longest, stretch)       # (the grace grows with the longest)
+        slow = int(stretch > BLOCKING_STRETCH_S)
         if self.comm is None:
             self.agreed = self.local
+            self._since = time.perf_counter()
             return self.agreed
         if self._req is not None:
             self._req.wait()

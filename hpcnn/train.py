@@ -155,8 +155,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
 def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
     """The steps from ``start``: train, checkpoint, evaluate, log; returns the last row. Ends
     early at a safe point where every rank agrees a signal came (:mod:`hpcnn.signals`): the
-    pending rows flushed, and on the stop signal a checkpoint of the steps done. Each step,
-    checkpoint and evaluation round is timed for the signals' grace period."""
+    pending rows flushed, and on the stop signal a checkpoint of the steps done."""
     pending_rows, pending_events, last, saved_at = [], [], {}, -1
     task.model.train()
     for step in range(start, task.steps):
@@ -165,9 +164,7 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
             flush_ranks(ctx, log, pending_rows, pending_events)
             _stopped_at(cfg, ctx, opt, step, signals, say, saved=saved_at == step)
             break
-        t0 = time.perf_counter()
         row, rank_row, events = train_step(ctx, task, opt, step, t_start)
-        signals.took(time.perf_counter() - t0)
         if ctx.traced is not None:                   # --show_schedule, after the first step
             show_schedule(ctx, log, say)
         pending_rows.append(rank_row)
@@ -199,9 +196,8 @@ def _checkpointed(cfg, ctx, opt, done: int, steps: int, signals, say) -> bool:
     if not cfg.checkpoint or not (done == steps or (cfg.checkpoint_every and
                                                     done % cfg.checkpoint_every == 0)):
         return False
-    path, t0 = cfg.checkpoint.replace("{step}", str(done)), time.perf_counter()
+    path = cfg.checkpoint.replace("{step}", str(done))
     saved = checkpoint.save(path, done, cfg, opt.params, opt, ctx, abandon=signals.interrupted)
-    signals.took(time.perf_counter() - t0)
     if not saved:
         say(f"checkpoint {path} of step {done} given up on an interrupt (any earlier file kept)")
     return saved
@@ -219,16 +215,8 @@ def _stopped_at(cfg, ctx, opt, done: int, signals, say, saved: bool) -> None:
 
 def _evaluate(ctx, task, signals) -> dict:
     """Held-out metrics, each data-parallel rank scoring its share; the model back in training
-    mode after. Given up ({}) at a round of batches where every rank agrees a signal came
-    (each round timed for the signals' grace period)."""
-    last = [time.perf_counter()]
-
-    def stop() -> bool:
-        now = time.perf_counter()
-        signals.took(now - last[0])
-        last[0] = now
-        return signals.poll() != 0
-    sums = task.eval_sums(ctx, stop=stop)
+    mode after. Given up ({}) at a round of batches where every rank agrees a signal came."""
+    sums = task.eval_sums(ctx, stop=lambda: signals.poll() != 0)
     task.model.train()
     return {} if sums is None else metrics_from_sums(ctx.dp.allreduce_scalars(sums),
                                                      task.is_text)
