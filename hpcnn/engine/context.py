@@ -224,7 +224,7 @@ class ParallelContext:
             replicated = [p for p in params if getattr(p, "tp_axis", None) is None]
             local = grad_norm_sq(sharded) + (grad_norm_sq(replicated) if self.tp.rank == 0
                                              else 0.0)
-        if getattr(self.engine, "shards_gradients", False):
+        if self.engine.shards_gradients:
             local = float(self.dp.allreduce_scalars([local])[0])
         if self.tp.size > 1:
             local = float(self.tp.allreduce_scalars([local])[0])

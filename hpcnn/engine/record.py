@@ -132,7 +132,7 @@ def record_memory(ctx, task, opt, log) -> None:
     tests/test_block_contract.py checks equal to the live caches), its parameter, gradient and
     optimizer bytes (:func:`held_state_bytes`), and the remat plans with their predicted and
     measured peaks and recompute time, into the log."""
-    sharded = getattr(ctx.engine, "shards_gradients", False)
+    sharded = ctx.engine.shards_gradients
     held = held_state_bytes(task.model.params, opt, ctx.engine.flats if sharded else ())
     buffers = ctx.engine.peak_bytes if sharded else 0    # ZeRO-2: buckets bound at once
     peaks = ctx.world.gather_objects((ctx.peak_stage_bytes, *held, buffers), root=0)

@@ -104,8 +104,7 @@ def train_step(ctx, task, opt, step: int, t_start: float):
         raise FloatingPointError(f"loss is {loss_sum} at step {step} (rank {ctx.dp.rank})")
     gnorm = float("nan")
     if cfg.clip > 0:
-        clipped = getattr(opt, "clipped", opt.params)     # ZeRO-2: this rank's part
-        gnorm = clip_grad_norm(clipped, cfg.clip, norm_sq=ctx.grad_norm_sq(clipped))
+        gnorm = clip_grad_norm(opt.clipped, cfg.clip, norm_sq=ctx.grad_norm_sq(opt.clipped))
     td = time.perf_counter()
     opt.step(lr)
     backend.sync()

@@ -52,6 +52,12 @@ class Optimizer:
     def state_dict(self) -> dict:
         return dict(self.state)
 
+    @property
+    def clipped(self) -> list:
+        """What gradient clipping scales: the parameters (a ZeRO-2 optimizer: its part of
+        them)."""
+        return self.params
+
     def full_state(self) -> dict:
         """The whole state, every slot at its parameter's full shape (here: :attr:`state`; a
         sharded optimizer assembles it over its ranks, collectively)."""

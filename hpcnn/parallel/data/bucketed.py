@@ -83,6 +83,14 @@ def shard(global_indices, shares, rank: int):
     return global_indices[lo:lo + s[rank]]
 
 
+def non_finite(step: int, local_bad) -> FloatingPointError:
+    """The error of a reduced gradient that is not finite at ``step``, naming the ranks whose
+    own gradient was not (``local_bad``: one flag per rank)."""
+    ranks = ", ".join(str(int(r)) for r in numpy.flatnonzero(local_bad))
+    return FloatingPointError(f"non-finite gradient at step {step} on rank(s) "
+                              f"{ranks or 'none (the sum overflowed)'}")
+
+
 @dataclass
 class Bucket:
     """Elements [lo, hi) of flat buffer ``flat``; final after block ``ready``'s backward.
@@ -213,6 +221,7 @@ class DataParallel:
         return self._on_block_done if self.overlap else None
 
     reduces = True             # a step waits for it (the loop times that wait)
+    shards_gradients = False   # each rank holds the whole reduced gradient (ZeRO-2 does not)
 
     def _on_block_done(self, i: int) -> None:
         self._launch_ready(i)
@@ -279,9 +288,7 @@ class DataParallel:
         if all(bool(backend.xp.isfinite(f[:-1]).all()) for f in self.flats):
             return                                     # only a sum of squares overflowed
         flags = self.comm.allgather_scalars([1.0 if self._local_bad else 0.0])
-        ranks = ", ".join(str(int(r)) for r in numpy.flatnonzero(flags[:, 0]))
-        raise FloatingPointError(f"non-finite gradient at step {step} on rank(s) "
-                                 f"{ranks or 'none (the sum overflowed)'}")
+        raise non_finite(step, flags[:, 0])
 
     # -- replicas ---------------------------------------------------------------------------------
     def release(self) -> None:
@@ -335,6 +342,7 @@ class LocalGradients:
     hook = None
     reduces = False
     overlap = False
+    shards_gradients = False
     last_launched: list = []
 
     def __init__(self, model):

@@ -28,7 +28,7 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.nn.optim import decays
-from hpcnn.parallel.data.bucketed import Bucket, DataParallel
+from hpcnn.parallel.data.bucketed import Bucket, DataParallel, non_finite
 
 
 def bounds(n: int, parts: int) -> list[int]:
@@ -90,8 +90,6 @@ class ShardedDataParallel(DataParallel):
             self.pflats.append(flat)
             self.bounds.append(bounds(int(offs[-1]), comm.size))
 
-    shards_gradients = False         # stage 1: every rank holds the whole reduced gradient
-
     def segments(self) -> list[Segment]:
         """This rank's part of every flat buffer, as one :class:`Segment` per parameter it
         touches (a parameter at most once)."""
@@ -112,11 +110,6 @@ class ShardedDataParallel(DataParallel):
         """Every rank's updated part into every rank's parameters (one allgather per dtype)."""
         for flat, cut in zip(self.pflats, self.bounds):
             self.comm.allgather_parts(flat, numpy.diff(cut))
-
-    def part_bytes(self) -> int:
-        """Bytes of this rank's parts (the parameters its optimizer updates)."""
-        r = self.comm.rank
-        return sum((c[r + 1] - c[r]) * f.itemsize for f, c in zip(self.pflats, self.bounds))
 
     def __repr__(self) -> str:
         return "Sharded" + super().__repr__()
@@ -272,9 +265,7 @@ class ShardedGradients(ShardedDataParallel):
         flags = self.comm.allgather_scalars([1.0 if bad else 0.0,
                                              1.0 if self._local_bad else 0.0])
         if flags[:, 0].any():
-            ranks = ", ".join(str(int(r)) for r in numpy.flatnonzero(flags[:, 1]))
-            raise FloatingPointError(f"non-finite gradient at step {step} on rank(s) "
-                                     f"{ranks or 'none (the sum overflowed)'}")
+            raise non_finite(step, flags[:, 1])
 
     def auto_sizes(self) -> list[int]:
         return []
