@@ -214,11 +214,13 @@ def _write_atomically(path: str, data, abandon=_never) -> None:
     _sync_folder(folder)
 
 
-def _remove(tmp: str) -> None:
+def _remove(name: str) -> bool:
+    """Remove file ``name``; False if it was already gone."""
     try:
-        os.remove(tmp)
+        os.remove(name)
+        return True
     except FileNotFoundError:
-        pass
+        return False
 
 
 def _sync_folder(folder: str) -> None:
@@ -364,13 +366,7 @@ def stale_temporaries(path: str) -> list[str]:
 
 def remove_stale(path: str) -> str | None:
     """Remove :func:`stale_temporaries` of ``path``; the line saying so, or None if none."""
-    gone = []
-    for name in stale_temporaries(path):
-        try:
-            os.remove(name)
-            gone.append(name)
-        except FileNotFoundError:
-            pass
+    gone = [name for name in stale_temporaries(path) if _remove(name)]
     return (f"hpcnn: removed {len(gone)} temporary file(s) of an interrupted checkpoint save: "
             f"{', '.join(gone)}") if gone else None
 

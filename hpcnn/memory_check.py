@@ -68,13 +68,18 @@ def param_count(cfg, data) -> int:
     return (vocab + cfg.block_size) * d + cfg.n_layers * (12 * d * d + 13 * d) + 2 * d + d * vocab
 
 
+def optimizer_slots(cfg) -> int:
+    """Arrays the optimizer keeps per parameter: AdamW's m and v, SGD's momentum (none
+    without momentum)."""
+    from hpcnn.plan.hybrid import STATE_WORDS
+    return 0 if cfg.optimizer == "sgd" and cfg.momentum == 0 else STATE_WORDS[cfg.optimizer] - 2
+
+
 def _state_words(cfg) -> float:
     """Words held per parameter: the parameter, its gradient and the optimizer's slots (with
     ``--zero=1``, 1/dp of the slots, with ``--zero=2`` of the gradient too:
     :mod:`hpcnn.parallel.data.sharded`)."""
-    from hpcnn.plan.hybrid import STATE_WORDS
-    plain_sgd = cfg.optimizer == "sgd" and cfg.momentum == 0
-    slots = STATE_WORDS[cfg.optimizer] - 2 - (1 if plain_sgd else 0)
+    slots = optimizer_slots(cfg)
     if cfg.zero == 2:                 # the gradient's part too (its buckets' storage aside)
         return 1 + (1 + slots) / cfg.dp
     return 2 + slots / (cfg.dp if cfg.zero else 1)

@@ -184,25 +184,20 @@ def _destination_errors(cfg: TrainConfig) -> list[str]:
     return []
 
 
-SLOTS = {"adamw": 2, "sgd": 1}      # optimizer arrays per parameter in a checkpoint (sgd:
-                                    # its momentum buffer, none without momentum)
-
-
 def checkpoint_bytes(cfg: TrainConfig, data) -> int:
     """The size of one checkpoint of ``cfg`` on ``data``: every parameter and optimizer slot at
     the run's precision (the HDF5 headers' few KiB aside)."""
-    from hpcnn.memory_check import param_count
-    slots = 0 if cfg.optimizer == "sgd" and cfg.momentum == 0 else SLOTS[cfg.optimizer]
-    return param_count(cfg, data) * (1 + slots) * (8 if cfg.dtype == "float64" else 4)
+    from hpcnn.memory_check import optimizer_slots, param_count
+    from hpcnn.plan.hybrid import DTYPE_BYTES
+    return param_count(cfg, data) * (1 + optimizer_slots(cfg)) * DTYPE_BYTES[cfg.dtype]
 
 
 def _space_errors(cfg: TrainConfig, data) -> list[str]:
     """--checkpoint: its file system has the room for the first checkpoint (written beside the
     previous one, then renamed over it)."""
     import shutil
-    folder = os.path.dirname(os.path.abspath(cfg.checkpoint))
-    while not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
+    from hpcnn.log.paths import nearest_folder
+    folder = nearest_folder(cfg.checkpoint)
     need, free = checkpoint_bytes(cfg, data), shutil.disk_usage(folder).free
     if free >= need:
         return []

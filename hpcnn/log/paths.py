@@ -8,15 +8,21 @@ import os
 import socket
 
 
+def nearest_folder(path: str) -> str:
+    """The nearest existing path above ``path`` (where a writer would make the rest)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return folder
+
+
 def creation_problem(path: str) -> str:
     """Why no file can be created at ``path``, in a few words naming the folder, or '' when one
     can. The folder is the nearest existing one above ``path`` (a writer makes the rest); it must
     be a directory this process may write in, and a file is created and removed there to be sure
     (``os.access`` says yes on some file systems where creating a file fails). Whether ``path``
     itself is a directory is the caller's to check."""
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
+    folder = nearest_folder(path)
     if not os.path.isdir(folder):
         return f"{folder} is not a directory"
     if not os.access(folder, os.W_OK | os.X_OK):
