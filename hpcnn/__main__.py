@@ -1,10 +1,11 @@
 """``python -m hpcnn ...`` (under MPI: ``mpiexec -n N python -m mpi4py -m hpcnn ...``)."""
 import sys
+from hpcnn import to_stderr
 
 try:
     from hpcnn.cli import main
 except KeyboardInterrupt:           # Ctrl-C while Python loads: one line, no traceback
-    print("hpcnn: interrupted during start-up", file=sys.stderr)
+    to_stderr("hpcnn: interrupted during start-up")
     sys.exit(130)
 
 sys.exit(main())

@@ -36,12 +36,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import sys
 import zlib
 
 import h5py
 import numpy
 
+from hpcnn import to_stderr
 from hpcnn import backend
 
 FORMAT = 2              # 2: every array carries its CRC-32 (1: without; still read, unverified)
@@ -282,8 +282,8 @@ def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
         raise ValueError(f"--resume={path}: the checkpoint has parameters this model has "
                          f"not: {', '.join(extra[:5])}")
     if fmt == 1 and (ctx is None or ctx.rank == 0):
-        print(f"hpcnn: note: --resume={path} is a format 1 checkpoint, without checksums: its "
-              f"arrays are not verified", file=sys.stderr, flush=True)
+        to_stderr(f"hpcnn: note: --resume={path} is a format 1 checkpoint, without checksums: its "
+                  f"arrays are not verified")
     optim = f["optim"]
 
     def read(ds):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from hpcnn import to_stderr
 
 SUBCOMMANDS = (   # (name, arguments, one line): what ``hpcnn --help`` lists, in this order
     ("train", "[--key=value ...]", "train a model (hpcnn train --help lists the options)"),
@@ -75,8 +76,8 @@ def abort_on_uncaught(world) -> None:
         sys.__excepthook__(kind, value, tb)
         if issubclass(kind, KeyboardInterrupt):
             return
-        print(f"hpcnn: rank {world.Get_rank()} of {world.Get_size()} failed "
-              f"({kind.__name__}): aborting the job", file=sys.stderr, flush=True)
+        to_stderr(f"hpcnn: rank {world.Get_rank()} of {world.Get_size()} failed "
+                  f"({kind.__name__}): aborting the job")
         time.sleep(0.5)      # let the launcher forward these lines before the abort kills it
         world.Abort(1)
     sys.excepthook = hook
@@ -91,7 +92,7 @@ def interrupted_at_start() -> int:
     no traceback, exit status 130. Under MPI, every rank normally got it (``mpiexec`` forwards
     it): MPI is finalized once all have (so that ``python -m mpi4py`` does not make an abort of
     the non-zero exit), else, after :data:`INTERRUPT_AGREE_SECONDS`, the job is aborted."""
-    print(START_UP, file=sys.stderr, flush=True)
+    to_stderr(START_UP)
     if mpi_ranks() > 1:
         from mpi4py import MPI
         return leave_refused(MPI.COMM_WORLD, 130, INTERRUPT_AGREE_SECONDS)
@@ -125,7 +126,7 @@ def _train(args) -> int:
         return _refused_for_memory(str(e), mpi)
     except ConfigError as e:
         if preflight.rank_from_env() == 0:
-            print(f"hpcnn train: {e}", file=sys.stderr)
+            to_stderr(f"hpcnn train: {e}")
         return 2
     from hpcnn.checkpoint import CheckpointError
     from hpcnn.train import train
@@ -140,7 +141,7 @@ def _train(args) -> int:
         result = train(cfg, comm=comm, command_line="hpcnn train " + " ".join(args), data=data)
     except (ConfigError, CheckpointError, FloatingPointError) as e:
         if comm is None or comm.Get_size() == 1:    # (MPI stays usable for an in-process caller)
-            print(f"hpcnn train: {e}", file=sys.stderr)
+            to_stderr(f"hpcnn train: {e}")
             if agree is not None:
                 agree.Free()
             return 2
@@ -171,7 +172,7 @@ def _refused_for_memory(message: str, mpi: bool) -> int:
     from hpcnn import preflight
     size = (preflight.world_size_from_env() or 1) if mpi else 1
     where = f"rank {preflight.rank_from_env()} of {size}: " if size > 1 else ""
-    print(f"hpcnn train: {where}{message}", file=sys.stderr, flush=True)
+    to_stderr(f"hpcnn train: {where}{message}")
     if size <= 1:                # one process: MPI (if loaded) stays usable for its caller
         return 2
     from mpi4py import MPI
@@ -206,12 +207,12 @@ def _stop_every_rank(message: str, agree) -> int:
     from mpi4py import MPI
     rank, size = agree.Get_rank(), agree.Get_size()
     if not _every_rank_arrived(agree):
-        print(f"hpcnn train: rank {rank} of {size}: {message}", file=sys.stderr, flush=True)
+        to_stderr(f"hpcnn train: rank {rank} of {size}: {message}")
         agree.Abort(2)
     messages = agree.gather(message, root=0)
     if rank == 0:
         for line in merge_messages(messages):
-            print(f"hpcnn train: {line}", file=sys.stderr, flush=True)
+            to_stderr(f"hpcnn train: {line}")
     agree.Free()
     MPI.Finalize()
     return 2
@@ -251,7 +252,7 @@ def refuse(message: str, code: int = 2):
     ``message`` on this rank and exit with ``code`` by :func:`leave_refused` (under mpiexec,
     once every rank has printed). For scripts that have started MPI; never returns."""
     from mpi4py import MPI
-    print(message, file=sys.stderr)
+    to_stderr(message)
     sys.exit(leave_refused(MPI.COMM_WORLD, code))
 
 
@@ -359,7 +360,7 @@ def cmd_report(args) -> int:
         kinds = _report_inputs(args[1:], [], "hpcnn report --headline", checkpoints=True)
         if kinds is None or len(args) == 1:
             if len(args) == 1:
-                print("hpcnn report --headline: no run log given", file=sys.stderr)
+                to_stderr("hpcnn report --headline: no run log given")
             return 2
         for p in args[1:]:
             print(headline(p) if kinds[p] == "run log" else _checkpoint_headline(p))
@@ -393,12 +394,12 @@ def _report_inputs(paths, outputs, command: str, checkpoints: bool = False) -> d
                 raise ValueError(f"{p}: a checkpoint, not a run log (hpcnn report {p} "
                                  f"describes it)")
     except ValueError as e:
-        print(f"{command}: {e}", file=sys.stderr)
+        to_stderr(f"{command}: {e}")
         return None
     for out in outputs:
         bad = output_problem(out, "output")
         if bad:
-            print(f"{command}: {bad}", file=sys.stderr)
+            to_stderr(f"{command}: {bad}")
             return None
     return kinds
 
@@ -416,15 +417,15 @@ def _report_trace(args) -> int:
     k = args.index("--trace")
     rest = args[:k] + args[k + 2:]
     if k + 1 >= len(args) or len(rest) != 1:
-        print("hpcnn report: --trace needs one run log and one output path: "
-              "hpcnn report RUN.h5 --trace OUT.json", file=sys.stderr)
+        to_stderr("hpcnn report: --trace needs one run log and one output path: "
+                  "hpcnn report RUN.h5 --trace OUT.json")
         return 2
     if _report_inputs(rest, [args[k + 1]], "hpcnn report") is None:
         return 2
     try:
         n = write_trace(rest[0], args[k + 1])
     except ValueError as e:
-        print(f"hpcnn report: {e}", file=sys.stderr)
+        to_stderr(f"hpcnn report: {e}")
         return 2
     print(f"wrote {args[k + 1]} ({n} events; open it in https://ui.perfetto.dev)")
     return 0
@@ -440,14 +441,14 @@ def _report_gantt(args) -> int:
         if key in ("predicted", "gantt", "step") and eq:
             opts[key] = value
         elif a.startswith("--"):
-            print(f"hpcnn report: unknown option {a!r} with --gantt (--predicted=, --gantt=, "
-                  f"--step=)", file=sys.stderr)
+            to_stderr(f"hpcnn report: unknown option {a!r} with --gantt (--predicted=, --gantt=, "
+                      f"--step=)")
             return 2
         else:
             files.append(a)
     usage = "hpcnn report MEASURED.h5 --predicted=PRED.h5 --gantt=OUT.png [--step=-1]"
     if len(files) != 1 or not opts.get("predicted") or not opts.get("gantt"):
-        print(f"hpcnn report: {usage}", file=sys.stderr)
+        to_stderr(f"hpcnn report: {usage}")
         return 2
     if _report_inputs([files[0], opts["predicted"]], [opts["gantt"]], "hpcnn report") is None:
         return 2
@@ -455,7 +456,7 @@ def _report_gantt(args) -> int:
         drawn = gantt_report(files[0], opts["predicted"], opts["gantt"],
                              int(opts.get("step", -1)))
     except ValueError as e:
-        print(f"hpcnn report: {e}", file=sys.stderr)
+        to_stderr(f"hpcnn report: {e}")
         return 2
     print(", ".join(f"{t} {s * 1e3:.4g} ms" for t, s in zip(drawn["titles"], drawn["span_s"])))
     print(f"wrote {drawn['path']}")
@@ -492,7 +493,7 @@ def main(argv=None) -> int:
         return 0
     cmd = COMMANDS.get(argv[0])
     if cmd is None:
-        print(f"hpcnn: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        to_stderr(f"hpcnn: unknown command {argv[0]!r}\n\n{USAGE}")
         return 2
     try:
         return cmd(argv[1:])

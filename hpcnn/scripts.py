@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+from hpcnn import to_stderr
 
 
 class Parser(argparse.ArgumentParser):
@@ -164,7 +165,7 @@ def refuse(message: str, code: int = 2):
     from hpcnn import cli
     if cli.mpi_ranks() > 1:
         cli.refuse(message, code)
-    print(message, file=sys.stderr, flush=True)
+    to_stderr(message)
     sys.exit(code)
 
 

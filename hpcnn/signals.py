@@ -43,12 +43,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 
 import numpy
 
+from hpcnn import to_stderr
 from hpcnn.parallel.collectives import as_communicator
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
@@ -157,7 +157,7 @@ class StopSignals:
         try:
             f(*args)
         except BaseException as e:
-            print(f"hpcnn: could not write the run log: {e}", file=sys.stderr, flush=True)
+            to_stderr(f"hpcnn: could not write the run log: {e}")
 
     def _end_soon(self, signum, why: str) -> None:
         """:meth:`_die` from a thread of its own: a write of the log in progress on the main
@@ -171,7 +171,7 @@ class StopSignals:
         if not self._ending.acquire(blocking=False):
             return
         name = signal.Signals(signum).name
-        print(f"hpcnn: {name}, {why}: ending this rank now", file=sys.stderr, flush=True)
+        to_stderr(f"hpcnn: {name}, {why}: ending this rank now")
         if self.last_words is not None:         # never keep a process that must end
             self._quietly(self.last_words, f"{name}, {why}")
         os._exit(128 + signum)

@@ -15,10 +15,9 @@ and prints::
 """
 from __future__ import annotations
 
-import sys
 import time
 
-from hpcnn import backend, checkpoint
+from hpcnn import backend, checkpoint, to_stderr
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.engine.context import ParallelContext
 from hpcnn.engine.record import (Divergence, claim_log, flush_ranks, record_memory,
@@ -52,7 +51,7 @@ def setup(cfg: TrainConfig, world, data):
     if cfg.checkpoint and (world is None or world.Get_rank() == 0):
         note = checkpoint.remove_stale(cfg.checkpoint)     # a save killed before its rename
         if note:
-            print(note, file=sys.stderr, flush=True)
+            to_stderr(note)
     backend.set_device(cfg.device)
     backend.tune_allocator()
     ctx = ParallelContext(cfg, world)
@@ -121,7 +120,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
             "interrupted", f"{why} (the other ranks' rows since the last log interval are lost)")
     warning = thread_warning(ctx.world)         # rank 0's, once: oversubscribed cores
     if warning:
-        print(warning, file=sys.stderr, flush=True)
+        to_stderr(warning)
     say(run_header(cfg, task.model, task, ctx.world.size, start))
     t_start = time.perf_counter()
     status, last, together = "failed", {}, False

@@ -197,7 +197,9 @@ def test_every_rank_prints_the_line_and_exits_2_under_mpi(tmp_path):
         cmd += ["--oversubscribe", "--allow-run-as-root"]
     cmd += [sys.executable, "-m", "mpi4py", "-m", "hpcnn", "train", *TINY_GPT, "--dp=2",
             "--progress=false", f"--log={tmp_path / 'run.h5'}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HPCNN_MEMORY_BYTES="1000")
+    # unbuffered streams, as some CI runners set: the ranks' lines still come whole
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HPCNN_MEMORY_BYTES="1000",
+               PYTHONUNBUFFERED="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     lines = p.stderr.splitlines()
     assert p.returncode == 2 and p.stdout == "" and len(lines) == 2, p.stderr

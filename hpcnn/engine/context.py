@@ -15,10 +15,10 @@ step (:mod:`.step`) have no serial branch::
 """
 from __future__ import annotations
 
-import sys
 
 import numpy
 
+from hpcnn import to_stderr
 from hpcnn.config import ConfigError
 from hpcnn.engine.stage import Stage, attach_remat, boundary_shapes, build_stages
 from hpcnn.nn.chain import Chain
@@ -140,9 +140,8 @@ class ParallelContext:
         if isinstance(self.engine, ShardedDataParallel):
             return ShardedOptimizer(self.engine, make, self.local.params)
         if self.cfg.zero and self.rank == 0:
-            print(f"hpcnn: note: --zero={self.cfg.zero} with dp=1 changes nothing: there is no "
-                  f"other data-parallel rank to share the state with", file=sys.stderr,
-                  flush=True)
+            to_stderr(f"hpcnn: note: --zero={self.cfg.zero} with dp=1 changes nothing: there is "
+                      f"no other data-parallel rank to share the state with")
         return make(self.local.params)
 
     def _check_single_copy(self) -> None:

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 
+from hpcnn import to_stderr
 from hpcnn import backend
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.nn.core import is_placeholder
@@ -165,7 +166,7 @@ def claim_log(cfg, ctx, task, start, command_line):
                 os.makedirs(os.path.dirname(os.path.abspath(cfg.checkpoint)), exist_ok=True)
                 note = lock.acquire(cfg.checkpoint, "checkpoint", "--checkpoint")
                 if note:
-                    print(f"hpcnn: {note}", file=sys.stderr, flush=True)
+                    to_stderr(f"hpcnn: {note}")
             log = open_log(cfg, ctx, task, start, command_line)
         except FileExistsError as e:
             release_claims(cfg, ctx)
@@ -210,5 +211,4 @@ def watch_divergence(divergence: Divergence, step: int, loss: float, log, rank0:
     if note and log is not None:
         log.set_plan({"divergence": note})
     if note and rank0:
-        print(f"hpcnn: warning: {note}; the run goes on (--divergence=0: no watch)",
-              file=sys.stderr, flush=True)
+        to_stderr(f"hpcnn: warning: {note}; the run goes on (--divergence=0: no watch)")

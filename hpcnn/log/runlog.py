@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -46,6 +45,7 @@ import h5py
 import numpy as np
 
 import hpcnn
+from hpcnn import to_stderr
 from hpcnn.log import journal, lock
 
 SCHEMA_VERSION = 1
@@ -189,7 +189,7 @@ class RunLog:
         self._io = threading.RLock()        # one update of the file at a time (close_at_exit)
         note = lock.acquire(self.path)
         if note:
-            print(f"hpcnn: {note}", file=sys.stderr, flush=True)
+            to_stderr(f"hpcnn: {note}")
 
         def fill(f):
             for k, v in {**root, **(extra_attrs or {})}.items():
@@ -343,9 +343,9 @@ class RunLog:
             return True
         except OSError as e:
             self.error = f"{type(e).__name__}: {e}"
-            print(f"hpcnn: warning: cannot write the run log {self.path} ({self.error}); it keeps "
-                  f"the {self._rows_in_file} steps written before, later rows are not logged",
-                  file=sys.stderr, flush=True)
+            to_stderr(f"hpcnn: warning: cannot write the run log {self.path} ({self.error}); it "
+                      f"keeps the {self._rows_in_file} steps written before, later rows are not "
+                      f"logged")
             return False
 
     def _flush_metrics(self, g: h5py.Group) -> None:

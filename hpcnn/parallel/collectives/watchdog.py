@@ -40,6 +40,7 @@ import shutil
 import sys
 import threading
 import time
+from hpcnn import to_stderr
 
 _now = time.monotonic
 
@@ -157,8 +158,8 @@ def _fires(kind: str) -> bool:
     if f["kind"] is not None and f["kind"] != kind:
         return False
     _fault[0] = None
-    print(f"hpcnn: HPCNN_FAULT: rank {f['rank']} {'stalls before' if f['stall'] else 'skips'} "
-          f"its {kind} call (step {f['step']}, test-only fault hook)", file=sys.stderr, flush=True)
+    to_stderr(f"hpcnn: HPCNN_FAULT: rank {f['rank']} {'stalls before' if f['stall'] else 'skips'} "
+              f"its {kind} call (step {f['step']}, test-only fault hook)")
     if f["stall"]:
         _calls[1] = None                    # in no call: only the peers wait
         while True:
@@ -375,8 +376,7 @@ class Watchdog:
         try:
             self.on_hang(reason)
         except Exception as e:          # the abort goes on; say why the log was not marked
-            print(f"hpcnn: hang: could not mark the run log failed: {e}", file=sys.stderr,
-                  flush=True)
+            to_stderr(f"hpcnn: hang: could not mark the run log failed: {e}")
 
 
 def for_run(timeout: float, log_path: str, world, log=None) -> Watchdog | None:
