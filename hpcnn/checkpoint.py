@@ -34,6 +34,7 @@ starts afresh.
 from __future__ import annotations
 
 import io
+import contextlib
 import json
 import os
 import zlib
@@ -106,8 +107,10 @@ def save(path: str, step: int, cfg, params, opt, ctx=None, abandon=None) -> bool
     arrays, state = None, opt.full_state()              # (sharded: collective over dp)
     if ctx is None:
         arrays = _local_state(params, state, None).items()
-    elif ctx.dp.rank == 0:                                # replicas are identical: one writes
-        mine = _local_state(params, state, ctx.tp)
+    else:
+        with ctx.whole_parameters():                      # (ZeRO-3: gathered, over dp)
+            mine = _local_state(params, state, ctx.tp) if ctx.dp.rank == 0 else None
+    if ctx is not None and ctx.dp.rank == 0:              # replicas are identical: one writes
         if ctx.tp.rank == 0:                              # the stages' owners -> world rank 0,
             if ctx.pp.rank > 0:                           # one pipeline rank at a time
                 ctx.pp.send_object(mine, dest=0, tag=7).wait()
@@ -295,11 +298,14 @@ def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
                                                                  tp_size, cut[1])
         return backend.asarray(numpy.ascontiguousarray(a).astype(p.data.dtype, copy=False))
 
-    for p in params:
-        p.data[...] = local(p, read(saved[p.name]))
-        if p.name in optim:
-            for slot, ds in optim[p.name].items():
-                opt.set_slot(p.name, slot, local(p, read(ds)))
+    whole = ctx.whole_parameters(gather=False, write_back=True) if ctx is not None \
+        else contextlib.nullcontext()                     # (ZeRO-3: this rank's part kept)
+    with whole:
+        for p in params:
+            p.data[...] = local(p, read(saved[p.name]))
+            if p.name in optim:
+                for slot, ds in optim[p.name].items():
+                    opt.set_slot(p.name, slot, local(p, read(ds)))
     for k, v in optim.attrs.items():
         opt.state[k] = v.item() if hasattr(v, "item") else v
     if ctx is not None and "balancer" in f and len(f["balancer/shares"]) == ctx.dp.size:

@@ -288,8 +288,8 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
         "devices": (0, int, "devices to plan for (0: all of the machine's)"),
         "memory_gb": (0.0, float, "memory per device in GB (0: the machine file's)"),
         "top": (10, int, "layouts to print"),
-        "zero": ("0", str, "ZeRO stages to consider, e.g. 0,1,2 (1: optimizer state over dp, "
-                           "2: gradients too)"),
+        "zero": ("0", str, "ZeRO stages to consider, e.g. 0,1,2,3 (1: optimizer state over "
+                           "dp, 2: gradients too, 3: parameters too)"),
         "json": (False, bool, "print JSON for scripts")}
 
 
@@ -311,8 +311,8 @@ def cmd_plan(args) -> int:
     if err is None and o["top"] < 1:
         err = f"hpcnn plan: --top={o['top']}: the layouts to print must be >= 1"
     zero = sorted({z.strip() for z in o["zero"].split(",")}) if err is None else []
-    if err is None and (not zero or set(zero) - {"0", "1", "2"}):
-        err = f"hpcnn plan: --zero={o['zero']}: ZeRO stages are 0, 1 and 2, e.g. --zero=0,1,2"
+    if err is None and (not zero or set(zero) - {"0", "1", "2", "3"}):
+        err = f"hpcnn plan: --zero={o['zero']}: ZeRO stages are 0, 1, 2 and 3, e.g. --zero=0,1,2,3"
     if err:
         print(err, file=sys.stderr)
         return 2

@@ -71,7 +71,7 @@ class TrainConfig:
     momentum: float = 0.9               # SGD momentum
     weight_decay: float = 0.0           # decoupled (AdamW) or L2 (SGD); matrices only
     clip: float = 0.0                   # global gradient-norm clip, 0 = off
-    zero: int = 0                       # ZeRO stage: 1 = optimizer state sharded over the dp ranks (each updates 1/dp of the parameters, then they are gathered); 2 = gradients too (reduce-scattered per bucket, held only while a bucket is in use); 0 = every rank holds all of it
+    zero: int = 0                       # ZeRO stage: 1 = optimizer state sharded over the dp ranks (each updates 1/dp of the parameters, then they are gathered); 2 = gradients too (reduce-scattered per bucket, held only while a bucket is in use); 3 = parameters too (each block's gathered before its forward and backward, freed after); 0 = every rank holds all of it
     divergence: float = 100.0           # a loss above this many times the run's first is named as divergence in the log and the result line (0 = off; a non-finite loss always stops the run)
     # -- parallelism ------------------------------------------------------------------------
     dp: int = 1                         # data-parallel replicas (world size = dp * tp * pp)
@@ -202,7 +202,7 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
     "n_heads": AT_LEAST_1, "block_size": AT_LEAST_1, "dropout": UNIT, "max_plays": AT_LEAST_0,
     "steps": AT_LEAST_0, "epochs": AT_LEAST_0, "batch_size": AT_LEAST_1, "lr": POSITIVE,
     "min_lr": AT_LEAST_0, "warmup": AT_LEAST_0, "momentum": UNIT, "weight_decay": AT_LEAST_0,
-    "clip": AT_LEAST_0, "divergence": AT_LEAST_0, "zero": Range(0, 2),
+    "clip": AT_LEAST_0, "divergence": AT_LEAST_0, "zero": Range(0, 3),
     "dp": AT_LEAST_1, "tp": AT_LEAST_1, "pp": AT_LEAST_1,
     "microbatches": AT_LEAST_1, "virtual": AT_LEAST_1, "pad_vocab": AT_LEAST_0,
     "grad_accum": AT_LEAST_1, "bucket_mb": POSITIVE, "rebalance_every": AT_LEAST_1,
@@ -286,12 +286,7 @@ def combination_errors(c: TrainConfig) -> list[str]:
     need(not (c.speeds and c.balance != "proportional"),
          f"speeds={c.speeds!r} with balance={c.balance!r}: fixed speeds set proportional "
          f"shares (--balance=proportional)")
-    need(not (c.zero == 2 and c.allreduce not in ("mpi", "auto")),
-         f"zero=2 with allreduce={c.allreduce!r}: ZeRO-2 reduce-scatters each bucket with the "
-         f"MPI library; pass --allreduce=mpi or auto")
-    need(not (c.zero == 2 and c.sequence_parallel),
-         "zero=2 with sequence_parallel=true: sequence parallelism sums the replicated "
-         "parameters' whole gradients over tp after the reduction, which ZeRO-2 no longer holds")
+    _zero_errors(c, need)
     # -- memory --
     need(not (c.remat == "optimal" and not c.memory_budget > 0),
          f"remat='optimal' needs --memory_budget > 0 (MiB), got {c.memory_budget}")
@@ -459,6 +454,26 @@ def split_option(arg: str, types: dict) -> tuple[str, str | None]:
     if key.startswith("no_") and types.get(key[3:]) is bool:
         return key[3:], "false"
     return key, None
+
+
+def _zero_errors(c, need) -> None:
+    """The combinations of --zero the engine cannot run."""
+    if c.zero < 2:
+        return
+    need(c.allreduce in ("mpi", "auto"),
+         f"zero={c.zero} with allreduce={c.allreduce!r}: ZeRO-{c.zero} reduce-scatters each "
+         f"bucket with the MPI library; pass --allreduce=mpi or auto")
+    need(not c.sequence_parallel,
+         f"zero={c.zero} with sequence_parallel=true: sequence parallelism sums the replicated "
+         f"parameters' whole gradients over tp after the reduction, which ZeRO-{c.zero} no "
+         f"longer holds")
+    if c.zero == 3:
+        need(c.pp == 1, f"zero=3 with pp={c.pp}: ZeRO-3 gathers the parameters around the "
+                        f"blocks of one chain, not yet around pipeline stages; use --zero=2")
+        need(c.remat != "optimal",
+             "zero=3 with remat='optimal': each rank's recomputation sequence depends on its "
+             "share of the batch, and every data-parallel rank must gather the same blocks in "
+             "the same order; use --remat=sqrt or full")
 
 
 def needs_value(key: str) -> str:

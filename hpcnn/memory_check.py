@@ -77,9 +77,11 @@ def optimizer_slots(cfg) -> int:
 
 def _state_words(cfg) -> float:
     """Words held per parameter: the parameter, its gradient and the optimizer's slots (with
-    ``--zero=1``, 1/dp of the slots, with ``--zero=2`` of the gradient too:
-    :mod:`hpcnn.parallel.data.sharded`)."""
+    ``--zero=1``, 1/dp of the slots, with ``--zero=2`` of the gradient too, with ``--zero=3``
+    of all three, the gathered blocks aside: :mod:`hpcnn.parallel.data.sharded`)."""
     slots = optimizer_slots(cfg)
+    if cfg.zero == 3:
+        return (2 + slots) / cfg.dp
     if cfg.zero == 2:                 # the gradient's part too (its buckets' storage aside)
         return 1 + (1 + slots) / cfg.dp
     return 2 + slots / (cfg.dp if cfg.zero else 1)

@@ -78,7 +78,14 @@ class Task:
         (``ctx`` the run's context, None: all of it; with pp > 1 computed on the last stage,
         broadcast over the pipeline). ``stop``: a collective callable asked after each round
         of text batches (one per data-parallel rank; every rank asks as often); when it says
-        so the evaluation is given up and None returned."""
+        so the evaluation is given up and None returned. At ZeRO-3 the parameters are
+        gathered whole for it (the ranks evaluate different numbers of batches)."""
+        if ctx is None:
+            return self._eval_sums(None, stop)
+        with ctx.whole_parameters():
+            return self._eval_sums(ctx, stop)
+
+    def _eval_sums(self, ctx, stop) -> numpy.ndarray | None:
         m, c = self.model, self.cfg
         rank, size = (ctx.dp.rank, ctx.dp.size) if ctx is not None else (0, 1)
         tot = numpy.zeros(3)

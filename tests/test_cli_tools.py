@@ -166,6 +166,10 @@ def test_plan_prices_zero_stages_when_asked(capsys):
     assert {r["zero"] for r in plain["ranked"]} == {0} and {r["zero"] for r in both["ranked"]} == {0, 1}
     assert both["layouts"] > plain["layouts"]
     assert all(r["layout"].endswith("zero 1") == (r["zero"] == 1) for r in both["ranked"])
-    assert cmd_plan(small + ["--zero=3"]) == 2
-    assert capsys.readouterr().err == ("hpcnn plan: --zero=3: ZeRO stages are 0, 1 and 2, "
-                                       "e.g. --zero=0,1,2\n")
+    assert cmd_plan(small + ["--zero=3"]) == 0          # stage 3: only where pp = 1
+    three = json.loads(capsys.readouterr().out)["ranked"]
+    assert three and all(r["zero"] == 3 or r["layout"].startswith("dp=1 ") for r in three)
+    assert all(" x pp=1," in r["layout"] for r in three if r["zero"] == 3), three
+    assert cmd_plan(small + ["--zero=4"]) == 2
+    assert capsys.readouterr().err == ("hpcnn plan: --zero=4: ZeRO stages are 0, 1, 2 and 3, "
+                                       "e.g. --zero=0,1,2,3\n")

@@ -1,10 +1,11 @@
-"""ZeRO stages 1 and 2 (hpcnn/parallel/data/sharded.py): the optimizer state, and at stage 2
-the gradients, sharded over the data-parallel ranks, against zero 0 in float64
-(tests/mpi/train_zero.py; at 2 ranks: MLP with AdamW, SGD with clipping, accumulation and
-weight decay, weighted speeds; GPT, also with remat and the shm allreduce; GCN; at 3 ranks
-(uneven parts) the SGD, weighted and GPT cases; at 4 ranks dp = 4, tp = 2 and pp = 2 with 1F1B
-and ZB-H1), the memory split, checkpoints across stages, the planner's price of what a rank
-holds; and the parts, the note and the refusals on their own."""
+"""ZeRO stages 1, 2 and 3 (hpcnn/parallel/data/sharded.py, zero3.py): the optimizer state, at
+stage 2 the gradients, at stage 3 the parameters too, sharded over the data-parallel ranks,
+against zero 0 in float64 (tests/mpi/train_zero.py; at 2 ranks: MLP with AdamW, SGD with
+clipping, accumulation and weight decay, weighted speeds; GPT, also with remat and the shm
+allreduce; GCN; at 3 ranks (uneven parts) the SGD, weighted and GPT cases; at 4 ranks dp = 4,
+tp = 2 and pp = 2 with 1F1B and ZB-H1, stage 3 where there is no pipeline), the memory split,
+checkpoints across stages, the planner's price of what a rank holds; and the parts, the
+gathered blocks, the note and the refusals on their own."""
 import numpy as np
 import pytest
 
@@ -26,7 +27,7 @@ def every_zero_run(tmp_path_factory):           # (jobs of their own: make test-
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_zero1_and_2_equal_zero0_and_shard_the_state(n, zero_runs):
+def test_zero1_2_and_3_equal_zero0_and_shard_the_state(n, zero_runs):
     assert f"train_zero OK on {n} ranks" in zero_runs.stdout(n, "train_zero", CaseRuns.FOLDER)
 
 
@@ -52,7 +53,12 @@ def test_zero_without_data_parallel_ranks_is_a_note(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--zero=3"], "zero=3"),
+    (["--zero=4"], "zero=4"),
+    (["--model=gpt", "--dataset=sonnet", "--zero=3", "--dp=2", "--pp=2"],
+     "zero=3 with pp=2: ZeRO-3 gathers the parameters around the blocks of one chain"),
+    (["--zero=3", "--dp=2", "--remat=optimal", "--memory_budget=10"],
+     "zero=3 with remat='optimal': each rank's recomputation sequence depends on its share"),
+    (["--zero=3", "--dp=2", "--allreduce=shm"], "zero=3 with allreduce='shm': ZeRO-3 "),
     (["--zero=2", "--dp=2", "--allreduce=ring"], "zero=2 with allreduce='ring': ZeRO-2 "
                                                  "reduce-scatters each bucket with the MPI library"),
     (["--model=gpt", "--dataset=sonnet", "--zero=2", "--tp=2", "--sequence_parallel=true"],
@@ -75,6 +81,9 @@ def test_the_memory_check_counts_a_rank_s_part_of_the_slots():
                                                        "--zero=1"]).resolved(), data)
     n = memory_check.param_count(cfg0, data)
     assert need0 - need1 == pytest.approx((2 - 2 / 4) * n * 4)
+    need3, _ = memory_check.rank_need(parse_overrides(["--model=cnn", "--dp=4",
+                                                       "--zero=3"]).resolved(), data)
+    assert need0 - need3 == pytest.approx((4 - 4 / 4) * n * 4)     # all four words, 1/dp
 
 
 def test_report_prints_each_rank_s_memory_and_stage_2_s_buckets():
@@ -88,5 +97,48 @@ def test_report_prints_each_rank_s_memory_and_stage_2_s_buckets():
         "gradient buckets' peak",
         "         rank 0: 1.0, 0.5, 1.5, 5.0, 1.0", "         rank 1: 1.0, 0.5, 1.5, 5.0, 0.5"]
     assert _memory_lines(dict(plan, zero=0))[0].endswith("optimizer, activations")
+    three = _memory_lines(dict(plan, zero=3, param_gather_peak_bytes_per_rank=[3 * 2**18] * 2))
+    assert three[0].endswith("gradient buckets' peak, gathered blocks' peak") and \
+        three[1].endswith("1.0, 0.8"), three
     assert len(_memory_lines(dict(plan, param_bytes_per_rank=[1] * 10))) == 1 + 8 + 1
     assert _memory_lines({}) == []
+
+
+def test_a_gathered_block_holds_its_parameters_only_while_it_runs():
+    """Stage 3 on one rank (the same code, gathers of one part): the chain's loss and reduced
+    gradient are the plain chain's; between uses every parameter is a placeholder (NaN, no
+    storage) and at most two blocks are gathered; ``whole()`` binds them all; train/eval reach
+    the wrapped blocks; release gives back whole private parameters and the plain blocks."""
+    from hpcnn.nn import models
+    from hpcnn.nn.core import is_placeholder
+    from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.data.zero3 import GatheredBlock, ShardedParameters
+    x = np.random.default_rng(0).standard_normal((6, 8))
+    y = np.arange(6) % 4
+    plain = models.mlp(8, (16, 16), 4, dtype=np.float64)
+    model = models.mlp(8, (16, 16), 4, dtype=np.float64)
+    want, caches = plain.forward(x, y)
+    plain.backward(1.0, caches)
+    engine = ShardedParameters(model, Communicator.single(), bucket_mb=1e-3)
+    engine.broadcast_parameters()
+    wrapped = [b for b in model.blocks if isinstance(b, GatheredBlock)]
+    assert len(wrapped) == sum(1 for b in plain.blocks if b.params) == 3
+    assert all(is_placeholder(q.data) and np.isnan(q.data).all() for q in model.params)
+    model.zero_grad()
+    got, caches = model.forward(x, y)
+    engine.backward(1.0, caches)
+    engine.finish(0)
+    assert got == want and all(is_placeholder(q.data) for q in model.params)
+    assert engine.gather_peak == 8 * (8 * 16 + 16 + 16 * 16 + 16)   # the first two Linears
+    grads = {q.name: q.grad for q in plain.params}
+    for flat, (ps, _) in zip(engine.flats, engine.groups):
+        assert np.array_equal(flat, np.concatenate([grads[q.name].reshape(-1) for q in ps]))
+    model.eval()
+    assert not any(b.training for b in model.blocks) and not wrapped[0].inner.training
+    with engine.whole():
+        assert not any(is_placeholder(q.data) for q in model.params)
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(plain.params, model.params))
+    assert all(is_placeholder(q.data) for q in model.params)
+    engine.release()
+    assert not any(isinstance(b, GatheredBlock) for b in model.blocks)
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(plain.params, model.params))

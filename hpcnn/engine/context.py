@@ -15,6 +15,7 @@ step (:mod:`.step`) have no serial branch::
 """
 from __future__ import annotations
 
+import contextlib
 
 import numpy
 
@@ -28,6 +29,7 @@ from hpcnn.schedule import stages as partition, pipeline
 from hpcnn.parallel.collectives import CommStats, Communicator
 from hpcnn.parallel.data.bucketed import NONBLOCKING, DataParallel, LocalGradients
 from hpcnn.parallel.data.sharded import ShardedDataParallel, ShardedGradients, ShardedOptimizer
+from hpcnn.parallel.data.zero3 import ShardedParameters
 
 
 class ParallelContext:
@@ -120,7 +122,7 @@ class ParallelContext:
             self.engine = LocalGradients(self.local)
             return
         self._check_single_copy()
-        engine = {1: ShardedDataParallel, 2: ShardedGradients}.get(
+        engine = {1: ShardedDataParallel, 2: ShardedGradients, 3: ShardedParameters}.get(
             cfg.zero if self.dp.size > 1 else 0, DataParallel)
         self.engine = engine(self.local, self.dp, bucket_mb=cfg.bucket_mb,
                                    algorithm=cfg.allreduce,   # rd and cma block: no overlap
@@ -143,6 +145,13 @@ class ParallelContext:
             to_stderr(f"hpcnn: note: --zero={self.cfg.zero} with dp=1 changes nothing: there is "
                       f"no other data-parallel rank to share the state with")
         return make(self.local.params)
+
+    def whole_parameters(self, gather: bool = True, write_back: bool = False):
+        """A context in which this rank's parameters are whole (at ZeRO-3 gathered for its body,
+        collective over dp; see :meth:`hpcnn.parallel.data.zero3.ShardedParameters.whole`)."""
+        if self.engine is None:
+            return contextlib.nullcontext()
+        return self.engine.whole(gather=gather, write_back=write_back)
 
     def _check_single_copy(self) -> None:
         """--allreduce=shm or cma: refuse on every rank, before training, replicas that cannot

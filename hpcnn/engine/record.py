@@ -114,16 +114,18 @@ def flush_ranks(ctx, log, rows, events) -> None:
         log.log_events([e for _, evs in gathered for e in evs])
 
 
-def held_state_bytes(params, opt, grad_parts=()) -> tuple[int, int, int]:
+def held_state_bytes(params, opt, grad_parts=(), param_parts=()) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer) bytes this rank holds: the distinct bytes of the
     arrays (:func:`hpcnn.memory.executor.live_bytes`: a gradient that is a view of a flat bucket
     counts once), placeholders left out; the gradients' storage as it is (ZeRO-2: none between
     steps) and ``grad_parts`` (ZeRO-2: this rank's part of the reduced gradient); the
-    optimizer's are its state arrays (moments) and its scratch buffer."""
+    parameters' with ``param_parts`` (ZeRO-3: this rank's shards, its parameters then being
+    placeholders between uses); the optimizer's are its state arrays (moments) and its scratch
+    buffer."""
     from hpcnn.memory.executor import live_bytes
     mine = [q for q in params if not is_placeholder(q.data)]
     grads = [g for g in (q.grad_storage() for q in mine) if g is not None] + list(grad_parts)
-    return (live_bytes([q.data for q in mine]), live_bytes(grads),
+    return (live_bytes([q.data for q in mine] + list(param_parts)), live_bytes(grads),
             live_bytes(opt.held_arrays()))
 
 
@@ -133,16 +135,20 @@ def record_memory(ctx, task, opt, log) -> None:
     tests/test_block_contract.py checks equal to the live caches), its parameter, gradient and
     optimizer bytes (:func:`held_state_bytes`), and the remat plans with their predicted and
     measured peaks and recompute time, into the log."""
-    sharded = ctx.engine.shards_gradients
-    held = held_state_bytes(task.model.params, opt, ctx.engine.flats if sharded else ())
-    buffers = ctx.engine.peak_bytes if sharded else 0    # ZeRO-2: buckets bound at once
-    peaks = ctx.world.gather_objects((ctx.peak_stage_bytes, *held, buffers), root=0)
+    e = ctx.engine
+    sharded, zero3 = e.shards_gradients, e.shards_parameters
+    held = held_state_bytes(task.model.params, opt, e.flats if sharded else (),
+                            e.shards if zero3 else ())
+    buffers = e.peak_bytes if sharded else 0             # ZeRO-2: buckets bound at once
+    gathers = e.gather_peak if zero3 else 0              # ZeRO-3: blocks gathered at once
+    peaks = ctx.world.gather_objects((ctx.peak_stage_bytes, *held, buffers, gathers), root=0)
     if log is not None:
         log.set_plan({"peak_activation_bytes_per_rank": [p[0] for p in peaks],
                       "param_bytes_per_rank": [p[1] for p in peaks],
                       "grad_bytes_per_rank": [p[2] for p in peaks],
                       "optimizer_bytes_per_rank": [p[3] for p in peaks],
-                      "grad_buffer_peak_bytes_per_rank": [p[4] for p in peaks]})
+                      "grad_buffer_peak_bytes_per_rank": [p[4] for p in peaks],
+                      "param_gather_peak_bytes_per_rank": [p[5] for p in peaks]})
     if ctx.remat is not None:
         rm = ctx.remat
         recs = ctx.world.gather_objects((rm.records, rm.measured_peak, rm.recompute_seconds), 0)

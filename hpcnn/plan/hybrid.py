@@ -53,9 +53,12 @@ STATE_WORDS = {"adamw": 4, "sgd": 3}
 def state_words(optimizer: str, layout=None) -> float:
     """Words a rank holds per parameter: the parameter, its gradient and the optimizer's slots
     (:data:`STATE_WORDS`), of which a ``layout`` with ``zero=1`` holds 1/dp, with ``zero=2``
-    of the gradient too (the buckets' storage while in use aside)."""
+    of the gradient too (the buckets' storage while in use aside), with ``zero=3`` of all three
+    (the gathered blocks aside: :func:`_stage_memory`)."""
     slots = STATE_WORDS[optimizer] - 2
     zero = layout.zero if layout is not None else 0
+    if zero == 3:
+        return (2 + slots) / layout.dp
     if zero == 2:
         return 1 + (1 + slots) / layout.dp
     return 2 + (slots / layout.dp if zero else slots)
@@ -63,20 +66,23 @@ def state_words(optimizer: str, layout=None) -> float:
 
 def reduced_share(layout) -> float:
     """The share of a ring allreduce the gradients' reduction costs: all of it, or at ZeRO-2
-    its reduce-scatter half (each rank receives its part only)."""
-    return 0.5 if layout.zero == 2 and layout.dp > 1 else 1.0
+    and 3 its reduce-scatter half (each rank receives its part only)."""
+    return 0.5 if layout.zero >= 2 and layout.dp > 1 else 1.0
 
 
 def sharded_update_seconds(local_params: float, layout, machine, word: int,
                            optimizer: str) -> float:
-    """The update of a rank's ``local_params``: the whole at zero 0; at zero 1 its 1/dp part,
-    then the parts gathered over dp (our choice: a ring allgather, half the ring allreduce's
-    2(dp-1) steps, at the level spanning tp x dp)."""
+    """The update of a rank's ``local_params``: the whole at zero 0; at zero 1 and 2 its 1/dp
+    part, then the parts gathered over dp (our choice: a ring allgather, half the ring
+    allreduce's 2(dp-1) steps, at the level spanning tp x dp); at zero 3 its part, and the
+    parameters gathered twice a step instead (before the forward and the backward of each
+    block), priced as not hidden behind the compute."""
     if not layout.zero or layout.dp == 1:
         return update_seconds(local_params, word, machine.device, optimizer)
     level = machine.level_for_group(layout.tp * layout.dp)
+    gathers = 2 if layout.zero == 3 else 1
     return (update_seconds(local_params / layout.dp, word, machine.device, optimizer)
-            + ring_allreduce_s(local_params * word, layout.dp, level) / 2)
+            + gathers * ring_allreduce_s(local_params * word, layout.dp, level) / 2)
 
 
 def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw") -> float:
@@ -181,7 +187,7 @@ class Layout:
     remat: str = "none"
     stages: tuple = ()      # transformer blocks per stage; () the uniform cut, n_layers / pp each
     zero: int = 0           # ZeRO stage (hpcnn/parallel/data/sharded.py): 1 = slots over dp,
-    #                         2 = and the gradients
+    #                         2 = and the gradients, 3 = and the parameters (zero3.py)
 
     def __post_init__(self):
         if self.stages and (len(self.stages) != self.pp or min(self.stages) < 1):
@@ -420,16 +426,23 @@ def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float,
                   optimizer: str) -> float:
     """Bytes one rank of stage ``stage`` holds at its peak: its parameters (:func:`_stage_params`)
     x :func:`state_words` (parameter, gradient, optimizer slots, 1/dp of them at zero 1), the
-    optimizer's scratch (at zero 1 at most the rank's part)
-    array, the size of its largest parameter (an MLP weight, dim x 4 dim / tp, or a table), and
-    its held activations (:func:`_held_bytes`)."""
+    optimizer's scratch (at zero >= 1 at most the rank's part)
+    array, the size of its largest parameter (an MLP weight, dim x 4 dim / tp, or a table), at
+    zero 3 the gathered parameters of two blocks (one computing, the next prefetched: twice the
+    largest of a transformer block, the embedding's tables, the LM head), and its held
+    activations (:func:`_held_bytes`)."""
     table = model.vocab * model.dim / layout.tp
     largest = max(4 * model.dim * model.dim / layout.tp, table if head or stage == 0 else 0,
                   model.seq * model.dim if stage == 0 else 0)
     params = _stage_params(model, layout, stage, blocks, head)
+    gathered = 0.0
     if layout.zero:                          # the scratch: at most the rank's part
         largest = min(largest, params / layout.dp)
-    return (state_words(optimizer, layout) * params + largest) * model.word \
+    if layout.zero == 3 and layout.dp > 1:
+        block = _block(model.dim, model.n_heads, model.seq, 1, model.word, layout.tp)[3]
+        gathered = 2 * max(block / model.word, table if head else 0,
+                           table + model.seq * model.dim if stage == 0 else 0)
+    return (state_words(optimizer, layout) * params + largest + gathered) * model.word \
         + _held_bytes(model, layout, stage, blocks)
 
 
@@ -605,6 +618,8 @@ def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMA
                             if r != "none" and s.startswith("zb"):  # as hpcnn train refuses
                                 continue
                             for z in zero if dp > 1 else (0,):
+                                if z == 3 and pp > 1:     # as hpcnn train refuses
+                                    continue
                                 yield from _with_cut(Layout(dp, tp, pp, m_count, s, r, zero=z),
                                                      uniform, model, machine, memory_bytes)
                 m_count *= 2

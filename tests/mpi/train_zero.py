@@ -1,8 +1,8 @@
-"""--zero=1 and --zero=2 equal --zero=0 (float64, 1e-10): losses, parameters and the whole
+"""--zero=1, 2 and 3 equal --zero=0 (float64, 1e-10): losses, parameters and the whole
 optimizer state (read back from each run's final checkpoint), on every layout this world size
-allows; each rank's optimizer holds 1/dp of the slots, and at zero 2 1/dp of the gradient (the
-run log's account); a checkpoint saved at one stage resumes at another as the uninterrupted
-run.
+allows (zero 3: not with a pipeline); each rank's optimizer holds 1/dp of the slots, at zero 2
+1/dp of the gradient, at zero 3 1/dp of all three plus at most two blocks gathered (the run
+log's account); a checkpoint saved at one stage resumes at another as the uninterrupted run.
 
     mpiexec -n N python -m mpi4py tests/mpi/train_zero.py TMPDIR [--every]
 """
@@ -87,6 +87,9 @@ for name, args in layouts.items():
     zero2 = None if "--allreduce=shm" in args else run(f"{name}-z2", *args, "--zero=2")
     if zero2 is not None:
         same(name + " zero 2", zero0, zero2)
+    zero3 = None if zero2 is None or "--pp=2" in args else run(f"{name}-z3", *args, "--zero=3")
+    if zero3 is not None:
+        same(name + " zero 3", zero0, zero3)
     if rank == 0:             # each rank's optimizer: its part of the slots, plus its scratch
         p0, p1 = plans(zero0, zero1)
         held = [p["optimizer_bytes_per_rank"] for p in (p0, p1)]
@@ -101,6 +104,17 @@ for name, args in layouts.items():
             assert 0 <= whole - sum(parts) <= 2 * 8, (name, whole, parts)  # less the sentinels
         assert max(parts) <= whole / dp + 2 * 8, (name, whole, parts)
         assert max(p2["grad_buffer_peak_bytes_per_rank"]) <= whole, name
+    if rank == 0 and zero3 is not None:       # stage 3: the parameters' parts, 1/dp each, the
+        p3, = plans(zero3)                    # gradients' and slots' as at stages 2 and 1
+        whole, parts = max(p0["param_bytes_per_rank"]), p3["param_bytes_per_rank"]
+        if dp == p:
+            assert sum(parts) == whole, (name, whole, parts)
+        assert max(parts) <= whole / dp + 8, (name, whole, parts)
+        assert p3["grad_bytes_per_rank"] == p2["grad_bytes_per_rank"], name
+        assert p3["optimizer_bytes_per_rank"] == p1["optimizer_bytes_per_rank"], name
+        gathered = max(p3["param_gather_peak_bytes_per_rank"])   # at most two blocks at once
+        assert 0 < gathered <= 2 * 8 * max(sum(q.size for q in b.params)
+                                           for b in zero3[0]["model"].blocks), (name, gathered)
 
 # the planner's price of what a rank holds (parameters, gradients or their part, optimizer state
 # and its scratch: hpcnn.plan.hybrid._stage_memory less the activations) is the runs' account
@@ -113,10 +127,11 @@ if rank == 0 and "gpt" in layouts:
     model = hybrid.Transformer(cfg.n_layers, cfg.dim, cfg.n_heads, seq=cfg.block_size,
                                vocab=padded_vocab(datasets.for_config(cfg).vocab, cfg),
                                batch=cfg.batch_size, dtype="float64")
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         plan = read_run(os.path.join(tmp, f"gpt-z{zero}.h5")).plan
         held = max(map(sum, zip(*(plan[k] for k in ("param_bytes_per_rank", "grad_bytes_per_rank",
-                                                     "optimizer_bytes_per_rank")))))
+                                                     "optimizer_bytes_per_rank",
+                                                     "param_gather_peak_bytes_per_rank")))))
         lay = hybrid.Layout(p, 1, 1, 1, zero=zero)
         priced = (hybrid._stage_memory(model, lay, 0, cfg.n_layers, True, "adamw")
                   - hybrid._held_bytes(model, lay, 0, cfg.n_layers))
@@ -132,7 +147,7 @@ def twenty(name, *args):
     return log
 
 
-for first, then in ((1, 0), (0, 2), (2, 1)) if p == 2 or every else ():
+for first, then in ((1, 0), (0, 2), (2, 1), (3, 0), (0, 3)) if p == 2 or every else ():
     ck = os.path.join(tmp, f"at-{first}-{{step}}.h5")
     whole = twenty(f"whole-{first}", f"--zero={first}", f"--checkpoint={ck}",
                    "--checkpoint_every=10")

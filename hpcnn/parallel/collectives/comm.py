@@ -310,15 +310,33 @@ class Communicator(ObjectCalls):
         nbytes = (sendbuf.size - counts[self.rank]) * sendbuf.itemsize
         return Request([req], self.stats, "ireduce_scatter", nbytes, t0).at(self.name)
 
+    def iallgather_parts(self, buf, counts) -> Request:
+        """Start :meth:`allgather_parts` (``MPI_Iallgatherv`` in place); ``wait()`` the request
+        before reading ``buf``. Counted under ``iallgather`` as the bytes of the others'
+        parts. ZeRO-3 gathers the next block's parameters with it while this one computes."""
+        counts = self._part_counts("iallgather_parts", buf, counts)
+        t0 = _perf()
+        if self.size == 1:
+            return _SelfRequest(self.stats, "iallgather")
+        displs = [sum(counts[:r]) for r in range(self.size)]
+        backend.sync()
+        req = self.comm.Iallgatherv(_mpi().IN_PLACE, [buf, (counts, displs)])
+        nbytes = (buf.size - counts[self.rank]) * buf.itemsize
+        return Request([req], self.stats, "iallgather", nbytes, t0).at(self.name)
+
+    def _part_counts(self, op: str, buf, counts) -> list[int]:
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != buf.size:
+            raise ValueError(f"{op}: {len(counts)} counts summing to {sum(counts)} for "
+                             f"{self.size} ranks and a buffer of {buf.size} elements")
+        return counts
+
     def allgather_parts(self, buf, counts):
         """In place: rank r's part of the flat, contiguous ``buf`` (``counts[r]`` elements after
         the earlier ranks' parts) copied into every rank's ``buf`` (``MPI_Allgatherv`` with
         ``MPI_IN_PLACE``; uneven parts, zeros included). Counted under ``allgather`` as the bytes
         of the parts the others hold. Returns ``buf``."""
-        counts = [int(c) for c in counts]
-        if len(counts) != self.size or sum(counts) != buf.size:
-            raise ValueError(f"allgather_parts: {len(counts)} counts summing to {sum(counts)} for "
-                             f"{self.size} ranks and a buffer of {buf.size} elements")
+        counts = self._part_counts("allgather_parts", buf, counts)
         if self.size == 1:
             return buf
         MPI = _mpi()

@@ -27,6 +27,7 @@ then are the reduced buffers tested element by element.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -222,6 +223,11 @@ class DataParallel:
 
     reduces = True             # a step waits for it (the loop times that wait)
     shards_gradients = False   # each rank holds the whole reduced gradient (ZeRO-2 does not)
+    shards_parameters = False  # each rank holds the whole parameters (ZeRO-3 does not)
+
+    def whole(self, gather: bool = True, write_back: bool = False):
+        """A context in which every parameter is whole: they always are (ZeRO-3 gathers)."""
+        return contextlib.nullcontext()
 
     def _on_block_done(self, i: int) -> None:
         self._launch_ready(i)
@@ -342,8 +348,9 @@ class LocalGradients:
     hook = None
     reduces = False
     overlap = False
-    shards_gradients = False
+    shards_gradients = shards_parameters = False
     last_launched: list = []
+    whole = DataParallel.whole
 
     def __init__(self, model):
         self.model = model

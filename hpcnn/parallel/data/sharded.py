@@ -44,9 +44,9 @@ class Segment:
 
     __slots__ = ("full", "lo", "hi", "data", "name", "tp_axis", "part")
 
-    def __init__(self, full, lo: int, hi: int, part=None):
+    def __init__(self, full, lo: int, hi: int, part=None, data=None):
         self.full, self.lo, self.hi, self.name = full, lo, hi, full.name
-        self.data = full.data.reshape(-1)[lo:hi]
+        self.data = full.data.reshape(-1)[lo:hi] if data is None else data   # ZeRO-3: a shard's
         self.tp_axis = getattr(full, "tp_axis", None)
         self.part = part           # ZeRO-2: the reduced gradient's elements, in the rank's part
 
@@ -99,11 +99,17 @@ class ShardedDataParallel(DataParallel):
             for p, o in zip(ps, offs):
                 lo, hi = max(a, o) - o, min(b, o + p.size) - o
                 if lo < hi:
-                    out.append(Segment(p, lo, hi, self._part_view(k, o + lo - a, hi - lo)))
+                    at = o + lo - a                     # where it starts in the rank's part
+                    out.append(Segment(p, lo, hi, self._part_view(k, at, hi - lo),
+                                       self._data_view(k, at, hi - lo)))
         return out
 
     def _part_view(self, k: int, at: int, n: int):
         """Stage 1: None (a segment's gradient is a view of the whole one)."""
+        return None
+
+    def _data_view(self, k: int, at: int, n: int):
+        """Stages 1 and 2: None (a segment's values are a view of the whole parameter)."""
         return None
 
     def gather_parameters(self) -> None:
