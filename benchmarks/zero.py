@@ -1,11 +1,12 @@
-"""ZeRO stages 1 and 2 against zero 0: step time and each rank's held bytes, side by side.
+"""ZeRO stages 1, 2 and 3 against zero 0: step time and each rank's held bytes, side by side.
 
 Trains, in-process on every rank (``--dp`` = the world), the 64 MiB MLP (five hidden layers of
 2048, float32, batch 256, on digits) and a GPT (4 blocks, width 128, context 64, batch 32, on
-sonnet), at ``--zero=0``, ``1`` and ``2`` in turn (the order rotated every round), overlap on.
-Per model and stage: the median over rounds of the run's median step time (its first step left
-out), and from the run log's account the optimizer and gradient bytes per rank and (stage 2)
-the peak of the buckets' storage; then the ratios to zero 0. Rows go to ``runs/bench/zero.h5``
+sonnet), at ``--zero=0``, ``1``, ``2`` and ``3`` in turn (the order rotated every round), overlap
+on. Per model and stage: the median over rounds of the run's median step time (its first step
+left out), and from the run log's account the parameter, optimizer and gradient bytes per rank,
+(stages 2, 3) the peak of the buckets' storage and (stage 3) of the gathered blocks; then the
+ratios to zero 0. Rows go to ``runs/bench/zero.h5``
 (table ``zero``) with the load.
 
     OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py benchmarks/zero.py [--rounds=3] [--steps=6]
@@ -35,11 +36,12 @@ def parser():
     return ap
 
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 def one_run(world, tmp, model, zero, steps, k) -> tuple:
-    """(the median step seconds, rank 0's optimizer bytes, gradient bytes, buckets' peak), on
+    """(the median step seconds, rank 0's parameter, optimizer and gradient bytes, buckets'
+    peak, gathered blocks' peak), on
     rank 0 (a step's time is the same on every rank: each waits for the others in the gradient
     reduction)."""
     log = os.path.join(tmp, f"{model}-{zero}-{k}.h5")
@@ -49,12 +51,14 @@ def one_run(world, tmp, model, zero, steps, k) -> tuple:
     world.Barrier()
     train(cfg, comm=world)
     if world.rank:
-        return 0.0, 0, 0, 0
+        return 0.0, 0, 0, 0, 0, 0
     run = read_run(log)
     plan = run.plan
     return (float(np.median(run.metrics["step_time"][1:])),
-            *(int(plan[key][0]) for key in ("optimizer_bytes_per_rank", "grad_bytes_per_rank",
-                                            "grad_buffer_peak_bytes_per_rank")))
+            *(int(plan[key][0]) for key in ("param_bytes_per_rank", "optimizer_bytes_per_rank",
+                                            "grad_bytes_per_rank",
+                                            "grad_buffer_peak_bytes_per_rank",
+                                            "param_gather_peak_bytes_per_rank")))
 
 
 def main(argv=None) -> int:
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
     held = {}
     for k in range(a.rounds):
         for model in MODELS:
-            for zero in STAGES[k % 3:] + STAGES[:k % 3]:
+            for zero in STAGES[k % 4:] + STAGES[:k % 4]:
                 s, *b = one_run(world, tmp, model, zero, a.steps, k)
                 seen[model, zero].append(s)
                 held[model, zero] = b
@@ -77,14 +81,17 @@ def main(argv=None) -> int:
         t0 = float(np.median(seen[model, 0]))
         for zero in STAGES:
             t = float(np.median(seen[model, zero]))
-            o, g, buf = held[model, zero]
+            pb, o, g, buf, gat = held[model, zero]
             rows.append({"model": model, "ranks": world.size, "zero": zero, "step_s": t,
-                         "step_ratio": t / t0, "optimizer_bytes": o, "grad_bytes": g,
-                         "bucket_peak_bytes": buf})
+                         "step_ratio": t / t0, "param_bytes": pb, "optimizer_bytes": o,
+                         "grad_bytes": g, "bucket_peak_bytes": buf, "gather_peak_bytes": gat})
             print(f"{model}, {world.size} ranks, zero {zero}, {a.rounds} rounds x {a.steps} steps "
                   f"(load {load:.1f}): step {t * 1e3:.1f} ms ({t / t0:.3f} of zero 0); per rank "
-                  f"optimizer {o / 2**20:.1f} MiB, gradients {g / 2**20:.1f} MiB"
-                  + (f", buckets' peak {buf / 2**20:.1f} MiB" if zero == 2 else ""), flush=True)
+                  f"parameters {pb / 2**20:.1f} MiB, optimizer {o / 2**20:.1f} MiB, gradients "
+                  f"{g / 2**20:.1f} MiB"
+                  + (f", buckets' peak {buf / 2**20:.1f} MiB" if zero >= 2 else "")
+                  + (f", gathered blocks' peak {gat / 2**20:.1f} MiB" if zero == 3 else ""),
+                  flush=True)
     scripts.write_tables(a.out, {"zero": rows}, {"load": load, "command": scripts.command_line()})
     return 0
 

@@ -216,6 +216,21 @@ class ShardedParameters(ShardedGradients):
             return
         for j in list(self._held):
             self.drop(j)
+        flats = self._bind_whole(gather)
+        self._whole = True
+        try:
+            yield
+            if write_back:
+                r = self.comm.rank
+                for flat, cut, shard in zip(flats, self.bounds, self.shards):
+                    shard[...] = flat[cut[r]:cut[r + 1]]
+        finally:
+            self._whole = False
+            self._drop_all()
+
+    def _bind_whole(self, gather: bool) -> list:
+        """One new flat buffer per dtype, every parameter a view of it; with ``gather`` filled
+        from every rank's part (one allgather each)."""
         r, flats = self.comm.rank, []
         for (ps, offs), cut, shard in zip(self.groups, self.bounds, self.shards):
             flat = backend.xp.empty(int(offs[-1]), dtype=shard.dtype)
@@ -225,27 +240,15 @@ class ShardedParameters(ShardedGradients):
             for p, o in zip(ps, offs):
                 p.data = flat[o:o + p.size].reshape(p.shape)
             flats.append(flat)
-        self._whole = True
-        try:
-            yield
-            if write_back:
-                for flat, cut, shard in zip(flats, self.bounds, self.shards):
-                    shard[...] = flat[cut[r]:cut[r + 1]]
-        finally:
-            self._whole = False
-            self._drop_all()
+        return flats
 
     def release(self) -> None:
-        """The parameters whole again on every rank (private arrays), the blocks unwrapped, then
-        stage 2's release."""
+        """The parameters whole again on every rank (views of private flat buffers), the blocks
+        unwrapped, then stage 2's release."""
         if self.shards is not None:
-            r = self.comm.rank
-            for (ps, offs), cut, shard in zip(self.groups, self.bounds, self.shards):
-                flat = backend.xp.empty(int(offs[-1]), dtype=shard.dtype)
-                flat[cut[r]:cut[r + 1]] = shard
-                self.comm.allgather_parts(flat, numpy.diff(cut))
-                for p, o in zip(ps, offs):
-                    p.data = flat[o:o + p.size].reshape(p.shape).copy()
+            for j in list(self._held):
+                self.drop(j)
+            self._bind_whole(gather=True)      # (the flat buffers become the parameters')
             for i in self.wrapped:
                 self.model.blocks[i] = self.model.blocks[i].inner
             self.shards = None
