@@ -8,7 +8,8 @@ forward, and again before its backward, its parameters are gathered from the ran
 one buffer (``MPI_Iallgatherv`` in place over the block's elements), and the buffer is dropped
 after. While block i computes, the gather of the next block is already started (i + 1 in a
 forward, i - 1 in a backward): at most two blocks' buffers live at once (a prefetch that a
-recomputation left unused is dropped). Gradients are reduce-scattered per bucket as at stage 2.
+recomputation left unused is dropped). The last block stays gathered from its forward to its
+backward, which follows at once. Gradients are reduce-scattered per bucket as at stage 2.
 
 The optimizer updates the shards in place (its segments are views of them), so nothing is
 gathered after the step. Whatever needs the whole parameters (an evaluation, a checkpoint
@@ -63,16 +64,20 @@ class GatheredBlock(Block):
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "_j", j)
 
-    def _run(self, fn, step: int, *args, **kw):
+    def _run(self, fn, step: int, *args, keep: bool = False, **kw):
         e, j = self._engine, self._j
         e.acquire(j, j + step)
         try:
             return fn(*args, **kw)
         finally:
-            e.drop(j)
+            if not keep:
+                e.drop(j)
 
     def forward(self, x):
-        return self._run(self.inner.forward, 1, x)
+        """The last block's parameters stay gathered after a training forward: its backward
+        comes next (they are dropped then, or by the next block's gather)."""
+        last = self._j == len(self._engine.spans) - 1
+        return self._run(self.inner.forward, 1, x, keep=last and self.inner.training)
 
     def backward(self, dy, cache, **kw):
         return self._run(self.inner.backward, -1, dy, cache, **kw)
