@@ -9,6 +9,7 @@ rank's timing row and its timeline events.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -110,8 +111,11 @@ def train_step(ctx, task, opt, step: int, t_start: float):
     scale = task.scaler.scale if task.scaler is not None else 1.0
     t0 = time.perf_counter()
     ctx.local.zero_grad()
-    loss_sum, events = forward_backward(ctx, task, xg[mine], yg[mine], shares, step,
-                                        int(mine[0]) if len(mine) else 0, t_start, trace, scale)
+    with numpy.errstate(over="ignore", invalid="ignore") if task.scaler is not None else \
+            contextlib.nullcontext():   # fp16: an overflow is the scaler's to find, not a warning
+        loss_sum, events = forward_backward(ctx, task, xg[mine], yg[mine], shares, step,
+                                            int(mine[0]) if len(mine) else 0, t_start, trace,
+                                            scale)
     compute = time.perf_counter() - t0
     pad = ctx.slowdown.pad(compute)
     if pad:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy
 
@@ -43,10 +44,10 @@ class Format:
     scaled: bool
 
 
-# precision -> its Format (None: the plain run in --dtype). Tests may put another Format here
-# (float64 storage and compute: the machinery run in float64, compared bit for bit).
-FORMATS = {"fp32": None, "bf16": Format("bfloat16", "float32", False),
-           "fp16": Format("float16", "float32", True)}
+# precision -> its Format (None: the plain run in --dtype); read-only. A test replaces the whole
+# mapping to run the machinery with float64 storage and compute (compared bit for bit).
+FORMATS = MappingProxyType({"fp32": None, "bf16": Format("bfloat16", "float32", False),
+                            "fp16": Format("float16", "float32", True)})
 
 
 def format_of(cfg) -> Format | None:
