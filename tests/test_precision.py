@@ -12,10 +12,12 @@ from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
 from hpcnn.nn import models, precision
 from hpcnn.nn.chain import Chain
-from hpcnn.nn.layers import LayerNorm, Linear
-from hpcnn.nn.transformer import CausalSelfAttention, TransformerBlock
+from hpcnn.nn.layers import GELU, Dropout, LayerNorm, Linear, ReLU
+from hpcnn.nn.loss import SoftmaxCrossEntropy
+from hpcnn.nn.transformer import CausalSelfAttention, Embedding, MLPBlock, TransformerBlock
 from hpcnn.train import train
 from hpcnn.parallel.data.bucketed import DataParallel
+from cachecheck import spec_matches_cache
 from mpi_util import run_mpi, single
 from test_refusals import TINY_GPT, assert_refused, run_cli
 
@@ -176,6 +178,23 @@ def test_16_bit_blocks_match_float32(name, dt):
             assert b.dtype == np.float32, what
         err = np.abs(a - b.astype(np.float32)).max() / np.abs(a).max()
         assert err < TOL[dt], (name, dt, what, err)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+def test_spec_counts_16_bit_caches_exactly(dt):
+    """The block contract's check (tests/cachecheck.py) on the blocks of the GPT and the MLP
+    stored in 16 bits: spec() counts what the real caches hold (16-bit activations,
+    LayerNorm's float32 1/std, the loss's 16-bit probabilities)."""
+    rng = np.random.default_rng(0)
+    seq = rng.standard_normal((2, 8, 16)).astype(backend.dtype_of(dt))
+    kw = dict(dtype=dt)
+    blocks = [Linear(16, 8, **kw), ReLU(**kw), GELU(**kw), LayerNorm(16, **kw),
+              Dropout(0.3, **kw), CausalSelfAttention(16, 4, dropout=0.1, **kw),
+              MLPBlock(16, dropout=0.1, **kw), TransformerBlock(16, 4, dropout=0.1, **kw)]
+    for block in blocks:
+        spec_matches_cache(block, seq)
+    spec_matches_cache(Embedding(20, 16, 8, **kw), rng.integers(0, 20, (2, 8)))
+    spec_matches_cache(SoftmaxCrossEntropy(), seq, rng.integers(0, 16, (2, 8)))
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float16"])
