@@ -45,11 +45,42 @@ def set_device(name: str | None = None) -> str:
 
 
 def dtype_of(name) -> numpy.dtype:
-    """``"float32"``/``"float64"`` (or a dtype) -> a floating NumPy dtype, checked."""
+    """``"float32"``/``"float64"`` (or a dtype; also the 16-bit storage formats ``float16`` and
+    ``bfloat16`` of mixed precision, :mod:`hpcnn.nn.precision`) -> a floating NumPy dtype,
+    checked."""
+    if isinstance(name, str) and name == "bfloat16":
+        import ml_dtypes
+        name = ml_dtypes.bfloat16
     dt = numpy.dtype(name)
-    if dt not in (numpy.float32, numpy.float64):
+    if dt not in (numpy.float32, numpy.float64) and not is_narrow(dt):
         raise ValueError(f"dtype must be float32 or float64, got {dt}")
     return dt
+
+
+def is_narrow(dtype) -> bool:
+    """True for a 16-bit floating storage dtype (float16, or ml_dtypes' bfloat16)."""
+    dt = numpy.dtype(dtype)
+    return dt.itemsize == 2 and (dt == numpy.float16 or dt.name == "bfloat16")
+
+
+def compute_dtype(dtype) -> numpy.dtype:
+    """The dtype arithmetic on arrays of ``dtype`` runs in: float32 for a 16-bit storage dtype
+    (NumPy has no fast 16-bit GEMM), else ``dtype`` itself. Gradients of parameters are kept
+    in it (Megatron's ``main_grad``)."""
+    dt = numpy.dtype(dtype)
+    return numpy.dtype(numpy.float32) if is_narrow(dt) else dt
+
+
+def up(a):
+    """``a`` in its compute dtype (:func:`compute_dtype`): a float32 copy of a 16-bit array;
+    ``a`` itself otherwise (no copy: the float32 and float64 paths are unchanged)."""
+    return a.astype(numpy.float32) if is_narrow(a.dtype) else a
+
+
+def down(a, dtype):
+    """``a`` stored as ``dtype``: rounded to nearest (even) when ``dtype`` is narrower; ``a``
+    itself when it already has that dtype."""
+    return a if a.dtype == dtype else a.astype(dtype)
 
 
 def asarray(a, dtype=None):

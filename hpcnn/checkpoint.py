@@ -4,8 +4,10 @@
 
     /          attrs: format, step (steps done), hpcnn version, optimizer, layout "dp,tp,pp",
                       the saving run's config (JSON)
-    /params    one dataset per parameter, by name: the full (unsharded) array
-    /optim     attrs: the optimizer's scalar state (e.g. its step count);
+    /params    one dataset per parameter, by name: the full (unsharded) array (16-bit
+               parameters, --precision=bf16|fp16: their float32 master copy)
+    /optim     attrs: the optimizer's scalar state (e.g. its step count; fp16: the loss scale
+               and its count of good steps);
                <name>/<slot>: the full array of each per-parameter slot (momentum, m, v)
     /balancer  shares, speeds (heterogeneous data parallelism), when the run had them
 
@@ -44,6 +46,7 @@ import numpy
 
 from hpcnn import to_stderr
 from hpcnn import backend
+from hpcnn.nn.precision import MasterCopy
 
 FORMAT = 2              # 2: every array carries its CRC-32 (1: without; still read, unverified)
 READABLE = (1, 2)
@@ -308,6 +311,8 @@ def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
                     opt.set_slot(p.name, slot, local(p, read(ds)))
     for k, v in optim.attrs.items():
         opt.state[k] = v.item() if hasattr(v, "item") else v
+    if isinstance(opt, MasterCopy):          # 16-bit parameters: their masters were restored
+        opt.write_down()
     if ctx is not None and "balancer" in f and len(f["balancer/shares"]) == ctx.dp.size:
         ctx.balancer.shares = numpy.array(read(f["balancer/shares"]))
         ctx.balancer.speeds = numpy.array(read(f["balancer/speeds"]))

@@ -155,7 +155,9 @@ def _train(args) -> int:
         print("result: " + ", ".join(f"{k}={result[k]:.4f}" for k in keys)
               + f", steps={steps}, wall={result['wall_s']:.1f}s, log={result['log']}"
               + ("" if result["status"] == "finished" else f", {result['status']}")
-              + (f", {result['divergence']}" if result.get("divergence") else ""))
+              + (f", {result['divergence']}" if result.get("divergence") else "")
+              + (f", skipped={result['skipped_steps']} (fp16 loss scale)"
+                 if "skipped_steps" in result else ""))
     if result["exit_code"] and comm is not None:    # interrupted: 128 + signal, without the
         from mpi4py import MPI                      # MPI_Abort mpi4py makes of a non-zero exit
         MPI.Finalize()

@@ -101,6 +101,12 @@ class TrainConfig:
     # -- numerics and reproducibility -------------------------------------------------------
     seed: int = 0                       # initial weights, batch order and dropout masks
     dtype: str = "float32"              # float32 for training, float64 for exactness checks
+    precision: str = "fp32"             # fp32 | bf16 | fp16: parameters and activations in 16 bits, matmuls, statistics, gradients, master copy and optimizer state in fp32 (gpt, mlp; needs --dtype=float32)
+    grad_reduce_dtype: str = "fp32"     # bf16/fp16: the gradient buckets reduced in fp32, or cast to the parameters' 16 bits for the message (param: half the bytes)
+    loss_scale_init: float = 65536.0    # fp16: the first loss scale (torch GradScaler's 2**16)
+    loss_scale_growth: float = 2.0      # fp16: the scale's factor after loss_scale_growth_interval good steps in a row
+    loss_scale_backoff: float = 0.5     # fp16: the scale's factor at a step with an inf/NaN gradient (the step is skipped)
+    loss_scale_growth_interval: int = 2000  # fp16: good steps in a row before the scale grows
     device: str = "cpu"                 # cpu (NumPy) | gpu (CuPy)
     # -- evaluation and logging -------------------------------------------------------------
     eval_interval: int = 100            # steps between evaluations (0 = only at the end)
@@ -162,6 +168,7 @@ CHOICES = {            # option -> its allowed values
     "slowdown_mode": ("sleep", "spin"), "shard": ("contiguous", "skewed"),
     "partition": GRAPH_PARTITIONS,
     "remat": ("none", "sqrt", "full", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu"),
+    "precision": ("fp32", "bf16", "fp16"), "grad_reduce_dtype": ("fp32", "param"),
     "schedule": tuple(SCHEDULES), "stop_signal": STOP_SIGNALS,
     "coarsen": ("none", "heavy_edge", "spectral", "random"),
 }
@@ -211,6 +218,9 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
     "eval_interval": AT_LEAST_0, "eval_batches": AT_LEAST_1, "log_interval": AT_LEAST_1,
     "checkpoint_every": AT_LEAST_0, "hang_timeout": AT_LEAST_0,
     "spectral_features": AT_LEAST_0, "reduction": Range(0, 1, open_lo=True),
+    "loss_scale_init": POSITIVE, "loss_scale_growth": Range(1, open_lo=True),
+    "loss_scale_backoff": Range(0, 1, open_lo=True, open_hi=True),
+    "loss_scale_growth_interval": AT_LEAST_1,
 }
 # --hang_timeout: the least seconds in one call that report a hang and abort the job (a
 # collective waits that long for a peer's compute in healthy runs; 0 turns the watchdog off)
@@ -274,6 +284,7 @@ def combination_errors(c: TrainConfig) -> list[str]:
         need(c.dim % c.n_heads == 0, f"dim={c.dim} is not divisible by n_heads={c.n_heads}")
     _tensor_parallel_errors(c, need)
     _graph_errors(c, need)
+    _precision_errors(c, need)
     _pipeline_errors(c, need)        # (pp = 1 ignores the pipeline options, so that a serial
     #                                  reference run can take the same command line)
     need(not (c.remat != "none" and c.pp > 1 and c.schedule in ("zb_h1", "zb_v")),
@@ -302,6 +313,27 @@ def combination_errors(c: TrainConfig) -> list[str]:
     need(c.device != "gpu" or importlib.util.find_spec("cupy") is not None,
          "device='gpu' needs CuPy, which is not installed here (pip install 'hpcnn[gpu]')")
     return errs
+
+
+def _precision_errors(c: TrainConfig, need) -> None:
+    """What 16-bit storage covers (hpcnn.nn.precision): the GPT and the MLP, serial or data
+    parallel, in float32 compute."""
+    if c.precision == "fp32":
+        need(c.grad_reduce_dtype == "fp32", f"grad_reduce_dtype={c.grad_reduce_dtype!r} with "
+                                            f"precision='fp32': the gradients are fp32 already")
+        return
+    p = f"precision={c.precision!r}"
+    need(c.dtype == "float32", f"{p} with dtype={c.dtype!r}: 16-bit storage computes in "
+                               f"float32 (--dtype=float32); float64 is for exactness checks")
+    need(c.zero == 0, f"{p} with zero={c.zero}: not yet (the sharded fp32 master copy)")
+    need(c.model in ("gpt", "mlp"), f"{p} with model={c.model!r}: 16-bit storage covers "
+                                    f"model='gpt' and model='mlp' only")
+    need(c.tp == 1 and c.pp == 1 and c.remat == "none" and not c.plan and not c.half_layers,
+         f"{p} with tp={c.tp}, pp={c.pp}, remat={c.remat!r}, plan={c.plan!r}, half_layers="
+         f"{str(c.half_layers).lower()}: 16-bit storage runs serial and data-parallel layouts "
+         f"only (tp=1, pp=1, no remat, plan or half_layers)")
+    need(not (c.precision == "bf16" and c.device == "gpu"),
+         "precision='bf16' with device='gpu': CuPy has no bfloat16; use precision='fp16'")
 
 
 def _graph_errors(c: TrainConfig, need) -> None:

@@ -19,7 +19,7 @@ import numpy
 from hpcnn import backend
 from hpcnn import datasets
 from hpcnn.config import TrainConfig, padded_vocab
-from hpcnn.nn import models
+from hpcnn.nn import models, precision
 
 TEXT_DEFAULT_STEPS = 1000
 VAL_SEED = 2**31 - 1          # validation windows are the same for every run
@@ -36,6 +36,7 @@ class Task:
     layout: dict | None = None        # --plan: the cut of each Linear, who chose it, its price
     hybrid: dict | None = None        # GPT --plan=auto: the chosen layout, who chose it, its price
     divergence: object = None         # the run's watch on its loss (hpcnn.engine.record.Divergence)
+    scaler: object = None             # fp16: the run's loss scaler (hpcnn.nn.precision.LossScaler)
 
     @property
     def is_text(self) -> bool:
@@ -70,7 +71,7 @@ class Task:
             self.model.train()
 
     def to_device(self, x, y):
-        dtype = None if self.is_text else self.cfg.dtype
+        dtype = None if self.is_text else precision.storage_dtype(self.cfg)
         return backend.asarray(x, dtype=dtype), backend.asarray(y)
 
     def eval_sums(self, ctx=None, stop=None) -> numpy.ndarray | None:
@@ -305,8 +306,9 @@ def build_task(cfg: TrainConfig, tp_comm=None, data=None, keep=None, graph_comm=
     """Load the data (unless given) and build the model named by a resolved config (sharded
     over ``tp_comm``; a GCN's graph rows split over ``graph_comm``). ``keep``: the names of the
     parameters given storage (None: all; the others are placeholders: a pipeline rank keeps its
-    own stages', ``()`` builds shapes only)."""
-    dtype = backend.dtype_of(cfg.dtype)
+    own stages', ``()`` builds shapes only). Parameters and activations are stored in
+    ``--precision``'s 16 bits when it is bf16 or fp16 (:mod:`hpcnn.nn.precision`)."""
+    dtype = precision.storage_dtype(cfg)
     tp = tp_comm is not None and tp_comm.size > 1
     data = data if data is not None else datasets.for_config(cfg)
     if cfg.model == "gcn":

@@ -24,6 +24,7 @@ from hpcnn.engine.record import (Divergence, claim_log, flush_ranks, record_memo
                                  release_claims, run_header, thread_warning, watch_divergence)
 from hpcnn.engine.step import train_step
 from hpcnn.schedule.expand import show as show_schedule
+from hpcnn.nn import precision
 from hpcnn.nn.optim import make_optimizer
 from hpcnn.parallel.collectives import watchdog
 from hpcnn.signals import StopSignals
@@ -63,8 +64,10 @@ def setup(cfg: TrainConfig, world, data):
         task.hybrid = planned
         task.divergence = Divergence(cfg.divergence)
         ctx.attach(task)
-        opt = ctx.optimizer(lambda params: make_optimizer(
-            cfg.optimizer, params, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
+        opt = ctx.optimizer(lambda params: precision.optimizer(cfg, params, lambda ps: (
+            make_optimizer(cfg.optimizer, ps, momentum=cfg.momentum,
+                           weight_decay=cfg.weight_decay))))
+        task.scaler = precision.attach(cfg, ctx.engine, opt)     # fp16: the loss scale
         start = _resume(cfg, ctx, task, opt) if cfg.resume else 0
     except Exception:
         ctx.free()
@@ -231,6 +234,8 @@ def _summary(cfg, ctx, task, opt, last: dict, wall_s: float) -> dict:
                shares=ctx.balancer.shares.tolist())
     if task.is_text:
         out["unigram_entropy"] = task.data.unigram_entropy()
+    if task.scaler is not None:                  # fp16: the steps skipped on an inf/NaN
+        out["skipped_steps"] = task.scaler.skipped
     if ctx.remat is not None:
         out["remat_plans"] = ctx.remat.records
         out["remat_measured_peak"] = ctx.remat.measured_peak

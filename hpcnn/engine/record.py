@@ -13,6 +13,7 @@ from hpcnn import to_stderr
 from hpcnn import backend
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.nn.core import is_placeholder
+from hpcnn.nn.precision import storage_dtype
 
 
 def whole_model_params(model, tp: int = 1) -> int:
@@ -36,8 +37,13 @@ def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -
     planned = getattr(task, "hybrid", None)            # GPT --plan=auto: who chose it
     if planned:
         layout += f" (planned: {planned['chosen_by']})"
-    line = (f"hpcnn: {model.name} ({whole_model_params(model, cfg.tp):,} parameters) on "
-            f"{task.data.name}, {task.steps} steps of {cfg.batch_size}, {cfg.dtype}, {layout}")
+    n = whole_model_params(model, cfg.tp)
+    numbers = cfg.dtype if cfg.precision == "fp32" else (
+        f"{cfg.precision} ({n * storage_dtype(cfg).itemsize / 2**20:.2f} MiB of 16-bit "
+        f"parameters and 16-bit activations; fp32 compute, gradients, master copy and "
+        f"optimizer state)")
+    line = (f"hpcnn: {model.name} ({n:,} parameters) on "
+            f"{task.data.name}, {task.steps} steps of {cfg.batch_size}, {numbers}, {layout}")
     if cfg.remat != "none":
         line += f", remat={cfg.remat}" + (f" within {cfg.memory_budget:g} MiB"
                                           if cfg.remat == "optimal" else "")

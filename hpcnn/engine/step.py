@@ -9,6 +9,7 @@ rank's timing row and its timeline events.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -17,6 +18,7 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.engine.execute import run
+from hpcnn.nn import precision
 from hpcnn.nn.optim import clip_grad_norm, lr_at
 from hpcnn.parallel.data.bucketed import dloss_for, shard
 
@@ -44,16 +46,18 @@ def micro_draws(step: int, row0: int, sizes) -> list:
     return draws
 
 
-def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: float, trace=None):
+def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: float, trace=None,
+                     scale: float = 1.0):
     """This rank's forward and backward of its rows ``x, y`` (rows ``row0 ..`` of the step's
     global batch) as its schedule says; returns (loss sum over its rows, events). The loss sum
-    is known on the last stage's rank only (0 elsewhere). ``trace``: see :func:`.execute.run`."""
+    is known on the last stage's rank only (0 elsewhere). ``trace``: see :func:`.execute.run`.
+    ``scale``: the loss scale (fp16), a factor on every loss gradient."""
     cfg = ctx.cfg
     x, y = task.to_device(x, y)
     xs, ys = split_batch(x, y, ctx.n_micro(len(x)))
     sizes = [int(a.shape[0]) for a in xs]
     # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
-    dloss = [dloss_for(cfg.combine, m, shares, local=len(x)) for m in sizes]
+    dloss = [dloss_for(cfg.combine, m, shares, local=len(x)) * scale for m in sizes]
     draws = micro_draws(step, row0, sizes)
     hook = ctx.engine.hook                               # buckets launched as blocks finish
     last = len(xs) - 1
@@ -71,6 +75,30 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _update(ctx, task, opt, lr: float, scale: float, row: dict) -> float:
+    """After the reduction: fp16's check (one flag agreed by every rank) and unscaling, the
+    clipping, the optimizer step (skipped on an inf/NaN gradient under fp16), the loss scale's
+    update; the step's ``grad_norm``, ``loss_scale`` and ``skipped`` into ``row``. Returns the
+    time the optimizer's step began (:func:`time.perf_counter`)."""
+    cfg, scaler, skip = ctx.cfg, task.scaler, False
+    if scaler is not None:
+        skip = precision.found_non_finite(opt.clipped)
+        skip = bool(ctx.world.allreduce_scalars([float(skip)], "max")[0])
+        if not skip:
+            precision.unscale(opt.clipped, scale)
+        row.update(loss_scale=scale, skipped=float(skip))
+    if cfg.clip > 0:
+        row["grad_norm"] = float("nan") if skip else clip_grad_norm(
+            opt.clipped, cfg.clip, norm_sq=ctx.grad_norm_sq(opt.clipped))
+    td = time.perf_counter()
+    if not skip:
+        opt.step(lr)
+    if scaler is not None:
+        scaler.update(skip)
+    backend.sync()
+    return td
+
+
 def train_step(ctx, task, opt, step: int, t_start: float):
     """One optimizer step on this rank's shard: returns (metrics row, rank row, events)."""
     cfg = ctx.cfg
@@ -80,10 +108,14 @@ def train_step(ctx, task, opt, step: int, t_start: float):
     mine = shard(numpy.arange(cfg.batch_size), shares, ctx.dp.rank)
     comm_before, bytes_before = ctx.stats.comm_seconds, ctx.stats.bytes_sent
     trace = [] if ctx.tracing else None                  # --show_schedule: this step's ops
+    scale = task.scaler.scale if task.scaler is not None else 1.0
     t0 = time.perf_counter()
     ctx.local.zero_grad()
-    loss_sum, events = forward_backward(ctx, task, xg[mine], yg[mine], shares, step,
-                                        int(mine[0]) if len(mine) else 0, t_start, trace)
+    with numpy.errstate(over="ignore", invalid="ignore") if task.scaler is not None else \
+            contextlib.nullcontext():   # fp16: an overflow is the scaler's to find, not a warning
+        loss_sum, events = forward_backward(ctx, task, xg[mine], yg[mine], shares, step,
+                                            int(mine[0]) if len(mine) else 0, t_start, trace,
+                                            scale)
     compute = time.perf_counter() - t0
     pad = ctx.slowdown.pad(compute)
     if pad:
@@ -102,19 +134,12 @@ def train_step(ctx, task, opt, step: int, t_start: float):
     ctx.balancer.step(step, len(mine), ctx.replica_seconds(compute))
     if not math.isfinite(loss_sum):
         raise FloatingPointError(f"loss is {loss_sum} at step {step} (rank {ctx.dp.rank})")
-    gnorm = float("nan")
-    if cfg.clip > 0:
-        gnorm = clip_grad_norm(opt.clipped, cfg.clip, norm_sq=ctx.grad_norm_sq(opt.clipped))
-    td = time.perf_counter()
-    opt.step(lr)
-    backend.sync()
+    row = {"loss": loss_sum / cfg.batch_size, "lr": lr}
+    td = _update(ctx, task, opt, lr, scale, row)
     t3 = time.perf_counter()
     events.append((ctx.rank, "optimizer", -1, td - t_start, t3 - t_start))
     dt = t3 - t0
-    row = {"loss": loss_sum / cfg.batch_size, "lr": lr, "step_time": dt,
-           "samples": cfg.batch_size, "samples_per_s": cfg.batch_size / dt}
-    if cfg.clip > 0:
-        row["grad_norm"] = gnorm
+    row.update(step_time=dt, samples=cfg.batch_size, samples_per_s=cfg.batch_size / dt)
     comm_s = ctx.stats.comm_seconds - comm_before
     rank_row = {"step": step, "rank": ctx.rank, "compute_s": compute, "comm_s": comm_s,
                 "idle_s": max(0.0, dt - compute - comm_s - (t3 - td)),

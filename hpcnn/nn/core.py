@@ -42,7 +42,9 @@ from hpcnn import backend
 
 
 class Parameter:
-    """A trainable array and its gradient (same shape and dtype, accumulated by ``backward``).
+    """A trainable array and its gradient (same shape, accumulated by ``backward``). The
+    gradient's dtype is :attr:`grad_dtype`: the data's, or float32 for 16-bit data (mixed
+    precision, :mod:`hpcnn.nn.precision`: Megatron's ``main_grad``).
 
     ``zero_grad()`` is lazy: it marks the gradient as zero and the next accumulation *writes*
     instead of adding (:meth:`add_matmul` puts the product straight into the gradient array), which
@@ -54,7 +56,7 @@ class Parameter:
     def __init__(self, data, name: str):
         self.data = data
         # a placeholder (another pipeline rank's parameter) has no storage, nor its gradient
-        self._grad = data if is_placeholder(data) else backend.xp.zeros_like(data)
+        self._grad = data if is_placeholder(data) else self._zeros()
         self._zero = False
         self.name = name
         self._source = None
@@ -65,8 +67,16 @@ class Parameter:
         :mod:`hpcnn.parallel.data.sharded`, bind storage only while a bucket is in use);
         ``source=None`` gives the parameter a private zero gradient again."""
         self._source = source
-        self._grad = None if source is not None else backend.xp.zeros_like(self.data)
+        self._grad = None if source is not None else self._zeros()
         self._zero = source is None
+
+    @property
+    def grad_dtype(self):
+        """The gradient's dtype: :func:`hpcnn.backend.compute_dtype` of the data's."""
+        return backend.compute_dtype(self.data.dtype)
+
+    def _zeros(self):
+        return backend.xp.zeros(self.data.shape, dtype=self.grad_dtype)
 
     def bind_lent(self, array) -> None:
         """Bind ``array`` (the parameter's shape) as the lent gradient's storage, read as zero

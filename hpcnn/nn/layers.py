@@ -80,10 +80,13 @@ class Linear(Block):
     def forward(self, x):
         if x.shape[-1] != self.n_in:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.n_in}")
-        # one 2-D product over all rows: a stacked (B, T, in) operand would be B small products
-        y = backend.xp.matmul(x.reshape(-1, self.n_in), self.weight.data)   # (N, out)
+        # one 2-D product over all rows: a stacked (B, T, in) operand would be B small products;
+        # 16-bit operands are upcast (backend.up: NumPy has no fast 16-bit GEMM)
+        y = backend.xp.matmul(backend.up(x.reshape(-1, self.n_in)),
+                              backend.up(self.weight.data))                  # (N, out)
         if self.bias is not None:
             y += self.bias.data
+        y = backend.down(y, self.dtype)                                      # stored 16-bit
         return y.reshape(tuple(x.shape[:-1]) + (self.n_out,)), LinearCache(x=x)
 
     def backward(self, dy, cache, defer=None):
@@ -95,13 +98,14 @@ class Linear(Block):
 
     def backward_input(self, dy, cache):
         """dx = dy W^T  (from y = x W), as one 2-D product over all rows."""
-        dx = backend.xp.matmul(dy.reshape(-1, self.n_out), self.weight.data.T)   # (N, in)
-        return dx.reshape(tuple(dy.shape[:-1]) + (self.n_in,))
+        dx = backend.xp.matmul(backend.up(dy.reshape(-1, self.n_out)),
+                               backend.up(self.weight.data).T)                 # (N, in)
+        return backend.down(dx, dy.dtype).reshape(tuple(dy.shape[:-1]) + (self.n_in,))
 
     def backward_weight(self, dy, cache):
         """dW += x^T dy, db += sum(dy)  (from y = x W + b)."""
-        x2 = cache.x.reshape(-1, self.n_in)             # (N, in)
-        dy2 = dy.reshape(-1, self.n_out)                # (N, out)
+        x2 = backend.up(cache.x.reshape(-1, self.n_in))     # (N, in), in the gradient's dtype
+        dy2 = backend.up(dy.reshape(-1, self.n_out))        # (N, out)
         self.weight.add_matmul(x2.T, dy2)               # (in, out)
         if self.bias is not None:
             self.bias.add_grad(dy2.sum(axis=0))
@@ -178,12 +182,18 @@ class GELU(Block):
         self._scratch = None
 
     def forward(self, x):
+        if backend.is_narrow(x.dtype):      # 16-bit: computed in a float32 copy, x untouched
+            return self.forward_inplace(x)
         x = backend.xp.ascontiguousarray(x)
         y = backend.xp.empty_like(x)
         return y, GELUCache(dgelu=self._forward_into(x, y))
 
     def forward_inplace(self, x):
         """:meth:`forward` writing y over ``x`` (a caller's own, spent array)."""
+        if backend.is_narrow(x.dtype):       # 16-bit storage: a float32 copy to compute in
+            y = backend.up(x)
+            d = self._forward_into(y, y)
+            return backend.down(y, x.dtype), GELUCache(dgelu=backend.down(d, x.dtype))
         if not x.flags.c_contiguous:
             return self.forward(x)
         return x, GELUCache(dgelu=self._forward_into(x, x))
@@ -269,8 +279,8 @@ class LayerNorm(Block):
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.dim}")
         xp = backend.xp
         C = self.dim
-        x2 = x.reshape(-1, C)                                # (N, C)
-        mean = xp.matmul(x2, filled(1.0 / C, C, x.dtype))   # (N,) row means
+        x2 = backend.up(x.reshape(-1, C))                    # (N, C); statistics in fp32
+        mean = xp.matmul(x2, filled(1.0 / C, C, x2.dtype))  # (N,) row means
         xhat = xp.subtract(x2, mean[:, None])                # x - mean (becomes x_hat below)
         var = xp.einsum("ij,ij->i", xhat, xhat)              # (N,) C * var
         var *= 1.0 / C
@@ -280,22 +290,22 @@ class LayerNorm(Block):
         xhat *= rstd[:, None]                                # x_hat = (x - mean) rstd
         y = xp.multiply(xhat, self.gamma.data)
         y += self.beta.data                                  # y = x_hat gamma + beta
-        shape = tuple(x.shape)
-        return y.reshape(shape), LayerNormCache(xhat=xhat.reshape(shape),
-                                                rstd=rstd.reshape(shape[:-1] + (1,)))
+        shape, dt = tuple(x.shape), x.dtype                  # y and x_hat stored as x
+        return backend.down(y, dt).reshape(shape), LayerNormCache(
+            xhat=backend.down(xhat, dt).reshape(shape), rstd=rstd.reshape(shape[:-1] + (1,)))
 
     def backward(self, dy, cache):
         xp = backend.xp
         C = self.dim
-        dy2, xh2 = dy.reshape(-1, C), cache.xhat.reshape(-1, C)   # (N, C)
-        r = cache.rstd.reshape(-1)                                 # (N,)
+        dy2, xh2 = backend.up(dy.reshape(-1, C)), backend.up(cache.xhat.reshape(-1, C))
+        r = cache.rstd.reshape(-1)                                 # (N,); dy2, xh2 (N, C)
         # from y = x_hat*gamma + beta
         self.gamma.add_grad(xp.einsum("ij,ij->j", dy2, xh2))
-        self.beta.add_grad(xp.matmul(filled(1.0, dy2.shape[0], dy.dtype), dy2))
+        self.beta.add_grad(xp.matmul(filled(1.0, dy2.shape[0], dy2.dtype), dy2))
         # from x_hat = (x - mean) rstd, with g = dy*gamma = dL/dx_hat:
         # dx = rstd (g - mean(g) - x_hat mean(g x_hat))
         dx = xp.multiply(dy2, self.gamma.data)               # g
-        a = xp.matmul(dx, filled(1.0 / C, C, dy.dtype))      # (N,) mean(g)
+        a = xp.matmul(dx, filled(1.0 / C, C, dy2.dtype))     # (N,) mean(g)
         b = xp.einsum("ij,ij->i", dx, xh2)                   # (N,) C mean(g x_hat)
         b *= r
         b *= 1.0 / C                                         # rstd mean(g x_hat)
@@ -303,7 +313,7 @@ class LayerNorm(Block):
         dx -= a[:, None]
         dx *= r[:, None]
         dx -= t
-        return dx.reshape(dy.shape)
+        return backend.down(dx, dy.dtype).reshape(dy.shape)
 
     def spec(self, x_shape):
         nb = backend.nbytes(x_shape, self.dtype)
@@ -311,7 +321,7 @@ class LayerNorm(Block):
         rows = _rows(x_shape)
         return BlockSpec(name=self.name, in_shape=tuple(x_shape), out_shape=tuple(x_shape),
                          flops_fwd=8 * n, flops_bwd=14 * n, bytes_x=nb, bytes_y=nb,
-                         bytes_cache=nb + rows * self.dtype.itemsize,
+                         bytes_cache=nb + rows * backend.compute_dtype(self.dtype).itemsize,
                          bytes_params=2 * self.dim * self.dtype.itemsize)
 
 

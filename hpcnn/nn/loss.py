@@ -54,7 +54,7 @@ class SoftmaxCrossEntropy:
         xp = backend.xp
         V = logits.shape[-1]
         tt, valid = checked_targets(logits.shape, targets, V, self.ignore_index)   # (N,)
-        z = logits.reshape(-1, V)                                  # (N, V)
+        z = backend.up(logits.reshape(-1, V))                      # (N, V), 16-bit: in fp32
         zmax = z.max(axis=1, keepdims=True)
         probs = xp.exp(z - zmax)                                   # (N, V) exp, then p
         s = probs.sum(axis=1, keepdims=True)
@@ -65,16 +65,18 @@ class SoftmaxCrossEntropy:
         total = (nll * valid).sum()
         loss = float(total) if self.reduction == "sum" else float(total) / max(count, 1)
         probs /= s                                                 # probabilities, in place
+        probs = backend.down(probs, logits.dtype)                  # kept as the logits are
         return loss, CrossEntropyCache(probs=probs, tt=tt, valid=valid, count=count,
                                        shape=tuple(logits.shape))
 
     def backward(self, dloss, cache):
         """dlogits = (softmax - onehot(target)) * dloss / count on counted rows, 0 elsewhere."""
-        d = cache.probs.copy()
+        d = backend.up(cache.probs)                                # (N, V) in the compute dtype
+        d = d.copy() if d is cache.probs else d
         d[backend.xp.arange(d.shape[0]), cache.tt] -= 1.0
         scale = dloss if self.reduction == "sum" else dloss / max(cache.count, 1)
         d *= (cache.valid * scale).astype(d.dtype)[:, None]
-        return d.reshape(cache.shape)
+        return backend.down(d, cache.probs.dtype).reshape(cache.shape)
 
     def spec(self, x_shape, dtype=backend.DEFAULT_DTYPE):
         """The cache is the probabilities, the flat targets (int64 assumed) and the row mask."""

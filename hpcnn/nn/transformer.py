@@ -104,7 +104,7 @@ class Embedding(Block):
 
     def backward(self, dy, cache):
         xp = backend.xp
-        tokens = cache.tokens
+        tokens, dy = cache.tokens, backend.up(dy)        # gradients in the compute dtype
         T, C = tokens.shape[1], self.dim
         # from y += wpe[:T]
         self.wpe.grad[:T] += dy.sum(axis=0)              # (T, C)
@@ -224,9 +224,9 @@ class CausalSelfAttention(Block):
         xp = backend.xp
         B, T, C = _check_btc(self.name, x, self.dim)
         nh, hs = self.n_heads, self.head_size
-        qkv, c_qkv = self.qkv.forward(x)                         # (B, T, 3C)
-        q, k, v = self._heads(qkv)                               # (B, nh, T, hs) views
-        dt = qkv.dtype
+        qkv, c_qkv = self.qkv.forward(x)                         # (B, T, 3C), stored
+        q, k, v = self._heads(backend.up(qkv))                   # (B, nh, T, hs), computed in
+        dt = q.dtype                                             # fp32 when stored in 16 bits
         bias = self._causal(T, dt)                               # (T, T)
         dropping = self.attn_drop.training and self.attn_drop.p > 0.0
         att = xp.empty((B, nh, T, T), dtype=dt)                 # (B, nh, T_key, T_query)
@@ -250,19 +250,20 @@ class CausalSelfAttention(Block):
         if dropping:
             att_d, c_drop = self.attn_drop.forward(att)          # (B, nh, T, T)
             xp.matmul(att_d.swapaxes(-1, -2), v, out=yh)
-        y = y.reshape(B, T, C)                                  # (B, T, C) heads merged
+        y = backend.down(y.reshape(B, T, C), self.dtype)        # (B, T, C) heads merged
         out, c_proj = self.proj.forward(y)                       # (B, T, C)
-        return out, AttentionCache(c_qkv=c_qkv, qkv=qkv, att=att, c_drop=c_drop, c_proj=c_proj)
+        return out, AttentionCache(c_qkv=c_qkv, qkv=qkv, att=backend.down(att, self.dtype),
+                                   c_drop=c_drop, c_proj=c_proj)
 
     def backward(self, dy, cache, defer=None):
         xp = backend.xp
-        att, c_drop = cache.att, cache.c_drop
-        y = cache.c_proj.x                                       # (B, T, C) merged heads
+        att, c_drop = backend.up(cache.att), cache.c_drop         # 16-bit storage: in fp32
+        y = backend.up(cache.c_proj.x)                           # (B, T, C) merged heads
         B, T, C = y.shape
         nh, hs = self.n_heads, self.head_size
-        q, k, v = self._heads(cache.qkv)                         # (B, nh, T, hs)
+        q, k, v = self._heads(backend.up(cache.qkv))             # (B, nh, T, hs)
         # from: out, c_proj = self.proj.forward(y)
-        dyc = self.proj.backward(dy, cache.c_proj, defer)        # (B, T, C)
+        dyc = backend.up(self.proj.backward(dy, cache.c_proj, defer))   # (B, T, C)
         dyh = dyc.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
         dqkv = xp.empty((B, T, 3, nh, hs), dtype=dyc.dtype)     # (B, T, 3, nh, hs)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)               # (B, nh, T, hs) views
@@ -292,7 +293,8 @@ class CausalSelfAttention(Block):
             xp.matmul(datt.swapaxes(-1, -2), k[sl], out=dq[sl])
             xp.matmul(datt, q[sl], out=dk[sl])
         # from: qkv, c_qkv = self.qkv.forward(x)
-        return self.qkv.backward(dqkv.reshape(B, T, 3 * C), cache.c_qkv, defer)   # (B, T, C)
+        dqkv = backend.down(dqkv.reshape(B, T, 3 * C), dy.dtype)                 # (B, T, 3C)
+        return self.qkv.backward(dqkv, cache.c_qkv, defer)                        # (B, T, C)
 
     def spec(self, x_shape):
         B, T, C = x_shape

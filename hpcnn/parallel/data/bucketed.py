@@ -84,6 +84,34 @@ def shard(global_indices, shares, rank: int):
     return global_indices[lo:lo + s[rank]]
 
 
+def narrow_allreduce(comm, buf, dtype) -> None:
+    """Sum the float32 ``buf`` over the ranks of ``comm`` in place, every message in the 16-bit
+    ``dtype`` (``--grad_reduce_dtype=param``): a ring, reduce-scatter then all-gather, through
+    ``comm.sendrecv`` of the messages' bits (MPI has no bfloat16). Each reduce-scatter hop adds
+    the received chunk in float32 and sends its partial sum rounded to ``dtype``; the owner of a
+    finished chunk rounds it once and the all-gather passes it on unchanged, so every rank ends
+    with the same values. Per rank 2 (P-1)/P of the 16-bit bytes: half a float32 ring's."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        return
+    xp, bits = backend.xp, numpy.uint16
+    cuts = [len(buf) * c // p for c in range(p + 1)]
+
+    def chunk(c):
+        return buf[cuts[c % p]:cuts[c % p + 1]]
+
+    def hop(send, c_recv):                   # send right, receive chunk c_recv from the left
+        recv = xp.empty(chunk(c_recv).shape, dtype)
+        comm.sendrecv(send.astype(dtype).view(bits), (r + 1) % p, recv.view(bits), (r - 1) % p)
+        return recv
+
+    for s in range(p - 1):                   # reduce-scatter: rank r completes chunk r + 1
+        chunk(r - s - 1)[...] += hop(chunk(r - s), r - s - 1)
+    chunk(r + 1)[...] = chunk(r + 1).astype(dtype)
+    for s in range(p - 1):                   # all-gather of the rounded chunks
+        chunk(r - s)[...] = hop(chunk(r + 1 - s), r - s)
+
+
 def non_finite(step: int, local_bad) -> FloatingPointError:
     """The error of a reduced gradient that is not finite at ``step``, naming the ranks whose
     own gradient was not (``local_bad``: one flag per rank)."""
@@ -116,7 +144,8 @@ class DataParallel:
     mpi | ring | auto, or also rd without overlap (:mod:`hpcnn.parallel.collectives.algorithms`;
     ring requests advance when tested, which the backward does after every block); ``overlap`` start buckets
     during the backward; ``check_finite`` raise FloatingPointError in :meth:`finish` if the sum
-    is not finite.
+    is not finite. The flat buffers hold the gradients in their own dtype (float32 for 16-bit
+    parameters); :meth:`numerics` changes the check and the dtype of the messages.
 
     One step: ``model.zero_grad()``; per micro-batch ``loss, caches = model.forward(x, y)`` and
     ``dp.backward(dloss, caches, sync=last)``; then ``dp.finish(step)`` and the optimizer step.
@@ -134,6 +163,7 @@ class DataParallel:
         self.model, self.comm = model, comm
         self.bucket_mb, self.algorithm = float(bucket_mb), algorithm
         self.overlap, self.check_finite = bool(overlap), bool(check_finite)
+        self.reduce_dtype = None                       # None: messages in the gradients' dtype
         # owner = first block holding the parameter: its gradient is final after that backward
         owner = {}
         for i, blk in enumerate(model.blocks):
@@ -142,8 +172,8 @@ class DataParallel:
         unique = list({id(p): p for p in model.params}.values())
         self.params = unique[::-1]                     # the order the backward produces them
         self.flats, self.buckets = [], []
-        for dtype in dict.fromkeys(p.data.dtype for p in self.params):
-            self._layout([p for p in self.params if p.data.dtype == dtype], owner)
+        for dtype in dict.fromkeys(p.grad_dtype for p in self.params):
+            self._layout([p for p in self.params if p.grad_dtype == dtype], owner)
         # launch order: identical on every rank (derived from the model alone)
         self.order = sorted(self.buckets, key=lambda b: (-b.ready, b.flat, b.lo))
         for k in range(len(self.flats)):               # the sentinel's bucket goes last
@@ -155,7 +185,7 @@ class DataParallel:
         """One flat buffer for ``params`` (gradients rebound as views) and a sentinel element,
         cut into byte ranges."""
         xp, k = backend.xp, len(self.flats)
-        dtype = params[0].data.dtype
+        dtype = params[0].grad_dtype
         offs = numpy.cumsum([0] + [p.size for p in params])
         n = int(offs[-1])
         # (n gradients, 1 sentinel); in a shared-memory window when the ranks share a node, so
@@ -199,6 +229,12 @@ class DataParallel:
 
     def zero_grad(self) -> None:
         self.model.zero_grad()
+
+    def numerics(self, check_finite: bool = True, reduce_dtype=None) -> None:
+        """Mixed precision (:func:`hpcnn.nn.precision.attach`): ``check_finite=False`` leaves
+        a non-finite gradient to the loss scaler (no error); ``reduce_dtype`` (a 16-bit dtype)
+        sends every bucket in it, blocking (:func:`narrow_allreduce`), instead of float32."""
+        self.check_finite, self.reduce_dtype = bool(check_finite), reduce_dtype
 
     # -- the step ---------------------------------------------------------------------------------
     def backward(self, dloss, caches, sync: bool = True) -> None:
@@ -255,7 +291,11 @@ class DataParallel:
             self._sq[b.flat] += sq
             if b.last:
                 b.view[-1] = self._sq[b.flat]          # summed over ranks with the gradients
-        if self.overlap:
+        if self.reduce_dtype is not None:
+            t = time.perf_counter()
+            narrow_allreduce(self.comm, b.view, self.reduce_dtype)
+            self._reduce_s += time.perf_counter() - t
+        elif self.overlap:
             self._reqs.append(self.comm.iallreduce(b.view, algorithm=self.algorithm))
         else:
             t = time.perf_counter()
@@ -301,7 +341,7 @@ class DataParallel:
         """Move the gradients back to private memory and free the shared windows (call before
         the communicator is freed; the parameters keep their gradients)."""
         for p in self.params:
-            p.bind_grad(backend.xp.zeros_like(p.data))
+            p.bind_grad(backend.xp.zeros(p.shape, dtype=p.grad_dtype))
         self.flats, self.buckets, self.order, self._reqs = [], [], [], []   # no window views stay
         if self.comm.size > 1:
             from hpcnn.parallel.collectives import algorithms
@@ -316,7 +356,8 @@ class DataParallel:
         for dtype in dict.fromkeys(p.data.dtype for p in self.params):
             ps = [p for p in self.params if p.data.dtype == dtype]
             buf = xp.concatenate([p.data.reshape(-1) for p in ps])
-            self.comm.bcast(buf, root)
+            # 16-bit data as its bits: MPI has no bfloat16
+            self.comm.bcast(buf.view(numpy.uint16) if buf.dtype.itemsize == 2 else buf, root)
             o = 0
             for p in ps:
                 p.data[...] = buf[o:o + p.size].reshape(p.shape)
@@ -357,6 +398,9 @@ class LocalGradients:
 
     def finish(self, step: int) -> dict:
         return {}
+
+    def numerics(self, check_finite: bool = True, reduce_dtype=None) -> None:
+        """Nothing is reduced or checked here (the loss scaler checks the gradients itself)."""
 
     def auto_sizes(self) -> list[int]:
         return []
