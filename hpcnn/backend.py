@@ -63,6 +63,12 @@ def is_narrow(dtype) -> bool:
     return dt.itemsize == 2 and (dt == numpy.float16 or dt.name == "bfloat16")
 
 
+def bits(a):
+    """``a`` as MPI can copy it: a 16-bit array as its bits (uint16: MPI has no bfloat16, nor
+    a standard float16), any other array itself. For copies only (broadcasts, gathers)."""
+    return a.view(numpy.uint16) if a.dtype.itemsize == 2 else a
+
+
 def compute_dtype(dtype) -> numpy.dtype:
     """The dtype arithmetic on arrays of ``dtype`` runs in: float32 for a 16-bit storage dtype
     (NumPy has no fast 16-bit GEMM), else ``dtype`` itself. Gradients of parameters are kept

@@ -108,6 +108,7 @@ def save(path: str, step: int, cfg, params, opt, ctx=None, abandon=None) -> bool
     chunks written; when it says True the save is given up the same way (an interrupt: the
     run stops). True on every rank when the file was written, False when it was given up."""
     arrays, state = None, opt.full_state()              # (sharded: collective over dp)
+    params = opt.saved_params(params)                   # (16-bit: the fp32 masters)
     if ctx is None:
         arrays = _local_state(params, state, None).items()
     else:
@@ -295,20 +296,24 @@ def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
     def read(ds):
         return _verified(ds, path) if fmt >= 2 else ds[...]
 
-    def local(p, full):
+    def local(p, full, dtype=None):
         cut = _shard_of(p)
         a = full if cut is None or tp_size == 1 else shard_array(full, cut[0], tp_rank,
                                                                  tp_size, cut[1])
-        return backend.asarray(numpy.ascontiguousarray(a).astype(p.data.dtype, copy=False))
+        return backend.asarray(numpy.ascontiguousarray(a).astype(dtype or p.data.dtype,
+                                                                 copy=False))
 
     whole = ctx.whole_parameters(gather=False, write_back=True) if ctx is not None \
         else contextlib.nullcontext()                     # (ZeRO-3: this rank's part kept)
     with whole:
         for p in params:
-            p.data[...] = local(p, read(saved[p.name]))
+            wide = backend.compute_dtype(p.data.dtype)   # slots' and master copies' dtype
+            value = read(saved[p.name])
+            p.data[...] = local(p, value)
+            opt.set_master(p.name, local(p, value, wide))   # (sharded, 16-bit: its part)
             if p.name in optim:
                 for slot, ds in optim[p.name].items():
-                    opt.set_slot(p.name, slot, local(p, read(ds)))
+                    opt.set_slot(p.name, slot, local(p, read(ds), wide))
     for k, v in optim.attrs.items():
         opt.state[k] = v.item() if hasattr(v, "item") else v
     if isinstance(opt, MasterCopy):          # 16-bit parameters: their masters were restored

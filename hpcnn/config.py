@@ -325,7 +325,9 @@ def _precision_errors(c: TrainConfig, need) -> None:
     p = f"precision={c.precision!r}"
     need(c.dtype == "float32", f"{p} with dtype={c.dtype!r}: 16-bit storage computes in "
                                f"float32 (--dtype=float32); float64 is for exactness checks")
-    need(c.zero == 0, f"{p} with zero={c.zero}: not yet (the sharded fp32 master copy)")
+    need(not (c.zero >= 2 and c.grad_reduce_dtype == "param"),
+         f"{p} with zero={c.zero} and grad_reduce_dtype='param': ZeRO-{c.zero} reduce-scatters "
+         f"the float32 gradients with the MPI library; use --grad_reduce_dtype=fp32")
     need(c.model in ("gpt", "mlp"), f"{p} with model={c.model!r}: 16-bit storage covers "
                                     f"model='gpt' and model='mlp' only")
     need(c.tp == 1 and c.pp == 1 and c.remat == "none" and not c.plan and not c.half_layers,

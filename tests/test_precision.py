@@ -286,7 +286,8 @@ def test_bf16_and_fp16_end_within_005_nats_of_fp32(tmp_path):
 # -- refusals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, names", [
     (["--precision=bf16", "--dtype=float64"], ["precision='bf16'", "dtype='float64'"]),
-    (["--precision=fp16", "--zero=1"], ["precision='fp16'", "zero=1", "not yet"]),
+    (["--precision=fp16", "--zero=2", "--dp=2", "--grad_reduce_dtype=param"],
+     ["precision='fp16'", "zero=2", "grad_reduce_dtype='param'"]),
     (["--precision=bf16", "--model=cnn"], ["model='cnn'", "gpt", "mlp"]),
     (["--precision=fp8"], ["precision", "fp8"]),
     (["--grad_reduce_dtype=param"], ["grad_reduce_dtype='param'", "precision='fp32'"]),
@@ -298,6 +299,10 @@ def test_refusals(args, names, tmp_path):
 
 
 # -- many ranks --------------------------------------------------------------------------------
-def test_data_parallel_16_bit_equals_serial_mpi(tmp_path):
-    out = run_mpi("train_precision", 2, str(tmp_path), timeout=240)
-    assert "train_precision OK on 2 ranks" in out
+@pytest.mark.parametrize("n", [2, 3])
+def test_data_parallel_16_bit_equals_serial_and_shards_at_every_zero_stage_mpi(tmp_path, n):
+    """tests/mpi/train_precision.py: dp against serial at bf16 and fp16; zero 1, 2, 3 against
+    zero 0 at 16 bits, their account, the sharded master copy's float64 twin; resumes across
+    stages and precisions (3 ranks: uneven parts)."""
+    out = run_mpi("train_precision", n, str(tmp_path), timeout=240)
+    assert f"train_precision OK on {n} ranks" in out

@@ -120,19 +120,19 @@ def flush_ranks(ctx, log, rows, events) -> None:
         log.log_events([e for _, evs in gathered for e in evs])
 
 
-def held_state_bytes(params, opt, grad_parts=(), param_parts=()) -> tuple[int, int, int]:
+def held_state_bytes(params, opt, grad_parts=(), param_parts=()) -> tuple[int, int, int, int]:
     """(parameters, gradients, optimizer) bytes this rank holds: the distinct bytes of the
     arrays (:func:`hpcnn.memory.executor.live_bytes`: a gradient that is a view of a flat bucket
     counts once), placeholders left out; the gradients' storage as it is (ZeRO-2: none between
     steps) and ``grad_parts`` (ZeRO-2: this rank's part of the reduced gradient); the
     parameters' with ``param_parts`` (ZeRO-3: this rank's shards, its parameters then being
     placeholders between uses); the optimizer's are its state arrays (moments) and its scratch
-    buffer."""
+    buffer; last, the float32 master copies of 16-bit parameters (this rank's part under ZeRO)."""
     from hpcnn.memory.executor import live_bytes
     mine = [q for q in params if not is_placeholder(q.data)]
     grads = [g for g in (q.grad_storage() for q in mine) if g is not None] + list(grad_parts)
     return (live_bytes([q.data for q in mine] + list(param_parts)), live_bytes(grads),
-            live_bytes(opt.held_arrays()))
+            live_bytes(opt.held_arrays()), live_bytes(opt.master_arrays()))
 
 
 def record_memory(ctx, task, opt, log) -> None:
@@ -153,8 +153,9 @@ def record_memory(ctx, task, opt, log) -> None:
                       "param_bytes_per_rank": [p[1] for p in peaks],
                       "grad_bytes_per_rank": [p[2] for p in peaks],
                       "optimizer_bytes_per_rank": [p[3] for p in peaks],
-                      "grad_buffer_peak_bytes_per_rank": [p[4] for p in peaks],
-                      "param_gather_peak_bytes_per_rank": [p[5] for p in peaks]})
+                      "master_bytes_per_rank": [p[4] for p in peaks],
+                      "grad_buffer_peak_bytes_per_rank": [p[5] for p in peaks],
+                      "param_gather_peak_bytes_per_rank": [p[6] for p in peaks]})
     if ctx.remat is not None:
         rm = ctx.remat
         recs = ctx.world.gather_objects((rm.records, rm.measured_peak, rm.recompute_seconds), 0)

@@ -125,14 +125,16 @@ MEMORY_PARTS = (("parameters", "param_bytes_per_rank"), ("gradients", "grad_byte
 
 def _memory_lines(plan: dict, shown: int = 8) -> list[str]:
     """One line per rank (the first ``shown``) of the bytes it held: parameters, gradients,
-    optimizer state and scratch, peak activations (the run's own account, :func:`hpcnn.engine.
-    record.record_memory`), with the ZeRO stage when it shards (at stages 2 and 3 also the
-    peak of the gradient buckets' storage, at stage 3 that of the gathered blocks)."""
+    optimizer state and scratch, peak activations, the float32 master copy of 16-bit parameters
+    (the run's own account, :func:`hpcnn.engine.record.record_memory`), with the ZeRO stage
+    when it shards (at stages 2 and 3 also the peak of the gradient buckets' storage, at stage
+    3 that of the gathered blocks)."""
     if "param_bytes_per_rank" not in plan:
         return []
     zero = int(plan.get("zero", 0) or 0)
-    parts = MEMORY_PARTS + ((("gradient buckets' peak", "grad_buffer_peak_bytes_per_rank"),)
-                            if zero >= 2 else ()) \
+    masters = any(plan.get("master_bytes_per_rank") or ())
+    parts = MEMORY_PARTS + ((("master copy", "master_bytes_per_rank"),) if masters else ()) \
+        + ((("gradient buckets' peak", "grad_buffer_peak_bytes_per_rank"),) if zero >= 2 else ()) \
         + ((("gathered blocks' peak", "param_gather_peak_bytes_per_rank"),) if zero == 3 else ())
     got = [plan.get(key) or [] for _, key in parts]
     out = [f"memory   per rank{f' (zero {zero})' if zero else ''}, MiB: "

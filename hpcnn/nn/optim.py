@@ -12,8 +12,9 @@ from hpcnn import backend
 
 
 def decays(p) -> bool:
-    """Default weight-decay rule: matrices and kernels decay; biases, norms, embeddings' 1-D don't."""
-    return p.data.ndim >= 2
+    """Default weight-decay rule: matrices and kernels decay; biases, norms, embeddings' 1-D don't.
+    A part of a parameter (a ZeRO segment, a master copy: ``p.full``) decays as the whole."""
+    return getattr(p, "full", p).data.ndim >= 2
 
 
 class Optimizer:
@@ -67,6 +68,19 @@ class Optimizer:
         """Restore slot ``slot`` (``momentum``, ``m``, ``v``) of parameter ``name`` from its
         whole array (a sharded optimizer keeps its part)."""
         self.state[f"{name}/{slot}"] = array
+
+    def saved_params(self, params) -> list:
+        """What a checkpoint saves as the parameters ``params`` (this rank's): themselves (a
+        sharded optimizer of 16-bit parameters: their float32 master copies, assembled)."""
+        return params
+
+    def set_master(self, name: str, array) -> None:
+        """Restore the master copy of parameter ``name`` from its whole array: none here (a
+        sharded optimizer of 16-bit parameters keeps its part)."""
+
+    def master_arrays(self) -> list:
+        """The float32 master copies this optimizer keeps (mixed precision): none here."""
+        return []
 
     def load_state_dict(self, state: dict) -> None:
         self.state = dict(state)

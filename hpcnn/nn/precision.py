@@ -67,6 +67,7 @@ class MasterParameter:
 
     def __init__(self, model, dtype):
         self.model, self.name = model, model.name
+        self.full = getattr(model, "full", model)       # (a ZeRO segment's whole parameter)
         self.data = model.data.astype(dtype)
 
     @property
@@ -117,8 +118,17 @@ class MasterCopy:
             m.write_down()
 
     def held_arrays(self) -> list:
-        """The optimizer's arrays and the master copies."""
-        return self.inner.held_arrays() + [m.data for m in self.params]
+        """The optimizer's arrays (its slots and scratch; the master copies apart)."""
+        return self.inner.held_arrays()
+
+    def master_arrays(self) -> list:
+        return [m.data for m in self.params]
+
+    def saved_params(self, params) -> list:
+        return params
+
+    def set_master(self, name: str, array) -> None:
+        """(Restored as the parameters themselves: ``params`` are the masters.)"""
 
     def full_state(self) -> dict:
         return self.inner.full_state()

@@ -356,8 +356,7 @@ class DataParallel:
         for dtype in dict.fromkeys(p.data.dtype for p in self.params):
             ps = [p for p in self.params if p.data.dtype == dtype]
             buf = xp.concatenate([p.data.reshape(-1) for p in ps])
-            # 16-bit data as its bits: MPI has no bfloat16
-            self.comm.bcast(buf.view(numpy.uint16) if buf.dtype.itemsize == 2 else buf, root)
+            self.comm.bcast(backend.bits(buf), root)      # (16 bits: as uint16)
             o = 0
             for p in ps:
                 p.data[...] = buf[o:o + p.size].reshape(p.shape)

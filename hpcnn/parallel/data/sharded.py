@@ -27,7 +27,6 @@ import math
 import numpy
 
 from hpcnn import backend
-from hpcnn.nn.optim import decays
 from hpcnn.parallel.data.bucketed import Bucket, DataParallel, non_finite
 
 
@@ -79,10 +78,13 @@ class ShardedDataParallel(DataParallel):
         super().__init__(model, comm, **kw)
         xp = backend.xp
         self.groups, self.pflats, self.bounds = [], [], []
-        for dtype in dict.fromkeys(p.data.dtype for p in self.params):
-            ps = [p for p in self.params if p.data.dtype == dtype]
+        for dtype in dict.fromkeys(p.grad_dtype for p in self.params):   # as the gradients'
+            ps = [p for p in self.params if p.grad_dtype == dtype]
+            if len({p.data.dtype for p in ps}) > 1:
+                raise ValueError(f"ZeRO: parameters of dtypes {sorted({str(p.data.dtype) for p in ps})} "
+                                 f"share {dtype} gradients; one parameter dtype per gradient dtype")
             offs = numpy.cumsum([0] + [p.size for p in ps])
-            flat = xp.empty(int(offs[-1]), dtype=dtype)
+            flat = xp.empty(int(offs[-1]), dtype=ps[0].data.dtype)
             for p, o in zip(ps, offs):
                 flat[o:o + p.size] = p.data.reshape(-1)
                 p.data = flat[o:o + p.size].reshape(p.shape)
@@ -115,10 +117,19 @@ class ShardedDataParallel(DataParallel):
     def gather_parameters(self) -> None:
         """Every rank's updated part into every rank's parameters (one allgather per dtype)."""
         for flat, cut in zip(self.pflats, self.bounds):
-            self.comm.allgather_parts(flat, numpy.diff(cut))
+            self.comm.allgather_parts(backend.bits(flat), numpy.diff(cut))
 
     def __repr__(self) -> str:
         return "Sharded" + super().__repr__()
+
+
+class Assembled:
+    """A parameter's whole float32 master copy for a checkpoint: its name, tensor-parallel cut
+    and ``data`` (what :func:`hpcnn.checkpoint.save` reads of a parameter)."""
+
+    def __init__(self, p, data):
+        self.name, self.data = p.name, data
+        self.tp_axis, self.tp_parts = getattr(p, "tp_axis", None), getattr(p, "tp_parts", 1)
 
 
 class ShardedOptimizer:
@@ -129,9 +140,11 @@ class ShardedOptimizer:
     def __init__(self, engine: ShardedDataParallel, make, params):
         self.engine, self.params = engine, list(params)
         self.segments = engine.segments()
-        self.inner = make(self.segments)
-        self.inner.decay = {s.name: decays(s.full) for s in self.segments}
+        self.inner = make(self.segments)        # (decay by each segment's whole parameter)
         self._segment = {s.name: s for s in self.segments}
+        # mixed precision: the float32 master copies of this rank's segments (by name)
+        self._master = {m.name: m for m in getattr(self.inner, "params", ())
+                        if getattr(m, "model", None) is not None}
         # what clipping scales: the whole gradients, or at stage 2 this rank's part of them
         self.clipped = self.segments if engine.shards_gradients else self.params
 
@@ -148,6 +161,34 @@ class ShardedOptimizer:
     def held_arrays(self) -> list:
         return self.inner.held_arrays()
 
+    def master_arrays(self) -> list:
+        return [m.data for m in self._master.values()]
+
+    def saved_params(self, params) -> list:
+        """``params``, or with 16-bit parameters their float32 master copies at full shape,
+        each assembled over the data-parallel ranks from their parts (collective; exact)."""
+        if not self._master:
+            return params
+        return [Assembled(p, self._assembled(p, self._master[p.name].data
+                                             if p.name in self._master else None))
+                for p in params]
+
+    def _assembled(self, p, part):
+        """Parameter ``p``'s whole array (in its compute dtype: its slots', its master's) from
+        every rank's ``part`` of it (None: no part here), summed over dp: every element has
+        one non-zero term, so it is exact."""
+        full = backend.xp.zeros(p.size, dtype=backend.compute_dtype(p.data.dtype))
+        s = self._segment.get(p.name)
+        if s is not None and part is not None:
+            full[s.lo:s.hi] = part
+        return self.engine.comm.reduce_array(full, "sum").reshape(p.shape)
+
+    def set_master(self, name: str, array) -> None:
+        """Keep this rank's part of parameter ``name``'s master copy (a whole array)."""
+        s, m = self._segment.get(name), self._master.get(name)
+        if s is not None and m is not None:
+            m.data[...] = array.reshape(-1)[s.lo:s.hi]
+
     def full_state(self) -> dict:
         """The whole state (collective over the data-parallel ranks): ``step`` and every slot of
         every parameter at its full shape, each assembled from the ranks' parts (a sum in which
@@ -156,13 +197,11 @@ class ShardedOptimizer:
         slots = sorted({k.rsplit("/", 1)[1] for part in comm.allgather_objects(
             [k for k in self.inner.state if "/" in k]) for k in part})
         out = {k: v for k, v in self.inner.state.items() if "/" not in k}
+        state = self.inner.state
         for p in self.params:
             for slot in slots:
-                full = backend.xp.zeros(p.size, dtype=p.data.dtype)
-                s = self._segment.get(p.name)
-                if s is not None and f"{p.name}/{slot}" in self.inner.state:
-                    full[s.lo:s.hi] = self.inner.state[f"{p.name}/{slot}"]
-                out[f"{p.name}/{slot}"] = comm.reduce_array(full, "sum").reshape(p.shape)
+                key = f"{p.name}/{slot}"
+                out[key] = self._assembled(p, state.get(key))
         return out
 
     def set_slot(self, name: str, slot: str, array) -> None:
@@ -185,7 +224,7 @@ class ShardedGradients(ShardedDataParallel):
     shards_gradients = True
 
     def _layout(self, params, owner) -> None:
-        k, dtype = len(self.flats), params[0].data.dtype
+        k, dtype = len(self.flats), params[0].grad_dtype
         offs = numpy.cumsum([0] + [p.size for p in params])
         cut = bounds(int(offs[-1]), self.comm.size)
         self.flats.append(backend.xp.zeros(cut[self.comm.rank + 1] - cut[self.comm.rank], dtype))
