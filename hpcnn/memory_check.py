@@ -75,43 +75,35 @@ def optimizer_slots(cfg) -> int:
     return 0 if cfg.optimizer == "sgd" and cfg.momentum == 0 else STATE_WORDS[cfg.optimizer] - 2
 
 
-def _state_words(cfg) -> float:
-    """Words held per parameter: the parameter, its gradient and the optimizer's slots (with
-    ``--zero=1``, 1/dp of the slots, with ``--zero=2`` of the gradient too, with ``--zero=3``
-    of all three, the gathered blocks aside: :mod:`hpcnn.parallel.data.sharded`)."""
-    slots = optimizer_slots(cfg)
-    if cfg.zero == 3:
-        return (2 + slots) / cfg.dp
-    if cfg.zero == 2:                 # the gradient's part too (its buckets' storage aside)
-        return 1 + (1 + slots) / cfg.dp
-    return 2 + slots / (cfg.dp if cfg.zero else 1)
-
-
 def rank_need(cfg, data) -> tuple[float, str]:
     """(bytes one rank of ``cfg`` needs at least, what they count): module docstring."""
     from hpcnn.plan import cost, hybrid
     from hpcnn.schedule.placement import Cut
-    word, words = hybrid.DTYPE_BYTES[cfg.dtype], _state_words(cfg)
+    from hpcnn.nn.precision import storage_dtype
+    dtype = storage_dtype(cfg).name                    # (--precision: 16 bits)
+    word, slots = hybrid.DTYPE_BYTES[dtype], optimizer_slots(cfg)
+    zero = cfg.zero if cfg.dp > 1 else 0
+    layout = hybrid.Layout(cfg.dp, cfg.tp, cfg.pp, 1, zero=zero,
+                           remat="full" if cfg.remat == "full" else "none")
+    per_param = hybrid.state_bytes(cfg.optimizer, layout, word, slots)
     micro = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     state = f"parameters, gradients and {cfg.optimizer} state"
     if cfg.model == "gpt":
         model = hybrid.Transformer(cfg.n_layers, cfg.dim, cfg.n_heads, seq=cfg.block_size,
-                                   vocab=padded_vocab(data.vocab, cfg), dtype=cfg.dtype,
+                                   vocab=padded_vocab(data.vocab, cfg), dtype=dtype,
                                    batch=max(1, cfg.batch_size // micro))
-        layout = hybrid.Layout(cfg.dp, cfg.tp, cfg.pp, 1,
-                               remat="full" if cfg.remat == "full" else "none")
         held = cfg.remat in ("none", "full")
-        return (hybrid.rank_memory(model, layout, cfg.optimizer, words, held),
+        return (hybrid.rank_memory(model, layout, cfg.optimizer, slots, held),
                 state + (", one micro-batch's activations" if held else ""))
     params, split = param_count(cfg, data), (1 if cfg.model == "gcn" else cfg.tp * cfg.pp)
     if cfg.model == "mlp" and cfg.remat == "none":
         rows = max(1, cfg.batch_size // (cfg.dp * micro))
         graph = cost.mlp_graph([data.x_train.shape[1], *cfg.hidden, data.n_classes], rows)
-        one = cost.strategy_memory(graph, [Cut(1, 1, 1)] * len(graph.ops), cfg.dtype,
+        one = cost.strategy_memory(graph, [Cut(1, 1, 1)] * len(graph.ops), dtype,
                                    cfg.optimizer)
-        extra = (hybrid.STATE_WORDS[cfg.optimizer] - words) * params * word
-        return (one - extra) / split, state + ", one micro-batch's activations"
-    return words * params * word / split, state
+        extra = hybrid.STATE_WORDS[cfg.optimizer] * word - per_param   # (its state, ours)
+        return (one - extra * params) / split, state + ", one micro-batch's activations"
+    return per_param * params / split, state
 
 
 def _meminfo(proc: str) -> float | None:

@@ -445,9 +445,10 @@ def test_held_activations_cost_their_fresh_bytes_beyond_one_micro_batch():
 
 
 def test_zero1_prices_a_dp_th_of_the_slots_and_a_gather():
-    """At zero 1 a rank holds 1/dp of AdamW's two slots (and a scratch no larger than its part):
-    the memory falls by 2 (1 - 1/dp) words a parameter, at most a scratch more; the update
-    covers 1/dp of the parameters, then half a ring allreduce gathers them."""
+    """At zero 1 a rank holds 1/dp of AdamW's two slots and (16-bit parameters) of the float32
+    master copy, and a scratch no larger than its part: the memory falls by 3 (1 - 1/dp) float32
+    words a parameter, at most a scratch more; the update covers 1/dp of the parameters, then
+    half a ring allreduce gathers them."""
     from hpcnn.plan.hybrid import ring_allreduce_s, sharded_update_seconds, state_words
     m = Machine()
     lay0, lay1 = Layout(8, 1, 1, 1), Layout(8, 1, 1, 1, zero=1)
@@ -455,8 +456,8 @@ def test_zero1_prices_a_dp_th_of_the_slots_and_a_gather():
     q0, q1 = price(SMALL, lay0, m), price(SMALL, lay1, m)
     n, word = SMALL.params(), SMALL.word
     saved = q0.memory_bytes - q1.memory_bytes
-    assert 2 * (1 - 1 / 8) * n * word * 0.99 < saved < (2 * (1 - 1 / 8) * n + 4 * 512 * 512
-                                                        + 1024 * 512) * word
+    assert word == 2 and 3 * (1 - 1 / 8) * n * 4 * 0.99 < saved < (
+        3 * (1 - 1 / 8) * n + 4 * 512 * 512 + 1024 * 512) * 4
     gather = ring_allreduce_s(n * word, 8, m.level_for_group(8)) / 2
     assert q1.parts["optimizer"] == pytest.approx(
         update_seconds(n / 8, word, m.device) + gather, rel=0.02)
@@ -484,14 +485,34 @@ def test_zero1_is_a_layout_dimension_that_memory_can_decide():
 
 
 def test_zero2_prices_the_gradient_s_part_and_a_reduce_scatter():
-    """At zero 2 a rank also holds 1/dp of the gradient, and its reduction is the
-    reduce-scatter half of the allreduce."""
+    """At zero 2 a rank also holds 1/dp of the gradient (float32 under 16-bit parameters), and
+    its reduction is the reduce-scatter half of the allreduce."""
     from hpcnn.plan.hybrid import state_words
     m = Machine()
     lay1, lay2 = Layout(8, 1, 1, 1, zero=1), Layout(8, 1, 1, 1, zero=2)
     assert state_words("adamw", lay2) == 1 + 3 / 8 and state_words("sgd", lay2) == 1 + 2 / 8
     q1, q2 = price(SMALL, lay1, m), price(SMALL, lay2, m)
     assert q1.memory_bytes - q2.memory_bytes == pytest.approx((1 - 1 / 8) * SMALL.params()
-                                                              * SMALL.word, rel=1e-9)
+                                                              * 4, rel=1e-9)
     assert q2.parts["dp_comm"] == pytest.approx(q1.parts["dp_comm"] / 2, rel=1e-12)
     assert q2.parts["optimizer"] == q1.parts["optimizer"] and "zero 2" in str(lay2)
+
+
+def test_zero3_and_mixed_precision_price_what_a_rank_holds():
+    """At zero 3 a rank holds 1/dp of everything plus two blocks' gathered parameters, and its
+    parameters are gathered twice a step; 16-bit parameters (mixed precision) carry float32
+    gradients, slots and a master copy: AdamW's 18 bytes a parameter, not 4 x 2."""
+    from hpcnn.plan.hybrid import _block, state_bytes
+    assert state_bytes("adamw", None, 4) == 16 and state_bytes("adamw", None, 2) == 18
+    assert state_bytes("sgd", None, 2) == 2 + 4 + 4 + 4
+    lay = {z: Layout(8, 1, 1, 1, zero=z) for z in range(4)}
+    assert [state_bytes("adamw", lay[z], 2) for z in range(4)] == [
+        18, 2 + 4 + 12 / 8, 2 + 16 / 8, 18 / 8]
+    m = Machine()
+    q2, q3 = price(SMALL, lay[2], m), price(SMALL, lay[3], m)
+    block = _block(SMALL.dim, SMALL.n_heads, SMALL.seq, 1, SMALL.word)[3]
+    table = SMALL.vocab * SMALL.dim
+    gathered = 2 * max(block, (table + SMALL.seq * SMALL.dim) * SMALL.word)
+    assert q2.memory_bytes - q3.memory_bytes == pytest.approx(
+        (1 - 1 / 8) * SMALL.params() * SMALL.word - gathered, rel=1e-9)
+    assert q3.parts["optimizer"] > q2.parts["optimizer"] and "zero 3" in str(lay[3])

@@ -50,18 +50,25 @@ UPDATE_PASSES = {"adamw": 11, "sgd": 4}
 STATE_WORDS = {"adamw": 4, "sgd": 3}
 
 
+def state_bytes(optimizer: str, layout=None, word: int = 4, slots: int | None = None) -> float:
+    """Bytes a rank holds per parameter of ``word`` bytes: the parameter, its gradient and the
+    optimizer's ``slots`` (default :data:`STATE_WORDS` less two: AdamW's m and v, SGD's
+    momentum). A 16-bit parameter (word 2: hpcnn's mixed precision, :mod:`hpcnn.nn.precision`)
+    has a float32 gradient, float32 slots and a float32 master copy: 2 + 4 + 4 + 8 = 18 bytes
+    under AdamW. A ``layout`` with ``zero=1`` holds 1/dp of the slots and master copy, with
+    ``zero=2`` of the gradient too (the buckets' storage while in use aside), with ``zero=3`` of
+    the parameter too (the gathered blocks aside: :func:`_stage_memory`)."""
+    slots = STATE_WORDS[optimizer] - 2 if slots is None else slots
+    zero, dp = (layout.zero, layout.dp) if layout is not None else (0, 1)
+    wide = 4 if word == 2 else word
+    rest = wide * (slots + (1 if word == 2 else 0))
+    return (word / (dp if zero >= 3 else 1) + wide / (dp if zero >= 2 else 1)
+            + rest / (dp if zero >= 1 else 1))
+
+
 def state_words(optimizer: str, layout=None) -> float:
-    """Words a rank holds per parameter: the parameter, its gradient and the optimizer's slots
-    (:data:`STATE_WORDS`), of which a ``layout`` with ``zero=1`` holds 1/dp, with ``zero=2``
-    of the gradient too (the buckets' storage while in use aside), with ``zero=3`` of all three
-    (the gathered blocks aside: :func:`_stage_memory`)."""
-    slots = STATE_WORDS[optimizer] - 2
-    zero = layout.zero if layout is not None else 0
-    if zero == 3:
-        return (2 + slots) / layout.dp
-    if zero == 2:
-        return 1 + (1 + slots) / layout.dp
-    return 2 + (slots / layout.dp if zero else slots)
+    """Words a rank holds per parameter (:func:`state_bytes` of one-unit words)."""
+    return state_bytes(optimizer, layout, word=1)
 
 
 def reduced_share(layout) -> float:
@@ -350,7 +357,6 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     rows = model.batch // (dp * m_count)                    # sequences per micro-batch
     _, _, cache, pbytes, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
                                          tp)
-    dev = machine.device
     per_stage = model.n_layers / pp
     t_f, t_b, t_w, tp_s = _pass_times(model, layout, machine, per_stage, True)
     span = schedules.formula_makespan(layout.schedule, pp, m_count, t_f, t_b - t_w, t_w)
@@ -423,10 +429,10 @@ def _stage_params(model: Transformer, layout: Layout, stage: int, blocks: float,
 
 
 def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float, head: bool,
-                  optimizer: str) -> float:
+                  optimizer: str, slots: int | None = None) -> float:
     """Bytes one rank of stage ``stage`` holds at its peak: its parameters (:func:`_stage_params`)
-    x :func:`state_words` (parameter, gradient, optimizer slots, 1/dp of them at zero 1), the
-    optimizer's scratch (at zero >= 1 at most the rank's part)
+    x :func:`state_bytes` (parameter, gradient, optimizer ``slots``, master copy; 1/dp of them
+    by the ZeRO stage), the optimizer's scratch (at zero >= 1 at most the rank's part)
     array, the size of its largest parameter (an MLP weight, dim x 4 dim / tp, or a table), at
     zero 3 the gathered parameters of two blocks (one computing, the next prefetched: twice the
     largest of a transformer block, the embedding's tables, the LM head), and its held
@@ -442,29 +448,28 @@ def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float,
         block = _block(model.dim, model.n_heads, model.seq, 1, model.word, layout.tp)[3]
         gathered = 2 * max(block / model.word, table if head else 0,
                            table + model.seq * model.dim if stage == 0 else 0)
-    return (state_words(optimizer, layout) * params + largest + gathered) * model.word \
-        + _held_bytes(model, layout, stage, blocks)
+    wide = 4 if model.word == 2 else model.word          # the optimizer's words (16 bits: fp32)
+    return (state_bytes(optimizer, layout, model.word, slots) * params + largest * wide
+            + gathered * model.word + _held_bytes(model, layout, stage, blocks))
 
 
 def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
-                words: int | None = None, held: bool = True) -> float:
+                slots: int | None = None, held: bool = True) -> float:
     """Bytes some rank of ``layout`` holds at least, however its stages are cut: the mean over
     its pp stages of :func:`_stage_memory` on the uniform cut (n_layers / pp transformer blocks
     each, the embedding's tables on the first stage, the LM head on the last only), which for
     pp = 1 is :func:`price`'s ``memory_bytes``. The stages' parameters, gradients and optimizer
     state sum to the model's whatever the cut, so the fullest stage holds at least their mean;
     so do the held activations where every stage holds as many micro-batches (one micro-batch:
-    the least a stage holds). ``words``: words held per parameter (default
-    :data:`STATE_WORDS` of ``optimizer``; SGD without momentum holds 2); ``held=False``: without
-    the held activations (a rematerialization this module does not price)."""
+    the least a stage holds). ``slots``: the optimizer's arrays per parameter (default
+    :data:`STATE_WORDS` of ``optimizer`` less two; SGD without momentum holds none);
+    ``held=False``: without the held activations (a rematerialization this module does not
+    price)."""
     pp, blocks = layout.pp, model.n_layers / layout.pp
     total = 0.0
     for s in range(pp):
         head = s == pp - 1
-        total += _stage_memory(model, layout, s, blocks, head, optimizer)
-        if words is not None:
-            total -= ((STATE_WORDS[optimizer] - words) * model.word
-                      * _stage_params(model, layout, s, blocks, head))
+        total += _stage_memory(model, layout, s, blocks, head, optimizer, slots)
         if not held:
             total -= _held_bytes(model, layout, s, blocks)
     return total / pp
@@ -562,8 +567,8 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     # a block's passes as a stage of several prices them (under remat, its forward run again)
     one = [a - h for a, h in zip(_pass_times(model, uniform, machine, 1, True), head)]
     block_params = _stage_params(model, uniform, 1, 1, False)
-    words = STATE_WORDS[optimizer]
-    memory = [[words * block_params * model.word + _held_bytes(model, uniform, s, 1)
+    memory = [[state_bytes(optimizer, uniform, model.word) * block_params
+               + _held_bytes(model, uniform, s, 1)
                - _held_bytes(model, uniform, s, 0)] * n for s in range(pp)]
     # a stage's fixed part: its _stage_memory without blocks (the scratch of one block's largest
     # weight included: every stage holds a block)
