@@ -75,6 +75,7 @@ def calls():
         "allgather_parts": lambda c: c.allgather_parts(np.arange(3.0), [3]),
         "ireduce_scatter_parts": lambda c: _waited(c.ireduce_scatter_parts(
             np.arange(3.0), np.zeros(3), [3])),
+        "iallgather_parts": lambda c: gathered_parts(c),
         "alltoallv": lambda c: c.alltoallv(np.arange(4.0), [3], np.zeros(5), [3]),
         "allgather_scalars": lambda c: c.allgather_scalars([1.0, 2.0]),
         "bcast": lambda c: c.bcast(np.arange(3.0)),
@@ -93,6 +94,12 @@ def calls():
         "alltoall_objects": lambda c: c.alltoall_objects([("to", 0)]),
         "dup": lambda c: made(c.dup("copy")),
     }
+
+
+def gathered_parts(c):
+    buf = np.arange(3.0)
+    _waited(c.iallgather_parts(buf, [3]))
+    return buf
 
 
 def reduced_max(c):
