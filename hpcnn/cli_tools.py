@@ -281,7 +281,9 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
         "n_layers": (24, int, "transformer blocks"), "dim": (2048, int, "width"),
         "n_heads": (16, int, "attention heads"), "seq": (1024, int, "context length"),
         "vocab": (50304, int, "vocabulary"), "batch": (512, int, "global batch (sequences)"),
-        "dtype": ("bfloat16", str, "bfloat16 | float16 | float32 | float64"),
+        "dtype": ("bfloat16", str, "bfloat16 | float16 (mixed precision: 16-bit parameters, "
+                                   "float32 gradients, master copy and optimizer state) | "
+                                   "float32 | float64"),
         "machine": ("", str, "machine file (machines/*.toml); '' = this machine's, as hpcnn "
                              "train: $HPCNN_MACHINE, else machines/local.toml, else "
                              "machines/local-2vcpu.toml"),

@@ -141,23 +141,33 @@ for zero in (1, 2, 3):
         assert np.abs(la - lb).max() < 1e-10, zero
 precision.FORMATS = formats
 
-# resume across stages and precisions: saved at zero 3, bf16, resumed at zero 0, fp32 (and the
-# reverse), the losses go on as the uninterrupted run's within bf16's tolerance
-for first, then in ((["--zero=3", "--precision=bf16"], ["--zero=0"]),
-                    (["--zero=0"], ["--zero=3", "--precision=bf16"])):
+# resume across stages, precisions and data-parallel sizes: saved at zero 3, dp = P, bf16 and
+# resumed at zero 0, dp = P/2, fp32 (P = 2: serial), and the reverse; the losses go on as the
+# uninterrupted run's within bf16's tolerance
+half = max(1, p // 2)
+sub = world.Split(0 if rank < half else MPI.UNDEFINED)
+on_half = (sub if half > 1 else None) if rank < half else False     # False: not in it
+big = ([f"--dp={p}", "--zero=3", "--precision=bf16"], world)
+small = ([f"--dp={half}"], on_half)
+for (first, comm_a), (then, comm_b) in ((big, small), (small, big)):
     tag = "-".join(a.split("=")[1] for a in first)
     ck = os.path.join(tmp, f"mid-{tag}-{{step}}.h5")
     base = [a for a in GPT if not a.startswith(("--steps", "--eval_interval", "--log_interval"))]
-    base += ["--steps=12", "--eval_interval=0", "--log_interval=1", f"--dp={p}"]
-    whole = os.path.join(tmp, f"whole-{tag}.h5")
-    train(parse_overrides([f"--log={whole}", *base, *first, f"--checkpoint={ck}",
-                           "--checkpoint_every=6"]), comm=world)
-    resumed = os.path.join(tmp, f"resumed-{tag}.h5")
-    train(parse_overrides([f"--log={resumed}", *base, *then,
-                           f"--resume={ck.format(step=6)}"]), comm=world)
+    base += ["--steps=12", "--eval_interval=0", "--log_interval=1"]
+    whole, resumed = os.path.join(tmp, f"whole-{tag}.h5"), os.path.join(tmp, f"resumed-{tag}.h5")
+    if comm_a is not False:
+        train(parse_overrides([f"--log={whole}", *base, *first, f"--checkpoint={ck}",
+                               "--checkpoint_every=6"]), comm=comm_a)
+    world.Barrier()
+    if comm_b is not False:
+        train(parse_overrides([f"--log={resumed}", *base, *then,
+                               f"--resume={ck.format(step=6)}"]), comm=comm_b)
+    world.Barrier()
     if rank == 0:
         a, b = read_run(whole).metrics["loss"][6:], read_run(resumed).metrics["loss"]
         assert len(b) == 6 and np.abs(a - b).max() < 0.05 * a.max(), (tag, a, b)
+if sub != MPI.COMM_NULL:
+    sub.Free()
 
 world.Barrier()
 if rank == 0:
