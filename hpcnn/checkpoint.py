@@ -44,8 +44,7 @@ import zlib
 import h5py
 import numpy
 
-from hpcnn import to_stderr
-from hpcnn import backend
+from hpcnn import backend, to_stderr
 from hpcnn.nn.precision import MasterCopy
 
 FORMAT = 2              # 2: every array carries its CRC-32 (1: without; still read, unverified)
@@ -275,22 +274,10 @@ def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
         raise ValueError(f"--resume={path}: the checkpoint is at step {step}, nothing is "
                          f"left of the run's {steps} steps")
     saved = f["params"]
-    want = {p.name: _full_shape(p, tp_size) for p in model.params}
-    extra = sorted(set(saved) - set(want))
-    for name, shape in want.items():
-        if name not in saved:
-            raise ValueError(f"--resume={path}: parameter {name} is not in the checkpoint"
-                             f"{' (it has ' + ', '.join(extra[:3]) + ')' if extra else ''}")
-        if tuple(saved[name].shape) != shape:
-            raise ValueError(f"--resume={path}: parameter {name} is "
-                             f"{tuple(saved[name].shape)} in the checkpoint, {shape} here"
-                             + _padding_hint(f.attrs["config"], cfg))
-    if extra:
-        raise ValueError(f"--resume={path}: the checkpoint has parameters this model has "
-                         f"not: {', '.join(extra[:5])}")
+    _same_params(path, f, {p.name: _full_shape(p, tp_size) for p in model.params}, cfg)
     if fmt == 1 and (ctx is None or ctx.rank == 0):
-        to_stderr(f"hpcnn: note: --resume={path} is a format 1 checkpoint, without checksums: its "
-                  f"arrays are not verified")
+        to_stderr(f"hpcnn: note: --resume={path} is a format 1 checkpoint, without checksums: "
+                  f"its arrays are not verified")
     optim = f["optim"]
 
     def read(ds):
@@ -322,6 +309,24 @@ def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
         ctx.balancer.shares = numpy.array(read(f["balancer/shares"]))
         ctx.balancer.speeds = numpy.array(read(f["balancer/speeds"]))
     return step
+
+
+def _same_params(path: str, f, want: dict, cfg) -> None:
+    """The checkpoint ``f`` holds exactly the parameters ``want`` names, at those full shapes
+    (else the ValueError of the first difference)."""
+    saved = f["params"]
+    extra = sorted(set(saved) - set(want))
+    for name, shape in want.items():
+        if name not in saved:
+            raise ValueError(f"--resume={path}: parameter {name} is not in the checkpoint"
+                             f"{' (it has ' + ', '.join(extra[:3]) + ')' if extra else ''}")
+        if tuple(saved[name].shape) != shape:
+            raise ValueError(f"--resume={path}: parameter {name} is "
+                             f"{tuple(saved[name].shape)} in the checkpoint, {shape} here"
+                             + _padding_hint(f.attrs["config"], cfg))
+    if extra:
+        raise ValueError(f"--resume={path}: the checkpoint has parameters this model has "
+                         f"not: {', '.join(extra[:5])}")
 
 
 def _verified(ds, path: str) -> numpy.ndarray:

@@ -9,8 +9,7 @@ import math
 import os
 import sys
 
-from hpcnn import to_stderr
-from hpcnn import backend
+from hpcnn import backend, to_stderr
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.nn.core import is_placeholder
 from hpcnn.nn.precision import storage_dtype
