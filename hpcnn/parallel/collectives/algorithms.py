@@ -50,8 +50,8 @@ __all__ = ["ALGORITHMS", "NONBLOCKING", "allreduce", "iallreduce", "iallreduce_r
            "shared_zeros", "single_node", "RingRequest", "SEGMENT_BYTES", "ISEGMENT_BYTES",
            "WINDOW"]
 
-ALGORITHMS = ("mpi", "ring", "rd", "shm", "cma", "auto")
-NONBLOCKING = ("mpi", "ring", "shm", "auto")
+ALGORITHMS = ("mpi", "ring", "rd", "shm", "cma", "hier", "auto")
+NONBLOCKING = ("mpi", "ring", "shm", "hier", "auto")
 MARGIN = 0.10               # calibrate: another algorithm must beat mpi by 10 % to be chosen
                             # (near the crossovers run-to-run noise on a shared node is ~5 %)
 # Ranks on several nodes: the nearest size in log2 wins, so mpi below 8 MiB, ring from 8 MiB.
@@ -65,6 +65,9 @@ DEFAULT_TABLE = {"sizes": [1 << 10, 1 << 22, 1 << 24], "choice": ["mpi", "mpi", 
 # copy in) take shm from ZERO_COPY_BYTES whatever the table says: 1.1-1.2x at 1 MiB, 1.3-1.8x at
 # 4 MiB, 1.5-2x at 16 MiB, 2.6-3.6x above.
 DEFAULT_SHM_TABLE = {"sizes": [1 << 22, 1 << 24], "choice": ["mpi", "shm"]}
+# Ranks on several nodes of as many ranks each (:mod:`.hier`): the two-level allreduce where the
+# ring would be, as the ring's slice of the inter-node bytes is 1/q of a flat one's.
+DEFAULT_HIER_TABLE = {"sizes": [1 << 10, 1 << 22, 1 << 24], "choice": ["mpi", "mpi", "hier"]}
 IALLREDUCE_RING_BYTES = 2 << 20   # iallreduce "auto": the ring from 2 MiB (library's below) ...
 IALLREDUCE_SHM_BYTES = 2 << 20    # ... or, all ranks on one node, shm from 2 MiB
 SWEEP = [1 << k for k in range(10, 27, 2)]  # calibrate's default sizes: 1 KiB .. 64 MiB
@@ -85,8 +88,16 @@ def single_node(comm) -> bool:
 
 
 def default_table(comm) -> dict:
-    """:data:`DEFAULT_SHM_TABLE` on one node, else :data:`DEFAULT_TABLE` (collective once)."""
-    return DEFAULT_SHM_TABLE if single_node(comm) else DEFAULT_TABLE
+    """:data:`DEFAULT_SHM_TABLE` on one node, :data:`DEFAULT_HIER_TABLE` on several nodes of
+    as many ranks each, else :data:`DEFAULT_TABLE` (collective once)."""
+    if single_node(comm):
+        return DEFAULT_SHM_TABLE
+    return DEFAULT_HIER_TABLE if _levels(comm) else DEFAULT_TABLE
+
+
+def _levels(comm):
+    from hpcnn.parallel.collectives.hier import levels_of
+    return levels_of(comm) if comm.size > 1 else None
 
 
 def compile_table(table) -> tuple:
@@ -139,7 +150,9 @@ def choose_nonblocking(comm, nbytes: int) -> str:
         else below
     if one and nbytes >= IALLREDUCE_SHM_BYTES:
         return "shm"
-    return "ring" if nbytes >= IALLREDUCE_RING_BYTES else "mpi"
+    if nbytes < IALLREDUCE_RING_BYTES:
+        return "mpi"
+    return "ring" if one or not _levels(comm) else "hier"
 
 
 def shared_zeros(comm, shape, dtype=numpy.float32):
@@ -202,6 +215,13 @@ def allreduce(comm, buf, algorithm: str = "auto"):
         node, piece = _shm_node(comm), getattr(comm, "shm_piece_bytes", shm.PIECE_BYTES)
         _on_host(flat, lambda h: shm.allreduce(node, h, piece))
         return buf
+    if algorithm == "hier":
+        from hpcnn.parallel.collectives import hier
+        levels = _levels(comm)
+        if levels is not None:
+            _on_host(flat, lambda h: hier.allreduce(comm, levels, h))
+            return buf
+        algorithm = "mpi"                       # one node, or nodes of different sizes
     with host_buffers(flat, writeback=(0,)) as (h,):
         if algorithm == "mpi":
             comm.comm.Allreduce(MPI.IN_PLACE, h, op=MPI.SUM)
@@ -226,7 +246,8 @@ def iallreduce(comm, buf, algorithm: str = "ring", on_done=None) -> Request:
         if algorithm != "shm" and buf.nbytes >= shm.ZERO_COPY_BYTES \
                 and _in_shared(comm, flat_view(buf)):
             algorithm = "shm"
-    if algorithm == "mpi":
+    levels = _levels(comm) if algorithm == "hier" else None
+    if algorithm == "mpi" or (algorithm == "hier" and levels is None):
         return comm.iallreduce(buf, on_done=on_done)
     backend.sync()
     if backend.xp is not numpy and not (_cuda_aware() and algorithm == "ring"):  # pragma: no cover
@@ -238,6 +259,9 @@ def iallreduce(comm, buf, algorithm: str = "ring", on_done=None) -> Request:
     if algorithm == "shm":
         return shm.ShmRequest(comm, _shm_node(comm), flat_view(buf),
                               getattr(comm, "shm_piece_bytes", shm.PIECE_BYTES), on_done)
+    if algorithm == "hier":
+        from hpcnn.parallel.collectives.hier import HierRequest
+        return HierRequest(comm, levels, buf, on_done)
     return RingRequest(comm, buf, on_done)
 
 

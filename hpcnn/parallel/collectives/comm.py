@@ -448,11 +448,12 @@ class Communicator(ObjectCalls):
 
     def ranks_on_node(self) -> int:
         """How many ranks of this communicator share this rank's node (its memory), from
-        ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (collective)."""
+        ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, or its emulated node
+        (:mod:`.topology`; collective)."""
         if self.size == 1:
             return 1
-        MPI = _mpi()
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        from hpcnn.parallel.collectives.topology import split_node
+        local = split_node(self.comm, key=self.rank)
         try:
             return local.Get_size()
         finally:

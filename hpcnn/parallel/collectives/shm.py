@@ -178,13 +178,14 @@ class Node:
 
 def node_of(comm):
     """The :class:`Node` of ``comm`` (a Communicator), or None if its ranks span several nodes
-    or ``HPCNN_SHM=0`` (collective on first call: splits the private communicator)."""
+    (emulated ones too: :mod:`.topology`) or ``HPCNN_SHM=0`` (collective on first call: splits
+    the private communicator)."""
+    from hpcnn.parallel.collectives.topology import split_node
     st = comm.collectives.get_workspace()
     if st.node is None:
-        MPI = _mpi()
         st.node = False
         if os.environ.get("HPCNN_SHM", "1") not in ("0", "false", "no"):
-            sc = st.pcomm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+            sc = split_node(st.pcomm, key=comm.rank)
             if sc.Get_size() == comm.size:
                 st.node = Node(sc)
             else:

@@ -43,6 +43,7 @@ class Workspace:
         self.scratch, self.pool = {}, []    # dtype -> array for blocking calls; free arrays
         self.node = None                    # shm.Node, or False when the ranks span several nodes
         self.cma_pids = None                # cma: the peers' process ids ([]: refused), once known
+        self.levels = None                  # hier.Levels, or False where it does not apply
 
     def tag(self) -> int:
         self.seq += 1
@@ -61,9 +62,11 @@ class Workspace:
         return backend.xp.empty(max(n, 1), dtype)
 
     def free(self) -> None:
-        """Free the shared windows and the private communicator (collective)."""
+        """Free the shared windows, the levels and the private communicator (collective)."""
         if self.node:
             self.node.free()
+        if self.levels:
+            self.levels.free()
         self.pcomm.Free()
 
 
