@@ -339,8 +339,33 @@ def cmd_info(args) -> int:
         print("usage: hpcnn info     versions, MPI library, backend, BLAS threads (no options)",
               file=sys.stdout if help_asked else sys.stderr)
         return 0 if help_asked else 2
-    print("\n".join(info_lines()))
+    lines = info_lines() + _node_lines()
+    if _world_rank() == 0:                  # (under mpiexec: rank 0 speaks for the job)
+        print("\n".join(lines))
     return 0
+
+
+def _world_rank() -> int:
+    if mpi_ranks() <= 1:
+        return 0
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def _node_lines() -> list[str]:
+    """Under mpiexec (collective): the job's nodes and every rank's node and host
+    (:mod:`hpcnn.parallel.collectives.topology`; HPCNN_NODES: emulated)."""
+    if mpi_ranks() <= 1:
+        return []
+    import socket
+    from mpi4py import MPI
+    from hpcnn.parallel.collectives import topology
+    world = MPI.COMM_WORLD
+    nodes = topology.node_map(world)
+    hosts = world.allgather(socket.gethostname())
+    return [f"nodes: {topology.describe(nodes)}",
+            "rank -> node: " + ", ".join(f"{r}: {n} ({h})"
+                                         for r, (n, h) in enumerate(zip(nodes, hosts)))]
 
 
 def cmd_report(args) -> int:

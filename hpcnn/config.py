@@ -85,7 +85,7 @@ class TrainConfig:
     pad_vocab: int = 0                  # pad the GPT vocabulary to a multiple of this; 0 = of tp
     grad_accum: int = 1                 # micro-batches per rank per step, one allreduce per step
     bucket_mb: float = 25.0             # gradient bucket size for the overlapped allreduce
-    allreduce: str = "auto"             # mpi | ring | rd | shm | cma | auto (chosen by size from a start-up calibration)
+    allreduce: str = "auto"             # mpi | ring | rd | shm | cma | hier (two levels: nodes, then across them) | auto (chosen by size from a start-up calibration)
     overlap: bool = True                # reduce each bucket during the backward (rd and cma block: after it)
     balance: str = "equal"              # equal | proportional (batch share proportional to replica speed)
     combine: str = "weighted"           # weighted (exact full-batch gradient) | uniform (plain mean of replicas)
@@ -108,6 +108,7 @@ class TrainConfig:
     loss_scale_backoff: float = 0.5     # fp16: the scale's factor at a step with an inf/NaN gradient (the step is skipped)
     loss_scale_growth_interval: int = 2000  # fp16: good steps in a row before the scale grows
     device: str = "cpu"                 # cpu (NumPy) | gpu (CuPy)
+    nodes: int = 0                      # emulate this many nodes of consecutive ranks on this machine (0: the real ones, or HPCNN_NODES)
     # -- evaluation and logging -------------------------------------------------------------
     eval_interval: int = 100            # steps between evaluations (0 = only at the end)
     eval_batches: int = 8               # GPT: validation batches per evaluation
@@ -160,7 +161,7 @@ class TrainConfig:
 
 
 # -- the range of every option ---------------------------------------------------------------
-ALLREDUCE = ("mpi", "ring", "rd", "shm", "cma", "auto")
+ALLREDUCE = ("mpi", "ring", "rd", "shm", "cma", "hier", "auto")
 CHOICES = {            # option -> its allowed values
     "model": MODELS, "dataset": DATASETS + ("",), "optimizer": ("adamw", "sgd"),
     "lr_schedule": ("cosine", "constant"), "allreduce": ALLREDUCE,
@@ -220,7 +221,7 @@ RANGES = {             # option -> its interval (for a tuple option: every eleme
     "spectral_features": AT_LEAST_0, "reduction": Range(0, 1, open_lo=True),
     "loss_scale_init": POSITIVE, "loss_scale_growth": Range(1, open_lo=True),
     "loss_scale_backoff": Range(0, 1, open_lo=True, open_hi=True),
-    "loss_scale_growth_interval": AT_LEAST_1,
+    "loss_scale_growth_interval": AT_LEAST_1, "nodes": AT_LEAST_0,
 }
 # --hang_timeout: the least seconds in one call that report a hang and abort the job (a
 # collective waits that long for a peer's compute in healthy runs; 0 turns the watchdog off)

@@ -46,6 +46,20 @@ def rank_from_env() -> int:
     return _from_env(_RANK_VARIABLES) or 0
 
 
+def _nodes_fit(cfg: TrainConfig, world_size: int) -> None:
+    """--nodes: at most one emulated node a rank; HPCNN_NODES: a number (it counts the job's
+    ranks, of which this run may use some)."""
+    from hpcnn.parallel.collectives import topology
+    try:
+        topology.emulate(cfg.nodes or None)
+        topology.emulated()
+    except topology.TopologyError as e:
+        raise ConfigError(f"invalid configuration: {e}") from None
+    if cfg.nodes > world_size:
+        raise ConfigError(f"invalid configuration: nodes={cfg.nodes} emulated nodes for "
+                          f"{world_size} rank(s): at most one node a rank")
+
+
 def check(cfg: TrainConfig, world_size: int | None = None, data=None):
     """Raise ConfigError naming every option the ranks, the data or the model cannot serve, then
     :class:`~hpcnn.memory_check.MemoryRefusal` if a rank would not fit in its node's memory;
@@ -64,6 +78,7 @@ def check(cfg: TrainConfig, world_size: int | None = None, data=None):
         except GridError as e:
             raise ConfigError(f"invalid configuration: {e} (pass --dp/--tp/--pp that multiply "
                               f"to the number of ranks)") from None
+        _nodes_fit(cfg, world_size)
     data = data if data is not None else datasets.for_config(cfg)
     errs = datasets.misfits(cfg, data)
     if not errs and cfg.pp > 1:

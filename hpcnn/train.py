@@ -124,7 +124,7 @@ def train(cfg: TrainConfig, comm=None, command_line: str | None = None, data=Non
     warning = thread_warning(ctx.world)         # rank 0's, once: oversubscribed cores
     if warning:
         to_stderr(warning)
-    say(run_header(cfg, task.model, task, ctx.world.size, start))
+    say(run_header(cfg, task.model, task, ctx.world.size, start, ctx.nodes, ctx.spanning))
     t_start = time.perf_counter()
     status, last, together = "failed", {}, False
     watch = watchdog.for_run(cfg.hang_timeout, cfg.log, ctx.world, log)

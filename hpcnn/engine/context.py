@@ -43,9 +43,14 @@ class ParallelContext:
     """
 
     def __init__(self, cfg, world=None):
+        from hpcnn.parallel.collectives import topology
         from hpcnn.parallel.collectives.grid import ProcessGrid
         self.cfg, self.stats = cfg, CommStats()
+        topology.emulate(cfg.nodes or None)        # (before any communicator asks its node)
         self.grid = ProcessGrid(world, cfg.dp, cfg.tp, cfg.pp) if world is not None else None
+        # every world rank's node, and the grid's groups that span nodes (tp should not)
+        self.nodes = topology.node_map(world) if world is not None else [0]
+        self.spanning = self.grid.spanning(self.nodes) if self.grid is not None else {}
         if self.grid is None:
             self.world, self.dp, self.tp, self.pp = (Communicator.single(n) for n in
                                                      ("world", "dp", "tp", "pp"))

@@ -24,10 +24,19 @@ def whole_model_params(model, tp: int = 1) -> int:
                for p in model.params)
 
 
-def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0) -> str:
+def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0,
+               nodes=(0,), spanning=None) -> str:
     """The first line a run prints: model and its whole parameter count, data, steps, layout
-    (dp x tp x pp, the schedule and micro-batches when pipelined), and where it resumed from."""
+    (dp x tp x pp on its ranks and, over several nodes or emulated ones, the nodes: ``nodes``
+    each rank's node, ``spanning`` the groups per axis that span nodes; the schedule and
+    micro-batches when pipelined), and where it resumed from."""
+    from hpcnn.parallel.collectives import topology
     layout = f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp} on {world_size} rank(s)"
+    if len(set(nodes)) > 1 or topology.emulated():
+        layout += f" on {topology.describe(list(nodes))}, tp groups inside nodes first"
+        if (spanning or {}).get("tp"):
+            layout += (f" (warning: {spanning['tp']} tp group(s) span nodes: their collectives "
+                       f"cross the network in every layer)")
     if cfg.pp > 1:
         layout += f", {cfg.schedule} with {cfg.microbatches} micro-batches"
         layout += f" and {cfg.virtual} stages per rank" if cfg.virtual > 1 else ""
@@ -77,7 +86,7 @@ def open_log(cfg, ctx, task, start: int, command_line):
     """Rank 0's run log: the run's attributes, its config and its plan (layout, schedule,
     memory, allreduce, where it resumed from)."""
     from hpcnn.log import RunLog
-    from hpcnn.parallel.collectives import library_version
+    from hpcnn.parallel.collectives import library_version, topology
     os.makedirs(os.path.dirname(os.path.abspath(cfg.log)), exist_ok=True)
     extra = {"model_params": whole_model_params(task.model, cfg.tp), "dataset_name": task.data.name}
     if task.is_text:
@@ -103,7 +112,9 @@ def open_log(cfg, ctx, task, start: int, command_line):
                   "overlap": ctx.engine.overlap if ctx.grid is not None else cfg.overlap,
                   "allreduce_calibration": ctx.calibration,
                   "operator_layout": task.layout or {}, "hybrid_layout": task.hybrid or {},
-                  "resumed_from": cfg.resume, "start_step": start})
+                  "resumed_from": cfg.resume, "start_step": start,
+                  "node_of_rank": list(ctx.nodes), "emulated_nodes": topology.emulated() or 0,
+                  "groups_spanning_nodes": dict(ctx.spanning)})
     return log
 
 

@@ -120,6 +120,9 @@ cases = [
     ("gpt", "adamw", 3, unequal(8), 4096 / 2 ** 20, True, 1, "weighted", "mpi"),
     ("gpt", "adamw", 2, unequal(8), 4096 / 2 ** 20, True, 2, "weighted", "ring"),
     ("gpt", "sgd", 2, unequal(8), HUGE, False, 2, "weighted", "mpi"),
+    # two levels over nodes (HPCNN_NODES: emulated ones; on one node it is the library's)
+    ("mlp", "adamw", 3, unequal(16), TINY, True, 1, "weighted", "hier"),
+    ("gpt", "adamw", 2, unequal(8), 4096 / 2 ** 20, False, 2, "weighted", "hier"),
 ]
 refs = {}
 for kind, opt_name, steps, shares, bmb, overlap, micro, mode, alg in cases:

@@ -89,14 +89,24 @@ class ProcessGrid:
 
     def group(self, axis: str) -> list[int]:
         """World ranks of this rank's group along ``axis`` ("dp", "tp" or "pp"), in axis order."""
-        d, t, p = self.dp_rank, self.tp_rank, self.pp_rank
-        if axis == "tp":
-            return [rank_of(d, i, p, self.dp, self.tp, self.pp) for i in range(self.tp)]
-        if axis == "dp":
-            return [rank_of(i, t, p, self.dp, self.tp, self.pp) for i in range(self.dp)]
-        if axis == "pp":
-            return [rank_of(d, t, i, self.dp, self.tp, self.pp) for i in range(self.pp)]
-        raise ValueError(f"axis must be 'dp', 'tp' or 'pp', got {axis!r}")
+        if axis not in ("dp", "tp", "pp"):
+            raise ValueError(f"axis must be 'dp', 'tp' or 'pp', got {axis!r}")
+        return self._group_of(axis, self.rank)
+
+    def spanning(self, nodes: list[int]) -> dict:
+        """For each axis ("tp", "pp", "dp"), how many of its groups span more than one node,
+        ``nodes`` giving each world rank's node (:func:`.topology.node_map`)."""
+        out = {}
+        for axis in ("tp", "pp", "dp"):
+            groups = {tuple(self._group_of(axis, r)) for r in range(self.size)}
+            out[axis] = sum(len({nodes[q] for q in g}) > 1 for g in groups)
+        return out
+
+    def _group_of(self, axis: str, rank: int) -> list[int]:
+        d, t, p = coords_of(rank, self.dp, self.tp, self.pp)
+        n = {"tp": self.tp, "dp": self.dp, "pp": self.pp}[axis]
+        at = {"tp": lambda i: (d, i, p), "dp": lambda i: (i, t, p), "pp": lambda i: (d, t, i)}
+        return [rank_of(*at[axis](i), self.dp, self.tp, self.pp) for i in range(n)]
 
     def free(self) -> None:
         """Free the sub-communicators; using the grid afterwards raises an error."""

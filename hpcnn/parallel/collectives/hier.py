@@ -25,6 +25,7 @@ rank a node, ``hier`` is the library's Allreduce.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy
 
@@ -33,14 +34,35 @@ from hpcnn.parallel.collectives.ring import RingRequest, flat_view, split
 
 
 class Levels:
-    """A communicator's two levels: ``node`` (mpi4py, this rank's node), ``rail`` (a
-    Communicator of the ranks of this local rank on every node), ``q`` ranks a node."""
+    """A communicator's two levels: ``node`` (mpi4py, this rank's node) and ``gather`` (a
+    duplicate of it: the all-gathers of step 3 start later than the reduce-scatters of step 1
+    of requests made after them, and collectives on one communicator must start in the same
+    order on every rank), ``rail`` (a Communicator of the ranks of this local rank on every
+    node), ``q`` ranks a node, and the :class:`HierRequest` s in flight, in call order
+    (``queue``)."""
 
     def __init__(self, node, rail, q: int):
-        self.node, self.rail, self.q = node, rail, q
+        self.node, self.gather, self.rail, self.q = node, node.Dup(), rail, q
+        self.queue: deque = deque()
+
+    def advance(self, until=None) -> None:
+        """Advance the requests in flight in call order, each no further than the one before
+        it (so every rank starts each step's collectives in the same order, whatever order
+        its requests are tested in); without blocking, or until ``until`` is done."""
+        ahead = 3
+        for req in list(self.queue):
+            req._advance(block=until is not None, limit=ahead)
+            ahead = req._step
+            if req is until:
+                break
+        while self.queue and self.queue[0]._step == 3:
+            self.queue.popleft()
 
     def free(self) -> None:
+        if self.queue:
+            self.advance(until=self.queue[-1])
         self.rail.free()
+        self.gather.Free()
         self.node.Free()
 
 
@@ -50,7 +72,6 @@ def levels_of(comm) -> Levels | None:
     kept in the communicator's workspace, freed with it."""
     ws = comm.collectives.get_workspace()
     if ws.levels is None:
-        from hpcnn.parallel.collectives.comm import Communicator
         from hpcnn.parallel.collectives.topology import split_node
         ws.levels = False
         node = split_node(ws.pcomm, key=comm.rank)
@@ -58,7 +79,8 @@ def levels_of(comm) -> Levels | None:
         sizes = set(ws.pcomm.allgather(q))
         if len(sizes) == 1 and 1 < q < comm.size:
             rail = ws.pcomm.Split(color=node.Get_rank(), key=comm.rank)
-            ws.levels = Levels(node, Communicator(rail, name=f"{comm.name}.rail"), q)
+            # (the rail a Communicator of comm's own class: its ring, its counters)
+            ws.levels = Levels(node, type(comm)(rail, name=f"{comm.name}.rail"), q)
         else:
             node.Free()
     return ws.levels or None
@@ -84,28 +106,31 @@ class HierRequest(Request):
         MPI = _mpi()
         self._step, self._busy = 0, 0.0
         self._req = levels.node.Ireduce_scatter(flat, self._part, self._counts, op=MPI.SUM)
+        levels.queue.append(self)
 
-    def _advance(self, block: bool) -> bool:
-        """Go through the steps whose requests are complete (all of them when ``block``)."""
+    def _advance(self, block: bool, limit: int) -> None:
+        """Go through the steps whose requests are complete (all of them when ``block``),
+        starting step k's collective only where the request before it has (``limit`` >= k)."""
         while self._step < 3:
+            if self._step < 2 and self._step + 1 > limit:
+                return                     # the request before it has not started that step
             if block:
                 self._req.wait() if self._step == 1 else self._req.Wait()
             elif not (self._req.test() if self._step == 1 else self._req.Test()):
-                return False
+                return
             self._step += 1
             if self._step == 1:            # the node's slice summed: across the nodes
                 self._req = RingRequest(self._lv.rail, self._part, blocking=block)
             elif self._step == 2:          # every node's sum of my slice: to my node's ranks
-                self._req = self._lv.node.Iallgatherv(
+                self._req = self._lv.gather.Iallgatherv(
                     self._part, [self._buf, (self._counts, self._displs)])
-        return True
 
     def test(self) -> bool:
         if not self.done:
             t = time.perf_counter()
-            finished = self._advance(block=False)
+            self._lv.advance()
             self._busy += time.perf_counter() - t
-            if finished:
+            if self._step == 3:
                 self._finish(self._busy)
         return self.done
 
@@ -114,7 +139,7 @@ class HierRequest(Request):
             prev = self._enter_wait()
             t = time.perf_counter()
             try:
-                self._advance(block=True)
+                self._lv.advance(until=self)
             finally:
                 from hpcnn.parallel.collectives.watchdog import leave
                 leave(prev)

@@ -37,8 +37,8 @@ import numpy
 from hpcnn import backend
 
 MODES = ("weighted", "uniform", "equal")
-ALGORITHMS = ("mpi", "ring", "rd", "shm", "cma", "auto")   # blocking (overlap=False)
-NONBLOCKING = ("mpi", "ring", "shm", "auto")        # Communicator.iallreduce (overlap=True)
+ALGORITHMS = ("mpi", "ring", "rd", "shm", "cma", "hier", "auto")   # blocking (overlap=False)
+NONBLOCKING = ("mpi", "ring", "shm", "hier", "auto")   # Communicator.iallreduce (overlap=True)
 
 
 # -- pure helpers ----------------------------------------------------------------------------------
