@@ -18,7 +18,8 @@ cache footprint slows the next one), and fewer for big sizes.
 ``--runs=N`` repeats the calibration and the sizes N times in a row (a fresh communicator and
 calibration each run) and ends with one line a run: the load average (1 min) before and after,
 ``auto``'s worst ratio to ``raw`` and at which size, ``auto0``'s worst ratio from 16 MiB,
-``iauto``'s worst ratio to ``impi``; and the verdict against the targets (``auto`` >= 0.95x at
+``iauto``'s worst ratio to ``impi``, and ``mpi``'s worst ratio to ``raw`` (the library's
+call through hpcnn against itself: how far noise alone moves a ratio); and the verdict against the targets (``auto`` >= 0.95x at
 every size in all runs but one and >= 0.85x in all; ``auto0`` >= 1.5x from 16 MiB). Table
 ``runs_p{p}``; ``algos_p{p}`` holds every run's rows (column ``run``).
 
@@ -244,6 +245,7 @@ def summary(rows, run, load, t_cal) -> dict:
     (auto, at), (auto0, at0), (iauto, iat) = worst("auto", rows), worst("auto0", big), \
         worst("iauto", rows)
     return {"run": run, "load_before": load[0], "load_after": load[1], "calibration_s": t_cal,
+            "mpi_worst_x_raw": worst("mpi", rows)[0],      # the same call: the noise floor
             "auto_worst_x_raw": auto, "auto_worst_bytes": at, "auto0_16mib_worst_x_raw": auto0,
             "auto0_16mib_worst_bytes": at0, "iauto_worst_x_impi": iauto, "iauto_worst_bytes": iat}
 
@@ -257,13 +259,14 @@ def _mib(n) -> str:
 def print_summary(runs) -> None:
     """One line a run, then the verdict against the targets of the issue."""
     print(f"{'run':>3} {'load 1-min':>11} {'auto/raw worst':>22} {'auto0/raw >=16MiB':>22} "
-          f"{'iauto/impi worst':>22}")
+          f"{'iauto/impi worst':>22} {'mpi/raw worst':>13}")
     for s in runs:
         print(f"{s['run']:>3} {s['load_before']:5.2f}-{s['load_after']:<5.2f} "
               + " ".join(f"{s[a]:10.2f}x at {_mib(s[b]):>8}" for a, b in (
                   ("auto_worst_x_raw", "auto_worst_bytes"),
                   ("auto0_16mib_worst_x_raw", "auto0_16mib_worst_bytes"),
-                  ("iauto_worst_x_impi", "iauto_worst_bytes"))))
+                  ("iauto_worst_x_impi", "iauto_worst_bytes")))
+              + f" {s['mpi_worst_x_raw']:12.2f}x")
     w = [s["auto_worst_x_raw"] for s in runs]
     w0 = [s["auto0_16mib_worst_x_raw"] for s in runs]
     print(f"auto >= 0.95x at every size in {sum(x >= 0.95 for x in w)} of {len(w)} runs (target: "
