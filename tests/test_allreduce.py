@@ -128,8 +128,12 @@ KEY = {"hosts": ["h"], "node_of_rank": [0, 0], "cpus_of_rank": [2, 2], "ranks": 
 
 
 def _timings(sizes, base=1e-4):
-    return {"sizes": sizes, "times": {a: [base * (j + 1) * (i + 1) for i in range(len(sizes))]
-                                      for j, a in enumerate(KEY["algorithms"])}}
+    """Medians and quartiles (10 % either side) as a calibration saves them."""
+    times = {a: [base * (j + 1) * (i + 1) for i in range(len(sizes))]
+             for j, a in enumerate(KEY["algorithms"])}
+    return {"sizes": sizes, "times": times,
+            **{k: {a: [f * x for x in col] for a, col in times.items()}
+               for k, f in (("low", 0.875), ("high", 1.125))}}
 
 
 def test_calibration_file_round_trip_merge_and_replace(tmp_path):
@@ -141,6 +145,7 @@ def test_calibration_file_round_trip_merge_and_replace(tmp_path):
     assert calibration.save(path, KEY, _timings([2000], base=1.0)) == ""       # merged in, sorted
     got, _ = calibration.load(path, KEY)
     assert got["sizes"] == [1000, 2000, 4000] and got["times"]["mpi"][1] == 1.0
+    assert got["low"]["mpi"][1] == 0.875 and got["high"]["rd"] == [3.375e-4, 3.375, 6.75e-4]
     assert calibration.save(path, KEY, _timings([8000]), replace=True) == ""
     assert calibration.load(path, KEY)[0]["sizes"] == [8000]
     assert os.listdir(tmp_path / "sub") == ["c.json"]           # no temporary left behind
@@ -167,6 +172,12 @@ def test_calibration_file_round_trip_merge_and_replace(tmp_path):
     (json.dumps({"format": calibration.FORMAT, "key": KEY,
                  **_timings([1, 2]) | {"times": {a: [1e-4, float("nan")]
                                                  for a in KEY["algorithms"]}}}), "malformed"),
+    (json.dumps({"format": calibration.FORMAT, "key": KEY,
+                 **{k: v for k, v in _timings([1, 2]).items() if k != "high"}}), "malformed"),
+    (json.dumps({"format": calibration.OLD_FORMATS[0], "key": KEY,       # medians only
+                 **{k: v for k, v in _timings([1, 2]).items() if k in ("sizes", "times")}}),
+     "an older calibration (hpcnn-allreduce-calibration/1: medians without their spread), "
+     "measured again"),
 ])
 def test_a_bad_calibration_file_is_ignored_with_one_line(tmp_path, content, why):
     path = tmp_path / "c.json"
@@ -200,6 +211,40 @@ def test_table_from_times_keeps_mpi_unless_clearly_beaten():
     table = table_from_times(c, [100, 200, 300], t)
     assert table["choice"] == ["mpi", "ring", "mpi"] and table["times"] == t
     assert table["sizes"] == [100, 200, 300]
+
+
+# rounds of a noisy host, seconds. shm: a lower median than mpi's (0.85 against 1.05), quartiles
+# overlapping mpi's; fast: every round beats mpi's; tight: a small spread, but 10 % from mpi;
+# burst: mpi's rounds 3-7 hit by load (median 1.9), a steady 0.95 against mpi's unloaded 1.0
+NOISY = {"mpi": [1.0, 1.3, 0.9, 1.6, 1.05, 1.2, 0.95],
+         "shm": [0.7, 1.2, 0.8, 1.4, 0.75, 1.1, 0.85],
+         "fast": [0.5, 0.52, 0.55, 0.6, 0.51, 0.7, 0.53],
+         "tight": [0.9, 0.92, 0.95, 0.91, 0.93, 0.9, 0.94],
+         "burst": [1.0, 1.0, 2.0, 2.1, 1.0, 2.2, 1.9]}
+
+
+def test_auto_leaves_mpi_only_for_a_clear_win_spread_included():
+    from hpcnn.parallel.collectives import algorithms
+    assert algorithms.spread([3.0, 1.0, 2.0, 5.0, 4.0]) == (2.0, 3.0, 4.0)
+    assert algorithms.wins(1.0, 1 / (1 + MARGIN)) and not algorithms.wins(1.0, 0.95)
+    c = single()
+    n = NOISY
+    cases = [({"mpi": n["mpi"], "shm": n["shm"]}, "mpi"),           # overlapping: undecided
+             ({"mpi": n["mpi"], "shm": n["fast"]}, "shm"),          # separated: shm
+             ({"mpi": n["mpi"], "ring": n["tight"]}, "mpi"),        # not by MARGIN
+             ({"mpi": n["burst"], "cma": [0.95] * 7}, "mpi"),       # medians 2x, quartiles not
+             ({"mpi": n["mpi"], "rd": n["shm"], "ring": n["fast"]}, "ring")]
+    for samples, want in cases:
+        got = algorithms.summarize([1 << 24], {a: [x] for a, x in samples.items()})
+        table = table_from_times(c, got["sizes"], got["times"], got["low"], got["high"])
+        assert table["choice"] == [want], (samples, table)
+        for a in samples:
+            assert table["low"][a][0] <= table["times"][a][0] <= table["high"][a][0]
+    # medians alone (no quartiles): the medians stand for them
+    med = {a: [float(np.median(n[k]))] for a, k in (("mpi", "mpi"), ("shm", "shm"), ("rd", "fast"))}
+    assert table_from_times(c, [1 << 24], med)["choice"] == ["rd"]
+    del med["rd"]
+    assert table_from_times(c, [1 << 24], med)["choice"] == ["mpi"]         # 0.85 against 1.05
 
 
 def test_describe_says_where_the_table_came_from():

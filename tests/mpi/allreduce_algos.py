@@ -296,8 +296,11 @@ timed = ["mpi", "rd", "ring", "shm"] + (["cma"] if cma.available(c) else [])
 assert sorted(table["times"]) == sorted(timed)
 assert all(ch in timed for ch in table["choice"]), table     # cma too, when it wins here
 assert world.allgather(table) == [table] * p, "ranks calibrated differently"
-for i, ch in enumerate(table["choice"]):     # never slower than mpi at a calibrated size
-    assert table["times"][ch][i] <= table["times"]["mpi"][i]
+for i, ch in enumerate(table["choice"]):     # never slower than mpi at a calibrated size:
+    assert table["times"][ch][i] <= table["times"]["mpi"][i]     # another path wins clearly
+    assert ch == "mpi" or algorithms.wins(table["low"]["mpi"][i], table["high"][ch][i]), table
+    for a in timed:                          # the quartiles of every path's rounds
+        assert 0 < table["low"][a][i] <= table["times"][a][i] <= table["high"][a][i], table
 for n in SIZES:
     a = (r + 1) * pattern(n, np.float32)
     c.allreduce(a, algorithm="auto")

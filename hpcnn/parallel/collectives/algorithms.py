@@ -46,32 +46,38 @@ from hpcnn.parallel.collectives.ring import (ISEGMENT_BYTES, SEGMENT_BYTES, WIND
 
 __all__ = ["ALGORITHMS", "NONBLOCKING", "allreduce", "iallreduce", "iallreduce_ring", "choose",
            "choose_nonblocking", "default_table", "compile_table", "calibrate", "free",
-           "available_algorithms", "table_sizes", "table_from_times",
+           "available_algorithms", "table_sizes", "table_from_times", "spread", "summarize",
+           "wins",
            "shared_zeros", "single_node", "RingRequest", "SEGMENT_BYTES", "ISEGMENT_BYTES",
            "WINDOW"]
 
 ALGORITHMS = ("mpi", "ring", "rd", "shm", "cma", "hier", "auto")
 NONBLOCKING = ("mpi", "ring", "shm", "hier", "auto")
-MARGIN = 0.10               # calibrate: another algorithm must beat mpi by 10 % to be chosen
-                            # (near the crossovers run-to-run noise on a shared node is ~5 %)
-# Ranks on several nodes: the nearest size in log2 wins, so mpi below 8 MiB, ring from 8 MiB.
-# Measured (benchmarks/allreduce.py, MPICH and Open MPI wheels, 2 and 4 ranks): mpi is fastest up
-# to 4 MiB (Python costs ~20 us a ring step), the ring is on par at 16 MiB and 1.4-1.9x faster
-# from 64 MiB.
-DEFAULT_TABLE = {"sizes": [1 << 10, 1 << 22, 1 << 24], "choice": ["mpi", "mpi", "ring"]}
-# All ranks on one node (benchmarks/allreduce.py, MPICH wheel, 2 and 4 ranks on 2 vCPUs, private
-# buffers, medians of 5 runs): shm 0.8-1.1x the library's Allreduce from 256 KiB to 4 MiB, 1.3-1.4x
-# at 16 MiB, 1.7-2.1x from 64 MiB. So mpi up to 8 MiB, shm above. Buffers from shared_zeros (no
-# copy in) take shm from ZERO_COPY_BYTES whatever the table says: 1.1-1.2x at 1 MiB, 1.3-1.8x at
-# 4 MiB, 1.5-2x at 16 MiB, 2.6-3.6x above.
-DEFAULT_SHM_TABLE = {"sizes": [1 << 22, 1 << 24], "choice": ["mpi", "shm"]}
+MARGIN = 0.25               # calibrate: another path replaces mpi at a size only if its upper
+QUANTILES = (0.25, 0.75)    # quartile is 25 % below mpi's lower quartile. On a shared 2-vCPU
+                            # host a path's ratio to mpi at one size moved by 1.5-3x between
+                            # calibrations a minute apart (16 MiB shm: 0.57x, then 1.5x); the
+                            # wins that survive such drifts are the large ones
+# The tables without calibration: mpi wherever another path does not clearly win. Ranks on
+# several nodes: the ring from 64 MiB (above 32 MiB by the nearest size in log2). Measured on
+# one node (benchmarks/allreduce.py, MPICH wheel, 2 ranks): the ring 0.7-1.0x the library's
+# Allreduce at 16 MiB, 1.4-1.9x from 64 MiB; mpi is fastest up to 4 MiB (Python costs ~20 us a
+# ring step).
+DEFAULT_TABLE = {"sizes": [1 << 10, 1 << 24, 1 << 26], "choice": ["mpi", "mpi", "ring"]}
+# All ranks on one node (same benchmark, private buffers): shm 0.8-1.1x the library's Allreduce
+# from 256 KiB to 4 MiB, 0.5-1.4x at 16 MiB (loaded host: it flips), 1.4-2.1x from 64 MiB. So mpi
+# up to 32 MiB, shm above. Buffers from shared_zeros (no copy in) take shm from ZERO_COPY_BYTES
+# whatever the table says: 1.1-1.2x at 1 MiB, 1.3-1.8x at 4 MiB, 1.5-2x at 16 MiB, 2.3-3.6x
+# above.
+DEFAULT_SHM_TABLE = {"sizes": [1 << 24, 1 << 26], "choice": ["mpi", "shm"]}
 # Ranks on several nodes of as many ranks each (:mod:`.hier`): the two-level allreduce where the
-# ring would be, as the ring's slice of the inter-node bytes is 1/q of a flat one's.
-DEFAULT_HIER_TABLE = {"sizes": [1 << 10, 1 << 22, 1 << 24], "choice": ["mpi", "mpi", "hier"]}
+# ring would be, as its inter-node bytes are 1/q of a flat ring's (q ranks a node).
+DEFAULT_HIER_TABLE = {"sizes": [1 << 10, 1 << 24, 1 << 26], "choice": ["mpi", "mpi", "hier"]}
 IALLREDUCE_RING_BYTES = 2 << 20   # iallreduce "auto": the ring from 2 MiB (library's below) ...
 IALLREDUCE_SHM_BYTES = 2 << 20    # ... or, all ranks on one node, shm from 2 MiB
 SWEEP = [1 << k for k in range(10, 27, 2)]  # calibrate's default sizes: 1 KiB .. 64 MiB
-MIN_REPEATS = 5             # calibrate with a time budget: at least this many timed rounds
+MIN_REPEATS = 7             # calibrate with a time budget: at least this many timed rounds
+                            # (their quartiles decide)
 
 _flat, _split, _rd = flat_view, split, rd     # older names
 
@@ -272,11 +278,13 @@ def iallreduce_ring(comm, buf, on_done=None) -> RingRequest:
 
 def available_algorithms(comm) -> list:
     """What :func:`calibrate` times on ``comm``: mpi, ring, rd, and shm (and cma where the kernel
-    lets ranks read each other) when all ranks share a node (collective on the first call)."""
+    lets ranks read each other) when all ranks share a node, hier over several nodes of as many
+    ranks each (collective on the first call)."""
     from hpcnn.parallel.collectives import cma
     one = single_node(comm)
     return ["mpi", "ring", "rd"] + (["shm"] if one else []) \
-        + (["cma"] if one and cma.available(comm) else [])
+        + (["cma"] if one and cma.available(comm) else []) \
+        + (["hier"] if not one and _levels(comm) else [])
 
 
 def table_sizes(comm, buffers) -> list:
@@ -290,53 +298,92 @@ def table_sizes(comm, buffers) -> list:
         b.nbytes >= shm.ZERO_COPY_BYTES and _in_shared(comm, flat_view(b)))})
 
 
-def table_from_times(comm, sizes, times) -> dict:
-    """The table ``auto`` reads, from ``times[algorithm][i]`` (seconds, the same on every rank)
-    at ``sizes[i]`` bytes: the fastest algorithm, but ``mpi`` unless beaten by :data:`MARGIN`,
-    and the default table's choice (:func:`default_table`) if within :data:`MARGIN` of the
-    fastest. Returns ``{"sizes", "choice", "times", "p"}``."""
+def spread(samples) -> tuple:
+    """``(low, median, high)`` of timing samples: the quartiles :data:`QUANTILES` and the
+    median (linear interpolation; one sample: that sample three times)."""
+    s = numpy.asarray(samples, dtype=numpy.float64)
+    low, mid, high = numpy.quantile(s, (QUANTILES[0], 0.5, QUANTILES[1]))
+    return float(low), float(mid), float(high)
+
+
+def summarize(sizes, samples) -> dict:
+    """``{"sizes", "times", "low", "high"}`` from ``samples[algorithm][i]`` (the seconds of each
+    round at ``sizes[i]``): per algorithm, the medians and the quartiles of :func:`spread`."""
+    out = {"sizes": [int(n) for n in sizes], "times": {}, "low": {}, "high": {}}
+    for a, rows in samples.items():
+        lmh = [spread(x) for x in rows]
+        for k, j in (("low", 0), ("times", 1), ("high", 2)):
+            out[k][a] = [v[j] for v in lmh]
+    return out
+
+
+def wins(low_mpi: float, high: float) -> bool:
+    """True if a path whose upper quartile is ``high`` clearly beats the library's, whose lower
+    quartile is ``low_mpi``: by :data:`MARGIN`, ``(1 + MARGIN) high <= low_mpi``."""
+    return (1 + MARGIN) * high <= low_mpi
+
+
+def table_from_times(comm, sizes, times, low=None, high=None) -> dict:
+    """The table ``auto`` reads, from ``times[algorithm][i]`` (median seconds, the same on every
+    rank) at ``sizes[i]`` bytes and their quartiles ``low`` and ``high`` (same layout; None:
+    the medians stand for them). At each size ``mpi`` unless another path :func:`wins` (its
+    upper quartile beats mpi's lower one by :data:`MARGIN`; overlapping spreads are undecided,
+    and undecided is mpi); among the paths that win, the fastest median, or the default table's
+    choice (:func:`default_table`) if it wins and is within :data:`MARGIN` of it. Without
+    ``mpi`` among the timings: the fastest median. Returns ``{"sizes", "choice", "times",
+    "low", "high", "p"}``."""
     algorithms = list(times)
+    low, high = low or times, high or times
     bounds, prior, _ = compile_table(default_table(comm))
     best = []
     for i, nbytes in enumerate(sizes):
-        ti = numpy.array([times[a][i] for a in algorithms])
-        a = algorithms[int(numpy.argmin(ti))]
-        d = prior[bisect_left(bounds, nbytes)]     # the default, unless clearly beaten
-        if d in algorithms and ti[algorithms.index(d)] <= (1 + MARGIN) * ti.min():
+        med = {a: times[a][i] for a in algorithms}
+        if "mpi" in med:
+            ok = [a for a in algorithms if a == "mpi" or wins(low["mpi"][i], high[a][i])]
+        else:
+            ok = algorithms
+        a = min(ok, key=lambda a: (med[a], a != "mpi"))
+        d = prior[bisect_left(bounds, nbytes)]     # the default among the winners, if near
+        if d in ok and d != "mpi" and a != "mpi" and med[d] <= (1 + MARGIN) * med[a]:
             a = d
-        if "mpi" in algorithms and ti.min() > (1 - MARGIN) * ti[algorithms.index("mpi")]:
-            a = "mpi"                       # keep mpi unless clearly beaten
         best.append(a)
     return {"sizes": [int(n) for n in sizes], "choice": best, "p": comm.size,
-            "times": {a: [float(x) for x in times[a]] for a in algorithms}}
+            **{k: {a: [float(x) for x in col[a]] for a in algorithms}
+               for k, col in (("times", times), ("low", low), ("high", high))}}
 
 
 def _max_repeats(nbytes: int) -> int:
-    """Timed rounds at ``nbytes`` without a budget: ~1-2 s a size on 2 ranks."""
-    return max(7, min(200, (1 << 25) // max(nbytes, 1)))
+    """Timed rounds at ``nbytes`` without a budget: ~1-2 s a size on 2 ranks, at least 9 (the
+    quartiles need a few)."""
+    return max(9, min(200, (1 << 25) // max(nbytes, 1)))
 
 
-def _time_size(comm, nbytes, algorithms, dtype, repeats, budget) -> list:
-    """This rank's median seconds of each algorithm at ``nbytes`` (see :func:`calibrate`)."""
+def _time_size(comm, nbytes, algorithms, dtype, repeats, budget) -> numpy.ndarray:
+    """The slowest rank's seconds of each timed round at ``nbytes``, ``(rounds, algorithms)``,
+    the same on every rank (see :func:`calibrate`)."""
     MPI = _mpi()
     buf = backend.xp.zeros(max(1, nbytes // numpy.dtype(dtype).itemsize), dtype)
     reps = repeats or (None if budget else _max_repeats(nbytes))
-    ts = [[] for _ in algorithms]
+    ts = []
     rep = 0
     while reps is None or rep <= reps:
+        row = numpy.zeros(len(algorithms))
         for j in numpy.random.default_rng(rep).permutation(len(algorithms)):
             comm.comm.Barrier()             # in a random order, the same on every rank
             t0 = time.perf_counter()
             allreduce(comm, buf, algorithms[j])
-            if rep:                         # the first round warms up
-                ts[j].append(time.perf_counter() - t0)
+            row[j] = time.perf_counter() - t0
+        if rep:                             # the first round warms up
+            ts.append(row)
         if reps is None and rep == 1:       # after the first timed round: how many fit the
-            one = numpy.array([sum(x[-1] for x in ts)])     # budget on the slowest rank
+            one = numpy.array([row.sum()])  # budget on the slowest rank
             comm.comm.Allreduce(MPI.IN_PLACE, one, op=MPI.MAX)
             fit = int(budget / max(one[0], 1e-9))
             reps = min(_max_repeats(nbytes), max(MIN_REPEATS, fit))
         rep += 1
-    return [float(numpy.median(x)) for x in ts]
+    t = numpy.array(ts)
+    comm.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)    # each round: its slowest rank
+    return t
 
 
 def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float32,
@@ -348,16 +395,16 @@ def calibrate(comm, sizes=None, repeats=None, algorithms=None, dtype=numpy.float
     each (the same on every rank), to share drifts, after one warm-up round. ``repeats``: timed
     rounds per size; default as many as fit ``budget`` seconds a size, judged from the slowest
     rank's first timed round (at least :data:`MIN_REPEATS`), or without a budget ~1-2 s a size
-    on 2 ranks (fewer rounds for big sizes). Every rank's median is reduced with MAX and the
-    choice made by :func:`table_from_times`, so all ranks choose alike. Returns
-    ``{"sizes", "choice", "times": {algorithm: max-median seconds}, "p"}``.
+    on 2 ranks (fewer rounds for big sizes, at least 9). Each round counts as its slowest
+    rank's time (MAX over ranks), so all ranks hold the same samples; their medians and
+    quartiles (:func:`summarize`) decide by :func:`table_from_times`: another path replaces
+    ``mpi`` only where it wins clearly, spread included. Returns ``{"sizes", "choice", "times",
+    "low", "high" (each {algorithm: seconds a size}), "p"}``.
     """
-    MPI = _mpi()
     sizes = [int(n) for n in (sizes or SWEEP)]
     algorithms = list(algorithms or available_algorithms(comm))
-    t = numpy.array([_time_size(comm, n, algorithms, dtype, repeats, budget) for n in sizes])
-    t = t.reshape(len(sizes), len(algorithms))
-    comm.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
-    table = table_from_times(comm, sizes, {a: t[:, j] for j, a in enumerate(algorithms)})
+    t = [_time_size(comm, n, algorithms, dtype, repeats, budget) for n in sizes]
+    got = summarize(sizes, {a: [ti[:, j] for ti in t] for j, a in enumerate(algorithms)})
+    table = table_from_times(comm, sizes, got["times"], got["low"], got["high"])
     comm.allreduce_table = table
     return table

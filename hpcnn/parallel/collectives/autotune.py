@@ -14,8 +14,11 @@ and piece sizes, the backend, the hpcnn version). The file is
 ``$XDG_CACHE_HOME/hpcnn/calibration-<hash of the key>.json`` (``~/.cache`` without
 XDG_CACHE_HOME), or the file named by ``HPCNN_CALIBRATION`` (``HPCNN_CALIBRATION=off``: neither
 read nor written). Rank 0 reads it and broadcasts what it found, so every rank decides alike; a
-missing, unreadable or corrupt file, or one for another key, is ignored with a one-line note. A
-run merges the sizes it measured into the file; ``hpcnn calibrate`` replaces it with a sweep from
+missing, unreadable or corrupt file, or one for another key, is ignored with a one-line note.
+A file keeps, per size and algorithm, the median of the timed rounds and their quartiles
+(``times``, ``low``, ``high``): ``auto`` leaves the library's call only where a path wins
+clearly, spread included (:func:`.algorithms.table_from_times`); a file of the first format
+(medians only) is measured again, with a note. A run merges the sizes it measured into the file; ``hpcnn calibrate`` replaces it with a sweep from
 1 KiB to 64 MiB, which covers every size in between (a saved size covers the sizes within a
 factor of 2 of it: ``auto`` takes the nearest size in log2 anyway). Delete the file to measure
 again.
@@ -38,7 +41,9 @@ import numpy
 
 from hpcnn import backend
 
-FORMAT = "hpcnn-allreduce-calibration/1"
+FORMAT = "hpcnn-allreduce-calibration/2"
+OLD_FORMATS = ("hpcnn-allreduce-calibration/1",)    # medians only: measured again, with a note
+SPREAD = ("times", "low", "high")   # medians and quartiles, {algorithm: [seconds a size]}
 RUN_BUDGET_S = 0.05         # a run's calibration: seconds of timed rounds a size (and one warm-up)
 ENV = "HPCNN_CALIBRATION"
 OFF = ("off", "0", "none", "false", "no")
@@ -83,22 +88,27 @@ def path_for(k: dict) -> str | None:
 
 
 def _timings(doc, algorithms) -> dict | None:
-    """``{"sizes", "times"}`` of a parsed file if well formed for ``algorithms``, else None."""
-    sizes, times = doc.get("sizes"), doc.get("times")
-    if not (isinstance(sizes, list) and isinstance(times, dict) and list(times) == algorithms):
+    """``{"sizes", "times", "low", "high"}`` of a parsed file if well formed for
+    ``algorithms``, else None."""
+    sizes = doc.get("sizes")
+    if not isinstance(sizes, list) or not all(type(n) is int and n > 0 for n in sizes) \
+            or len(set(sizes)) != len(sizes):
         return None
-    if not all(type(n) is int and n > 0 for n in sizes) or len(set(sizes)) != len(sizes):
-        return None
-    for col in times.values():
-        if not (isinstance(col, list) and len(col) == len(sizes) and all(
-                type(x) in (int, float) and math.isfinite(x) and x > 0 for x in col)):
+    for k in SPREAD:
+        times = doc.get(k)
+        if not (isinstance(times, dict) and list(times) == algorithms):
             return None
-    return {"sizes": sizes, "times": times}
+        for col in times.values():
+            if not (isinstance(col, list) and len(col) == len(sizes) and all(
+                    type(x) in (int, float) and math.isfinite(x) and x > 0 for x in col)):
+                return None
+    return {"sizes": sizes, **{k: doc[k] for k in SPREAD}}
 
 
 def load(path: str, k: dict) -> tuple:
-    """``(timings or None, note)``: the saved ``{"sizes", "times"}`` for key ``k`` in ``path``,
-    or None with a one-line note saying why it was ignored ("" when there is no file)."""
+    """``(timings or None, note)``: the saved ``{"sizes", "times", "low", "high"}`` for key
+    ``k`` in ``path``, or None with a one-line note saying why it was ignored ("" when there is
+    no file; a file of an older format, medians without their spread, is measured again)."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -106,6 +116,9 @@ def load(path: str, k: dict) -> tuple:
         return None, ""
     except (OSError, ValueError, RecursionError) as e:
         return None, f"ignored {path}: unreadable ({type(e).__name__}: {' '.join(str(e).split())})"
+    if isinstance(doc, dict) and doc.get("format") in OLD_FORMATS:
+        return None, (f"ignored {path}: an older calibration ({doc['format']}: medians without "
+                      "their spread), measured again")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return None, f"ignored {path}: not an hpcnn calibration file"
     saved = doc.get("key")
@@ -125,10 +138,11 @@ def merge(old: dict | None, new: dict) -> dict:
     for t in (old, new):
         if t:
             for i, n in enumerate(t["sizes"]):
-                rows[int(n)] = {a: float(col[i]) for a, col in t["times"].items()}
+                rows[int(n)] = {k: {a: float(col[i]) for a, col in t[k].items()} for k in SPREAD}
     sizes = sorted(rows)
     algorithms = list(new["times"])
-    return {"sizes": sizes, "times": {a: [rows[n][a] for n in sizes] for a in algorithms}}
+    return {"sizes": sizes, **{k: {a: [rows[n][k][a] for n in sizes] for a in algorithms}
+                               for k in SPREAD}}
 
 
 def save(path: str, k: dict, timings: dict, replace: bool = False) -> str:
@@ -137,8 +151,8 @@ def save(path: str, k: dict, timings: dict, replace: bool = False) -> str:
     try:
         if not replace:
             timings = merge(load(path, k)[0], timings)
-        doc = {"format": FORMAT, "key": k, "sizes": timings["sizes"], "times": timings["times"],
-               "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+        doc = {"format": FORMAT, "key": k, "sizes": timings["sizes"],
+               **{s: timings[s] for s in SPREAD}, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -177,11 +191,12 @@ def for_run(comm, sizes, dtype=numpy.float32) -> dict:
     missing = [n for n in sizes if not (timings and covered(n, timings["sizes"]))]
     if missing:
         measured = algorithms.calibrate(comm, missing, dtype=dtype, budget=RUN_BUDGET_S)
-        new = {"sizes": measured["sizes"], "times": measured["times"]}
+        new = {"sizes": measured["sizes"], **{s: measured[s] for s in SPREAD}}
         timings = merge(timings, new)
         if path and comm.rank == 0:
             note = "; ".join(x for x in (note, save(path, k, new)) if x)
-    comm.allreduce_table = algorithms.table_from_times(comm, timings["sizes"], timings["times"])
+    comm.allreduce_table = algorithms.table_from_times(comm, timings["sizes"], timings["times"],
+                                                       timings["low"], timings["high"])
     info.update(source="measured" if len(missing) == len(sizes) else
                 "file+measured" if missing else "file", path=path, measured=missing,
                 seconds=time.perf_counter() - t0, notes=[note] if note else [],
