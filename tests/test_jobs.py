@@ -28,10 +28,13 @@ from mpi_util import ROOT, mpiexec
 JOBS_DIR = os.path.join(ROOT, "jobs")
 JOBS = sorted(f for f in os.listdir(JOBS_DIR) if f.endswith((".slurm", ".pbs")))
 HELPERS = sorted(f for f in os.listdir(JOBS_DIR) if f.endswith(".sh"))
-# the jobs whose small run takes more than a few seconds here (an experiment's sweep and figure)
-LONG = {"graph_partition.slurm", "graph_reduction.slurm", "hetero_weighting.slurm",
-        "plan_crossover.slurm", "plan_validation.slurm", "remat_tradeoff.slurm",
-        "plan_portability.slurm", "collective_waits.slurm", "pipeline_bubble.slurm"}
+# the jobs left to `make test-long` (`pytest -m long`): an experiment's sweep and figure, or a
+# second training job of a kind make test already runs (~5-20 s each on 2 busy cores)
+LONG = {"collective_waits.slurm", "graph_features.slurm", "graph_partition.slurm",
+        "graph_reduction.slurm", "hetero_weighting.slurm", "pipeline_bubble.slurm",
+        "plan_crossover.slurm", "plan_portability.slurm", "plan_scale.slurm",
+        "plan_validation.slurm", "remat_tradeoff.slurm", "train_gpu.pbs",
+        "train_resumable.pbs", "train_resumable.slurm"}
 RANKS = 2                   # at most, whatever a job asks for: this machine has 2 cores
 TIMEOUT = 240
 
@@ -279,6 +282,7 @@ def test_the_job_runs_at_a_small_size(name, tmp_path):
         assert list((work / "runs").rglob("*.png")), sorted((work / "runs").rglob("*"))
 
 
+@pytest.mark.long      # ~20 s: two slices
 def test_resumable_slurm_job_stops_requeues_and_resumes(tmp_path):
     """Slice 0 gets SIGUSR1 (as from ``--signal=USR1@120``) once its first checkpoint is on disk:
     it stops, checkpoints, logs "stopped" and requeues the job; slice 1 resumes from that
@@ -337,3 +341,14 @@ def test_gpu_bind_gives_each_rank_its_gpu(visible, expected):
     alone = subprocess.run([os.path.join(JOBS_DIR, "gpu_bind.sh"), "true"], capture_output=True,
                            text=True, env={"PATH": os.environ["PATH"]})
     assert alone.returncode == 2 and "no local rank" in alone.stderr
+
+
+def test_the_cluster_page_shows_the_scripts_as_they_are():
+    """docs/guide/clusters.md quotes jobs/train_dp.slurm and jobs/train_dp.pbs whole: the
+    quotes are the files."""
+    with open(os.path.join(ROOT, "docs", "guide", "clusters.md")) as f:
+        quoted = re.findall(r"^```text\n(#!/bin/bash\n.*?)^```", f.read(), re.M | re.S)
+    assert len(quoted) == 2
+    for text, name in zip(quoted, ("train_dp.slurm", "train_dp.pbs")):
+        with open(os.path.join(JOBS_DIR, name)) as f:
+            assert text == f.read(), f"docs/guide/clusters.md quotes an older jobs/{name}"
