@@ -269,12 +269,13 @@ def test_the_job_runs_at_a_small_size(name, tmp_path):
     path = os.path.join(JOBS_DIR, name)
     _, calls, work = run_job(tmp_path, name)
     assert "module load openmpi" in calls                      # jobs/site.sh was sourced
+    with open(path) as f:
+        unconditional = re.findall(r"^(srun|mpiexec) ", f.read(), re.M)    # not inside an if
     launched = [c for c in calls if c.startswith(("srun", "mpiexec"))]
+    assert len(launched) >= len(unconditional), calls
+    assert all("--cpu-bind=cores" in c for c in launched if c.startswith("srun")), calls
+    assert all("--bind-to core" in c for c in launched if c.startswith("mpiexec")), calls
     text = "\n".join(lines(path))
-    if "srun " in text:
-        assert launched and all("--cpu-bind=cores" in c for c in launched), calls
-    if re.search(r"^mpiexec ", text, re.M):
-        assert launched and all("--bind-to core" in c for c in launched), calls
     if "-m hpcnn train" in text:
         logs = [f for f in (work / "runs").glob("*.h5") if ".ckpt" not in f.name]
         assert logs and all(run_status(f) == "finished" for f in logs), logs
