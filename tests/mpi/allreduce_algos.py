@@ -28,16 +28,7 @@ SIZES = sorted({0, 1, 7, p - 1, p + 1, 1000, 100003})
 DTYPES = (np.float64, np.float32, np.int64)
 
 
-def pattern(n, dtype):
-    return ((np.arange(n) * 7919) % 97 - 48).astype(dtype)
-
-
-def same_everywhere(a, what):
-    """Assert ``a`` has the same bytes on every rank."""
-    b = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-    allb = np.empty((p, b.size), np.uint8)
-    world.Allgather(b, allb)
-    assert (allb == allb[0]).all(), f"{what}: results differ across ranks"
+from sums import pattern, same_everywhere  # noqa: E402
 
 
 def check(a, n, dtype, what):

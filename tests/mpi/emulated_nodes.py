@@ -22,15 +22,7 @@ q = p // k
 c = Communicator(world)
 
 
-def pattern(n, dtype):
-    return ((np.arange(n) * 7919) % 97 - 48).astype(dtype)
-
-
-def same_everywhere(a, what):
-    b = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-    allb = np.empty((p, b.size), np.uint8)
-    world.Allgather(b, allb)
-    assert (allb == allb[0]).all(), f"{what}: results differ across ranks"
+from sums import pattern, same_everywhere  # noqa: E402
 
 
 # -- the nodes: consecutive ranks, q a node; shared memory only inside one ------------------------
