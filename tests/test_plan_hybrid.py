@@ -516,3 +516,21 @@ def test_zero3_and_mixed_precision_price_what_a_rank_holds():
     assert q2.memory_bytes - q3.memory_bytes == pytest.approx(
         (1 - 1 / 8) * SMALL.params() * SMALL.word - gathered, rel=1e-9)
     assert q3.parts["optimizer"] > q2.parts["optimizer"] and "zero 3" in str(lay[3])
+
+
+def test_data_parallelism_across_nodes_is_priced_in_two_levels_where_cheaper():
+    """dp = 32 over 4 nodes of 8 (tp = 1): the reduce-scatter and all-gather among a node's 8,
+    the 8th part across the 4 nodes (hier), cheaper than the flat ring on the slow network; at
+    tp = 8 a node holds one dp rank, and the ring is flat."""
+    from hpcnn.plan.hybrid import dp_allreduce_s, ring_allreduce_s
+    m = Machine(per_node=8, nodes=4, inter=10e9)
+    node, cluster = m.levels
+    n = 1e9
+    flat = ring_allreduce_s(n, 32, cluster)
+    two = ring_allreduce_s(n, 8, node) + ring_allreduce_s(n / 8, 4, cluster)
+    assert two < flat / 4
+    assert dp_allreduce_s(n, Layout(32, 1, 1, 1), m) == pytest.approx(two, rel=1e-12)
+    assert dp_allreduce_s(n, Layout(4, 8, 1, 1), m) == ring_allreduce_s(n, 4, cluster)
+    assert dp_allreduce_s(n, Layout(8, 1, 4, 1), m) == ring_allreduce_s(n, 8, node)
+    q = price(SMALL, Layout(32, 1, 1, 1), m)
+    assert q.parts["dp_comm"] < ring_allreduce_s(SMALL.params() * SMALL.word, 32, cluster) / 2

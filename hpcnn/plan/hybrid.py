@@ -236,6 +236,24 @@ def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0) -> float:
     return level.allreduce_seconds(nbytes, n, after) if measured is None else measured
 
 
+def dp_allreduce_s(nbytes: float, layout, machine, after: float = 0.0) -> float:
+    """The data-parallel gradient allreduce of ``nbytes`` over ``layout.dp`` ranks (strided by
+    tp: tp x dp consecutive devices, tp fastest), as ``auto`` would run it: the flat ring at the
+    level spanning tp x dp, or, where an inner level holds g of the dp ranks (1 < g < dp, g
+    dividing dp), the two-level form of :mod:`hpcnn.parallel.collectives.hier` if cheaper: a
+    reduce-scatter and an all-gather among the g (one ring allreduce's steps at that level)
+    and a ring allreduce of the g-th part across the dp / g groups at the outer level."""
+    dp, tp = layout.dp, layout.tp
+    outer = machine.level_for_group(tp * dp)
+    flat = ring_allreduce_s(nbytes, dp, outer, after)
+    for lv, span in zip(machine.levels, machine._spans()):
+        g = span // tp if span % tp == 0 else 0
+        if 1 < g < dp and dp % g == 0 and lv is not outer:
+            return min(flat, ring_allreduce_s(nbytes, g, lv, after)
+                       + ring_allreduce_s(nbytes / g, dp // g, outer, after))
+    return flat
+
+
 class StageTimes(NamedTuple):
     """What one layout's step is made of (seconds): a stage pass's forward ``t_f``, whole backward
     ``t_b`` (input and weight gradients) and the part of it ``t_w`` zero bubble splits off (else
@@ -368,8 +386,8 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     # every stage priced as the last (the head's table): the fullest, the first, has the
     # embedding's and position tables too
     local_params = _stage_params(model, layout, 0, per_stage, True)
-    dp_s = ring_allreduce_s(local_params * model.word, dp, machine.level_for_group(tp * dp),
-                            after=t_b) * reduced_share(layout)
+    dp_s = dp_allreduce_s(local_params * model.word, layout, machine, after=t_b) \
+        * reduced_share(layout)
     opt_s = sharded_update_seconds(local_params, layout, machine, model.word, optimizer)
     held_s = held_seconds(model, layout, machine)
     return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
@@ -498,8 +516,7 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
     _, pp_s = _messages(model, layout, machine, max(t_f))
     params = [_stage_params(model, layout, s, n, s in heads) for s, n in enumerate(layout.stages)]
-    level = machine.level_for_group(layout.tp * layout.dp)
-    reduce = [(ring_allreduce_s(q * word, layout.dp, level, after=max(t_b))
+    reduce = [(dp_allreduce_s(q * word, layout, machine, after=max(t_b))
                * reduced_share(layout),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
     memory = max(_stage_memory(model, layout, s, n, s in heads, optimizer)
