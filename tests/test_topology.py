@@ -59,6 +59,27 @@ def test_gpt_dp_tp_pp_on_emulated_nodes_equals_serial_mpi(tmp_path):
     assert "train_pp OK on 8 ranks (dp=2, tp=2, pp=2)" in out
 
 
+# the parity scenarios of the other test files, again on emulated nodes: (scenario, ranks, nodes,
+# arguments, the OK line); the quick ones in make test, the rest in make test-long
+SLOW = pytest.mark.long
+EMULATED = [("grid_collectives", 4, 2, (), "OK on 4 ranks"),
+            ("tp_blocks", 4, 2, (), "tp_blocks OK on 4 ranks"),
+            pytest.param("grid_collectives", 6, 3, (), "OK on 6 ranks", marks=SLOW),
+            pytest.param("pipeline_equivalence", 4, 2, (), "pipeline_equivalence OK on 4 ranks",
+                         marks=SLOW),
+            pytest.param("train_zero", 4, 2, ("DIR",), "train_zero OK on 4 ranks", marks=SLOW),
+            pytest.param("train_zero", 6, 3, ("DIR",), "train_zero OK on 6 ranks", marks=SLOW),
+            pytest.param("train_pp", 6, 3, ("DIR", 3, 1, 2),
+                         "train_pp OK on 6 ranks (dp=3, tp=1, pp=2)", marks=SLOW)]
+
+
+@pytest.mark.parametrize("scenario,n,nodes,args,ok", EMULATED)
+def test_parity_scenarios_on_emulated_nodes_mpi(tmp_path, scenario, n, nodes, args, ok):
+    args = [str(tmp_path) if a == "DIR" else a for a in args]
+    out = run_mpi(scenario, n, *args, timeout=400, env={topology.ENV: str(nodes)})
+    assert ok in out
+
+
 def _train(tmp_path, n, *args, env=None):
     cmd = [mpiexec(), "-n", str(n), *scripts.mpiexec_flags(), sys.executable, "-m", "mpi4py",
            "-m", "hpcnn", "train",
