@@ -142,3 +142,15 @@ def test_a_gathered_block_holds_its_parameters_only_while_it_runs():
     engine.release()
     assert not any(isinstance(b, GatheredBlock) for b in model.blocks)
     assert all(np.array_equal(a.data, b.data) for a, b in zip(plain.params, model.params))
+
+
+def test_a_parameter_two_blocks_share_is_refused_at_stage_3():
+    from hpcnn.nn.chain import Chain
+    from hpcnn.nn.layers import Linear
+    from hpcnn.nn.loss import SoftmaxCrossEntropy
+    from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.data.zero3 import ShardedParameters
+    lin = Linear(4, 4, dtype=np.float64, name="tied")
+    model = Chain([lin, lin], SoftmaxCrossEntropy())
+    with pytest.raises(ValueError, match="parameter tied.weight is shared by blocks 0 and 1"):
+        ShardedParameters(model, Communicator.single(), bucket_mb=1.0)

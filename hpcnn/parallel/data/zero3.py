@@ -123,10 +123,13 @@ class ShardedParameters(ShardedGradients):
         super().__init__(model, comm, **kw)
         where = {id(p): (k, int(o)) for k, (ps, offs) in enumerate(self.groups)
                  for p, o in zip(ps, offs)}
-        self.wrapped, self.spans = [], []
+        self.wrapped, self.spans, seen = [], [], {}
         for i, b in enumerate(model.blocks):
             per: dict = {}
             for p in {id(p): p for p in b.params}.values():
+                if seen.setdefault(id(p), i) != i:
+                    raise ValueError(f"ZeRO-3: parameter {p.name} is shared by blocks "
+                                     f"{seen[id(p)]} and {i}; each block gathers its own")
                 k, o = where[id(p)]
                 per.setdefault(k, []).append((p, o))
             if per:
