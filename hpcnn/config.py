@@ -495,9 +495,10 @@ def _zero_errors(c, need) -> None:
     """The combinations of --zero the engine cannot run."""
     if c.zero < 2:
         return
-    need(c.allreduce in ("mpi", "auto"),
+    need(c.allreduce in ("mpi", "auto", "hier"),
          f"zero={c.zero} with allreduce={c.allreduce!r}: ZeRO-{c.zero} reduce-scatters each "
-         f"bucket with the MPI library; pass --allreduce=mpi or auto")
+         f"bucket with the MPI library (or in two levels, hier); pass --allreduce=mpi, auto "
+         f"or hier")
     need(not c.sequence_parallel,
          f"zero={c.zero} with sequence_parallel=true: sequence parallelism sums the replicated "
          f"parameters' whole gradients over tp after the reduction, which ZeRO-{c.zero} no "

@@ -92,6 +92,39 @@ for round_ in range(5):
         np.testing.assert_array_equal(b, p * (p + 1) // 2 * pattern(n, np.float64))
         same_everywhere(b, f"interleaved hier n={n}")
 
+# -- the parts' collectives (ZeRO's) in two levels: the library's results, bitwise, for uneven
+# parts with empty ones, blocking and non-blocking, several in flight ------------------------
+assert levels.consecutive
+for trial, n in enumerate((1, 5, 1000, 30001)):
+    cuts = np.sort(np.random.default_rng(trial).integers(0, n + 1, p - 1))
+    counts = np.diff(np.concatenate([[0], cuts, [n]])).astype(int).tolist()
+    x = rng.standard_normal(n)
+    want, got = np.empty(counts[r]), np.empty(counts[r])
+    c.ireduce_scatter_parts(x, want, counts).wait()
+    c.ireduce_scatter_parts(x, got, counts, "hier").wait()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    full = np.empty(n)
+    world.Allgatherv(got, [full, counts])
+    mine = np.zeros(n)
+    mine[sum(counts[:r]):sum(counts[:r + 1])] = got
+    a = mine.copy()
+    c.allgather_parts(a, counts, "hier")
+    assert np.array_equal(a, full), f"hier allgather_parts n={n}"
+    same_everywhere(a, f"hier allgather_parts n={n}")
+bufs = [np.arange(n, dtype=np.float64) * (r + 1) for n in (7, 4000, 1, 999)]
+parts = [np.diff([n * i // p for i in range(p + 1)]).tolist() for n in (7, 4000, 1, 999)]
+outs = [np.empty(cs[r]) for cs in parts]
+reqs = [c.ireduce_scatter_parts(b, o, cs, "hier") for b, o, cs in zip(bufs, outs, parts)]
+gathered = [(r + 1.0) * np.arange(n) for n in (7, 4000, 1, 999)]
+reqs += [c.iallgather_parts(g, cs, "hier") for g, cs in zip(gathered, parts)]
+while not all([x.test() for x in (reqs if r % 2 else reqs[::-1])]):
+    pass
+for n, o, cs, g in zip((7, 4000, 1, 999), outs, parts, gathered):
+    lo = sum(cs[:r])
+    np.testing.assert_array_equal(o, p * (p + 1) / 2 * np.arange(n)[lo:lo + cs[r]])
+    owner = np.repeat(np.arange(p), cs) + 1.0
+    np.testing.assert_array_equal(g, owner * np.arange(n))
+
 # -- auto: the library below the default table's bound, hier above (blocking and not) -----------
 assert algorithms.default_table(c) is algorithms.DEFAULT_HIER_TABLE
 assert algorithms.choose(c, 1 << 10) == "mpi" and algorithms.choose(c, 64 << 20) == "hier"

@@ -65,11 +65,14 @@ layouts = {"mlp-adamw": [*MLP, f"--dp={p}"],
            "gpt": [*GPT, f"--dp={p}", "--clip=1.0"],
            "gpt-remat": [*GPT, f"--dp={p}", "--remat=sqrt"],
            "gpt-shm": [*GPT, f"--dp={p}", "--allreduce=shm"],
-           "gcn": ["--model=gcn", f"--dp={p}"]}
+           "gcn": ["--model=gcn", f"--dp={p}"],
+           # the two-level collectives over nodes (HPCNN_NODES: emulated; one node: the library)
+           "mlp-hier": [*MLP, f"--dp={p}", "--allreduce=hier", "--bucket_mb=0.01"]}
 if p == 3 and not every:     # (uneven parts: three cases; the rest ran at 2 ranks)
     layouts = {k: layouts[k] for k in ("mlp-sgd-clip-accum", "mlp-speeds-weighted", "gpt")}
 if p == 4:      # the layouts that need 4 ranks, and (unless every) one at dp = 4
-    layouts = {**(layouts if every else {"mlp-adamw": layouts["mlp-adamw"]}),
+    layouts = {**(layouts if every else {"mlp-adamw": layouts["mlp-adamw"],
+                                         "mlp-hier": layouts["mlp-hier"]}),
                "gpt-tp2": [*GPT, "--dp=2", "--tp=2"],
                "gpt-pp2-1f1b": [*GPT, "--dp=2", "--pp=2", "--n_layers=2",
                                 "--microbatches=2", "--schedule=1f1b"],

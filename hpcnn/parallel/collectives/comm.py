@@ -290,7 +290,16 @@ class Communicator(ObjectCalls):
                         lambda: self.comm.Allgather(s, r))
         return recvbuf
 
-    def ireduce_scatter_parts(self, sendbuf, recvbuf, counts) -> Request:
+    def _levels(self, algorithm: str):
+        """The two levels of this communicator for a parts collective (``algorithm="hier"``
+        over consecutive nodes of as many ranks each), else None: the library's call."""
+        if algorithm != "hier" or self.size == 1:
+            return None
+        from hpcnn.parallel.collectives.hier import levels_of
+        levels = levels_of(self)
+        return levels if levels is not None and levels.consecutive else None
+
+    def ireduce_scatter_parts(self, sendbuf, recvbuf, counts, algorithm: str = "mpi") -> Request:
         """Start: ``recvbuf`` = this rank's part (``counts[rank]`` elements, after the earlier
         ranks' parts) of the element-wise sum of every rank's flat ``sendbuf``
         (``MPI_Ireduce_scatter``; uneven parts, zeros included); ``wait()`` the request.
@@ -306,11 +315,15 @@ class Communicator(ObjectCalls):
             recvbuf[...] = sendbuf
             return _SelfRequest(self.stats, "ireduce_scatter")
         backend.sync()
+        levels = self._levels(algorithm)
+        if levels is not None:             # two levels (hier.py): the node's, the rail's
+            from hpcnn.parallel.collectives import hier
+            return hier.ireduce_scatter_parts(self, levels, sendbuf, recvbuf, counts)
         req = self.comm.Ireduce_scatter(sendbuf, recvbuf, counts, op=_mpi().SUM)
         nbytes = (sendbuf.size - counts[self.rank]) * sendbuf.itemsize
         return Request([req], self.stats, "ireduce_scatter", nbytes, t0).at(self.name)
 
-    def iallgather_parts(self, buf, counts) -> Request:
+    def iallgather_parts(self, buf, counts, algorithm: str = "mpi") -> Request:
         """Start :meth:`allgather_parts` (``MPI_Iallgatherv`` in place); ``wait()`` the request
         before reading ``buf``. Counted under ``iallgather`` as the bytes of the others'
         parts. ZeRO-3 gathers the next block's parameters with it while this one computes."""
@@ -318,8 +331,12 @@ class Communicator(ObjectCalls):
         t0 = _perf()
         if self.size == 1:
             return _SelfRequest(self.stats, "iallgather")
-        displs = [sum(counts[:r]) for r in range(self.size)]
         backend.sync()
+        levels = self._levels(algorithm)
+        if levels is not None:             # two levels (hier.py): the rail's, the node's
+            from hpcnn.parallel.collectives import hier
+            return hier.iallgather_parts(self, levels, buf, counts)
+        displs = [sum(counts[:r]) for r in range(self.size)]
         req = self.comm.Iallgatherv(_mpi().IN_PLACE, [buf, (counts, displs)])
         nbytes = (buf.size - counts[self.rank]) * buf.itemsize
         return Request([req], self.stats, "iallgather", nbytes, t0).at(self.name)
@@ -331,13 +348,16 @@ class Communicator(ObjectCalls):
                              f"{self.size} ranks and a buffer of {buf.size} elements")
         return counts
 
-    def allgather_parts(self, buf, counts):
+    def allgather_parts(self, buf, counts, algorithm: str = "mpi"):
         """In place: rank r's part of the flat, contiguous ``buf`` (``counts[r]`` elements after
         the earlier ranks' parts) copied into every rank's ``buf`` (``MPI_Allgatherv`` with
         ``MPI_IN_PLACE``; uneven parts, zeros included). Counted under ``allgather`` as the bytes
         of the parts the others hold. Returns ``buf``."""
         counts = self._part_counts("allgather_parts", buf, counts)
         if self.size == 1:
+            return buf
+        if self._levels(algorithm) is not None:
+            self.iallgather_parts(buf, counts, algorithm).wait()
             return buf
         MPI = _mpi()
         displs = [sum(counts[:r]) for r in range(self.size)]

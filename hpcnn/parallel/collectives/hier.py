@@ -13,10 +13,15 @@ Horovod's hierarchical allreduce do):
 The inter-node links carry 2 (N - 1)/N of the bytes of one slice per rank, 1/q of a flat
 allreduce's; each element is summed once per node, then once across nodes, so every rank ends
 with bitwise the same array (the sum's order differs from the library's: results agree with
-``mpi`` to rounding). :class:`HierRequest` is the non-blocking form, a state machine whose
-``test()`` advances as far as its current step allows (the backward's buckets call it after
-every block), like the ring's. Where the nodes differ in size, or there is one node, or one
-rank a node, ``hier`` is the library's Allreduce.
+``mpi`` to rounding). :func:`HierRequest` is the non-blocking form, a state machine
+(:class:`Staged`) whose ``test()`` advances as far as its current step allows (the backward's
+buckets call it after every block), like the ring's. Where the nodes differ in size, or there
+is one node, or one rank a node, ``hier`` is the library's Allreduce.
+
+ZeRO's collectives of parts (rank r's part of a flat buffer, in rank order) have two-level
+forms too, where node n holds ranks [n q, (n + 1) q): :func:`ireduce_scatter_parts` packs the
+parts by local rank, reduce-scatters in the node, then across the rail;
+:func:`iallgather_parts` gathers across the rail, then in the node, and unpacks.
 
     HPCNN_NODES=2 mpiexec -n 4 python -m mpi4py -c "import numpy as np; from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import Communicator; c = Communicator(MPI.COMM_WORLD); \\
@@ -33,36 +38,53 @@ from hpcnn.parallel.collectives.mpi_base import Request, _mpi
 from hpcnn.parallel.collectives.ring import RingRequest, flat_view, split
 
 
-class Levels:
-    """A communicator's two levels: ``node`` (mpi4py, this rank's node) and ``gather`` (a
-    duplicate of it: the all-gathers of step 3 start later than the reduce-scatters of step 1
-    of requests made after them, and collectives on one communicator must start in the same
-    order on every rank), ``rail`` (a Communicator of the ranks of this local rank on every
-    node), ``q`` ranks a node, and the :class:`HierRequest` s in flight, in call order
-    (``queue``)."""
+class Line:
+    """The requests of one two-level collective in flight on a communicator, in call order.
+    Each starts its step k's collective only after the request before it has started its
+    own, so every rank starts them in the same order whatever order it tests them in."""
 
-    def __init__(self, node, rail, q: int):
-        self.node, self.gather, self.rail, self.q = node, node.Dup(), rail, q
+    def __init__(self):
         self.queue: deque = deque()
 
     def advance(self, until=None) -> None:
-        """Advance the requests in flight in call order, each no further than the one before
-        it (so every rank starts each step's collectives in the same order, whatever order
-        its requests are tested in); without blocking, or until ``until`` is done."""
-        ahead = 3
+        """Advance the requests, each no further than the one before it; without blocking, or
+        until ``until`` is done."""
+        ahead = None
         for req in list(self.queue):
-            req._advance(block=until is not None, limit=ahead)
+            req._advance(until is not None, ahead)
             ahead = req._step
             if req is until:
                 break
-        while self.queue and self.queue[0]._step == 3:
+        while self.queue and self.queue[0].finished:
             self.queue.popleft()
 
-    def free(self) -> None:
+    def drain(self) -> None:
         if self.queue:
             self.advance(until=self.queue[-1])
+
+
+class Levels:
+    """A communicator's two levels: ``node`` (mpi4py, this rank's node), ``rail`` (a
+    Communicator of the ranks of this local rank on every node), ``q`` ranks a node. Each
+    collective has its own duplicates of the two (``comms[kind]``) and its :class:`Line`
+    (``lines[kind]``): a later step of one request starts after an earlier step of requests
+    made after it, and collectives on one communicator must start in the same order on every
+    rank. ``consecutive``: node n holds ranks [n q, (n + 1) q) (what the parts' forms need)."""
+
+    KINDS = ("allreduce", "reduce_scatter", "allgather")
+
+    def __init__(self, node, rail, q: int, consecutive: bool):
+        self.node, self.rail, self.q, self.consecutive = node, rail, q, consecutive
+        self.comms = {k: (node.Dup(), rail.comm.Dup()) for k in self.KINDS}
+        self.lines = {k: Line() for k in self.KINDS}
+
+    def free(self) -> None:
+        for line in self.lines.values():
+            line.drain()
+        for a, b in self.comms.values():
+            a.Free()
+            b.Free()
         self.rail.free()
-        self.gather.Free()
         self.node.Free()
 
 
@@ -79,58 +101,59 @@ def levels_of(comm) -> Levels | None:
         sizes = set(ws.pcomm.allgather(q))
         if len(sizes) == 1 and 1 < q < comm.size:
             rail = ws.pcomm.Split(color=node.Get_rank(), key=comm.rank)
+            first = ws.pcomm.allgather(comm.rank - node.Get_rank())   # my node's first rank
+            consecutive = all(f == r // q * q for r, f in enumerate(first))
             # (the rail a Communicator of comm's own class: its ring, its counters)
-            ws.levels = Levels(node, type(comm)(rail, name=f"{comm.name}.rail"), q)
+            ws.levels = Levels(node, type(comm)(rail, name=f"{comm.name}.rail"), q, consecutive)
         else:
             node.Free()
     return ws.levels or None
 
 
-class HierRequest(Request):
-    """The two-level allreduce of ``buf`` in place (module docstring), as a state machine:
-    the node's ``Ireduce_scatter``, then the rail's ring (:class:`~.ring.RingRequest`), then the
-    node's ``Iallgatherv``. ``test()`` completes what it can without blocking; ``wait()`` runs
-    it to the end."""
+class Staged(Request):
+    """A two-level collective as a state machine: ``starts[k](block)`` starts step k's request
+    (an MPI request or a :class:`Request`; step 0 at once), each when the step before it is
+    complete; ``done_fn`` runs when the last is. ``test()`` goes as far as it can without
+    blocking, ``wait()`` to the end; both advance the earlier requests of the same
+    :class:`Line` first."""
 
-    def __init__(self, comm, levels: Levels, buf, on_done=None):
-        flat = self._buf = flat_view(buf)
-        q = levels.q
-        super().__init__([], comm.stats, "iallreduce", 2 * (comm.size - 1) * flat.nbytes
-                         // comm.size, time.perf_counter(), on_done)
-        self.where, self._lv = comm.name, levels
-        cut = split(flat.size, q)
-        self._counts = [cut[i + 1] - cut[i] for i in range(q)]
-        self._displs = cut[:-1]
-        lr = levels.node.Get_rank()
-        self._part = numpy.empty(self._counts[lr], flat.dtype)
-        MPI = _mpi()
+    def __init__(self, comm, line: Line, op: str, nbytes: int, starts, done_fn=None,
+                 on_done=None):
+        super().__init__([], comm.stats, op, nbytes, time.perf_counter(), on_done)
+        self.where, self._line, self._starts, self._done_fn = comm.name, line, starts, done_fn
         self._step, self._busy = 0, 0.0
-        self._req = levels.node.Ireduce_scatter(flat, self._part, self._counts, op=MPI.SUM)
-        levels.queue.append(self)
+        self._req = starts[0](False)
+        line.queue.append(self)
 
-    def _advance(self, block: bool, limit: int) -> None:
+    @property
+    def finished(self) -> bool:
+        return self._step == len(self._starts)
+
+    def _advance(self, block: bool, limit) -> None:
         """Go through the steps whose requests are complete (all of them when ``block``),
-        starting step k's collective only where the request before it has (``limit`` >= k)."""
-        while self._step < 3:
-            if self._step < 2 and self._step + 1 > limit:
+        starting step k only where the request before it has (``limit`` >= k; None: first)."""
+        n = len(self._starts)
+        while self._step < n:
+            nxt = self._step + 1
+            if nxt < n and limit is not None and nxt > limit:
                 return                     # the request before it has not started that step
+            r, ours = self._req, isinstance(self._req, Request)
             if block:
-                self._req.wait() if self._step == 1 else self._req.Wait()
-            elif not (self._req.test() if self._step == 1 else self._req.Test()):
+                r.wait() if ours else r.Wait()
+            elif not (r.test() if ours else r.Test()):
                 return
-            self._step += 1
-            if self._step == 1:            # the node's slice summed: across the nodes
-                self._req = RingRequest(self._lv.rail, self._part, blocking=block)
-            elif self._step == 2:          # every node's sum of my slice: to my node's ranks
-                self._req = self._lv.gather.Iallgatherv(
-                    self._part, [self._buf, (self._counts, self._displs)])
+            self._step = nxt
+            if nxt < n:
+                self._req = self._starts[nxt](block)
+            elif self._done_fn is not None:
+                self._done_fn()
 
     def test(self) -> bool:
         if not self.done:
             t = time.perf_counter()
-            self._lv.advance()
+            self._line.advance()
             self._busy += time.perf_counter() - t
-            if self._step == 3:
+            if self.finished:
                 self._finish(self._busy)
         return self.done
 
@@ -139,11 +162,88 @@ class HierRequest(Request):
             prev = self._enter_wait()
             t = time.perf_counter()
             try:
-                self._lv.advance(until=self)
+                self._line.advance(until=self)
             finally:
                 from hpcnn.parallel.collectives.watchdog import leave
                 leave(prev)
             self._finish(self._busy + time.perf_counter() - t)
+
+
+def HierRequest(comm, levels: Levels, buf, on_done=None) -> Staged:
+    """The two-level allreduce of ``buf`` in place (module docstring): the node's
+    ``Ireduce_scatter``, the rail's ring (:class:`~.ring.RingRequest`), the node's
+    ``Iallgatherv``."""
+    flat = flat_view(buf)
+    cut = split(flat.size, levels.q)
+    counts, displs = [cut[i + 1] - cut[i] for i in range(levels.q)], cut[:-1]
+    part = numpy.empty(counts[levels.node.Get_rank()], flat.dtype)
+    node, _ = levels.comms["allreduce"]
+    SUM = _mpi().SUM
+    starts = [lambda block: node.Ireduce_scatter(flat, part, counts, op=SUM),
+              lambda block: RingRequest(levels.rail, part, blocking=block),
+              lambda block: node.Iallgatherv(part, [flat, (counts, displs)])]
+    return Staged(comm, levels.lines["allreduce"], "iallreduce",
+                  2 * (comm.size - 1) * flat.nbytes // comm.size, starts, on_done=on_done)
+
+
+def _packed(levels: Levels, counts) -> tuple:
+    """For parts ``counts`` in rank order (rank r = node r // q, local r % q): each part's
+    offset in the flat buffer (``displs``), the order that puts the parts of one local rank
+    together (local 0 of every node, then local 1, ...), their offsets in that packed order,
+    and per local rank the elements it gathers (``by_local``)."""
+    q, p = levels.q, len(counts)
+    displs = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]]).astype(int).tolist()
+    order = [j * q + l for l in range(q) for j in range(p // q)]
+    packed = numpy.concatenate([[0], numpy.cumsum([counts[r] for r in order])[:-1]])
+    at = dict(zip(order, packed.astype(int).tolist()))
+    by_local = [sum(counts[j * q + l] for j in range(p // q)) for l in range(q)]
+    return displs, order, at, by_local
+
+
+def ireduce_scatter_parts(comm, levels: Levels, sendbuf, recvbuf, counts) -> Staged:
+    """``recvbuf`` = this rank's part of the sum of every rank's ``sendbuf`` (parts
+    ``counts`` in rank order), in two levels: the parts packed by local rank, a reduce-scatter
+    in the node (local rank l gets the node's sum of every node's part l), then one across the
+    rail (each rank its own part). Each element is summed once per level."""
+    displs, order, at, by_local = _packed(levels, counts)
+    send = flat_view(sendbuf)
+    pack = numpy.empty_like(send)
+    for r in order:
+        pack[at[r]:at[r] + counts[r]] = send[displs[r]:displs[r] + counts[r]]
+    mine = numpy.empty(by_local[levels.node.Get_rank()], send.dtype)
+    node, rail = levels.comms["reduce_scatter"]
+    rail_counts = [counts[j * levels.q + levels.node.Get_rank()]
+                   for j in range(comm.size // levels.q)]
+    SUM = _mpi().SUM
+    starts = [lambda block: node.Ireduce_scatter(pack, mine, by_local, op=SUM),
+              lambda block: rail.Ireduce_scatter(mine, recvbuf, rail_counts, op=SUM)]
+    return Staged(comm, levels.lines["reduce_scatter"], "ireduce_scatter",
+                  (send.size - counts[comm.rank]) * send.itemsize, starts)
+
+
+def iallgather_parts(comm, levels: Levels, buf, counts) -> Staged:
+    """In place: every rank's part of ``buf`` (``counts`` in rank order) in every rank's, in two
+    levels: an all-gather across the rail (the parts of this local rank on every node), then
+    one in the node (every local rank's), unpacked into ``buf``."""
+    displs, order, at, by_local = _packed(levels, counts)
+    flat = flat_view(buf)
+    l, q, nodes = levels.node.Get_rank(), levels.q, comm.size // levels.q
+    rail_counts = [counts[j * q + l] for j in range(nodes)]
+    mine = flat[displs[comm.rank]:displs[comm.rank] + counts[comm.rank]].copy()
+    rail_part = numpy.empty(by_local[l], flat.dtype)
+    pack = numpy.empty_like(flat)
+    node, rail = levels.comms["allgather"]
+    rail_displs = numpy.concatenate([[0], numpy.cumsum(rail_counts)[:-1]]).astype(int).tolist()
+    node_displs = numpy.concatenate([[0], numpy.cumsum(by_local)[:-1]]).astype(int).tolist()
+
+    def unpack():
+        for r in order:
+            flat[displs[r]:displs[r] + counts[r]] = pack[at[r]:at[r] + counts[r]]
+
+    starts = [lambda block: rail.Iallgatherv(mine, [rail_part, (rail_counts, rail_displs)]),
+              lambda block: node.Iallgatherv(rail_part, [pack, (by_local, node_displs)])]
+    return Staged(comm, levels.lines["allgather"], "iallgather",
+                  (flat.size - counts[comm.rank]) * flat.itemsize, starts, done_fn=unpack)
 
 
 def allreduce(comm, levels: Levels, buf) -> None:

@@ -117,7 +117,7 @@ class ShardedDataParallel(DataParallel):
     def gather_parameters(self) -> None:
         """Every rank's updated part into every rank's parameters (one allgather per dtype)."""
         for flat, cut in zip(self.pflats, self.bounds):
-            self.comm.allgather_parts(backend.bits(flat), numpy.diff(cut))
+            self.comm.allgather_parts(backend.bits(flat), numpy.diff(cut), self.algorithm)
 
     def __repr__(self) -> str:
         return "Sharded" + super().__repr__()
@@ -281,7 +281,7 @@ class ShardedGradients(ShardedDataParallel):
             if not math.isfinite(sq) and not self._local_bad:
                 self._local_bad = not bool(backend.xp.isfinite(b.view).all())
         mine = self.flats[b.flat][b.at:b.at + b.counts[self.comm.rank]]
-        req = self.comm.ireduce_scatter_parts(b.view, mine, b.counts)
+        req = self.comm.ireduce_scatter_parts(b.view, mine, b.counts, self.algorithm)
         self._reqs.append(req)
         self._inflight.append((req, b))
 

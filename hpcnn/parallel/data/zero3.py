@@ -167,7 +167,7 @@ class ShardedParameters(ShardedGradients):
             a, b = max(s.lo, cut[r]), min(s.hi, cut[r + 1])
             if a < b:
                 buf[a - s.lo:b - s.lo] = self.shards[s.k][a - cut[r]:b - cut[r]]
-            reqs.append(self.comm.iallgather_parts(backend.bits(buf), s.counts))
+            reqs.append(self.comm.iallgather_parts(backend.bits(buf), s.counts, self.algorithm))
             for p, o in s.items:
                 p.data = buf[o - s.lo:o - s.lo + p.size].reshape(p.shape)
             bufs.append(buf)
@@ -244,7 +244,7 @@ class ShardedParameters(ShardedGradients):
             flat = backend.xp.empty(int(offs[-1]), dtype=shard.dtype)
             if gather:
                 flat[cut[r]:cut[r + 1]] = shard
-                self.comm.allgather_parts(backend.bits(flat), numpy.diff(cut))
+                self.comm.allgather_parts(backend.bits(flat), numpy.diff(cut), self.algorithm)
             for p, o in zip(ps, offs):
                 p.data = flat[o:o + p.size].reshape(p.shape)
             flats.append(flat)
