@@ -78,7 +78,7 @@ for b, n in zip(bufs, (100003, 5, 40000, 1)):
 # started one after another with a rank-dependent number of test() calls between (so a later
 # request's first step starts before or after an earlier one's last, differently on each rank)
 pokes = np.random.default_rng(100 + r)
-for round_ in range(5):
+for round_ in range(20):
     bufs, reqs = [], []
     for i, n in enumerate((3000, 70001, 1, 20000, 9)):
         bufs.append((r + 1) * pattern(n, np.float64))

@@ -66,16 +66,19 @@ class Line:
 class Levels:
     """A communicator's two levels: ``node`` (mpi4py, this rank's node), ``rail`` (a
     Communicator of the ranks of this local rank on every node), ``q`` ranks a node. Each
-    collective has its own duplicates of the two (``comms[kind]``) and its :class:`Line`
-    (``lines[kind]``): a later step of one request starts after an earlier step of requests
-    made after it, and collectives on one communicator must start in the same order on every
-    rank. ``consecutive``: node n holds ranks [n q, (n + 1) q) (what the parts' forms need)."""
+    collective has its own communicators, one per step (``comms[kind]``: duplicates of the
+    two), and its :class:`Line` (``lines[kind]``): a later step of one request starts after an
+    earlier step of requests made after it, and collectives on one communicator must start in
+    the same order on every rank. ``consecutive``: node n holds ranks [n q, (n + 1) q) (what the parts' forms need)."""
 
     KINDS = ("allreduce", "reduce_scatter", "allgather")
 
     def __init__(self, node, rail, q: int, consecutive: bool):
         self.node, self.rail, self.q, self.consecutive = node, rail, q, consecutive
-        self.comms = {k: (node.Dup(), rail.comm.Dup()) for k in self.KINDS}
+        # (the allreduce uses the node twice: its reduce-scatter and its all-gather each on one)
+        self.comms = {"allreduce": (node.Dup(), node.Dup()),
+                      "reduce_scatter": (node.Dup(), rail.comm.Dup()),
+                      "allgather": (node.Dup(), rail.comm.Dup())}
         self.lines = {k: Line() for k in self.KINDS}
 
     def free(self) -> None:
@@ -177,11 +180,11 @@ def HierRequest(comm, levels: Levels, buf, on_done=None) -> Staged:
     cut = split(flat.size, levels.q)
     counts, displs = [cut[i + 1] - cut[i] for i in range(levels.q)], cut[:-1]
     part = numpy.empty(counts[levels.node.Get_rank()], flat.dtype)
-    node, _ = levels.comms["allreduce"]
+    scatter, gather = levels.comms["allreduce"]
     SUM = _mpi().SUM
-    starts = [lambda block: node.Ireduce_scatter(flat, part, counts, op=SUM),
+    starts = [lambda block: scatter.Ireduce_scatter(flat, part, counts, op=SUM),
               lambda block: RingRequest(levels.rail, part, blocking=block),
-              lambda block: node.Iallgatherv(part, [flat, (counts, displs)])]
+              lambda block: gather.Iallgatherv(part, [flat, (counts, displs)])]
     return Staged(comm, levels.lines["allreduce"], "iallreduce",
                   2 * (comm.size - 1) * flat.nbytes // comm.size, starts, on_done=on_done)
 
