@@ -15,6 +15,7 @@ construction (every array operation goes through ``xp``).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy
@@ -75,6 +76,19 @@ def compute_dtype(dtype) -> numpy.dtype:
     in it (Megatron's ``main_grad``)."""
     dt = numpy.dtype(dtype)
     return numpy.dtype(numpy.float32) if is_narrow(dt) else dt
+
+
+def square_sum(a) -> float:
+    """The sum of squares of the flat array ``a``: one BLAS pass, no temporary; inf or nan,
+    without a warning, where it overflows or ``a`` is not finite."""
+    with numpy.errstate(over="ignore", invalid="ignore"):
+        return float(xp.dot(a, a))
+
+
+def finite(a, sq: float) -> bool:
+    """Whether every entry of ``a`` is finite, given ``sq`` = :func:`square_sum` of it: at once
+    when ``sq`` is finite, else element by element (the sum may only have overflowed)."""
+    return math.isfinite(sq) or bool(xp.isfinite(a).all())
 
 
 def up(a):

@@ -22,7 +22,6 @@ the plain float64 run bit for bit.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -211,12 +210,9 @@ def attach(cfg, engine, opt) -> LossScaler | None:
 def found_non_finite(params) -> bool:
     """Whether any of the gradients of ``params`` holds an inf or a NaN (one BLAS pass each;
     an element-wise test only where a sum of squares is not finite)."""
-    xp = backend.xp
     for p in params:
         g = p.grad.reshape(-1)
-        with numpy.errstate(over="ignore", invalid="ignore"):
-            sq = float(xp.dot(g, g))
-        if not math.isfinite(sq) and not bool(xp.isfinite(g).all()):
+        if not backend.finite(g, backend.square_sum(g)):
             return True
     return False
 

@@ -284,10 +284,9 @@ class DataParallel:
                 p.grad                                 # untouched this step: write the zeros now
         if self.check_finite:
             g = b.view[:-1] if b.last else b.view
-            with numpy.errstate(over="ignore", invalid="ignore"):
-                sq = float(backend.xp.dot(g, g))             # one BLAS pass, no temporary
-            if not math.isfinite(sq) and not self._local_bad:
-                self._local_bad = not bool(backend.xp.isfinite(g).all())   # or only an overflow
+            sq = backend.square_sum(g)
+            if not self._local_bad:
+                self._local_bad = not backend.finite(g, sq)
             self._sq[b.flat] += sq
             if b.last:
                 b.view[-1] = self._sq[b.flat]          # summed over ranks with the gradients

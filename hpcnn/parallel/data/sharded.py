@@ -22,8 +22,6 @@ a checkpoint moves between zero stages, dp sizes and layouts.
 """
 from __future__ import annotations
 
-import math
-
 import numpy
 
 from hpcnn import backend
@@ -275,11 +273,8 @@ class ShardedGradients(ShardedDataParallel):
             self._bind(b)                              # nothing written this step: zeros
         for p in b.params:
             p.grad                                     # a lazy zero written now
-        if self.check_finite:
-            with numpy.errstate(over="ignore", invalid="ignore"):
-                sq = float(backend.xp.dot(b.view, b.view))
-            if not math.isfinite(sq) and not self._local_bad:
-                self._local_bad = not bool(backend.xp.isfinite(b.view).all())
+        if self.check_finite and not self._local_bad:
+            self._local_bad = not backend.finite(b.view, backend.square_sum(b.view))
         mine = self.flats[b.flat][b.at:b.at + b.counts[self.comm.rank]]
         req = self.comm.ireduce_scatter_parts(b.view, mine, b.counts, self.algorithm)
         self._reqs.append(req)
