@@ -189,18 +189,23 @@ def HierRequest(comm, levels: Levels, buf, on_done=None) -> Staged:
                   2 * (comm.size - 1) * flat.nbytes // comm.size, starts, on_done=on_done)
 
 
+def _offsets(counts) -> list[int]:
+    """Where each of consecutive blocks of ``counts`` elements starts."""
+    return [0, *numpy.cumsum(counts[:-1]).astype(int).tolist()] if len(counts) else []
+
+
 def _packed(levels: Levels, counts) -> tuple:
     """For parts ``counts`` in rank order (rank r = node r // q, local r % q): each part's
     offset in the flat buffer (``displs``), the order that puts the parts of one local rank
-    together (local 0 of every node, then local 1, ...), their offsets in that packed order,
-    and per local rank the elements it gathers (``by_local``)."""
-    q, p = levels.q, len(counts)
-    displs = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]]).astype(int).tolist()
-    order = [j * q + l for l in range(q) for j in range(p // q)]
-    packed = numpy.concatenate([[0], numpy.cumsum([counts[r] for r in order])[:-1]])
-    at = dict(zip(order, packed.astype(int).tolist()))
-    by_local = [sum(counts[j * q + l] for j in range(p // q)) for l in range(q)]
-    return displs, order, at, by_local
+    together (local 0 of every node, then local 1, ...), their offsets in that packed order
+    (``at``), per local rank the elements it gathers (``by_local``), and the parts of this
+    rank's local rank on every node (``rail_counts``)."""
+    q, nodes, l = levels.q, len(counts) // levels.q, levels.node.Get_rank()
+    order = [j * q + k for k in range(q) for j in range(nodes)]
+    at = dict(zip(order, _offsets([counts[r] for r in order])))
+    by_local = [sum(counts[j * q + k] for j in range(nodes)) for k in range(q)]
+    rail_counts = [counts[j * q + l] for j in range(nodes)]
+    return _offsets(counts), order, at, by_local, rail_counts
 
 
 def ireduce_scatter_parts(comm, levels: Levels, sendbuf, recvbuf, counts) -> Staged:
@@ -208,15 +213,13 @@ def ireduce_scatter_parts(comm, levels: Levels, sendbuf, recvbuf, counts) -> Sta
     ``counts`` in rank order), in two levels: the parts packed by local rank, a reduce-scatter
     in the node (local rank l gets the node's sum of every node's part l), then one across the
     rail (each rank its own part). Each element is summed once per level."""
-    displs, order, at, by_local = _packed(levels, counts)
+    displs, order, at, by_local, rail_counts = _packed(levels, counts)
     send = flat_view(sendbuf)
     pack = numpy.empty_like(send)
     for r in order:
         pack[at[r]:at[r] + counts[r]] = send[displs[r]:displs[r] + counts[r]]
     mine = numpy.empty(by_local[levels.node.Get_rank()], send.dtype)
     node, rail = levels.comms["reduce_scatter"]
-    rail_counts = [counts[j * levels.q + levels.node.Get_rank()]
-                   for j in range(comm.size // levels.q)]
     SUM = _mpi().SUM
     starts = [lambda block: node.Ireduce_scatter(pack, mine, by_local, op=SUM),
               lambda block: rail.Ireduce_scatter(mine, recvbuf, rail_counts, op=SUM)]
@@ -228,16 +231,13 @@ def iallgather_parts(comm, levels: Levels, buf, counts) -> Staged:
     """In place: every rank's part of ``buf`` (``counts`` in rank order) in every rank's, in two
     levels: an all-gather across the rail (the parts of this local rank on every node), then
     one in the node (every local rank's), unpacked into ``buf``."""
-    displs, order, at, by_local = _packed(levels, counts)
+    displs, order, at, by_local, rail_counts = _packed(levels, counts)
     flat = flat_view(buf)
-    l, q, nodes = levels.node.Get_rank(), levels.q, comm.size // levels.q
-    rail_counts = [counts[j * q + l] for j in range(nodes)]
     mine = flat[displs[comm.rank]:displs[comm.rank] + counts[comm.rank]].copy()
-    rail_part = numpy.empty(by_local[l], flat.dtype)
+    rail_part = numpy.empty(by_local[levels.node.Get_rank()], flat.dtype)
     pack = numpy.empty_like(flat)
     node, rail = levels.comms["allgather"]
-    rail_displs = numpy.concatenate([[0], numpy.cumsum(rail_counts)[:-1]]).astype(int).tolist()
-    node_displs = numpy.concatenate([[0], numpy.cumsum(by_local)[:-1]]).astype(int).tolist()
+    rail_displs, node_displs = _offsets(rail_counts), _offsets(by_local)
 
     def unpack():
         for r in order:
