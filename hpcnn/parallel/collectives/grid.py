@@ -97,9 +97,10 @@ class ProcessGrid:
         """For each axis ("tp", "pp", "dp"), how many of its groups span more than one node,
         ``nodes`` giving each world rank's node (:func:`.topology.node_map`)."""
         out = {}
-        for axis in ("tp", "pp", "dp"):
-            groups = {tuple(self._group_of(axis, r)) for r in range(self.size)}
-            out[axis] = sum(len({nodes[q] for q in g}) > 1 for g in groups)
+        for k, axis in ((1, "tp"), (2, "pp"), (0, "dp")):      # (its place in coords_of)
+            firsts = [r for r in range(self.size)                # each group once: its rank 0
+                      if coords_of(r, self.dp, self.tp, self.pp)[k] == 0]
+            out[axis] = sum(len({nodes[q] for q in self._group_of(axis, r)}) > 1 for r in firsts)
         return out
 
     def _group_of(self, axis: str, rank: int) -> list[int]:
