@@ -51,8 +51,8 @@ def _nodes_fit(cfg: TrainConfig, world_size: int) -> None:
     ranks, of which this run may use some)."""
     from hpcnn.parallel.collectives import topology
     try:
-        topology.emulate(cfg.nodes or None)
-        topology.emulated()
+        if not cfg.nodes:                  # (the option wins over the variable)
+            topology.from_env()
     except topology.TopologyError as e:
         raise ConfigError(f"invalid configuration: {e}") from None
     if cfg.nodes > world_size:

@@ -38,8 +38,11 @@ def emulate(nodes: int | None) -> None:
 
 def emulated() -> int | None:
     """The number of emulated nodes, or None when nodes are the real ones."""
-    if _emulated is not None:
-        return _emulated
+    return _emulated if _emulated is not None else from_env()
+
+
+def from_env() -> int | None:
+    """What ``HPCNN_NODES`` asks for (None: unset or 0); TopologyError if not a number >= 0."""
     raw = os.environ.get(ENV, "").strip()
     if not raw or raw == "0":
         return None
