@@ -45,7 +45,6 @@ import h5py
 import numpy
 
 from hpcnn import backend, to_stderr
-from hpcnn.nn.precision import MasterCopy
 
 FORMAT = 2              # 2: every array carries its CRC-32 (1: without; still read, unverified)
 READABLE = (1, 2)
@@ -303,8 +302,6 @@ def _restore(f, path, cfg, model, params, opt, ctx, steps) -> int:
                     opt.set_slot(p.name, slot, local(p, read(ds), wide))
     for k, v in optim.attrs.items():
         opt.state[k] = v.item() if hasattr(v, "item") else v
-    if isinstance(opt, MasterCopy):          # 16-bit parameters: their masters were restored
-        opt.write_down()
     if ctx is not None and "balancer" in f and len(f["balancer/shares"]) == ctx.dp.size:
         ctx.balancer.shares = numpy.array(read(f["balancer/shares"]))
         ctx.balancer.speeds = numpy.array(read(f["balancer/speeds"]))

@@ -97,6 +97,7 @@ class MasterCopy:
 
     def __init__(self, params, make, dtype):
         self.params = [MasterParameter(p, dtype) for p in params]
+        self._by_name = {m.name: m for m in self.params}
         self.inner = make(self.params)
 
     @property
@@ -127,7 +128,11 @@ class MasterCopy:
         return params
 
     def set_master(self, name: str, array) -> None:
-        """(Restored as the parameters themselves: ``params`` are the masters.)"""
+        """Restore the master copy of ``name`` from ``array`` and write it down into the 16-bit
+        parameter (a checkpoint restores ``params``, the masters, through this too)."""
+        m = self._by_name[name]
+        m.data[...] = array
+        m.write_down()
 
     def full_state(self) -> dict:
         return self.inner.full_state()
