@@ -26,7 +26,9 @@ What the test changes, and why:
   sizes, wherever its command is (README or any page).
 - Skipped, because they cannot run inside a test: ``make`` (the whole test suite and demo),
   ``pip install`` and ``module load`` (they change the environment; there is no network), and
-  anything naming CuPy (no GPU here).
+  anything naming CuPy (no GPU here), and the emulated cluster's scripts
+  (``benchmarks/netns_cluster.py``, ``benchmarks/throttled_link.py``) where this machine cannot
+  build one (not root, no network namespaces or tbf: tests/test_netns_cluster.py says why).
 
 The scratch directory and the commands' results belong to one :class:`DocsRun` per test
 session (the ``docs_run`` fixture in conftest.py), so that a test of an experiment
@@ -66,6 +68,7 @@ SCRIPT_SHORTEN = {
                                        "--kinds=contiguous,spectral", "--rounds=1", "--steps=3"],
     "benchmarks/graph_unite.py": ["--nodes=3000", "--rounds=1"],
     "benchmarks/plan_search.py": ["--tiny"],
+    "benchmarks/throttled_link.py": ["--rate=2gbit", "--sizes=1", "--rounds=1"],
     "benchmarks/oversubscribed.py": ["--rounds=1", "--stream_mib=1"],
     "experiments/graph_features.py": ["--nodes=300", "--snrs=0,1", "--seeds=1", "--steps=20"],
     "experiments/graph_reduction.py": ["--nodes=300", "--ratios=1,0.3", "--seeds=1",
@@ -115,6 +118,11 @@ def skip_reason(words: list[str]) -> str:
         return f"{words[0]}: {SKIP[words[0]]}"
     if any("cupy" in w.lower() or w == "--device=gpu" for w in words):
         return "needs CuPy and a GPU"
+    if any(w.endswith(("netns_cluster.py", "throttled_link.py")) for w in words):
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        import netns_cluster
+        why = netns_cluster.usable()
+        return f"emulated cluster: {why}" if why else ""
     return ""
 
 

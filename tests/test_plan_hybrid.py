@@ -534,3 +534,47 @@ def test_data_parallelism_across_nodes_is_priced_in_two_levels_where_cheaper():
     assert dp_allreduce_s(n, Layout(8, 1, 4, 1), m) == ring_allreduce_s(n, 8, node)
     q = price(SMALL, Layout(32, 1, 1, 1), m)
     assert q.parts["dp_comm"] < ring_allreduce_s(SMALL.params() * SMALL.word, 32, cluster) / 2
+
+
+def test_a_flat_ring_gets_a_nodes_whole_link_where_the_level_has_a_stream_bandwidth():
+    """A node's link of 1 GB/s shared by its 2 ranks: 0.5 GB/s each when both send, 1 GB/s for
+    one alone (``stream_bandwidth``). The flat ring over 4 consecutive ranks on 2 nodes sends one
+    message a node across at once (the whole link); the two-level form's rails send two (half
+    each). Without a stream bandwidth the level prices every message at its per-device rate,
+    as before; a crossing outside (0, 1] is refused."""
+    from hpcnn.plan.hybrid import dp_allreduce_forms
+    inf = math.inf
+    node = Level("node", 2, 1e-5, ((inf, 4e9),))
+    links = Level("links", 2, 2e-5, ((inf, 0.5e9),), stream_bandwidth=((inf, 1e9),))
+    m = Hsm(name="2x2", levels=(node, links), device=Device("cpu", {"float32": 1e9}, 1e9, 1e9))
+    n = 64 * 2**20
+    forms = dp_allreduce_forms(n, Layout(4, 1, 1, 1), m)
+    assert forms["flat"] == pytest.approx(6 * (2e-5 + n / 4 / 1e9), rel=1e-12)
+    assert forms["hier"] == pytest.approx(2 * (1e-5 + n / 2 / 4e9) + 2 * (2e-5 + n / 4 / 0.5e9),
+                                          rel=1e-12)
+    assert forms["flat"] / forms["hier"] == pytest.approx(1.20, abs=0.01)
+    # tp = 2 fills each node: one dp rank a node, both ranks of a node in a ring of their own,
+    # two messages a node across at once; no inner level holds two dp ranks (flat only)
+    assert dp_allreduce_forms(n, Layout(2, 2, 1, 1), m) == {
+        "flat": pytest.approx(2 * (2e-5 + n / 2 / 0.5e9), rel=1e-12)}
+    plain = Hsm(name="2x2", levels=(node, Level("links", 2, 2e-5, ((inf, 0.5e9),))),
+                device=m.device)
+    assert dp_allreduce_forms(n, Layout(4, 1, 1, 1), plain)["flat"] == pytest.approx(
+        6 * (2e-5 + n / 4 / 0.5e9), rel=1e-12)
+    with pytest.raises(ValueError, match="crossing = 1.5"):
+        links.shared_rate(n, 1.5)
+
+
+def test_a_machine_file_reads_a_levels_stream_bandwidth():
+    from hpcnn.plan.machine import loads
+    m = loads('name = "x"\n[device]\nname = "d"\nmemory_bandwidth = 1e9\nmemory_bytes = 1e9\n'
+              '[device.flops]\nfloat32 = 1e9\n[[levels]]\nname = "node"\nfanout = 2\n'
+              'latency_s = 1e-6\nbandwidth = [[inf, 4e9]]\n[[levels]]\nname = "links"\n'
+              'fanout = 2\nlatency_s = 2e-5\nbandwidth = [[inf, 5e8]]\n'
+              'stream_bandwidth = [[inf, 1e9]]\n')
+    assert m.levels[1].stream_bandwidth == ((math.inf, 1e9),)
+    assert m.levels[0].stream_bandwidth == ()
+    with pytest.raises(ValueError, match="stream_bandwidth"):
+        loads('name = "x"\n[device]\nname = "d"\nmemory_bandwidth = 1e9\nmemory_bytes = 1e9\n'
+              '[device.flops]\nfloat32 = 1e9\n[[levels]]\nname = "node"\nfanout = 2\n'
+              'latency_s = 1e-6\nbandwidth = [[inf, 4e9]]\nstream_bandwidth = [[inf, -1]]\n')

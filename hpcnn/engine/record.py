@@ -34,6 +34,8 @@ def run_header(cfg: TrainConfig, model, task, world_size: int, start: int = 0,
     layout = f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp} on {world_size} rank(s)"
     if len(set(nodes)) > 1 or topology.emulated():
         layout += f" on {topology.describe(list(nodes))}, tp groups inside nodes first"
+        if topology.emulated_link():
+            layout += f", over an emulated link ({topology.emulated_link()})"
         if (spanning or {}).get("tp"):
             layout += (f" (warning: {spanning['tp']} tp group(s) span nodes: their collectives "
                        f"cross the network in every layer)")
@@ -94,6 +96,8 @@ def open_log(cfg, ctx, task, start: int, command_line):
     if any(f != 1.0 for f in ctx.factors):
         extra["emulated_slowdown"] = ",".join(f"{f:g}" for f in ctx.factors)
         extra["emulated_slowdown_mode"] = cfg.slowdown_mode
+    if topology.emulated_link():
+        extra["emulated_link"] = topology.emulated_link()
     log = RunLog(cfg.log, cfg.to_dict(), command_line=command_line or " ".join(sys.argv),
                  world_size=ctx.world.size, backend=backend.device,
                  mpi_library=library_version() if ctx.grid is not None else "",

@@ -221,37 +221,54 @@ class Priced:
     formula: str = ""
 
 
-def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0) -> float:
+def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0,
+                     crossing: float | None = None) -> float:
     """An allreduce of ``nbytes`` over ``n`` ranks at ``level`` after ``after`` seconds of
     compute: where the level has ``after_compute`` allreduce curves (calibrated where ranks
     share cores), the curve's seconds (:meth:`hpcnn.plan.machine.Level.collective_seconds`,
     the wait for the group's last rank included), as the MLP's cost (:mod:`.cost`) prices its
     allreduces; else a ring, 2(n-1) steps of n-th parts
     (:meth:`hpcnn.plan.machine.Level.allreduce_seconds`: at the level's calibrated reduce rate
-    where it has one) and its handoff. What the curves changed on a validation:
+    where it has one, at its links' share for a fraction ``crossing`` of a node's devices
+    sending across at once) and its handoff. What the curves changed on a validation:
     docs/results/planner-model.md."""
     if n == 1 or nbytes == 0:
         return 0.0
     measured = level.collective_seconds("allreduce", n, nbytes, after)
-    return level.allreduce_seconds(nbytes, n, after) if measured is None else measured
+    if measured is not None:
+        return measured
+    return level.allreduce_seconds(nbytes, n, after, crossing)
 
 
 def dp_allreduce_s(nbytes: float, layout, machine, after: float = 0.0) -> float:
+    """The data-parallel gradient allreduce of ``nbytes`` as ``auto`` would run it: the
+    cheaper of :func:`dp_allreduce_forms`."""
+    return min(dp_allreduce_forms(nbytes, layout, machine, after).values())
+
+
+def dp_allreduce_forms(nbytes: float, layout, machine, after: float = 0.0) -> dict:
     """The data-parallel gradient allreduce of ``nbytes`` over ``layout.dp`` ranks (strided by
-    tp: tp x dp consecutive devices, tp fastest), as ``auto`` would run it: the flat ring at the
-    level spanning tp x dp, or, where an inner level holds g of the dp ranks (1 < g < dp, g
-    dividing dp), the two-level form of :mod:`hpcnn.parallel.collectives.hier` if cheaper: a
-    reduce-scatter and an all-gather among the g (one ring allreduce's steps at that level)
-    and a ring allreduce of the g-th part across the dp / g groups at the outer level."""
+    tp: tp x dp consecutive devices, tp fastest), in each form that applies: ``"flat"``, the
+    ring at the level spanning tp x dp; ``"hier"``, where an inner level holds g of the dp
+    ranks (1 < g < dp, g dividing dp), the two-level form of
+    :mod:`hpcnn.parallel.collectives.hier`: a reduce-scatter and an all-gather among the g
+    (one ring allreduce's steps at that level) and a ring allreduce of the g-th part across
+    the dp / g groups at the outer level. Crossing the outer level, a flat ring laid over
+    consecutive ranks sends one message per ring from each node at once (min(tp, q) of a
+    node's q devices), the two-level form one from every device (its rails)."""
     dp, tp = layout.dp, layout.tp
     outer = machine.level_for_group(tp * dp)
-    flat = ring_allreduce_s(nbytes, dp, outer, after)
-    for lv, span in zip(machine.levels, machine._spans()):
+    spans = machine._spans()
+    at = machine.levels.index(outer)
+    q = spans[at - 1] if at else 1                 # devices under one child of the outer level
+    forms = {"flat": ring_allreduce_s(nbytes, dp, outer, after, crossing=min(tp, q) / q)}
+    for lv, span in zip(machine.levels, spans):
         g = span // tp if span % tp == 0 else 0
         if 1 < g < dp and dp % g == 0 and lv is not outer:
-            return min(flat, ring_allreduce_s(nbytes, g, lv, after)
-                       + ring_allreduce_s(nbytes / g, dp // g, outer, after))
-    return flat
+            forms["hier"] = (ring_allreduce_s(nbytes, g, lv, after)
+                             + ring_allreduce_s(nbytes / g, dp // g, outer, after, crossing=1.0))
+            break
+    return forms
 
 
 class StageTimes(NamedTuple):
@@ -680,6 +697,7 @@ def flops_per_step(model: Transformer) -> float:
     return model.n_layers * (f + b) + 3 * head
 
 
-__all__ = ["Layout", "Priced", "StageTimes", "Transformer", "flops_per_step", "held_microbatches",
+__all__ = ["Layout", "Priced", "StageTimes", "Transformer", "dp_allreduce_forms", "flops_per_step",
+           "held_microbatches",
            "layouts", "plan", "price", "recomputed_forward", "ring_allreduce_s", "stage_cut",
            "stage_times", "update_seconds"]

@@ -83,7 +83,14 @@ class Level:
     (:func:`hpcnn.plan.calibrate.scale.layout_scale`). ``group_scales`` ((n, k), ...)
     gives the curves of group size n their own scale k in place of ``collective_scale``:
     calibration fits one for the groups of 2 where the ranks pair up
-    (docs/results/planner-model.md)."""
+    (docs/results/planner-model.md).
+
+    ``stream_bandwidth`` (optional, pieces as ``bandwidth``) is the rate of one device's
+    messages at this level while the other devices of its child (its node) are quiet: the
+    child's link is no longer shared (``bandwidth`` is per device with every device sending).
+    Where a level has it, a collective in which a fraction f of each child's devices send
+    across at once (a flat ring laid over consecutive ranks: one device a node) gets
+    min(stream, bandwidth / f) per message (:meth:`allreduce_seconds`)."""
     name: str
     fanout: int
     latency_s: float
@@ -94,6 +101,7 @@ class Level:
     after_compute: dict = field(default_factory=dict, hash=False)
     collective_scale: float = 1.0
     group_scales: tuple = ()
+    stream_bandwidth: tuple = ()
 
     def __post_init__(self):
         where = f"level {self.name!r}"
@@ -113,6 +121,9 @@ class Level:
         if self.reduce_bandwidth:
             object.__setattr__(self, "reduce_bandwidth", tables.read_pieces(
                 self.reduce_bandwidth, f"{where}: reduce_bandwidth"))
+        if self.stream_bandwidth:
+            object.__setattr__(self, "stream_bandwidth", tables.read_pieces(
+                self.stream_bandwidth, f"{where}: stream_bandwidth"))
         object.__setattr__(self, "after_compute", tables.read_curves(self.after_compute,
                                                           f"{where}: after_compute"))
         object.__setattr__(self, "collective_scale", tables.finite_positive(
@@ -153,12 +164,35 @@ class Level:
         rate = next(r for top, r in self.reduce_bandwidth if nbytes <= top)
         return self.latency_s + nbytes / rate
 
-    def allreduce_seconds(self, nbytes: float, n: int, after: float = 0.0) -> float:
+    def allreduce_seconds(self, nbytes: float, n: int, after: float = 0.0,
+                          crossing: float | None = None) -> float:
         """A ring allreduce of ``nbytes`` over ``n`` children: 2(n-1) steps of n-th parts, and
-        one handoff after ``after`` seconds of compute (:meth:`handoff_after`)."""
+        one handoff after ``after`` seconds of compute (:meth:`handoff_after`). ``crossing``:
+        the fraction of a child's devices whose messages cross this level at once; where the
+        level has a ``stream_bandwidth``, a step's message moves at :meth:`shared_rate`
+        (and no faster than a reduce step)."""
         if n == 1 or nbytes == 0:
             return 0.0
-        return self.handoff_after(after) + 2 * (n - 1) * self.reduce_step_seconds(nbytes / n)
+        part = nbytes / n
+        step = self.reduce_step_seconds(part)
+        if crossing is not None and self.stream_bandwidth:
+            wire = self.latency_s + part / self.shared_rate(part, crossing)
+            step = max(wire, step) if self.reduce_bandwidth else wire
+        return self.handoff_after(after) + 2 * (n - 1) * step
+
+    def shared_rate(self, nbytes: float, crossing: float) -> float:
+        """Bytes per second of one message of ``nbytes`` at this level while a fraction
+        ``crossing`` (in (0, 1]) of its child's devices send across: the child's link,
+        ``bandwidth`` per device when all send, shared among the senders, and at most one
+        stream's rate (``stream_bandwidth``; ``bandwidth`` where the level has none)."""
+        if not 0 < crossing <= 1:
+            raise ValueError(f"level {self.name!r}: crossing = {crossing!r}: expected a "
+                             "fraction in (0, 1]")
+        rate = 1.0 / self.seconds_per_byte(nbytes)
+        if not self.stream_bandwidth:
+            return rate
+        stream = next(r for top, r in self.stream_bandwidth if nbytes <= top)
+        return min(stream, rate / crossing)
 
     def collective_seconds(self, kind: str, n: int, nbytes: float,
                            after: float = 0.0) -> float | None:
@@ -540,7 +574,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
                                 bubble_weight=lv.get("bubble_weight", 1.0),
                                 after_compute=lv.get("after_compute", {}),
                                 collective_scale=lv.get("collective_scale", 1.0),
-                                group_scales=lv.get("group_scales", ())))
+                                group_scales=lv.get("group_scales", ()),
+                                stream_bandwidth=lv.get("stream_bandwidth", ())))
     with _named(where):
         return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
                        source=str(doc.get("source", "")))

@@ -13,6 +13,10 @@ different real nodes are never put on one emulated node (checked by :func:`node_
 :func:`node_map` gives every rank's node index (collective), in order of each node's first rank;
 the process grid's placement and ``hpcnn info`` read it.
 
+Real nodes joined by an emulated network (``benchmarks/netns_cluster.py``: network namespaces
+and a throttled link) set ``HPCNN_EMULATED_LINK`` to what they emulate; :func:`emulated_link`
+reads it, so that the run header and log name the network as an emulation.
+
     HPCNN_NODES=2 mpiexec -n 4 python -m mpi4py -c "from mpi4py import MPI; \\
         from hpcnn.parallel.collectives import topology; print(topology.node_map(MPI.COMM_WORLD))"
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 
 ENV = "HPCNN_NODES"
+LINK_ENV = "HPCNN_EMULATED_LINK"
 _emulated: int | None = None          # emulate(k); None: read ENV
 
 
@@ -39,6 +44,12 @@ def emulate(nodes: int | None) -> None:
 def emulated() -> int | None:
     """The number of emulated nodes, or None when nodes are the real ones."""
     return _emulated if _emulated is not None else from_env()
+
+
+def emulated_link() -> str | None:
+    """What ``HPCNN_EMULATED_LINK`` says the network between the nodes emulates (e.g. ``tbf
+    500mbit, netns``), or None for a real network."""
+    return os.environ.get(LINK_ENV, "").strip() or None
 
 
 def from_env() -> int | None:
