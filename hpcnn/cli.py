@@ -363,9 +363,16 @@ def _node_lines() -> list[str]:
     world = MPI.COMM_WORLD
     nodes = topology.node_map(world)
     hosts = world.allgather(socket.gethostname())
-    return [f"nodes: {topology.describe(nodes)}",
-            "rank -> node: " + ", ".join(f"{r}: {n} ({h})"
-                                         for r, (n, h) in enumerate(zip(nodes, hosts)))]
+    lines = [f"nodes: {topology.describe(nodes)}",
+             "rank -> node: " + ", ".join(f"{r}: {n} ({h})"
+                                          for r, (n, h) in enumerate(zip(nodes, hosts)))]
+    for label, kind in topology.HW_KINDS:           # inside a node (MPI_COMM_TYPE_HW_GUIDED)
+        groups = topology.hw_map(world, kind)
+        lines.append(f"rank -> {label}: " + (", ".join(f"{r}: {g}" for r, g in enumerate(groups))
+                     if groups else f"not offered by the MPI library ({kind})"))
+    if topology.emulated_link():
+        lines.append(f"link between nodes: emulated ({topology.emulated_link()})")
+    return lines
 
 
 def cmd_report(args) -> int:

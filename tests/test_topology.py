@@ -110,6 +110,9 @@ def test_info_prints_every_rank_s_node_once(tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("nodes: 2 nodes x 2 ranks (emulated)") == 1
     assert "rank -> node: 0: 0 (" in p.stdout and ", 3: 1 (" in p.stdout
+    for label, kind in topology.HW_KINDS:       # the groups inside a node, or why not
+        assert p.stdout.count(f"rank -> {label}: ") == 1
+        assert f"rank -> {label}: 0: 0, 1: " in p.stdout or f"library ({kind})" in p.stdout
 
 
 def test_more_emulated_nodes_than_ranks_is_refused_in_one_line(tmp_path, capsys):

@@ -29,6 +29,8 @@ from sums import pattern, same_everywhere  # noqa: E402
 nodes = topology.node_map(world)
 assert nodes == [i // q for i in range(p)], nodes
 assert topology.describe(nodes) == f"{k} nodes x {q} ranks (emulated)"
+# the hardware's groups are the real ones, emulation or not: one machine shares its memory
+assert topology.hw_map(world, "mpi_shared_memory") in (None, [0] * p)
 assert c.ranks_on_node() == q
 assert shm.node_of(c) is None and not algorithms.single_node(c)
 node = Communicator(world.Split(r // q, r))             # one emulated node: shm inside it

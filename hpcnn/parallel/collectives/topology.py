@@ -127,6 +127,38 @@ def node_map(comm) -> list[int]:
     return [order.index(f) for f, _ in firsts]
 
 
+HW_KINDS = (("packages", "hwloc://Package"), ("NUMA domains", "hwloc://NUMANode"))
+
+
+def hw_map(comm, kind: str) -> list[int] | None:
+    """Every rank's group of the hardware resource ``kind`` (an ``mpi_hw_resource_type``:
+    ``"hwloc://Package"``, ``"hwloc://NUMANode"``, ``"mpi_shared_memory"``), numbered in order
+    of their first rank, from ``MPI_Comm_split_type(MPI_COMM_TYPE_HW_GUIDED)`` (MPI 4.0); None
+    where the library does not offer it (no such split type, or no group on some rank: the
+    standard's answer for a resource it does not know). Collective over ``comm``; real
+    hardware, emulated nodes or not."""
+    from hpcnn.parallel.collectives.mpi_base import _mpi
+    MPI = _mpi()
+    split = getattr(MPI, "COMM_TYPE_HW_GUIDED", None)
+    if split is None:
+        return None
+    info = MPI.Info.Create()
+    info.Set("mpi_hw_resource_type", kind)
+    try:
+        sub = comm.Split_type(split, key=comm.Get_rank(), info=info)
+    finally:
+        info.Free()
+    first = -1
+    if sub != MPI.COMM_NULL:
+        first = sub.allreduce(comm.Get_rank(), op=MPI.MIN)
+        sub.Free()
+    firsts = comm.allgather(first)
+    if min(firsts) < 0:
+        return None
+    order = sorted(set(firsts))
+    return [order.index(f) for f in firsts]
+
+
 def describe(nodes: list[int]) -> str:
     """``"2 nodes x 2 ranks (emulated)"``-like words for a node map."""
     counts = [nodes.count(n) for n in sorted(set(nodes))]
