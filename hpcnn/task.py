@@ -20,6 +20,7 @@ from hpcnn import backend
 from hpcnn import datasets
 from hpcnn.config import TrainConfig, padded_vocab
 from hpcnn.nn import models, precision
+from hpcnn.nn.transformer import check_tokens
 
 TEXT_DEFAULT_STEPS = 1000
 VAL_SEED = 2**31 - 1          # validation windows are the same for every run
@@ -71,6 +72,11 @@ class Task:
             self.model.train()
 
     def to_device(self, x, y):
+        """The host batch (x, y) on the device; a text batch's ids checked first, on the host
+        (the blocks check them on host arrays only: :func:`~hpcnn.nn.transformer.check_tokens`)."""
+        if self.is_text and backend.xp is not numpy:
+            for ids in (x, y):
+                check_tokens("batch", ids, ids.shape[-1], self.data.vocab)
         dtype = None if self.is_text else precision.storage_dtype(self.cfg)
         return backend.asarray(x, dtype=dtype), backend.asarray(y)
 

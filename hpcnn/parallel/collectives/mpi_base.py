@@ -33,6 +33,20 @@ def _cuda_aware() -> bool:
     return os.environ.get("HPCNN_CUDA_AWARE", "0") not in ("", "0", "false")
 
 
+def mpi_buffers(op: str, *arrays):
+    """``arrays`` as given, once checked that MPI can read them: host arrays, or device arrays
+    with a CUDA-aware MPI (declared by ``HPCNN_CUDA_AWARE=1``); any other device array raises
+    :class:`hpcnn.backend.DeviceBufferError` naming ``op`` (stage it: :func:`host_buffers`)."""
+    if backend.xp is not numpy and not _cuda_aware():
+        for a in arrays:
+            if a is not None and not isinstance(a, numpy.ndarray):
+                raise backend.DeviceBufferError(
+                    f"a device buffer handed to MPI in {op} ({type(a).__name__} {a.shape}): "
+                    "this MPI is not declared CUDA-aware (HPCNN_CUDA_AWARE=1); stage it "
+                    "through host memory (mpi_base.host_buffers, backend.to_host/to_device)")
+    return arrays
+
+
 @contextmanager
 def host_buffers(*arrays, writeback=()):
     """Yield buffers MPI can read: the arrays themselves on NumPy or CUDA-aware MPI, else host
@@ -41,10 +55,10 @@ def host_buffers(*arrays, writeback=()):
     if backend.xp is numpy or _cuda_aware():
         yield arrays
         return
-    # CuPy without CUDA-aware MPI
-    hosts = tuple(backend.to_host(a) for a in arrays)  # pragma: no cover
-    yield hosts  # pragma: no cover
-    for i in writeback:  # pragma: no cover
+    # a device without CUDA-aware MPI (CuPy, or the strict backend)
+    hosts = tuple(backend.to_host(a) for a in arrays)
+    yield hosts
+    for i in writeback:
         arrays[i][...] = backend.to_device(hosts[i])
 
 
