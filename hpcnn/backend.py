@@ -233,8 +233,11 @@ def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30
 
 def axpy(alpha: float, x, y) -> None:
     """y += alpha * x in place, in one pass where a BLAS axpy applies (contiguous NumPy arrays of
-    the same float dtype); otherwise through a temporary. Used by the optimizers' updates."""
-    if (xp is numpy and x.dtype == y.dtype and x.dtype in (numpy.float32, numpy.float64)
+    the same float dtype); otherwise through a temporary. Used by the optimizers' updates.
+    The strict backend runs NumPy's kernel on the arrays inside (its results are NumPy's)."""
+    if xp is _strict:
+        x, y = _strict.unwrap(x), _strict.unwrap(y)
+    if (isinstance(y, numpy.ndarray) and x.dtype == y.dtype and x.dtype in (numpy.float32, numpy.float64)
             and x.flags.c_contiguous and y.flags.c_contiguous and x.size == y.size):
         from scipy.linalg import blas
         fn = blas.saxpy if x.dtype == numpy.float32 else blas.daxpy

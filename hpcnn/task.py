@@ -104,8 +104,8 @@ class Task:
                                                VAL_SEED)
                     logits = self._logits(backend.asarray(x), ctx)
                     if logits is not None:
-                        tot += [m.loss.forward(logits, backend.asarray(y))[0] * y.size, 0.0,
-                                y.size]
+                        loss = m.loss.forward(logits, backend.asarray(y))[0]
+                        tot += [float(backend.to_host(loss)) * y.size, 0.0, y.size]
                 if stop is not None and stop():
                     return None
         else:
@@ -115,7 +115,8 @@ class Task:
                 logits = self._logits(x, ctx, batch_size=512)
                 if logits is not None:
                     correct = float(backend.to_host((logits.argmax(axis=-1) == y).sum()))
-                    tot += [m.loss.forward(logits, y)[0] * len(part), correct, len(part)]
+                    loss = float(backend.to_host(m.loss.forward(logits, y)[0]))
+                    tot += [loss * len(part), correct, len(part)]
         if ctx is not None and ctx.pipelined:
             ctx.pp.bcast(tot, root=ctx.owner[-1])
         return tot
