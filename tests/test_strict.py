@@ -113,3 +113,66 @@ def test_every_block_under_strict_equals_numpy_exactly(block_runs, name):
     assert len(ref) == len(got)
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(b, a, err_msg=name)
+
+
+def _counted_run(tmp_path, monkeypatch, name, *args):
+    """Train under strict with ``args``; returns the run's summary and the log of what each
+    step, log flush and evaluation moved to the host: [(what, step, to_host, sync)]."""
+    import hpcnn.train as loop
+    from hpcnn.config import parse_overrides
+    seen = []
+
+    def counted(kind, fn):
+        def f(*a, **kw):
+            backend.strict_stats(reset=True)
+            out = fn(*a, **kw)
+            got = backend.strict_stats(reset=True)
+            seen.append((kind, got["to_host"], got["sync"]))
+            return out
+        return f
+    for kind, attr in (("step", "train_step"), ("flush", "log_metrics"), ("eval", "_evaluate")):
+        monkeypatch.setattr(loop, attr, counted(kind, getattr(loop, attr)))
+    cfg = parse_overrides([f"--log={tmp_path / name}", "--progress=false", "--device=strict",
+                           *args])
+    try:
+        return loop.train(cfg), seen
+    finally:
+        backend.set_device("cpu")
+
+
+GPT = ("--model=gpt", "--dataset=sonnet", "--steps=6", "--batch_size=4", "--block_size=16",
+       "--dim=16", "--n_heads=2", "--dropout=0.1", "--optimizer=adamw", "--grad_accum=2",
+       "--log_interval=3", "--eval_interval=6", "--eval_batches=2")
+
+
+def test_a_serial_step_moves_nothing_to_the_host_between_log_flushes(tmp_path, monkeypatch):
+    from hpcnn.log import read_run
+    from hpcnn.train import train
+    from hpcnn.config import parse_overrides
+    r, seen = _counted_run(tmp_path, monkeypatch, "strict.h5", *GPT)
+    steps = [s for s in seen if s[0] == "step"]
+    assert len(steps) == 6 and all(s[1:] == (0, 1) for s in steps), seen  # one sync: the step's end
+    assert [s[:2] for s in seen if s[0] == "flush"] == [("flush", 1)] * 2, seen  # 3 rows at once
+    assert [s[0] for s in seen] == ["step"] * 3 + ["flush"] + ["step"] * 3 + ["eval", "flush"]
+    ref = train(parse_overrides([f"--log={tmp_path / 'cpu.h5'}", "--progress=false", *GPT]))
+    a, b = read_run(tmp_path / "cpu.h5").metrics, read_run(tmp_path / "strict.h5").metrics
+    for k in ("loss", "val_loss", "lr"):
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    for p, q in zip(ref["model"].params, r["model"].params):
+        np.testing.assert_array_equal(backend.to_host(q.data), p.data, err_msg=p.name)
+
+
+def test_a_host_round_trip_planted_in_a_backward_fails_naming_block_and_call(tmp_path,
+                                                                             monkeypatch):
+    from hpcnn.nn.layers import LayerNorm
+    honest = LayerNorm.backward
+
+    def backward(self, dy, cache, *args, **kwargs):
+        if float(dy.max()) > 1e9:            # the hidden round-trip: a device scalar read
+            raise AssertionError("unreachable")
+        return honest(self, dy, cache, *args, **kwargs)
+    monkeypatch.setattr(LayerNorm, "backward", backward)
+    with pytest.raises(StrictError) as e:
+        _counted_run(tmp_path, monkeypatch, "planted.h5", *GPT)
+    assert "float() at backward (" in str(e.value) and "test_strict.py:" in str(e.value)
+    assert "in block LayerNorm" in str(e.value), str(e.value)

@@ -41,7 +41,8 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.parallel.collectives import algorithms      # the algorithms behind allreduce(...)
-from hpcnn.parallel.collectives.mpi_base import Request, _cuda_aware, _mpi, host_buffers
+from hpcnn.parallel.collectives.mpi_base import (Request, _cuda_aware, _mpi, host_buffers,
+                                                 host_side, mpi_buffers, staged)
 from hpcnn.parallel.collectives.objects import ObjectCalls
 from hpcnn.parallel.collectives.state import Collectives
 from hpcnn.parallel.collectives.stats import CommStats
@@ -436,15 +437,20 @@ class Communicator(ObjectCalls):
         nbytes = 0 if dest == MPI.PROC_NULL else buf.nbytes
         if started("isend", self.name, dest, nbytes):   # test-only fault hook
             return self._skipped("isend")
-        return Request([self.comm.Isend(buf, dest=dest, tag=tag)], self.stats, "isend", nbytes,
-                       t0).at(self.name, dest)
+        if staged(buf):                  # a host copy, kept alive by the request
+            buf = backend.to_host(buf)
+        req = self.comm.Isend(*mpi_buffers("isend", buf), dest=dest, tag=tag)
+        return Request([req], self.stats, "isend", nbytes, t0).at(self.name, dest)
 
     def irecv(self, buf, source, tag: int = 0) -> Request:
+        """Start receiving into ``buf``; a :func:`staged` device buffer is written from a host
+        one when the request completes."""
         t0 = time.perf_counter()
         if started("irecv", self.name, source, buf.nbytes):  # test-only fault hook
             return self._skipped("irecv")
-        return Request([self.comm.Irecv(buf, source=source, tag=tag)], self.stats, "irecv", 0,
-                       t0).at(self.name, source, buf.nbytes)
+        h, back = host_side(buf)
+        return Request([self.comm.Irecv(*mpi_buffers("irecv", h), source=source, tag=tag)],
+                       self.stats, "irecv", 0, t0, on_done=back).at(self.name, source, buf.nbytes)
 
     # -- sub-communicators and the node ------------------------------------------------------
     def split(self, color: int, key: int, name: str | None = None) -> "Communicator":

@@ -33,6 +33,24 @@ def _cuda_aware() -> bool:
     return os.environ.get("HPCNN_CUDA_AWARE", "0") not in ("", "0", "false")
 
 
+def staged(buf) -> bool:
+    """Whether ``buf`` is a device array this MPI cannot read (no CUDA-aware MPI declared):
+    its message goes through a host copy."""
+    return backend.xp is not numpy and not _cuda_aware() and not isinstance(buf, numpy.ndarray)
+
+
+def host_side(buf):
+    """(the buffer MPI receives into, its ``on_done``): ``buf`` itself and None, or for a
+    :func:`staged` one a host buffer and the copy of it back to ``buf`` once received."""
+    if not staged(buf):
+        return buf, None
+    h = numpy.empty(buf.shape, buf.dtype)
+
+    def back():
+        buf[...] = backend.to_device(h)
+    return h, back
+
+
 def mpi_buffers(op: str, *arrays):
     """``arrays`` as given, once checked that MPI can read them: host arrays, or device arrays
     with a CUDA-aware MPI (declared by ``HPCNN_CUDA_AWARE=1``); any other device array raises
@@ -55,11 +73,12 @@ def host_buffers(*arrays, writeback=()):
     if backend.xp is numpy or _cuda_aware():
         yield arrays
         return
-    # a device without CUDA-aware MPI (CuPy, or the strict backend)
-    hosts = tuple(backend.to_host(a) for a in arrays)
+    # a device without CUDA-aware MPI (CuPy, or the strict backend): its arrays copied over
+    hosts = tuple(backend.to_host(a) if staged(a) else a for a in arrays)
     yield hosts
     for i in writeback:
-        arrays[i][...] = backend.to_device(hosts[i])
+        if hosts[i] is not arrays[i]:
+            arrays[i][...] = backend.to_device(hosts[i])
 
 
 class Request:
