@@ -176,3 +176,21 @@ def test_a_host_round_trip_planted_in_a_backward_fails_naming_block_and_call(tmp
         _counted_run(tmp_path, monkeypatch, "planted.h5", *GPT)
     assert "float() at backward (" in str(e.value) and "test_strict.py:" in str(e.value)
     assert "in block LayerNorm" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("extra", [("--remat=sqrt", "--n_layers=3"), ("--precision=fp16",)],
+                         ids=["remat", "fp16"])
+def test_remat_and_mixed_precision_under_strict_equal_numpy(tmp_path, extra):
+    from hpcnn.config import parse_overrides
+    from hpcnn.log import read_run
+    from hpcnn.train import train
+    args = (*GPT[:2], "--steps=3", *GPT[3:9], "--log_interval=3", *extra)
+    for device in ("cpu", "strict"):
+        try:
+            train(parse_overrides([f"--log={tmp_path / device}.h5", "--progress=false",
+                                   f"--device={device}", *args]))
+        finally:
+            backend.set_device("cpu")
+    a, b = (read_run(tmp_path / f"{d}.h5").metrics for d in ("cpu", "strict"))
+    for k in ("loss", "val_loss"):
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
