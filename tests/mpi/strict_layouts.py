@@ -1,8 +1,8 @@
-"""Each parallel layout under the strict device backend equals the same layout on NumPy, bit for
-bit (losses, validation losses, this rank's parameters), its MPI traffic staged through the
-host (tests/test_strict.py has the serial checks).
+"""Each parallel layout (and ZeRO stage) under the strict device backend equals the same layout
+on NumPy, bit for bit (losses, validation losses, this rank's parameters), its MPI traffic
+staged through the host (tests/test_strict.py has the serial checks).
 
-    mpiexec -n 2 python -m mpi4py tests/mpi/strict_layouts.py TMPDIR dp tp pp
+    mpiexec -n 2 python -m mpi4py tests/mpi/strict_layouts.py TMPDIR dp tp pp zero1 zero2 zero3
 """
 import os
 import sys
@@ -23,7 +23,8 @@ GPT = ["--progress=false", "--model=gpt", "--dataset=sonnet", "--dim=16", "--n_h
        "--block_size=8", "--batch_size=8", "--n_layers=2", "--steps=3", "--log_interval=3",
        "--eval_interval=3", "--eval_batches=2", "--optimizer=adamw", "--dropout=0.1",
        f"--pad_vocab={p}"]
-LAYOUT = {"dp": [f"--dp={p}"], "tp": [f"--tp={p}"], "pp": [f"--pp={p}", "--microbatches=2"]}
+LAYOUT = {"dp": [f"--dp={p}"], "tp": [f"--tp={p}"], "pp": [f"--pp={p}", "--microbatches=2"],
+          **{f"zero{z}": [f"--dp={p}", f"--zero={z}"] for z in (1, 2, 3)}}
 
 for layout in layouts:
     runs = {}

@@ -319,10 +319,15 @@ class Communicator(ObjectCalls):
         levels = self._levels(algorithm)
         if levels is not None:             # two levels (hier.py): the node's, the rail's
             from hpcnn.parallel.collectives import hier
+            mpi_buffers("ireduce_scatter_parts (hier)", sendbuf, recvbuf)   # not staged
             return hier.ireduce_scatter_parts(self, levels, sendbuf, recvbuf, counts)
-        req = self.comm.Ireduce_scatter(sendbuf, recvbuf, counts, op=_mpi().SUM)
+        send = backend.to_host(sendbuf) if staged(sendbuf) else sendbuf      # a device's: staged
+        recv, back = host_side(recvbuf)
+        req = self.comm.Ireduce_scatter(*mpi_buffers("ireduce_scatter_parts", send, recv),
+                                        counts, op=_mpi().SUM)
         nbytes = (sendbuf.size - counts[self.rank]) * sendbuf.itemsize
-        return Request([req], self.stats, "ireduce_scatter", nbytes, t0).at(self.name)
+        return Request([req], self.stats, "ireduce_scatter", nbytes, t0,
+                       on_done=back).at(self.name)
 
     def iallgather_parts(self, buf, counts, algorithm: str = "mpi") -> Request:
         """Start :meth:`allgather_parts` (``MPI_Iallgatherv`` in place); ``wait()`` the request
@@ -336,11 +341,14 @@ class Communicator(ObjectCalls):
         levels = self._levels(algorithm)
         if levels is not None:             # two levels (hier.py): the rail's, the node's
             from hpcnn.parallel.collectives import hier
+            mpi_buffers("iallgather_parts (hier)", buf)                      # not staged
             return hier.iallgather_parts(self, levels, buf, counts)
         displs = [sum(counts[:r]) for r in range(self.size)]
-        req = self.comm.Iallgatherv(_mpi().IN_PLACE, [buf, (counts, displs)])
+        h, back = host_side(buf, copy=True)          # a device's: staged, written back
+        req = self.comm.Iallgatherv(_mpi().IN_PLACE, [*mpi_buffers("iallgather_parts", h),
+                                                      (counts, displs)])
         nbytes = (buf.size - counts[self.rank]) * buf.itemsize
-        return Request([req], self.stats, "iallgather", nbytes, t0).at(self.name)
+        return Request([req], self.stats, "iallgather", nbytes, t0, on_done=back).at(self.name)
 
     def _part_counts(self, op: str, buf, counts) -> list[int]:
         counts = [int(c) for c in counts]

@@ -39,12 +39,13 @@ def staged(buf) -> bool:
     return backend.xp is not numpy and not _cuda_aware() and not isinstance(buf, numpy.ndarray)
 
 
-def host_side(buf):
+def host_side(buf, copy: bool = False):
     """(the buffer MPI receives into, its ``on_done``): ``buf`` itself and None, or for a
-    :func:`staged` one a host buffer and the copy of it back to ``buf`` once received."""
+    :func:`staged` one a host buffer (``copy``: holding ``buf``'s values, for an operation in
+    place) and the copy of it back to ``buf`` once received."""
     if not staged(buf):
         return buf, None
-    h = numpy.empty(buf.shape, buf.dtype)
+    h = backend.to_host(buf) if copy else numpy.empty(buf.shape, buf.dtype)
 
     def back():
         buf[...] = backend.to_device(h)
