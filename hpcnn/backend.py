@@ -237,7 +237,8 @@ def axpy(alpha: float, x, y) -> None:
     The strict backend runs NumPy's kernel on the arrays inside (its results are NumPy's)."""
     if xp is _strict:
         x, y = _strict.unwrap(x), _strict.unwrap(y)
-    if (isinstance(y, numpy.ndarray) and x.dtype == y.dtype and x.dtype in (numpy.float32, numpy.float64)
+    if (isinstance(y, numpy.ndarray) and x.dtype == y.dtype
+            and x.dtype in (numpy.float32, numpy.float64)
             and x.flags.c_contiguous and y.flags.c_contiguous and x.size == y.size):
         from scipy.linalg import blas
         fn = blas.saxpy if x.dtype == numpy.float32 else blas.daxpy

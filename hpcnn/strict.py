@@ -5,8 +5,9 @@ differ from the host: an implicit copy to host memory is refused with :class:`St
 naming the call site (``float()``, ``int()``, ``bool()``, ``.item()``, ``.tolist()``,
 ``numpy.asarray``, NumPy functions and ufuncs given it, pickling, host arrays mixed into its
 arithmetic). It has no buffer protocol, so a message library cannot read it either: the
-collectives stage it (``parallel/collectives/mpi_base.py``) or refuse it by name. The sanctioned transfers are counted: ``.get()`` and
-:func:`hpcnn.backend.to_host` (device to host), :func:`asarray` of host data (host to device),
+collectives stage it (``parallel/collectives/mpi_base.py``) or refuse it by name. The
+sanctioned transfers are counted: ``.get()`` and :func:`hpcnn.backend.to_host` (device to
+host), :func:`asarray` of host data (host to device),
 :func:`hpcnn.backend.sync`; inside ``with backend.host_ok():`` an implicit conversion is
 allowed and counted as a transfer. The module itself is the ``xp`` of the backend: the NumPy
 functions hpcnn calls, each unwrapping its arguments, calling NumPy and wrapping the arrays it
@@ -59,10 +60,11 @@ def _block_of(frame) -> str | None:
 
 
 def call_site() -> str:
-    """Where the caller's caller is, outside NumPy and this module: ``function (file:line)``,
-    and the block whose forward or backward it runs in, if any."""
+    """Where the caller's caller is, outside NumPy, installed libraries and this module:
+    ``function (file:line)``, and the block whose forward or backward it runs in, if any."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP):
+    while frame is not None and (frame.f_code.co_filename.startswith(_SKIP)
+                                 or "site-packages" in frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return "an unknown caller"
@@ -350,7 +352,6 @@ class _Namespace:
 lib = _Namespace(stride_tricks=_Namespace(
     as_strided=lambda a, *args, **kw: StrictArray(numpy.lib.stride_tricks.as_strided(
         unwrap(a), *args, **kw))))
-random = None             # draws are made on the host (backend.keep_mask), then moved over
 
 
 def __getattr__(name):

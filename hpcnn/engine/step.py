@@ -51,7 +51,8 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
                      scale: float = 1.0):
     """This rank's forward and backward of its rows ``x, y`` (rows ``row0 ..`` of the step's
     global batch) as its schedule says; returns (loss sum over its rows, events). The loss sum
-    is known on the last stage's rank only (0 elsewhere); on a device it stays there. ``trace``: see :func:`.execute.run`.
+    is known on the last stage's rank only (0 elsewhere); on a device it stays there.
+    ``trace``: see :func:`.execute.run`.
     ``scale``: the loss scale (fp16), a factor on every loss gradient."""
     cfg = ctx.cfg
     x, y = task.to_device(x, y)

@@ -29,7 +29,8 @@ def checked_targets(logits_shape, targets, vocab: int, ignore_index: int):
 def mean_loss(nll, valid, reduction: str):
     """(loss, count): the sum of ``nll`` (N,) over the counted rows ``valid`` (N,), in float64,
     divided by their count unless ``reduction`` is "sum", and the count; Python numbers on
-    NumPy, device scalars on a device (:func:`hpcnn.backend.lazy`: no host round-trip in the step)."""
+    NumPy, device scalars on a device (:func:`hpcnn.backend.lazy`: no host round-trip in the
+    step)."""
     count = valid.sum()
     total = (nll * valid).sum().astype(numpy.float64)     # as float() made it on the host
     loss = total if reduction == "sum" else total / backend.xp.maximum(count, 1)
