@@ -1,7 +1,10 @@
 """Array backend: ``xp`` is NumPy or CuPy, chosen once per process.
 
 The device comes from :func:`set_device` (called by the training loop from the config) or, before
-that, from the ``HPCNN_DEVICE`` environment variable (``cpu`` or ``gpu``; default ``cpu``). Layer
+that, from the ``HPCNN_DEVICE`` environment variable (``cpu``, ``gpu`` or ``strict``; default
+``cpu``). ``strict`` is NumPy behind a GPU's rules (:mod:`hpcnn.strict`): an implicit copy of a
+device array to host memory is refused, naming the call site, and every transfer and
+synchronisation is counted (:func:`strict_stats`). Layer
 code imports the module and uses ``backend.xp`` so that the choice made at start-up is seen
 everywhere::
 
@@ -10,25 +13,33 @@ everywhere::
 
 MPI moves host memory unless the library is CUDA-aware; :func:`to_host` / :func:`to_device` stage
 arrays across, and :func:`sync` synchronises the CuPy stream before an MPI call reads a buffer.
-Only the NumPy path is exercised on the CPU-only test machine; the CuPy path is kept correct by
-construction (every array operation goes through ``xp``).
+On a CPU-only machine the tests run the NumPy and the strict paths; the CuPy path is kept correct
+by the strict one (the same code, every array operation through ``xp``).
 """
 from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 
 import numpy
+
+from hpcnn import strict as _strict
 
 xp = numpy
 device = "cpu"
 DEFAULT_DTYPE = numpy.float32   # training dtype; float64 for gradient checks and exactness tests
 
-_DEVICES = ("cpu", "gpu")
+_DEVICES = ("cpu", "gpu", "strict")
+
+
+class DeviceBufferError(TypeError):
+    """A device array handed to an MPI that cannot read device memory (not staged)."""
 
 
 def set_device(name: str | None = None) -> str:
-    """Select NumPy (``"cpu"``) or CuPy (``"gpu"``); ``None`` reads ``HPCNN_DEVICE``."""
+    """Select NumPy (``"cpu"``), CuPy (``"gpu"``) or the strict device arrays (``"strict"``,
+    :mod:`hpcnn.strict`); ``None`` reads ``HPCNN_DEVICE``."""
     global xp, device
     name = (name or os.environ.get("HPCNN_DEVICE") or "cpu").lower()
     if name not in _DEVICES:
@@ -39,6 +50,8 @@ def set_device(name: str | None = None) -> str:
         except ImportError as e:  # pragma: no cover - needs a GPU machine
             raise RuntimeError("device 'gpu' needs CuPy: pip install 'hpcnn[gpu]'") from e
         xp = cupy
+    elif name == "strict":
+        xp = _strict
     else:
         xp = numpy
     device = name
@@ -82,13 +95,13 @@ def square_sum(a) -> float:
     """The sum of squares of the flat array ``a``: one BLAS pass, no temporary; inf or nan,
     without a warning, where it overflows or ``a`` is not finite."""
     with numpy.errstate(over="ignore", invalid="ignore"):
-        return float(xp.dot(a, a))
+        return float(to_host(xp.dot(a, a)))         # a device scalar: a counted transfer
 
 
 def finite(a, sq: float) -> bool:
     """Whether every entry of ``a`` is finite, given ``sq`` = :func:`square_sum` of it: at once
     when ``sq`` is finite, else element by element (the sum may only have overflowed)."""
-    return math.isfinite(sq) or bool(xp.isfinite(a).all())
+    return math.isfinite(sq) or bool(to_host(xp.isfinite(a).all()))
 
 
 def up(a):
@@ -109,10 +122,18 @@ def asarray(a, dtype=None):
 
 
 def to_host(a):
-    """Any backend array -> a NumPy array (no copy on the CPU)."""
+    """Any backend array -> a NumPy array (no copy on the CPU; a 0-d array for a device
+    scalar). A sanctioned transfer: counted under the strict backend."""
     if isinstance(a, numpy.ndarray) or numpy.isscalar(a):
         return a
-    return a.get()  # pragma: no cover - CuPy
+    return a.get()
+
+
+def lazy(a, kind=float):
+    """A scalar result ``a`` (a 0-d array) as the step keeps it: on NumPy ``kind(a)``, a Python
+    number; on a device the 0-d device array itself, read at a sanctioned point (the log flush:
+    :func:`to_host`) instead of a host round-trip where it is made."""
+    return kind(a) if xp is numpy else a
 
 
 def to_device(a):
@@ -121,9 +142,36 @@ def to_device(a):
 
 
 def sync() -> None:
-    """Wait for queued device work, so that an MPI call sees finished buffers (no-op on CPU)."""
-    if xp is not numpy:  # pragma: no cover - CuPy
+    """Wait for queued device work, so that an MPI call sees finished buffers (no-op on CPU;
+    counted under the strict backend)."""
+    if xp is _strict:
+        _strict.STATS["sync"] += 1
+    elif xp is not numpy:  # pragma: no cover - CuPy
         xp.cuda.get_current_stream().synchronize()
+
+
+@contextmanager
+def host_ok():
+    """A sanctioned transfer point (the log flush, evaluation results): inside it the strict
+    backend lets ``float()``, ``int()``, ``numpy.asarray`` ... copy device arrays to the host,
+    counting each; elsewhere it refuses them. No effect on the other devices."""
+    _strict._allowed[0] += 1
+    try:
+        yield
+    finally:
+        _strict._allowed[0] -= 1
+
+
+def strict_stats(reset: bool = False) -> dict:
+    """The strict backend's counts: ``to_host`` (device-to-host transfers), ``to_host_bytes``,
+    ``to_device``, ``to_device_bytes`` (host-to-device), ``sync``, ``host_ok`` (implicit
+    conversions allowed inside :func:`host_ok`, also counted under ``to_host``); zeroed after
+    reading with ``reset=True``."""
+    out = dict(_strict.STATS)
+    if reset:
+        for k in _strict.STATS:
+            _strict.STATS[k] = 0
+    return out
 
 
 def nbytes(shape, dtype) -> int:
@@ -185,8 +233,12 @@ def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30
 
 def axpy(alpha: float, x, y) -> None:
     """y += alpha * x in place, in one pass where a BLAS axpy applies (contiguous NumPy arrays of
-    the same float dtype); otherwise through a temporary. Used by the optimizers' updates."""
-    if (xp is numpy and x.dtype == y.dtype and x.dtype in (numpy.float32, numpy.float64)
+    the same float dtype); otherwise through a temporary. Used by the optimizers' updates.
+    The strict backend runs NumPy's kernel on the arrays inside (its results are NumPy's)."""
+    if xp is _strict:
+        x, y = _strict.unwrap(x), _strict.unwrap(y)
+    if (isinstance(y, numpy.ndarray) and x.dtype == y.dtype
+            and x.dtype in (numpy.float32, numpy.float64)
             and x.flags.c_contiguous and y.flags.c_contiguous and x.size == y.size):
         from scipy.linalg import blas
         fn = blas.saxpy if x.dtype == numpy.float32 else blas.daxpy

@@ -107,7 +107,7 @@ class TrainConfig:
     loss_scale_growth: float = 2.0      # fp16: the scale's factor after loss_scale_growth_interval good steps in a row
     loss_scale_backoff: float = 0.5     # fp16: the scale's factor at a step with an inf/NaN gradient (the step is skipped)
     loss_scale_growth_interval: int = 2000  # fp16: good steps in a row before the scale grows
-    device: str = "cpu"                 # cpu (NumPy) | gpu (CuPy)
+    device: str = "cpu"                 # cpu (NumPy) | gpu (CuPy) | strict (NumPy with a GPU's checks)
     nodes: int = 0                      # emulate this many nodes of consecutive ranks on this machine (0: the real ones, or HPCNN_NODES)
     # -- evaluation and logging -------------------------------------------------------------
     eval_interval: int = 100            # steps between evaluations (0 = only at the end)
@@ -168,7 +168,7 @@ CHOICES = {            # option -> its allowed values
     "balance": ("equal", "proportional"), "combine": ("weighted", "uniform"),
     "slowdown_mode": ("sleep", "spin"), "shard": ("contiguous", "skewed"),
     "partition": GRAPH_PARTITIONS,
-    "remat": ("none", "sqrt", "full", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu"),
+    "remat": ("none", "sqrt", "full", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu", "strict"),
     "precision": ("fp32", "bf16", "fp16"), "grad_reduce_dtype": ("fp32", "param"),
     "schedule": tuple(SCHEDULES), "stop_signal": STOP_SIGNALS,
     "coarsen": ("none", "heavy_edge", "spectral", "random"),

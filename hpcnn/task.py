@@ -20,6 +20,7 @@ from hpcnn import backend
 from hpcnn import datasets
 from hpcnn.config import TrainConfig, padded_vocab
 from hpcnn.nn import models, precision
+from hpcnn.nn.transformer import check_tokens
 
 TEXT_DEFAULT_STEPS = 1000
 VAL_SEED = 2**31 - 1          # validation windows are the same for every run
@@ -71,6 +72,11 @@ class Task:
             self.model.train()
 
     def to_device(self, x, y):
+        """The host batch (x, y) on the device; a text batch's ids checked first, on the host
+        (the blocks check them on host arrays only: :func:`~hpcnn.nn.transformer.check_tokens`)."""
+        if self.is_text and backend.xp is not numpy:
+            for ids in (x, y):
+                check_tokens("batch", ids, ids.shape[-1], self.data.vocab)
         dtype = None if self.is_text else precision.storage_dtype(self.cfg)
         return backend.asarray(x, dtype=dtype), backend.asarray(y)
 
@@ -98,8 +104,8 @@ class Task:
                                                VAL_SEED)
                     logits = self._logits(backend.asarray(x), ctx)
                     if logits is not None:
-                        tot += [m.loss.forward(logits, backend.asarray(y))[0] * y.size, 0.0,
-                                y.size]
+                        loss = m.loss.forward(logits, backend.asarray(y))[0]
+                        tot += [float(backend.to_host(loss)) * y.size, 0.0, y.size]
                 if stop is not None and stop():
                     return None
         else:
@@ -109,7 +115,8 @@ class Task:
                 logits = self._logits(x, ctx, batch_size=512)
                 if logits is not None:
                     correct = float(backend.to_host((logits.argmax(axis=-1) == y).sum()))
-                    tot += [m.loss.forward(logits, y)[0] * len(part), correct, len(part)]
+                    loss = float(backend.to_host(m.loss.forward(logits, y)[0]))
+                    tot += [loss * len(part), correct, len(part)]
         if ctx is not None and ctx.pipelined:
             ctx.pp.bcast(tot, root=ctx.owner[-1])
         return tot

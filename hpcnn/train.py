@@ -20,8 +20,8 @@ import time
 from hpcnn import backend, checkpoint, to_stderr
 from hpcnn.config import ConfigError, TrainConfig
 from hpcnn.engine.context import ParallelContext
-from hpcnn.engine.record import (Divergence, claim_log, flush_ranks, record_memory,
-                                 release_claims, run_header, thread_warning, watch_divergence)
+from hpcnn.engine.record import (Divergence, claim_log, flush_ranks, log_metrics,
+                                 record_memory, release_claims, run_header, thread_warning)
 from hpcnn.engine.step import train_step
 from hpcnn.schedule.expand import show as show_schedule
 from hpcnn.nn import precision
@@ -158,12 +158,13 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
     """The steps from ``start``: train, checkpoint, evaluate, log; returns the last row. Ends
     early at a safe point where every rank agrees a signal came (:mod:`hpcnn.signals`): the
     pending rows flushed, and on the stop signal a checkpoint of the steps done."""
-    pending_rows, pending_events, last, saved_at = [], [], {}, -1
+    pending_rows, pending_events, metrics, last, saved_at = [], [], [], {}, -1
     task.model.train()
     for step in range(start, task.steps):
         watchdog.at_step(step)          # HPCNN_FAULT, a test-only fault hook
         if signals.poll():
             flush_ranks(ctx, log, pending_rows, pending_events)
+            last = log_metrics(task.divergence, ctx, log, metrics) if metrics else last
             _stopped_at(cfg, ctx, opt, step, signals, say, saved=saved_at == step)
             break
         row, rank_row, events = train_step(ctx, task, opt, step, t_start)
@@ -176,18 +177,17 @@ def _loop(cfg, ctx, task, opt, start, log, say, t_start, signals) -> dict:
             saved_at = done
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == task.steps:
             row.update(_evaluate(ctx, task, signals))
-        last = dict(row, step=step)
-        watch_divergence(task.divergence, step, row["loss"], log, ctx.rank == 0)
+        metrics.append((step, row))
         flush = done % cfg.log_interval == 0 or done == task.steps
         if flush:          # per-rank rows and events reach rank 0 once per log interval
             flush_ranks(ctx, log, pending_rows, pending_events)
             pending_rows, pending_events = [], []
-        if log is not None:
-            log.log_metrics(step, **row)
+        if flush or backend.device == "cpu":     # a device's metrics: on the host at the flush
+            last, metrics = log_metrics(task.divergence, ctx, log, metrics), []
         if flush:
-            extra = "".join(f" | {k} {v:.4f}" for k, v in row.items()
+            extra = "".join(f" | {k} {v:.4f}" for k, v in last.items()
                             if k in ("test_acc", "test_loss", "val_loss"))
-            say(_progress(done, task.steps, row["loss"], row["samples_per_s"],
+            say(_progress(done, task.steps, last["loss"], last["samples_per_s"],
                           time.perf_counter() - t_start) + extra)
     return last
 

@@ -239,3 +239,41 @@ def watch_divergence(divergence: Divergence, step: int, loss: float, log, rank0:
         log.set_plan({"divergence": note})
     if note and rank0:
         to_stderr(f"hpcnn: warning: {note}; the run goes on (--divergence=0: no watch)")
+
+
+def check_loss(loss: float, step: int, rank: int) -> float:
+    """``loss`` (a host number), once checked finite; else FloatingPointError."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at step {step} (rank {rank})")
+    return loss
+
+
+def host_metrics(pending: list, rank: int) -> list:
+    """The (step, row) pairs of ``pending`` with every value a host number: the device scalars
+    a device's step leaves in its rows (:func:`hpcnn.backend.lazy`) read in one counted
+    transfer, at the log flush; each loss then checked finite (FloatingPointError naming the
+    step, as :func:`check_loss` does where the step reads the loss)."""
+    xp = backend.xp
+    keys = [(i, k) for i, (_, row) in enumerate(pending) for k, v in row.items()
+            if not isinstance(v, (int, float))]
+    if not keys:
+        return pending
+    values = backend.to_host(xp.stack([xp.asarray(pending[i][1][k], dtype="float64")
+                                       for i, k in keys]))
+    out = [(step, dict(row)) for step, row in pending]
+    for (i, k), v in zip(keys, values):
+        out[i][1][k] = float(v)
+    for step, row in out:
+        check_loss(row["loss"], step, rank)
+    return out
+
+
+def log_metrics(divergence: Divergence, ctx, log, pending: list) -> dict:
+    """Log the pending (step, metrics row) pairs, read on the host (:func:`host_metrics`),
+    each loss watched for a divergence (:func:`watch_divergence`); returns the last row, with
+    its step. The loop calls it each step on the CPU, at the log flush on a device."""
+    for step, row in host_metrics(pending, ctx.dp.rank):
+        watch_divergence(divergence, step, row["loss"], log, ctx.rank == 0)
+        if log is not None:
+            log.log_metrics(step, **row)
+    return dict(row, step=step)

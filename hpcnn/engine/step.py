@@ -18,6 +18,7 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.engine.execute import run
+from hpcnn.engine.record import check_loss
 from hpcnn.nn import precision
 from hpcnn.nn.optim import clip_grad_norm, lr_at
 from hpcnn.parallel.data.bucketed import dloss_for, shard
@@ -50,7 +51,8 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
                      scale: float = 1.0):
     """This rank's forward and backward of its rows ``x, y`` (rows ``row0 ..`` of the step's
     global batch) as its schedule says; returns (loss sum over its rows, events). The loss sum
-    is known on the last stage's rank only (0 elsewhere). ``trace``: see :func:`.execute.run`.
+    is known on the last stage's rank only (0 elsewhere); on a device it stays there.
+    ``trace``: see :func:`.execute.run`.
     ``scale``: the loss scale (fp16), a factor on every loss gradient."""
     cfg = ctx.cfg
     x, y = task.to_device(x, y)
@@ -68,7 +70,7 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
               trace=trace)
     ctx.peak_stage_bytes = max(ctx.peak_stage_bytes, int(out["peak_bytes"]))
     loss = sum(out["losses"][mb] * sizes[mb] for mb in sorted(out["losses"]))
-    return float(loss), out["events"]
+    return backend.lazy(loss, float), out["events"]
 
 
 def _peak_rss_bytes() -> int:
@@ -127,13 +129,15 @@ def train_step(ctx, task, opt, step: int, t_start: float):
     if trace is not None:
         ctx.traced, ctx.tracing = (trace, list(ctx.engine.last_launched)), False
     ctx.sync_replicated()
-    loss_sum = ctx.loss_everywhere(loss_sum)    # after the reduction: last stages start first
+    # a device's loss of a one-rank run stays there until the log flush (check_loss then)
+    lazy = ctx.world.size == 1 and not isinstance(loss_sum, (int, float))
+    if not lazy:       # staged for the reduction: one counted transfer on a device
+        loss_sum = ctx.loss_everywhere(float(backend.to_host(loss_sum)))   # last stages first
     if ctx.engine.reduces:
         events.append((ctx.rank, "allreduce_wait", -1, tw - t_start, time.perf_counter() - t_start))
-    loss_sum = float(ctx.dp.allreduce_scalars([loss_sum])[0])
+    if not lazy:
+        loss_sum = check_loss(float(ctx.dp.allreduce_scalars([loss_sum])[0]), step, ctx.dp.rank)
     ctx.balancer.step(step, len(mine), ctx.replica_seconds(compute))
-    if not math.isfinite(loss_sum):
-        raise FloatingPointError(f"loss is {loss_sum} at step {step} (rank {ctx.dp.rank})")
     row = {"loss": loss_sum / cfg.batch_size, "lr": lr}
     td = _update(ctx, task, opt, lr, scale, row)
     t3 = time.perf_counter()

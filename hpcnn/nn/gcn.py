@@ -134,6 +134,10 @@ class GraphConv(Block):
             self.params.append(self.bias)
 
     def forward(self, x):
+        if backend.xp is not numpy:        # Â is a scipy.sparse matrix in host memory
+            raise NotImplementedError(f"{self.name}: graph convolution runs on the CPU only "
+                                      f"(a host scipy.sparse Â), not on device "
+                                      f"{backend.device!r}")
         if x.ndim != 2 or x.shape != (self.op.n_local, self.n_in):
             raise ValueError(f"{self.name}: input of shape {x.shape}, expected this rank's "
                              f"{self.op.n_local} rows of {self.n_in} features")

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy
+
 from hpcnn import backend
 from hpcnn.nn.core import BlockSpec
 
 
 def checked_targets(logits_shape, targets, vocab: int, ignore_index: int):
     """Flat targets with ignored entries set to 0, and the mask of counted rows: ``(tt, valid)``,
-    both (N,). Raises ValueError on a shape mismatch or an id outside [0, vocab)."""
+    both (N,). Raises ValueError on a shape mismatch or an id outside [0, vocab) (that one on
+    host arrays only: see :func:`hpcnn.nn.transformer.check_tokens`)."""
     xp = backend.xp
     if tuple(targets.shape) != tuple(logits_shape[:-1]):
         raise ValueError(f"targets shape {targets.shape} != logits shape without the last "
@@ -17,10 +20,21 @@ def checked_targets(logits_shape, targets, vocab: int, ignore_index: int):
     t = targets.reshape(-1)
     valid = t != ignore_index
     tt = xp.where(valid, t, 0)
-    if tt.size and (int(tt.min()) < 0 or int(tt.max()) >= vocab):
+    if tt.size and isinstance(tt, numpy.ndarray) and (int(tt.min()) < 0 or int(tt.max()) >= vocab):
         raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index "
                          f"{ignore_index}; got range [{int(tt.min())}, {int(tt.max())}]")
     return tt, valid
+
+
+def mean_loss(nll, valid, reduction: str):
+    """(loss, count): the sum of ``nll`` (N,) over the counted rows ``valid`` (N,), in float64,
+    divided by their count unless ``reduction`` is "sum", and the count; Python numbers on
+    NumPy, device scalars on a device (:func:`hpcnn.backend.lazy`: no host round-trip in the
+    step)."""
+    count = valid.sum()
+    total = (nll * valid).sum().astype(numpy.float64)     # as float() made it on the host
+    loss = total if reduction == "sum" else total / backend.xp.maximum(count, 1)
+    return backend.lazy(loss, float), backend.lazy(count, int)
 
 
 class CrossEntropyCache(NamedTuple):
@@ -28,7 +42,7 @@ class CrossEntropyCache(NamedTuple):
     probs: Any          # (N, V) softmax probabilities
     tt: Any             # (N,) targets, ignored ones set to 0
     valid: Any          # (N,) bool: the row counts
-    count: int          # number of counted rows
+    count: Any          # number of counted rows (an int; a device scalar on a device)
     shape: tuple        # the logits' shape (..., V)
 
 
@@ -61,9 +75,7 @@ class SoftmaxCrossEntropy:
         rows = xp.arange(z.shape[0])
         # -log p[t] = log(sum exp(z - zmax)) - (z[t] - zmax)
         nll = xp.log(s[:, 0]) - (z[rows, tt] - zmax[:, 0])
-        count = int(valid.sum())
-        total = (nll * valid).sum()
-        loss = float(total) if self.reduction == "sum" else float(total) / max(count, 1)
+        loss, count = mean_loss(nll, valid, self.reduction)
         probs /= s                                                 # probabilities, in place
         probs = backend.down(probs, logits.dtype)                  # kept as the logits are
         return loss, CrossEntropyCache(probs=probs, tt=tt, valid=valid, count=count,
@@ -74,7 +86,7 @@ class SoftmaxCrossEntropy:
         d = backend.up(cache.probs)                                # (N, V) in the compute dtype
         d = d.copy() if d is cache.probs else d
         d[backend.xp.arange(d.shape[0]), cache.tt] -= 1.0
-        scale = dloss if self.reduction == "sum" else dloss / max(cache.count, 1)
+        scale = dloss if self.reduction == "sum" else dloss / backend.xp.maximum(cache.count, 1)
         d *= (cache.valid * scale).astype(d.dtype)[:, None]
         return backend.down(d, cache.probs.dtype).reshape(cache.shape)
 

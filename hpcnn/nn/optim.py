@@ -170,9 +170,11 @@ class AdamW(Optimizer):
 
 
 def grad_norm_sq(params) -> float:
-    """Sum of squared gradient entries (a float; parallel layers reduce it across ranks)."""
+    """Sum of squared gradient entries (a float; parallel layers reduce it across ranks),
+    summed in float64 on the device and read on the host: one counted transfer on a device."""
     xp = backend.xp
-    return float(sum(float(xp.vdot(p.grad.ravel(), p.grad.ravel())) for p in params))
+    total = sum(xp.vdot(p.grad.ravel(), p.grad.ravel()).astype("float64") for p in params)
+    return float(backend.to_host(total))
 
 
 def clip_grad_norm(params, max_norm: float, norm_sq: float | None = None) -> float:

@@ -56,14 +56,16 @@ def _residual_spec(name, x_shape, dtype):
 
 def check_tokens(name: str, tokens, max_len: int, vocab: int) -> int:
     """Raise ValueError unless ``tokens`` are integer ids in [0, vocab) of shape (B, T <= max_len);
-    returns T."""
+    returns T. The range is checked on host arrays only: on a device it would be a host
+    round-trip per call, so there the batch is checked before it leaves the host
+    (:meth:`hpcnn.task.Task.to_device`)."""
     if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
         raise ValueError(f"{name}: tokens must be integers of shape (B, T), got "
                          f"{tokens.dtype} {tuple(tokens.shape)}")
     T = tokens.shape[1]
     if T > max_len:
         raise ValueError(f"{name}: sequence length {T} > max_len {max_len}")
-    if tokens.size:
+    if tokens.size and isinstance(tokens, numpy.ndarray):
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"{name}: token ids must lie in [0, {vocab}), got range [{lo}, {hi}]")

@@ -41,7 +41,8 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.parallel.collectives import algorithms      # the algorithms behind allreduce(...)
-from hpcnn.parallel.collectives.mpi_base import Request, _cuda_aware, _mpi, host_buffers
+from hpcnn.parallel.collectives.mpi_base import (Request, _cuda_aware, _mpi, host_buffers,
+                                                 host_side, mpi_buffers, staged)
 from hpcnn.parallel.collectives.objects import ObjectCalls
 from hpcnn.parallel.collectives.state import Collectives
 from hpcnn.parallel.collectives.stats import CommStats
@@ -318,10 +319,15 @@ class Communicator(ObjectCalls):
         levels = self._levels(algorithm)
         if levels is not None:             # two levels (hier.py): the node's, the rail's
             from hpcnn.parallel.collectives import hier
+            mpi_buffers("ireduce_scatter_parts (hier)", sendbuf, recvbuf)   # not staged
             return hier.ireduce_scatter_parts(self, levels, sendbuf, recvbuf, counts)
-        req = self.comm.Ireduce_scatter(sendbuf, recvbuf, counts, op=_mpi().SUM)
+        send = backend.to_host(sendbuf) if staged(sendbuf) else sendbuf      # a device's: staged
+        recv, back = host_side(recvbuf)
+        req = self.comm.Ireduce_scatter(*mpi_buffers("ireduce_scatter_parts", send, recv),
+                                        counts, op=_mpi().SUM)
         nbytes = (sendbuf.size - counts[self.rank]) * sendbuf.itemsize
-        return Request([req], self.stats, "ireduce_scatter", nbytes, t0).at(self.name)
+        return Request([req], self.stats, "ireduce_scatter", nbytes, t0,
+                       on_done=back).at(self.name)
 
     def iallgather_parts(self, buf, counts, algorithm: str = "mpi") -> Request:
         """Start :meth:`allgather_parts` (``MPI_Iallgatherv`` in place); ``wait()`` the request
@@ -335,11 +341,14 @@ class Communicator(ObjectCalls):
         levels = self._levels(algorithm)
         if levels is not None:             # two levels (hier.py): the rail's, the node's
             from hpcnn.parallel.collectives import hier
+            mpi_buffers("iallgather_parts (hier)", buf)                      # not staged
             return hier.iallgather_parts(self, levels, buf, counts)
         displs = [sum(counts[:r]) for r in range(self.size)]
-        req = self.comm.Iallgatherv(_mpi().IN_PLACE, [buf, (counts, displs)])
+        h, back = host_side(buf, copy=True)          # a device's: staged, written back
+        req = self.comm.Iallgatherv(_mpi().IN_PLACE, [*mpi_buffers("iallgather_parts", h),
+                                                      (counts, displs)])
         nbytes = (buf.size - counts[self.rank]) * buf.itemsize
-        return Request([req], self.stats, "iallgather", nbytes, t0).at(self.name)
+        return Request([req], self.stats, "iallgather", nbytes, t0, on_done=back).at(self.name)
 
     def _part_counts(self, op: str, buf, counts) -> list[int]:
         counts = [int(c) for c in counts]
@@ -436,15 +445,20 @@ class Communicator(ObjectCalls):
         nbytes = 0 if dest == MPI.PROC_NULL else buf.nbytes
         if started("isend", self.name, dest, nbytes):   # test-only fault hook
             return self._skipped("isend")
-        return Request([self.comm.Isend(buf, dest=dest, tag=tag)], self.stats, "isend", nbytes,
-                       t0).at(self.name, dest)
+        if staged(buf):                  # a host copy, kept alive by the request
+            buf = backend.to_host(buf)
+        req = self.comm.Isend(*mpi_buffers("isend", buf), dest=dest, tag=tag)
+        return Request([req], self.stats, "isend", nbytes, t0).at(self.name, dest)
 
     def irecv(self, buf, source, tag: int = 0) -> Request:
+        """Start receiving into ``buf``; a :func:`staged` device buffer is written from a host
+        one when the request completes."""
         t0 = time.perf_counter()
         if started("irecv", self.name, source, buf.nbytes):  # test-only fault hook
             return self._skipped("irecv")
-        return Request([self.comm.Irecv(buf, source=source, tag=tag)], self.stats, "irecv", 0,
-                       t0).at(self.name, source, buf.nbytes)
+        h, back = host_side(buf)
+        return Request([self.comm.Irecv(*mpi_buffers("irecv", h), source=source, tag=tag)],
+                       self.stats, "irecv", 0, t0, on_done=back).at(self.name, source, buf.nbytes)
 
     # -- sub-communicators and the node ------------------------------------------------------
     def split(self, color: int, key: int, name: str | None = None) -> "Communicator":

@@ -33,6 +33,39 @@ def _cuda_aware() -> bool:
     return os.environ.get("HPCNN_CUDA_AWARE", "0") not in ("", "0", "false")
 
 
+def staged(buf) -> bool:
+    """Whether ``buf`` is a device array this MPI cannot read (no CUDA-aware MPI declared):
+    its message goes through a host copy."""
+    return backend.xp is not numpy and not _cuda_aware() and not isinstance(buf, numpy.ndarray)
+
+
+def host_side(buf, copy: bool = False):
+    """(the buffer MPI receives into, its ``on_done``): ``buf`` itself and None, or for a
+    :func:`staged` one a host buffer (``copy``: holding ``buf``'s values, for an operation in
+    place) and the copy of it back to ``buf`` once received."""
+    if not staged(buf):
+        return buf, None
+    h = backend.to_host(buf) if copy else numpy.empty(buf.shape, buf.dtype)
+
+    def back():
+        buf[...] = backend.to_device(h)
+    return h, back
+
+
+def mpi_buffers(op: str, *arrays):
+    """``arrays`` as given, once checked that MPI can read them: host arrays, or device arrays
+    with a CUDA-aware MPI (declared by ``HPCNN_CUDA_AWARE=1``); any other device array raises
+    :class:`hpcnn.backend.DeviceBufferError` naming ``op`` (stage it: :func:`host_buffers`)."""
+    if backend.xp is not numpy and not _cuda_aware():
+        for a in arrays:
+            if a is not None and not isinstance(a, numpy.ndarray):
+                raise backend.DeviceBufferError(
+                    f"a device buffer handed to MPI in {op} ({type(a).__name__} {a.shape}): "
+                    "this MPI is not declared CUDA-aware (HPCNN_CUDA_AWARE=1); stage it "
+                    "through host memory (mpi_base.host_buffers, backend.to_host/to_device)")
+    return arrays
+
+
 @contextmanager
 def host_buffers(*arrays, writeback=()):
     """Yield buffers MPI can read: the arrays themselves on NumPy or CUDA-aware MPI, else host
@@ -41,11 +74,12 @@ def host_buffers(*arrays, writeback=()):
     if backend.xp is numpy or _cuda_aware():
         yield arrays
         return
-    # CuPy without CUDA-aware MPI
-    hosts = tuple(backend.to_host(a) for a in arrays)  # pragma: no cover
-    yield hosts  # pragma: no cover
-    for i in writeback:  # pragma: no cover
-        arrays[i][...] = backend.to_device(hosts[i])
+    # a device without CUDA-aware MPI (CuPy, or the strict backend): its arrays copied over
+    hosts = tuple(backend.to_host(a) if staged(a) else a for a in arrays)
+    yield hosts
+    for i in writeback:
+        if hosts[i] is not arrays[i]:
+            arrays[i][...] = backend.to_device(hosts[i])
 
 
 class Request:

@@ -328,9 +328,11 @@ class DataParallel:
 
     def _check(self, step: int) -> None:
         # sentinels and reduced buffers are the same on every rank: all take the same branches
-        if all(math.isfinite(float(f[-1])) for f in self.flats):
+        xp = backend.xp                  # the sentinels read at once: one transfer on a device
+        sentinels = backend.to_host(xp.stack([f[-1] for f in self.flats])) if self.flats else ()
+        if all(math.isfinite(float(v)) for v in sentinels):
             return
-        if all(bool(backend.xp.isfinite(f[:-1]).all()) for f in self.flats):
+        if all(bool(backend.to_host(xp.isfinite(f[:-1]).all())) for f in self.flats):
             return                                     # only a sum of squares overflowed
         flags = self.comm.allgather_scalars([1.0 if self._local_bad else 0.0])
         raise non_finite(step, flags[:, 0])

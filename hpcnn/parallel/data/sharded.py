@@ -301,7 +301,9 @@ class ShardedGradients(ShardedDataParallel):
             self._free(b)
 
     def _check(self, step: int) -> None:
-        bad = not all(bool(backend.xp.isfinite(f).all()) for f in self.flats)
+        xp = backend.xp                  # one flag per part, read at once: one transfer
+        bad = not all(backend.to_host(xp.stack([xp.isfinite(f).all() for f in self.flats]))) \
+            if self.flats else False
         flags = self.comm.allgather_scalars([1.0 if bad else 0.0,
                                              1.0 if self._local_bad else 0.0])
         if flags[:, 0].any():

@@ -20,7 +20,7 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec
-from hpcnn.nn.loss import checked_targets
+from hpcnn.nn.loss import checked_targets, mean_loss
 from hpcnn.nn.transformer import Embedding, check_tokens
 from hpcnn.parallel.tensor.linear import TPParameter, seq_local, shard_array
 from hpcnn.parallel.tensor.mappings import (Reduce, ReduceScatterSeq, Volume, allreduce_max,
@@ -114,7 +114,7 @@ class VocabCrossEntropyCache(NamedTuple):
     col: Any            # (N,) the target's local column (0 where not held here)
     own: Any            # (N,) bool: the target's column is held here
     valid: Any          # (N,) bool: the row counts
-    count: int          # number of counted rows
+    count: Any          # number of counted rows (an int; a device scalar on a device)
     shape: tuple        # the local logits' shape (..., V/tp)
 
 
@@ -160,9 +160,7 @@ class VocabParallelCrossEntropy:
         s = st[0]
         # -log p[t] = log(sum exp(z - zmax)) - (z[t] - zmax)
         nll = xp.log(s) - st[1]
-        count = int(valid.sum())
-        total = (nll * valid).sum()
-        loss = float(total) if self.reduction == "sum" else float(total) / max(count, 1)
+        loss, count = mean_loss(nll, valid, self.reduction)
         probs /= s[:, None]                                        # probabilities, in place
         return loss, VocabCrossEntropyCache(probs=probs, col=col, own=own, valid=valid,
                                             count=count, shape=tuple(logits.shape))
@@ -172,7 +170,7 @@ class VocabParallelCrossEntropy:
         d = cache.probs.copy()                                     # (N, V/tp)
         r = backend.xp.nonzero(cache.own)[0]
         d[r, cache.col[r]] -= 1.0                                  # from -z[t], on its owner
-        scale = dloss if self.reduction == "sum" else dloss / max(cache.count, 1)
+        scale = dloss if self.reduction == "sum" else dloss / backend.xp.maximum(cache.count, 1)
         d *= (cache.valid * scale).astype(d.dtype)[:, None]
         return d.reshape(cache.shape)
 
