@@ -292,7 +292,19 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
         "top": (10, int, "layouts to print"),
         "zero": ("0", str, "ZeRO stages to consider, e.g. 0,1,2,3 (1: optimizer state over "
                            "dp, 2: gradients too, 3: parameters too)"),
-        "json": (False, bool, "print JSON for scripts")}
+        "tp": ("", str, "tensor-parallel sizes allowed: 8 (fixed), 2-8 (bounds) or 2,4,8; "
+                        "'' free"),
+        "pp": ("", str, "pipeline stages allowed, as --tp"),
+        "dp": ("", str, "data-parallel replicas allowed, as --tp"),
+        "microbatches": ("", str, "micro-batches per step allowed, as --tp"),
+        "micro_batch_size": ("", str, "sequences per micro-batch allowed, as --tp"),
+        "schedule": ("", str, "pipeline schedules allowed, e.g. 1f1b,zb_h1 (of 1f1b, gpipe, "
+                              "zb_h1); '' all"),
+        "remat": ("", str, "rematerialization allowed: none, full or none,full; '' both"),
+        "explain": ("", str, "price one layout term by term, e.g. 'dp=8,tp=8,pp=16,"
+                             "microbatches=64,schedule=1f1b,remat=none,zero=1'"),
+        "json": (False, bool, "print JSON for scripts: each layout's dimensions as fields, its "
+                              "step, memory by kind and throughput")}
 
 
 NOTHING_FITS = 3       # hpcnn plan's exit code when no layout fits the devices' memory
@@ -303,7 +315,8 @@ def cmd_plan(args) -> int:
     no profiling, no MPI; prints the winner's formula and what separates it from the next, or
     exits with :data:`NOTHING_FITS` when no layout fits the devices' memory. A
     layout the planner cut into stages shows its transformer blocks per stage (``stages 3|5``;
-    ``stages`` in the JSON rows, [] for the uniform cut)."""
+    ``stages`` in the JSON rows, [] for the uniform cut). ``--tp`` ... ``--remat`` fix or bound
+    dimensions; ``--explain`` prices one layout term by term instead (:func:`_explain`)."""
     if any(a in ("-h", "--help") for a in args):
         print(_help("plan", PLAN))
         return 0
@@ -315,10 +328,10 @@ def cmd_plan(args) -> int:
     zero = sorted({z.strip() for z in o["zero"].split(",")}) if err is None else []
     if err is None and (not zero or set(zero) - {"0", "1", "2", "3"}):
         err = f"hpcnn plan: --zero={o['zero']}: ZeRO stages are 0, 1, 2 and 3, e.g. --zero=0,1,2,3"
+    allow, err = (_allow(o) if err is None else (None, err))
     if err:
         print(err, file=sys.stderr)
         return 2
-    import json
     import time
 
     from hpcnn.plan import hybrid
@@ -327,26 +340,118 @@ def cmd_plan(args) -> int:
         mach = load_machine(o["machine"])
         model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"], o["vocab"],
                                    o["batch"], o["dtype"])
+        if o["explain"]:
+            return _explain(model, mach, o)
         ranked = hybrid.plan(model, mach, o["devices"] or mach.p,
                              memory_bytes=o["memory_gb"] * 1e9 or None,
-                             zero=tuple(int(z) for z in zero))
+                             zero=tuple(int(z) for z in zero), allow=allow)
     except (ValueError, OSError) as e:
         print(f"hpcnn plan: {e}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - t0
     devices = o["devices"] or mach.p
-    flops = hybrid.flops_per_step(model)
-    rows = [{"layout": str(q.layout), "step_s": q.step_s, "memory_gb": q.memory_bytes / 1e9,
-             "tflops_per_device": flops / q.step_s / devices / 1e12, "feasible": q.feasible,
-             "stages": list(q.layout.stages), "zero": q.layout.zero, "parts": q.parts}
-            for q in ranked[:o["top"]]]
+    rows = [_plan_row(model, q, devices) for q in ranked[:o["top"]]]
     fits = bool(ranked) and ranked[0].feasible      # ranked: the layouts that fit first
     if o["json"]:
+        import json
         print(json.dumps({"machine": mach.name, "devices": devices, "params": model.params(),
                           "layouts": len(ranked), "search_s": seconds, "feasible": fits,
                           "ranked": rows}))
         return 0 if fits else NOTHING_FITS
     return _print_plan(model, mach, devices, ranked, rows, seconds)
+
+
+def _allow(o: dict):
+    """(``allow`` for :func:`hpcnn.plan.hybrid.plan` from ``--tp`` ... ``--remat``, None) or
+    (None, the error line): a number, ``A-B`` (bounds) or a comma list; names for the
+    schedule and remat."""
+    from hpcnn.plan.hybrid import REMAT, SCHEDULES
+    allow = {}
+    for key in ("tp", "pp", "dp", "microbatches", "micro_batch_size", "schedule", "remat"):
+        raw = o[key].strip()
+        if not raw:
+            continue
+        if key in ("schedule", "remat"):
+            names, known = {x.strip() for x in raw.split(",")}, SCHEDULES if key == "schedule" \
+                else REMAT
+            if names - set(known):
+                return None, (f"hpcnn plan: --{key}={raw}: expected some of {', '.join(known)}, "
+                              f"comma-separated")
+            allow[key] = names
+            continue
+        try:
+            if "-" in raw:
+                lo, hi = (int(x) for x in raw.split("-"))
+                allow[key] = range(lo, hi + 1)
+            else:
+                allow[key] = {int(x) for x in raw.split(",")}
+        except ValueError:
+            return None, (f"hpcnn plan: --{key}={raw}: expected a number, bounds A-B or a comma "
+                          f"list, e.g. --{key}=8, --{key}=2-8, --{key}=2,4,8")
+        if not allow[key] or min(allow[key]) < 1:
+            return None, f"hpcnn plan: --{key}={raw}: sizes are numbers >= 1"
+    return allow, None
+
+
+def _plan_row(model, q, devices: int) -> dict:
+    """One ranked layout as the JSON gives it: every dimension a field, the predicted step, the
+    memory per device by kind, throughput per device as model FLOP/s (without recomputation,
+    Narayanan et al.'s convention) and as hardware FLOP/s (with it), the step's parts."""
+    from hpcnn.plan import hybrid
+    lay = q.layout
+    return {"layout": str(lay), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+            "microbatches": lay.microbatches,
+            "micro_batch_size": model.batch // (lay.dp * lay.microbatches),
+            "schedule": lay.schedule if lay.pp > 1 else "none", "remat": lay.remat,
+            "zero": lay.zero, "stages": list(lay.stages), "step_s": q.step_s,
+            "memory_gb": q.memory_bytes / 1e9,
+            "memory_by_kind_gb": {k: v / 1e9 for k, v in q.memory_parts.items()},
+            "tflops_per_device": hybrid.flops_per_step(model) / q.step_s / devices / 1e12,
+            "hardware_tflops_per_device":
+                hybrid.hardware_flops_per_step(model, lay) / q.step_s / devices / 1e12,
+            "feasible": q.feasible, "parts": q.parts}
+
+
+def _explain(model, mach, o: dict) -> int:
+    """``hpcnn plan --explain=LAYOUT``: the layout's step term by term (seconds and share),
+    its memory per device by kind, and its throughput; exit 2 on a layout that cannot be read
+    or does not fill the devices."""
+    from hpcnn.plan import hybrid
+    fields = {"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b",
+              "remat": "none", "zero": 0, "stages": ()}
+    for item in (x.strip() for x in o["explain"].split(",") if x.strip()):
+        key, _, value = item.partition("=")
+        if key not in fields or not value:
+            raise ValueError(f"--explain: {item!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(fields)} (stages as 6|6|4)")
+        fields[key] = (value if key in ("schedule", "remat") else
+                       tuple(int(v) for v in value.split("|")) if key == "stages" else int(value))
+    lay = hybrid.Layout(**fields)
+    devices = o["devices"] or lay.dp * lay.tp * lay.pp
+    if lay.dp * lay.tp * lay.pp != devices or devices > mach.p:
+        raise ValueError(f"--explain: dp x tp x pp = {lay.dp * lay.tp * lay.pp}, not the "
+                         f"{devices} devices (of {mach.p} on {mach.name})")
+    q = hybrid.price(model, lay, mach.with_devices(devices), o["memory_gb"] * 1e9 or None)
+    row = _plan_row(model, q, devices)
+    print(f"{lay} on {devices} devices of {mach.name}: {q.step_s:.4g} s a step, "
+          f"{row['tflops_per_device']:.1f} model TFLOP/s a device "
+          f"({row['hardware_tflops_per_device']:.1f} hardware, recomputation counted)")
+    for part, sec in sorted(q.parts.items(), key=lambda kv: -kv[1]):
+        print(f"  {part:<10} {sec:10.4g} s  {sec / q.step_s:6.1%}  {EXPLAIN[part]}")
+    print(f"memory a device: {q.memory_bytes / 1e9:.2f} GB"
+          f"{'' if q.feasible else ' (does not fit)'}: " + ", ".join(
+              f"{k} {v / 1e9:.2f}" for k, v in q.memory_parts.items()))
+    print(f"as a sum: {q.formula}")
+    return 0
+
+
+EXPLAIN = {"compute": "the stage passes' blocks and head, at the device's rates",
+           "tp_comm": "tensor parallelism's allreduces, two per block each way",
+           "bubble": "the pipeline's fill and drain (the schedule's span beyond its passes)",
+           "pp_comm": "activation messages between stages on the critical path",
+           "dp_comm": "the data-parallel gradient reduction",
+           "optimizer": "the optimizer's update (and ZeRO's gathers)",
+           "held": "fresh memory for the activations held beyond one micro-batch's"}
 
 
 def _print_plan(model, mach, devices: int, ranked: list, rows: list, seconds: float) -> int:

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from hpcnn.cli_tools import cmd_simulate
 from mpi_util import ROOT, mpiexec
 
@@ -173,3 +175,55 @@ def test_plan_prices_zero_stages_when_asked(capsys):
     assert cmd_plan(small + ["--zero=4"]) == 2
     assert capsys.readouterr().err == ("hpcnn plan: --zero=4: ZeRO stages are 0, 1, 2 and 3, "
                                        "e.g. --zero=0,1,2,3\n")
+
+
+def test_plan_fixes_and_bounds_dimensions_and_gives_them_as_fields(capsys):
+    """``--tp=2 --pp=1-2 --schedule=1f1b --remat=none`` keeps only such layouts; every JSON row
+    has each dimension as a field, the memory by kind summing to the whole, and its two
+    throughputs (hardware >= model, equal without recomputation); a bad bound is one line."""
+    import json
+    from hpcnn.cli_tools import cmd_plan
+    small = ["--n_layers=4", "--dim=64", "--n_heads=4", "--seq=32", "--vocab=65", "--batch=24",
+             "--machine=dgx-a100-cluster", "--devices=8", "--json", "--top=1000"]
+    assert cmd_plan(small) == 0
+    every = json.loads(capsys.readouterr().out)["ranked"]
+    assert {r["microbatches"] for r in every} >= {3, 6, 12}      # not only powers of two
+    assert cmd_plan(small + ["--tp=2", "--pp=1-2", "--schedule=1f1b", "--remat=none",
+                             "--micro_batch_size=1,2"]) == 0
+    some = json.loads(capsys.readouterr().out)["ranked"]
+    assert some and len(some) < len(every)
+    for r in some:
+        assert r["tp"] == 2 and r["pp"] in (1, 2) and r["remat"] == "none"
+        assert r["schedule"] in ("1f1b", "none") and r["micro_batch_size"] in (1, 2)
+        assert r["dp"] * r["tp"] * r["pp"] == 8 and 24 == r["dp"] * r["microbatches"] * \
+            r["micro_batch_size"]
+        assert sum(r["memory_by_kind_gb"].values()) == pytest.approx(r["memory_gb"], rel=1e-12)
+        assert r["hardware_tflops_per_device"] == pytest.approx(r["tflops_per_device"])
+    full = [r for r in every if r["remat"] == "full"]
+    assert full and all(r["hardware_tflops_per_device"] > r["tflops_per_device"] for r in full)
+    assert cmd_plan(small + ["--tp=2-x"]) == 2
+    assert capsys.readouterr().err.startswith("hpcnn plan: --tp=2-x: expected a number, bounds")
+    assert cmd_plan(small + ["--schedule=zb_v"]) == 2
+    assert "expected some of 1f1b, gpipe, zb_h1" in capsys.readouterr().err
+
+
+def test_plan_explains_one_layout_term_by_term(capsys):
+    """``--explain`` prints the step's parts (their seconds summing to the step), the memory
+    by kind and the formula; a layout that does not fill the devices is one line, exit 2."""
+    from hpcnn.cli_tools import cmd_plan
+    small = ["--n_layers=4", "--dim=64", "--n_heads=4", "--seq=32", "--vocab=65", "--batch=24",
+             "--machine=dgx-a100-cluster"]
+    assert cmd_plan(small + ["--explain=dp=2,tp=2,pp=2,microbatches=4,remat=full"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("dp=2 x tp=2 x pp=2, 1f1b, 4 micro-batches, remat=full on 8 "
+                             "devices of dgx-a100-cluster: ")
+    step = float(out[0].split(": ")[1].split(" s a step")[0])
+    parts = [float(line.split()[1]) for line in out[1:8]]
+    assert {line.split()[0] for line in out[1:8]} == {
+        "compute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer", "held"}
+    assert sum(parts) == pytest.approx(step, rel=1e-3)
+    assert out[8].startswith("memory a device: ") and "activations" in out[8]
+    assert cmd_plan(small + ["--devices=16", "--explain=dp=2,tp=2,pp=2"]) == 2
+    assert "dp x tp x pp = 8, not the 16 devices" in capsys.readouterr().err
+    assert cmd_plan(small + ["--explain=dp=2,tq=2"]) == 2
+    assert "'tq=2': expected KEY=VALUE" in capsys.readouterr().err

@@ -142,8 +142,17 @@ class _ShapeComm(NamedTuple):
     name: str = "tp"
 
 
-@lru_cache(maxsize=4096)
 def _block(dim: int, heads: int, seq: int, rows: int, word: int, tp: int = 1) -> tuple:
+    """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
+    transformer block on ``rows`` sequences as one of ``tp`` ranks runs it: one sequence's
+    figures (:func:`_block_one`) times ``rows`` (every figure but the parameters is a sum over
+    the sequences; tests/test_plan_hybrid.py checks it against the spec on many rows)."""
+    f, b, cache, pbytes, xbytes = _block_one(dim, heads, seq, word, tp)
+    return f * rows, b * rows, cache * rows, pbytes, xbytes * rows
+
+
+@lru_cache(maxsize=4096)
+def _block_one(dim: int, heads: int, seq: int, word: int, tp: int = 1, rows: int = 1) -> tuple:
     """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
     transformer block on ``rows`` sequences as one of ``tp`` ranks runs it, from its ``spec()``
     (built without storage: the serial block, or the Megatron block over a tp group)."""
@@ -219,6 +228,7 @@ class Priced:
     memory_bytes: float = 0.0
     feasible: bool = True
     formula: str = ""
+    memory_parts: dict = field(default_factory=dict)    # bytes by kind, the fullest stage's
 
 
 def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0,
@@ -396,8 +406,8 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     t_f, t_b, t_w, tp_s = _pass_times(model, layout, machine, per_stage, True)
     span = schedules.formula_makespan(layout.schedule, pp, m_count, t_f, t_b - t_w, t_w)
     if span is None:
-        lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
-        span = schedules.simulate(lists, t_f, t_b - t_w, t_w).makespan
+        span = schedules.simulate(_lists(layout.schedule, pp, m_count), t_f, t_b - t_w, t_w,
+                                  validated=True).makespan
     span = _weighted(layout, machine, span, m_count * (t_f + t_b))
     msg, pp_s = _messages(model, layout, machine, t_f)
     # every stage priced as the last (the head's table): the fullest, the first, has the
@@ -409,6 +419,16 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     held_s = held_seconds(model, layout, machine)
     return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
             (cache, xbytes), local_params)
+
+
+@lru_cache(maxsize=256)
+def _lists(schedule: str, pp: int, m_count: int) -> tuple:
+    """The instruction lists of ``schedule`` on pp ranks and stages, M micro-batches,
+    validated once (every stage cut of a plan simulates the same lists)."""
+    from hpcnn.schedule import pipeline as schedules
+    lists = schedules.SCHEDULES[schedule](pp, m_count, pp)
+    schedules.validate(lists, pp, m_count, pp)
+    return tuple(tuple(lst) for lst in lists)
 
 
 def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float,
@@ -465,13 +485,21 @@ def _stage_params(model: Transformer, layout: Layout, stage: int, blocks: float,
 
 def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float, head: bool,
                   optimizer: str, slots: int | None = None) -> float:
-    """Bytes one rank of stage ``stage`` holds at its peak: its parameters (:func:`_stage_params`)
-    x :func:`state_bytes` (parameter, gradient, optimizer ``slots``, master copy; 1/dp of them
-    by the ZeRO stage), the optimizer's scratch (at zero >= 1 at most the rank's part)
-    array, the size of its largest parameter (an MLP weight, dim x 4 dim / tp, or a table), at
-    zero 3 the gathered parameters of two blocks (one computing, the next prefetched: twice the
-    largest of a transformer block, the embedding's tables, the LM head), and its held
-    activations (:func:`_held_bytes`)."""
+    """Bytes one rank of stage ``stage`` holds at its peak: the sum of
+    :func:`stage_memory_parts`."""
+    return sum(stage_memory_parts(model, layout, stage, blocks, head, optimizer, slots).values())
+
+
+def stage_memory_parts(model: Transformer, layout: Layout, stage: int, blocks: float,
+                       head: bool, optimizer: str, slots: int | None = None) -> dict:
+    """Bytes one rank of stage ``stage`` holds at its peak, by kind: ``parameters``,
+    ``gradients`` and ``optimizer`` (the slots and, at 16 bits, the master copy) of its
+    parameters (:func:`_stage_params`; 1/dp of them by the ZeRO stage, :func:`state_bytes`),
+    ``scratch`` (the optimizer's: an array the size of its largest parameter, an MLP weight,
+    dim x 4 dim / tp, or a table; at zero >= 1 at most the rank's part), ``gathered`` (at zero
+    3 the parameters of two blocks, one computing, the next prefetched: twice the largest of a
+    transformer block, the embedding's tables, the LM head) and ``activations`` (the held
+    ones, :func:`_held_bytes`)."""
     table = model.vocab * model.dim / layout.tp
     largest = max(4 * model.dim * model.dim / layout.tp, table if head or stage == 0 else 0,
                   model.seq * model.dim if stage == 0 else 0)
@@ -484,8 +512,14 @@ def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float,
         gathered = 2 * max(block / model.word, table if head else 0,
                            table + model.seq * model.dim if stage == 0 else 0)
     wide = 4 if model.word == 2 else model.word          # the optimizer's words (16 bits: fp32)
-    return (state_bytes(optimizer, layout, model.word, slots) * params + largest * wide
-            + gathered * model.word + _held_bytes(model, layout, stage, blocks))
+    dp, zero = layout.dp, layout.zero
+    weights = params * model.word / (dp if zero >= 3 else 1)
+    grads = params * wide / (dp if zero >= 2 else 1)
+    return {"parameters": weights, "gradients": grads,
+            "optimizer": state_bytes(optimizer, layout, model.word, slots) * params
+            - weights - grads,
+            "scratch": largest * wide, "gathered": gathered * model.word,
+            "activations": _held_bytes(model, layout, stage, blocks)}
 
 
 def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
@@ -512,7 +546,8 @@ def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
 
 def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=None):
     """(span, pp messages, busiest stage's (t_f, t_b, t_w, tp_s), dp allreduce + update of the
-    fullest stage as (dp_s, opt_s), memory per rank) of a layout with explicit ``stages``.
+    fullest stage as (dp_s, opt_s), the fullest stage's memory by kind) of a layout with explicit
+    ``stages``.
 
     Our choices (the thesis is silent on stage cuts): each stage's times from its own block
     count (:func:`_pass_times`), the LM head's on the stages in ``heads`` (default: the last
@@ -528,16 +563,16 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     times = [_pass_times(model, layout, machine, n, s in heads)
              for s, n in enumerate(layout.stages)]
     t_f, t_b, t_w, _ = (list(t) for t in zip(*times))
-    lists = schedules.SCHEDULES[layout.schedule](pp, m_count, pp)
-    span = schedules.simulate(lists, t_f, [b - w for b, w in zip(t_b, t_w)], t_w).makespan
+    span = schedules.simulate(_lists(layout.schedule, pp, m_count), t_f,
+                              [b - w for b, w in zip(t_b, t_w)], t_w, validated=True).makespan
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
     _, pp_s = _messages(model, layout, machine, max(t_f))
     params = [_stage_params(model, layout, s, n, s in heads) for s, n in enumerate(layout.stages)]
     reduce = [(dp_allreduce_s(q * word, layout, machine, after=max(t_b))
                * reduced_share(layout),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
-    memory = max(_stage_memory(model, layout, s, n, s in heads, optimizer)
-                 for s, n in enumerate(layout.stages))
+    memory = max((stage_memory_parts(model, layout, s, n, s in heads, optimizer)
+                  for s, n in enumerate(layout.stages)), key=lambda m: sum(m.values()))
     busiest = max(times, key=lambda t: t[0] + t[1])
     return span, pp_s, busiest, max(reduce, key=sum), memory
 
@@ -558,8 +593,9 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     else:
         st, _, local_params = _priced_parts(model, layout, machine, optimizer)
         per_stage = model.n_layers / pp
-        memory = max(_stage_memory(model, layout, s, per_stage, True, optimizer)
-                     for s in range(pp))
+        memory = max((stage_memory_parts(model, layout, s, per_stage, True, optimizer)
+                      for s in range(pp)), key=lambda m: sum(m.values()))
+    memory_parts, memory = memory, sum(memory.values())
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
     parts = {"compute": compute, "tp_comm": 2 * m_count * st.tp_s,
@@ -573,7 +609,7 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
                f"+ {optimizer} update {st.opt_s:.3g}"
                + (f" + held activations {st.held_s:.3g}" if st.held_s else "")
                + f" = {step:.4g} s")
-    return Priced(layout, step, parts, memory, memory <= cap, formula)
+    return Priced(layout, step, parts, memory, memory <= cap, formula, memory_parts)
 
 
 def stage_cut(model: Transformer, layout: Layout, machine,
@@ -629,64 +665,85 @@ STAGE_CUT_PASSES = 64
 
 
 def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT, machine=None,
-            memory_bytes: float | None = None, zero=(0,)):
+            memory_bytes: float | None = None, zero=(0,), allow: dict | None = None):
     """Every layout of ``model`` on ``devices``: dp x tp x pp = devices, tp dividing the heads,
-    pp dividing the layers, micro-batches M a power of two with dp x M dividing the batch (and
+    pp dividing the layers, any count of micro-batches M with dp x M dividing the batch (and
     M >= pp for the pipelined schedules' steady state), each schedule and remat choice (no
     rematerialized zero-bubble schedule: their split backward is not rematerialized), each
     ZeRO stage of ``zero`` (stages 1 and 2 only where dp > 1).
 
     With a ``machine``, each pipelined choice (pp > 1) with pp x M <= :data:`STAGE_CUT_PASSES`
     also comes with explicit stages cut by :func:`stage_cut` for that machine and
-    ``memory_bytes``, pp then any number up to the layers (not only their divisors)."""
+    ``memory_bytes``, pp then any number up to the layers (not only their divisors).
+    ``allow`` fixes or bounds dimensions: {"tp", "pp", "dp", "microbatches",
+    "micro_batch_size", "schedule", "remat", "zero"} -> the values allowed (any container:
+    a set, a ``range``); a dimension not named is free."""
+    ok = _allowed(allow or {})
     for tp in _divisors(devices):
-        if model.n_heads % tp:
+        if model.n_heads % tp or not ok("tp", tp):
             continue
         for pp in _divisors(devices // tp):
             uniform = model.n_layers % pp == 0
-            if not uniform and (machine is None or pp > model.n_layers):
+            if not uniform and (machine is None or pp > model.n_layers) or not ok("pp", pp):
                 continue
             dp = devices // (tp * pp)
-            if model.batch % dp:
+            if model.batch % dp or not ok("dp", dp):
                 continue
-            m_count = 1
-            while model.batch % (dp * m_count) == 0:
-                if pp == 1 or m_count >= pp:
-                    for s in (("1f1b",) if pp == 1 else schedules):
-                        for r in remat:
-                            if r != "none" and s.startswith("zb"):  # as hpcnn train refuses
-                                continue
-                            for z in zero if dp > 1 else (0,):
-                                if z == 3 and pp > 1:     # as hpcnn train refuses
-                                    continue
-                                yield from _with_cut(Layout(dp, tp, pp, m_count, s, r, zero=z),
-                                                     uniform, model, machine, memory_bytes)
-                m_count *= 2
+            for m_count in _divisors(model.batch // dp):
+                if (pp > 1 and m_count < pp) or not ok("microbatches", m_count) or not ok(
+                        "micro_batch_size", model.batch // (dp * m_count)):
+                    continue
+                for s in (("1f1b",) if pp == 1 else schedules):
+                    for r in remat:
+                        if r != "none" and s.startswith("zb"):   # as hpcnn train refuses
+                            continue
+                        for z in zero if dp > 1 else (0,):
+                            if z == 3 and pp > 1 or not (ok("schedule", s) and ok("remat", r)
+                                                         and ok("zero", z)):
+                                continue                         # (zero 3: as train refuses)
+                            yield from _with_cut(Layout(dp, tp, pp, m_count, s, r, zero=z),
+                                                 uniform, model, machine, memory_bytes)
+
+
+DIMENSIONS = ("tp", "pp", "dp", "microbatches", "micro_batch_size", "schedule", "remat", "zero")
+
+
+def _allowed(allow: dict):
+    """``ok(name, value)``: whether ``allow`` (dimension -> allowed values) lets ``value``."""
+    unknown = set(allow) - set(DIMENSIONS)
+    if unknown:
+        raise ValueError(f"unknown layout dimension(s) {sorted(unknown)}: expected some of "
+                         f"{list(DIMENSIONS)}")
+    return lambda name, value: name not in allow or value in allow[name]
 
 
 def _with_cut(lay: Layout, uniform: bool, model, machine, memory_bytes):
     """``lay`` if its stages are uniform, and with a ``machine`` its stage cut (pipelined, up
-    to :data:`STAGE_CUT_PASSES` passes)."""
+    to :data:`STAGE_CUT_PASSES` passes, micro-batch counts a power of two: each cut is a
+    search and a simulation, what a plan's time goes to)."""
     if uniform:
         yield lay
-    if machine is not None and lay.pp > 1 and lay.pp * lay.microbatches <= STAGE_CUT_PASSES:
+    m = lay.microbatches
+    if machine is not None and lay.pp > 1 and lay.pp * m <= STAGE_CUT_PASSES and not m & (m - 1):
         yield dataclasses.replace(lay, stages=stage_cut(model, lay, machine, memory_bytes))
 
 
 def plan(model: Transformer, machine, devices: int | None = None, *,
-         memory_bytes: float | None = None, zero=(0,)) -> list[Priced]:
+         memory_bytes: float | None = None, zero=(0,), allow: dict | None = None) -> list[Priced]:
     """Every layout priced (:func:`layouts` with this machine: the uniform ones and the stage
-    cuts), the feasible ones first, each group by predicted step time."""
+    cuts; ``allow`` fixing or bounding dimensions), the feasible ones first, each group by
+    predicted step time."""
     devices = machine.p if devices is None else int(devices)
     if devices < 1 or devices > machine.p:
         raise ValueError(f"devices={devices}: the machine {machine.name!r} has {machine.p}")
     out = [price(model, lay, machine, memory_bytes)
            for lay in layouts(model, devices, machine=machine, memory_bytes=memory_bytes,
-                              zero=zero)]
+                              zero=zero, allow=allow)]
     if not out:
         raise ValueError(f"no layout of {model} fits {devices} devices (tp must divide the "
                          f"{model.n_heads} heads, pp the {model.n_layers} layers or be cut "
-                         f"into stages, dp the batch)")
+                         f"into stages, dp the batch)"
+                         + (f" within {allow}" if allow else ""))
     return sorted(out, key=lambda q: (not q.feasible, q.step_s if q.feasible else q.memory_bytes))
 
 
@@ -697,7 +754,20 @@ def flops_per_step(model: Transformer) -> float:
     return model.n_layers * (f + b) + 3 * head
 
 
-__all__ = ["Layout", "Priced", "StageTimes", "Transformer", "dp_allreduce_forms", "flops_per_step",
+def hardware_flops_per_step(model: Transformer, layout: Layout) -> float:
+    """FLOPs one step runs, recomputation counted: :func:`flops_per_step` plus, under
+    ``remat="full"``, the forward of the blocks run again (:func:`recomputed_forward`: all of
+    the last stage's, all but one of every other stage's)."""
+    if layout.remat != "full":
+        return flops_per_step(model)
+    f = _block(model.dim, model.n_heads, model.seq, model.batch, model.word, 1)[0]
+    again = model.n_layers - (layout.pp - 1) if not layout.stages else sum(
+        n - (s < layout.pp - 1) for s, n in enumerate(layout.stages))
+    return flops_per_step(model) + f * again
+
+
+__all__ = ["DIMENSIONS", "Layout", "Priced", "StageTimes", "Transformer", "dp_allreduce_forms",
+           "flops_per_step", "hardware_flops_per_step",
            "held_microbatches",
            "layouts", "plan", "price", "recomputed_forward", "ring_allreduce_s", "stage_cut",
            "stage_times", "update_seconds"]

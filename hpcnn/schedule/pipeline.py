@@ -422,7 +422,7 @@ def _owner_of(schedule_lists, n_stages):
 
 
 def simulate(schedule_lists, t_f, t_b, t_w=0.0, t_comm=0.0, n_stages=None, n_micro=None, *,
-             act_bytes=None, w_bytes=0.0):
+             act_bytes=None, w_bytes=0.0, validated=False):
     """Cost a schedule: each rank runs its list in order, a compute instruction takes its cost,
     a SEND is instantaneous (eager) and its message arrives ``t_comm`` later, a RECV waits for it
     (:func:`~hpcnn.schedule.price.price` with a :class:`PipelineCost`).
@@ -433,14 +433,16 @@ def simulate(schedule_lists, t_f, t_b, t_w=0.0, t_comm=0.0, n_stages=None, n_mic
     ``act_bytes`` (scalar or per stage): bytes a micro-batch holds on a stage between its F and
     its B; ``w_bytes``: between its B and its W (split schedules). With ``act_bytes`` the result's
     ``peak_bytes[r]`` predicts rank r's peak. Returns a :class:`Simulation`; the schedule is
-    validated first, each stage placed on the lowest rank that runs a compute instruction of it
-    (any placement: round robin, V, ...).
+    validated first (unless ``validated``: lists the caller has validated already), each stage
+    placed on the lowest rank that runs a compute instruction of it (any placement: round
+    robin, V, ...).
     """
     n_ranks = len(schedule_lists)
     flat = [i for lst in schedule_lists for i in lst]
     n_stages = n_stages or 1 + max(i.stage for i in flat)
     n_micro = n_micro or 1 + max(i.mb for i in flat)
-    validate(schedule_lists, n_stages, n_micro, n_ranks, _owner_of(schedule_lists, n_stages))
+    if not validated:
+        validate(schedule_lists, n_stages, n_micro, n_ranks, _owner_of(schedule_lists, n_stages))
     split = any(i.kind == "W" for i in flat)
     per_stage = [_per_stage(t, n_stages, name) for t, name in (
         (t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w"), (act_bytes or 0.0, "act_bytes"),
