@@ -130,13 +130,14 @@ class Checker:
 
 
 class Recorder:
-    """An mpi4py communicator that records the methods called on it (``calls``: (name, args)).
+    """An mpi4py communicator that records the methods called on it (``calls``: (name, args,
+    kwargs); ``marks``: the value of ``mark`` at each call, which the grader sets).
 
     ``allowed``: if given, the only methods the student may call; another raises an
     AttributeError saying so."""
 
     def __init__(self, comm, allowed=None):
-        self._comm, self._allowed, self.calls = comm, allowed, []
+        self._comm, self._allowed, self.calls, self.marks, self.mark = comm, allowed, [], [], None
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def __getattr__(self, name):
@@ -149,6 +150,7 @@ class Recorder:
 
         def recorded(*args, **kw):
             self.calls.append((name, args, kw))
+            self.marks.append(self.mark)
             return attr(*args, **kw)
         return recorded
 
