@@ -246,7 +246,8 @@ def report(title: str, code, text: str, ranks: int, timeout: float, hang_hint: s
         print(f"FAIL {title}: the job ended with status {code} before every rank passed; its "
               f"output:\n{text[-3000:]}")
         return 1
-    print("\n".join(info))
+    for line in info:
+        print(line)
     print(f"PASS {title} ({ranks} ranks)")
     return 0
 
