@@ -134,10 +134,12 @@ class Recorder:
     kwargs); ``marks``: the value of ``mark`` at each call, which the grader sets).
 
     ``allowed``: if given, the only methods the student may call; another raises an
-    AttributeError saying so."""
+    AttributeError saying so. ``before(name, args, kwargs)``: called before each call is made
+    (a check that must fail before MPI does)."""
 
-    def __init__(self, comm, allowed=None):
+    def __init__(self, comm, allowed=None, before=None):
         self._comm, self._allowed, self.calls, self.marks, self.mark = comm, allowed, [], [], None
+        self._before = before
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def __getattr__(self, name):
@@ -149,6 +151,8 @@ class Recorder:
             return attr
 
         def recorded(*args, **kw):
+            if self._before is not None:
+                self._before(name, args, kw)
             self.calls.append((name, args, kw))
             self.marks.append(self.mark)
             return attr(*args, **kw)
@@ -267,7 +271,7 @@ def grade_main(lab_file: str, title: str, ranks: int = 4, timeout: float = 60,
     student = os.path.abspath(args.student)
     rel = os.path.relpath(lab_dir, os.getcwd())
     if not os.path.exists(student):
-        print(f"No {args.student}. To start the lab, copy the skeleton and fill in the functions "
+        print(f"No {os.path.relpath(student)}. To start the lab, copy the skeleton and fill in the functions "
               f"that raise NotImplementedError:\n  cp {rel}/skeleton.py {rel}/student.py\n"
               f"then read {rel}/README.md and grade again.")
         return 2

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import labkit  # noqa: E402
 
 TITLE = "lab 2 (data parallelism)"
-STEPS, LR, CAP = 8, 0.5, 40          # SGD steps per method, learning rate, bucket cap (elements)
+STEPS, LR, CAP = 6, 0.5, 40          # SGD steps per method, learning rate, bucket cap (elements)
 N_IN, HIDDEN, N_OUT = 6, (8, 8), 3
 ERROR_HINT = "run the file on its own under mpiexec to see the whole traceback"
 HANG_HINT = ("every rank must call the same collectives in the same order: the same number of "

@@ -20,7 +20,7 @@ import labkit  # noqa: E402
 
 TITLE = "lab 4 (tensor parallelism)"
 BATCH, N, H = 5, 8, 12
-WIDTHS = (64, 256, 768)                  # timed MLP widths n (hidden 4 n), batch 32
+WIDTHS = (64, 256, 512)                  # timed MLP widths n (hidden 4 n), batch 32
 ERROR_HINT = "run the file on its own under mpiexec to see the whole traceback"
 HANG_HINT = ("every rank must make the same collectives: each f_backward and g_forward is one "
              "Allreduce on every rank")
