@@ -122,3 +122,20 @@ def test_every_lab_has_three_planted_mistakes_and_its_files():
 def test_a_missing_student_file_says_to_copy_the_skeleton(tmp_path):
     p = grade(1, str(tmp_path / "student.py"), tmp_path)
     assert p.returncode == 2 and "cp labs/01-collectives/skeleton.py" in p.stdout, p.stdout
+
+
+@pytest.mark.long
+def test_a_hang_ends_with_each_ranks_last_step(tmp_path):
+    """Rank 0 spins inside ring_allreduce: the grader kills the job at its timeout and names the
+    step every rank was in (long: it waits out the timeout)."""
+    with open(lab_file(1, "solution.py")) as f:
+        text = f.read()
+    old = "    p, r = comm.Get_size(), comm.Get_rank()\n"
+    planted = tmp_path / "hang.py"
+    planted.write_text(text.replace(old, old + "    while r == 0:\n        pass\n", 1))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, lab_file(1, "grade.py"), str(planted), "--timeout", "8",
+                        "--out", str(tmp_path / "r.h5")], capture_output=True, text=True,
+                       timeout=TIMEOUT, env=env, cwd=ROOT)
+    assert p.returncode == 1 and "did not finish within 8 s (a hang)" in p.stdout, p.stdout
+    assert "rank 3: 'ring_allreduce of 1000 elements'" in p.stdout, p.stdout
