@@ -252,7 +252,7 @@ def report(title: str, code, text: str, ranks: int, timeout: float, hang_hint: s
         return 1
     for line in info:
         print(line)
-    print(f"PASS {title} ({ranks} ranks)")
+    print(f"PASS {title} ({ranks} rank{'s' if ranks != 1 else ''})")
     return 0
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from mpi_util import ROOT
 
-LABS = {1: "01-collectives", 2: "02-data-parallel", 3: "03-zero", 4: "04-tensor-parallel"}
+LABS = {1: "01-collectives", 2: "02-data-parallel", 3: "03-zero", 4: "04-tensor-parallel",
+        5: "05-pipelines", 6: "06-memory", 7: "07-planning", 8: "08-hang"}
 TIMEOUT = 150           # seconds per grading run; the graders end a hang themselves after 90
 
 # (lab, mistake, [(old, new), ...] on solution.py, a phrase the FAIL message must contain)
@@ -61,6 +62,52 @@ PLANTED = [
     (4, "f's backward without its allreduce",
      [("    comm.Allreduce(MPI.IN_PLACE, out)\n    return out\n\n\ndef g_forward",
        "    return out\n\n\ndef g_forward")], "f_backward"),
+    (5, "1F1B warm-up one forward too long",
+     [("    warm = min(S - 1 - s, M)\n    ops = [(\"F\", mb) for mb in range(warm)]  ",
+       "    warm = min(S - s, M)\n    ops = [(\"F\", mb) for mb in range(warm)]  ")],
+     "one_f_one_b_order("),
+    (5, "GPipe backwards in reversed micro-batch order",
+     [("[(\"B\", mb) for mb in range(M)]", "[(\"B\", mb) for mb in reversed(range(M))]")],
+     "gpipe_order("),
+    (5, "weight gradient assigned instead of accumulated",
+     [("self.dw += x.T @ dz", "self.dw = x.T @ dz")], "dw after a second backward_weight"),
+    (5, "B runs the whole backward in a split schedule",
+     [("stage.backward_input(dy, cache), (dy, cache)", "stage.backward(dy, cache), (dy, cache)")],
+     "zb_h1, M=4: the weight gradient"),
+    (6, "off-by-one in the checkpoint positions",
+     [("for i in range(1, k):", "for i in range(1, k - 1):")], "Opt["),
+    (6, "a checkpoint's slots not charged",
+     [("opt[k - i][m - wx] + opt[i][m]", "opt[k - i][m] + opt[i][m]")], "Opt["),
+    (6, "the two halves rebuilt in the wrong order",
+     [("return ahead + sequence(choice, k - c, m - wx, wx, wbar, s + c) \\\n"
+       "        + sequence(choice, c, m, wx, wbar, s)",
+       "return sequence(choice, c, m, wx, wbar, s) + ahead \\\n"
+       "        + sequence(choice, k - c, m - wx, wx, wbar, s + c)")], "is not a valid sequence"),
+    (6, "recomputations counted with the first forwards",
+     [("for op in seq) - n", "for op in seq)")], "recomputed("),
+    (7, "missing 1/n in the ring", [("latency + nbytes / n * g", "latency + nbytes * g")],
+     "ring_allreduce("),
+    (7, "gradient allreduce over the wrong group",
+     [("\"grad allreduce\": ring(nb, local * word)", "\"grad allreduce\": ring(nk, local * word)")],
+     "'grad allreduce' superstep"),
+    (7, "bias left out of the update",
+     [("local = i / nb, (k / nk + 1) * j / nj", "local = i / nb, k / nk * j / nj")],
+     "'update' superstep"),
+    (7, "forward FLOPs only", [("3 * 2 * i * k * j", "2 * i * k * j")], "'compute' superstep"),
+    (8, "the rank with nothing to add still skips the allreduce",
+     [("    return math.sqrt(comm.allreduce(local))\n\n\ndef _key",
+       "    if local == 0.0:\n        return 0.0\n    return math.sqrt(comm.allreduce(local))\n\n\n"
+       "def _key")], "collective calls in global_grad_norm differ"),
+    (8, "the sum of the ranks' norms",
+     [("return math.sqrt(comm.allreduce(local))", "return comm.allreduce(math.sqrt(local))")],
+     "global_grad_norm: largest"),
+    (8, "the majority named instead of the ranks apart",
+     [("if waiting.get(r) != call", "if waiting.get(r) == call")],
+     "diagnose(the watchdog's records"),
+    (8, "only the first blocked rank reported",
+     [("for r, lst in enumerate(lists) if pc[r] < len(lst)}",
+       "for r, lst in enumerate(lists) if pc[r] < len(lst) and r == 0}")],
+     "blocked(1f1b, stage 1 without warm-up)"),
 ]
 
 
