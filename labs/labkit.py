@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 import numpy as np
@@ -191,6 +192,7 @@ def worker(lab_dir: str, student: str, out: str) -> None:
         emit("pass", str(rank))
         return
     emit("fail", json.dumps(message))
+    time.sleep(0.5)         # let mpiexec forward the line before the abort kills the ranks
     comm.Abort(1)
 
 
