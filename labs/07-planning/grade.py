@@ -121,13 +121,17 @@ def measured(ck, comm):
     from hpcnn.parallel.collectives import world
     from hpcnn.parallel.layout import free_layout, layout_mlp
     from hpcnn.plan.cost import strategy_cost, to_cut
-    from hpcnn.plan.machine import this_machine
+    from hpcnn.plan.machine import MACHINES, load, this_machine
     from hpcnn.plan.search import dra_sequences
     (dims, batch), p = MEASURE, comm.Get_size()
     machine = this_machine()
+    if machine.p != p:              # a calibrated file of other ranks: the 2-vCPU defaults
+        ck.info(f"this machine's file is for p = {machine.p}, not {p}: priced on "
+                f"machines/local-2vcpu.toml")
+        machine = load(os.path.join(MACHINES, "local-2vcpu.toml"))
     if machine.p != p:
-        ck.info(f"this machine's file is for p = {machine.p}, not {p}: no measurement")
-        return []
+        ck.fail(f"machines/local-2vcpu.toml is for p = {machine.p}, this job has {p} ranks",
+                "grade lab 7 on 2 ranks (--np 2)")
     graph, ops = chain_ops(dims, batch)
     options = dict(layouts(p))
     planned = [to_cut(s, p) for s in dra_sequences(graph, p)]
@@ -155,7 +159,7 @@ def checks(ck, comm, out):
     for dims, batch, m in CASES:
         check_layouts(ck, dims, batch, m)
     rows = measured(ck, comm)
-    if ck.rank == 0 and rows:
+    if ck.rank == 0:
         from hpcnn.log.results import save_table
         save_table(out, "layouts", rows, attrs={"ranks": comm.Get_size(), "dims": str(MEASURE[0]),
                                                 "batch": MEASURE[1]})
