@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: test test-long demo bench docs clean
+.PHONY: test test-long demo bench docs clean lab labs-reference
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,16 @@ demo: $(VENV)/.installed $(LEAN)
 	$(BIN)/hpcnn report runs/demo-gpt-remat.h5 runs/demo-gpt-remat.png
 	@echo "--- what each demo run shows"
 	@$(BIN)/hpcnn report --headline runs/demo-mlp-dp4.h5 runs/demo-gpt-dp2-pp2.h5 runs/demo-gpt-remat.h5
+
+# The teaching labs (labs/README.md): `make lab N=1` grades labs/01-*/student.py (copied from
+# the lab's skeleton.py); `make labs-reference` grades every lab's reference solution, which
+# tests/test_labs.py also does within `make test`.
+lab: $(VENV)/.installed
+	@test -n "$(N)" || { echo "which lab? make lab N=1 (labs/README.md lists them)"; exit 2; }
+	$(BIN)/python labs/grade.py $(N)
+
+labs-reference: $(VENV)/.installed
+	$(BIN)/python labs/grade.py --reference all
 
 # The documentation site (mkdocs.yml, pages under docs/) into site/; --strict fails on a broken
 # link, a missing image or a page left out of the nav. The options reference is generated from
