@@ -134,7 +134,8 @@ def mpiexec_line(names, launcher: str, per_node: int, rate: str, env: dict | Non
     requests queue behind the data going the other way (measured: the library's ring allreduce
     of 64 MiB on 2 x 2 nodes at 500 Mbit/s took 2.39 s with it, 1.89 s without; the link's
     bound is 1.61 s)."""
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+    from hpcnn import scripts
+    mpiexec = scripts.mpiexec()
     genv = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0", "UCX_RNDV_THRESH": "inf",
             "OMP_NUM_THREADS": "1",
             "HPCNN_EMULATED_LINK": f"tbf {rate}, netns", **(env or {})}

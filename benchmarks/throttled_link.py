@@ -246,12 +246,20 @@ def report(a, fig: dict, rows: list, nodes: int, q: int) -> None:
     print(f"tables throttled_link, throttled_link_machine -> {a.out}")
 
 
+def _sibling(name: str):
+    """The module ``benchmarks/NAME.py`` beside this script (benchmarks/ is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     if a.worker:
         return worker(a)
-    sys.path.insert(0, HERE)
-    import netns_cluster
+    netns_cluster = _sibling("netns_cluster")
     why = netns_cluster.usable()
     if why:
         print(f"throttled_link: {why}", file=sys.stderr)

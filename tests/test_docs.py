@@ -69,6 +69,7 @@ SCRIPT_SHORTEN = {
     "benchmarks/graph_unite.py": ["--nodes=3000", "--rounds=1"],
     "benchmarks/plan_search.py": ["--tiny"],
     "benchmarks/throttled_link.py": ["--rate=2gbit", "--sizes=1", "--rounds=1"],
+    "experiments/plan_published.py": ["--only=korthikanti2023-22b-full,bloom2022-176b"],
     "benchmarks/oversubscribed.py": ["--rounds=1", "--stream_mib=1"],
     "experiments/graph_features.py": ["--nodes=300", "--snrs=0,1", "--seeds=1", "--steps=20"],
     "experiments/graph_reduction.py": ["--nodes=300", "--ratios=1,0.3", "--seeds=1",

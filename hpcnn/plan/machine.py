@@ -85,12 +85,8 @@ class Level:
     calibration fits one for the groups of 2 where the ranks pair up
     (docs/results/planner-model.md).
 
-    ``stream_bandwidth`` (optional, pieces as ``bandwidth``) is the rate of one device's
-    messages at this level while the other devices of its child (its node) are quiet: the
-    child's link is no longer shared (``bandwidth`` is per device with every device sending).
-    Where a level has it, a collective in which a fraction f of each child's devices send
-    across at once (a flat ring laid over consecutive ranks: one device a node) gets
-    min(stream, bandwidth / f) per message (:meth:`allreduce_seconds`)."""
+    ``stream_bandwidth`` (optional, pieces): one device's rate here while the rest of its
+    node is quiet (``bandwidth``: each device's with all sending); :meth:`shared_rate`."""
     name: str
     fanout: int
     latency_s: float

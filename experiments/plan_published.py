@@ -1,0 +1,162 @@
+"""The planner held against published large-scale GPT training runs (issue 40).
+
+For each run of ``experiments/published_runs.toml`` (:mod:`hpcnn.plan.published`: Narayanan
+et al. SC 2021, Korthikanti et al. MLSys 2023, BLOOM 176B, NVIDIA NeMo on H100), on the machine
+file of its device (``machines/dgx-a100-cluster.toml``, ``machines/dgx-h100-cluster.toml``: public
+specifications only, nothing fitted to these runs) cut to its device count:
+
+- the **published layout** as the planner prices it: tp, pp, dp, ZeRO stage and recomputation as
+  published (selective recomputation priced as none where the planner has no such choice: said
+  in the row); the micro-batch count from the published micro-batch size, or, where the source
+  does not state it, the planner's best count for that tp x pp x dp; interleaving priced as
+  1F1B where the planner has no virtual stages (said in the row);
+- its predicted throughput per device in the published convention (hardware FLOP/s: the
+  recomputed forward counted, Narayanan et al.'s eq. 3; model FLOP/s: not; MFU and HFU: those
+  over the device's peak; iteration seconds) against the published figure;
+- its predicted memory per device against the device's;
+- its rank among every layout the planner prices for the same model, devices and batch (the
+  first row of the same tp, pp and dp), and the planner's best layout.
+
+It prints one row per run and a summary (median and largest |error|, runs in the top 3, runs
+that fit), and saves the table ``plan_published`` to ``--out``. The runs at FP8 (NeMo's) are
+priced at bfloat16, hpcnn's narrowest precision, and kept out of the summary.
+
+    python experiments/plan_published.py [--out=runs/plan_published.h5] [--only=NAME,...]
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+from hpcnn.plan import hybrid, published
+from hpcnn.plan.machine import load
+
+MACHINES = {"A100": "dgx-a100-cluster", "H100": "dgx-h100-cluster"}
+PRECISION = {"bf16": "bfloat16", "fp16": "float16", "mixed": "float16", "fp8": "bfloat16"}
+
+
+def parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join("runs", "plan_published.h5"))
+    ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    return ap
+
+
+def machine_for(run):
+    for key, name in MACHINES.items():
+        if key in run.device:
+            return load(name).with_devices(run.devices)
+    raise ValueError(f"{run.name}: no machine file for device {run.device!r}")
+
+
+def model_of(run) -> hybrid.Transformer:
+    return hybrid.Transformer(run.layers, run.hidden, run.heads, run.sequence,
+                              run.vocabulary or 51200, run.global_batch,
+                              PRECISION.get(run.precision or "mixed", "float16"))
+
+
+def published_layout(run, model, machine) -> tuple:
+    """(the published layout as priced, what the pricing left out)."""
+    notes = []
+    remat = {"full": "full", "selective": "none", "none": "none", None: "full"}[run.recompute]
+    if run.recompute == "selective":
+        notes.append("selective recomputation priced as none")
+    if run.pp > 1 and ((run.virtual or 1) > 1 or (run.schedule or "").startswith("interleaved")):
+        notes.append("interleaving priced as 1f1b")
+    allow = {"tp": {run.tp}, "pp": {run.pp}, "dp": {run.dp}, "remat": {remat},
+             "schedule": {"1f1b"}}
+    if run.micro_batch:
+        allow["micro_batch_size"] = {run.micro_batch}
+    else:
+        notes.append("micro-batch size not published: the planner's best")
+    zero = (run.zero or 0,)
+    if run.layers % run.pp == 0:
+        best = hybrid.plan(model, machine, run.devices, zero=zero, allow=allow)
+        uniform = [q for q in best if not q.layout.stages] or best
+        return uniform[0], notes
+    # layers not a multiple of the stages: as even a cut as there is, the larger stages first
+    # (BLOOM's 70 layers on 12 stages: 6 or 5 each)
+    big, small = run.layers % run.pp, run.pp - run.layers % run.pp
+    stages = (run.layers // run.pp + 1,) * big + (run.layers // run.pp,) * small
+    notes.append(f"stages {'|'.join(map(str, stages))}")
+    counts = [run.global_batch // (run.dp * run.micro_batch)] if run.micro_batch else [
+        m for m in range(run.pp, run.global_batch // run.dp + 1)
+        if (run.global_batch // run.dp) % m == 0]
+    priced = [hybrid.price(model, hybrid.Layout(run.dp, run.tp, run.pp, m, "1f1b", remat,
+                                                stages=stages, zero=run.zero or 0), machine)
+              for m in counts]
+    return min(priced, key=lambda q: q.step_s), notes
+
+
+def predicted_throughput(run, model, q) -> tuple:
+    """(predicted, published, what) in the published convention."""
+    lay, step = q.layout, q.step_s
+    hw = hybrid.hardware_flops_per_step(model, lay) / step / run.devices / 1e12
+    mf = hybrid.flops_per_step(model) / step / run.devices / 1e12
+    if run.tflops_per_device is not None:
+        return (hw if run.flops_convention == "hardware" else mf), run.tflops_per_device, \
+            f"{run.flops_convention} TFLOP/s"
+    if run.iteration_seconds is not None:
+        return step, run.iteration_seconds, "iteration s"
+    raise ValueError(f"{run.name}: no throughput the experiment can compare")
+
+
+def rank_of(run, model, machine, q) -> tuple:
+    """(1-based rank of the published tp x pp x dp among every layout, the planner's best)."""
+    ranked = hybrid.plan(model, machine, run.devices, zero=(0, 1, 2, 3))
+    feasible = [r for r in ranked if r.feasible] or ranked
+    lay = q.layout
+    for k, r in enumerate(feasible, 1):
+        if (r.layout.tp, r.layout.pp, r.layout.dp) == (lay.tp, lay.pp, lay.dp):
+            return k, feasible[0]
+    return len(feasible) + 1, feasible[0]
+
+
+def row_of(run) -> dict:
+    machine, model = machine_for(run), model_of(run)
+    t0 = time.perf_counter()
+    q, notes = published_layout(run, model, machine)
+    pred, pub, what = predicted_throughput(run, model, q)
+    k, best = rank_of(run, model, machine, q)
+    seconds = time.perf_counter() - t0
+    return {"run": run.name, "devices": run.devices, "layout": str(q.layout),
+            "predicted": pred, "published": pub, "what": what, "error": pred / pub - 1,
+            "memory_gb": q.memory_bytes / 1e9, "device_gb": machine.device.memory_bytes / 1e9,
+            "fits": int(q.feasible), "rank": k, "best": str(best.layout),
+            "best_step_s": best.step_s, "step_s": q.step_s, "plan_s": seconds,
+            "notes": "; ".join(notes), "fp8": int(run.precision == "fp8")}
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    only = {x for x in a.only.split(",") if x}
+    runs = [r for r in published.load() if not only or r.name in only]
+    if only - {r.name for r in runs}:
+        print(f"plan_published: unknown run(s) {sorted(only - {r.name for r in runs})}",
+              file=sys.stderr)
+        return 2
+    rows = []
+    print(f"{'run':36} {'pred':>7} {'pub':>7} {'error':>7} {'mem GB':>7} {'rank':>5}  what; notes")
+    for run in runs:
+        r = row_of(run)
+        rows.append(r)
+        print(f"{r['run']:36} {r['predicted']:7.4g} {r['published']:7.4g} {r['error']:+7.1%} "
+              f"{r['memory_gb']:7.1f}{'' if r['fits'] else '!'} {r['rank']:5d}  {r['what']}"
+              f"{'; ' + r['notes'] if r['notes'] else ''}", flush=True)
+    scored = [r for r in rows if not r["fp8"]]
+    if scored:
+        errs = sorted(abs(r["error"]) for r in scored)
+        print(f"{len(scored)} runs (FP8 runs apart): median |error| {errs[len(errs) // 2]:.1%}, "
+              f"largest {errs[-1]:.1%}; within 15 %: {sum(e <= 0.15 for e in errs)}; "
+              f"published tp x pp x dp in the top 3: {sum(r['rank'] <= 3 for r in scored)}; "
+              f"fits: {sum(r['fits'] for r in scored)}; slowest plan "
+              f"{max(r['plan_s'] for r in scored):.2f} s")
+    from hpcnn.log.results import save_table
+    save_table(a.out, "plan_published", rows, {"machines": ",".join(MACHINES.values())})
+    print(f"table plan_published -> {a.out}")
+    return 0 if math.isfinite(sum(r["error"] for r in rows)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
