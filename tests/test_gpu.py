@@ -138,3 +138,22 @@ def test_every_gpu_comm_path_under_strict_on_2_ranks(tmp_path):
     assert "gpu_comm collectives OK" in out, out
     for layout in ("dp", "tp"):
         assert f"gpu_comm {layout}=2 OK" in out, out
+
+
+def test_the_gpu_check_runs_green_under_strict():
+    """`make gpu-check` without a GPU: benchmarks/gpu_check.py under the strict backend, every
+    check a PASS line (a FAIL makes it exit 1), the throughput line last."""
+    import os
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
+                        "--device=strict"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("gpu-check on strict"), p.stdout
+    checks = [x for x in lines if x.split(" ")[0] in ("PASS", "FAIL", "SKIP")]
+    assert len(checks) == 11 and all(x.startswith("PASS") for x in checks), p.stdout
+    for name in ("blocks", "serial GPT", "dp=2", "tp=2", "pp=2", "zero=1", "zero=2", "zero=3",
+                 "bf16", "fp16", "throughput"):
+        assert any(name in x for x in checks), (name, p.stdout)
+    assert "tokens/s" in checks[-1] and "of peak" in checks[-1], checks[-1]
+    assert lines[-1].startswith("gpu-check: 11 passed, 0 failed"), lines[-1]
