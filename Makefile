@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: test test-long demo bench docs clean lab labs-reference
+.PHONY: test test-long demo bench docs clean lab labs-reference gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,15 @@ labs-reference: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(BIN)/python -c "import mkdocs, material" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[docs]'
 	$(BIN)/python -m mkdocs build --strict -d site
+
+# The GPU check (benchmarks/gpu_check.py, at most ~8 minutes on one GPU): every block kind, a GPT
+# serial and on 2 ranks sharing the GPU (dp, tp, pp, ZeRO-1/2/3), mixed precision, against
+# NumPy, then a throughput line beside PyTorch's. DEVICE=auto takes the GPU CuPy sees (install
+# CuPy first: pip install -e '.[gpu]', the CUDA 12 wheel), else the strict
+# backend; DEVICE=strict forces it.
+DEVICE ?= auto
+gpu-check: $(VENV)/.installed $(LEAN)
+	$(BIN)/python benchmarks/gpu_check.py --device=$(DEVICE)
 
 bench: $(VENV)/.installed $(LEAN)
 	$(BIN)/python benchmarks/serial_step.py

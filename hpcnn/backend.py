@@ -110,6 +110,56 @@ def up(a):
     return a.astype(numpy.float32) if is_narrow(a.dtype) else a
 
 
+def matmul(a, b, out=None):
+    """``a @ b`` of 2-D arrays in their compute dtype (:func:`compute_dtype`): on NumPy and the
+    strict backend the 16-bit operands upcast (:func:`up`) and a float32 product; on CuPy
+    two float16 operands go to cuBLAS as they are, ``cublasGemmEx`` with 16-bit inputs, a
+    float32 result and ``CUBLAS_COMPUTE_32F``: tensor cores accumulating in float32, the same
+    arithmetic as the upcast product (float16 x float16 is exact in float32) without the
+    copies. ``out``: a C-contiguous array of the result's shape and compute dtype."""
+    if device == "gpu" and a.dtype == b.dtype == numpy.float16:   # pragma: no cover - CuPy
+        return _gemm16(a, b, out)
+    a, b = up(a), up(b)
+    return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)
+
+
+def gemm_operand(shape, c_contiguous: bool, f_contiguous: bool):
+    """How cuBLAS (column-major) reads a 2-D row-major operand of ``shape`` (r, c) as the
+    transpose it needs (C^T = B^T A^T): ``("N", c)`` for a C-contiguous array (its memory is
+    the column-major (c, r) matrix), ``("T", r)`` for an F-contiguous one (a transposed view),
+    None for any other (copy it first). Returns (operation, leading dimension)."""
+    r, c = shape
+    if c_contiguous:
+        return "N", max(c, 1)
+    if f_contiguous:
+        return "T", max(r, 1)
+    return None
+
+
+def _gemm16(a, b, out=None):  # pragma: no cover - CuPy: not run on the machines it was written on
+    """C = A B for float16 A (m, k), B (k, n): ``cublasGemmEx`` with a float32 C and
+    ``CUBLAS_COMPUTE_32F`` on CuPy's current stream (see :func:`matmul`)."""
+    from cupy.cuda import device as cuda_device
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
+    (m, k), n = a.shape, b.shape[1]
+    c = out if out is not None else xp.empty((m, n), numpy.float32)
+    ops = []
+    for x in (b, a):                                   # C^T (n, m) = B^T (n, k) A^T (k, m)
+        plan = gemm_operand(x.shape, x.flags.c_contiguous, x.flags.f_contiguous)
+        if plan is None:
+            x = xp.ascontiguousarray(x)
+            plan = gemm_operand(x.shape, True, False)
+        ops.append((x, cublas.CUBLAS_OP_N if plan[0] == "N" else cublas.CUBLAS_OP_T, plan[1]))
+    (bx, opb, ldb), (ax, opa, lda) = ops
+    one, zero = numpy.array(1.0, numpy.float32), numpy.array(0.0, numpy.float32)
+    cublas.gemmEx(cuda_device.get_cublas_handle(), opb, opa, n, m, k, one.ctypes.data,
+                  bx.data.ptr, runtime.CUDA_R_16F, ldb, ax.data.ptr, runtime.CUDA_R_16F, lda,
+                  zero.ctypes.data, c.data.ptr, runtime.CUDA_R_32F, max(n, 1),
+                  cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+    return c
+
+
 def down(a, dtype):
     """``a`` stored as ``dtype``: rounded to nearest (even) when ``dtype`` is narrower; ``a``
     itself when it already has that dtype."""

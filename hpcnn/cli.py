@@ -18,7 +18,7 @@ from hpcnn import to_stderr
 
 SUBCOMMANDS = (   # (name, arguments, one line): what ``hpcnn --help`` lists, in this order
     ("train", "[--key=value ...]", "train a model (hpcnn train --help lists the options)"),
-    ("info", "", "versions, MPI library, backend, BLAS threads"),
+    ("info", "", "versions, MPI library, backend, BLAS threads, GPUs"),
     ("report", "RUN.h5 [OUT.png]", "plot a run log's curves and step times (--trace OUT.json: "
                                    "Perfetto)"),
     ("simulate", "[--key=value ...]", "a pipeline schedule's predicted makespan, bubble and chart"),
@@ -280,6 +280,8 @@ def info_lines() -> list[str]:
     lines.append(f"backend: {backend.device} ({backend.xp.__name__}), "
                  f"default dtype {numpy.dtype(backend.DEFAULT_DTYPE)}")
     lines += _allreduce_lines()
+    from hpcnn.parallel.collectives import gpu
+    lines += gpu.info_lines()
     lines += _thread_pool_lines()
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                                       "HPCNN_DEVICE") if k in os.environ}
@@ -336,7 +338,8 @@ def _allreduce_lines() -> list[str]:
 def cmd_info(args) -> int:
     if args:
         help_asked = args[0] in ("-h", "--help")
-        print("usage: hpcnn info     versions, MPI library, backend, BLAS threads (no options)",
+        print("usage: hpcnn info     versions, MPI library, backend, BLAS threads, GPUs (no "
+              "options)",
               file=sys.stdout if help_asked else sys.stderr)
         return 0 if help_asked else 2
     lines = info_lines() + _node_lines()

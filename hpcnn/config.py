@@ -108,6 +108,8 @@ class TrainConfig:
     loss_scale_backoff: float = 0.5     # fp16: the scale's factor at a step with an inf/NaN gradient (the step is skipped)
     loss_scale_growth_interval: int = 2000  # fp16: good steps in a row before the scale grows
     device: str = "cpu"                 # cpu (NumPy) | gpu (CuPy) | strict (NumPy with a GPU's checks)
+    gpu_comm: str = "auto"              # collectives of device arrays: auto (nccl where CuPy has NCCL, else mpi where MPI is CUDA-aware, else staged) | nccl | mpi (CUDA-aware MPI; HPCNN_CUDA_AWARE=0|1 overrides its detection) | staged (through host memory)
+    share_gpus: bool = False            # let the ranks of a node share its GPUs (else a node with more ranks than GPUs is refused)
     nodes: int = 0                      # emulate this many nodes of consecutive ranks on this machine (0: the real ones, or HPCNN_NODES)
     # -- evaluation and logging -------------------------------------------------------------
     eval_interval: int = 100            # steps between evaluations (0 = only at the end)
@@ -169,6 +171,7 @@ CHOICES = {            # option -> its allowed values
     "slowdown_mode": ("sleep", "spin"), "shard": ("contiguous", "skewed"),
     "partition": GRAPH_PARTITIONS,
     "remat": ("none", "sqrt", "full", "optimal"), "dtype": ("float32", "float64"), "device": ("cpu", "gpu", "strict"),
+    "gpu_comm": ("auto", "nccl", "mpi", "staged"),
     "precision": ("fp32", "bf16", "fp16"), "grad_reduce_dtype": ("fp32", "param"),
     "schedule": tuple(SCHEDULES), "stop_signal": STOP_SIGNALS,
     "coarsen": ("none", "heavy_edge", "spectral", "random"),
@@ -229,7 +232,7 @@ MIN_HANG_TIMEOUT = 1.0
 # options with any value of their type: switches and paths; layout, speeds and slowdown are
 # parsed by _syntax_errors
 FREE = ("half_layers", "sequence_parallel", "overlap", "overwrite", "log_durable", "progress",
-        "show_schedule",
+        "show_schedule", "share_gpus",
         "log", "checkpoint", "resume", "layout", "speeds", "slowdown", "plan", "machine")
 
 
@@ -313,6 +316,9 @@ def combination_errors(c: TrainConfig) -> list[str]:
          f"the run would be aborted as hung")
     need(c.device != "gpu" or importlib.util.find_spec("cupy") is not None,
          "device='gpu' needs CuPy, which is not installed here (pip install 'hpcnn[gpu]')")
+    need(c.gpu_comm == "auto" or c.device != "cpu",
+         f"gpu_comm={c.gpu_comm!r} with device='cpu': the arrays are in host memory; "
+         f"--gpu_comm is for --device=gpu (or strict)")
     return errs
 
 

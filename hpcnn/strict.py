@@ -354,6 +354,118 @@ lib = _Namespace(stride_tricks=_Namespace(
         unwrap(a), *args, **kw))))
 
 
+def _visible() -> list:
+    """The strict node's device numbers this process sees: ``HPCNN_STRICT_DEVICES`` devices
+    (default 1), restricted as CUDA restricts them to those ``CUDA_VISIBLE_DEVICES`` lists."""
+    n = int(os.environ.get("HPCNN_STRICT_DEVICES", "1") or 1)
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return list(range(n))
+    out = []
+    for tok in listed.split(","):                 # CUDA stops at the first invalid entry
+        if not tok.strip().isdigit() or int(tok) >= n:
+            break
+        out.append(int(tok))
+    return out
+
+
+class _Runtime:
+    """``cupy.cuda.runtime``'s calls hpcnn makes, answered for the strict node's devices."""
+
+    @staticmethod
+    def getDeviceCount() -> int:
+        return len(_visible())
+
+    @staticmethod
+    def getDeviceProperties(i: int) -> dict:
+        return {"name": f"strict device {_visible()[i]}".encode(), "totalGlobalMem": 0,
+                "major": 0, "minor": 0}
+
+    @staticmethod
+    def driverGetVersion() -> int:
+        return 0
+
+    runtimeGetVersion = driverGetVersion
+
+
+class _Device:
+    """``cupy.cuda.Device(i)``: ``use()`` makes it current (:data:`CURRENT`); ``pci_bus_id``
+    names the physical device (the strict node's number), as CUDA's names a GPU."""
+
+    def __init__(self, i: int = 0):
+        self.id = int(i)
+
+    @property
+    def pci_bus_id(self) -> str:
+        return f"strict:{_visible()[self.id]}"
+
+    def use(self) -> None:
+        CURRENT["device"] = self.id
+
+
+class _Event:
+    """``cupy.cuda.Event``: recorded on a stream; ``synchronize()`` is a counted host wait."""
+
+    def __init__(self, *args, **kwargs):
+        self.stream = None
+
+    def record(self, stream=None):
+        self.stream = stream if stream is not None else _stream_now()
+
+    @property
+    def done(self) -> bool:
+        return True                      # the strict backend computes at once
+
+    def synchronize(self):
+        STATS["sync"] += 1
+
+
+class _Stream:
+    """``cupy.cuda.Stream``: a handle (``ptr``), ``wait_event`` (device-side ordering: nothing
+    to count), ``synchronize()`` (a counted host wait), and ``with stream:`` to make it
+    current. NumPy underneath runs everything at once, in order: the ordering is recorded
+    (``waited``), not needed."""
+
+    _next = [1]
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None):
+        if ptr is None:
+            ptr, self._next[0] = self._next[0], self._next[0] + 1
+        self.ptr, self.waited, self._prev = ptr, [], []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+    def record(self, event=None):
+        event = event or _Event()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        STATS["sync"] += 1
+
+    def __enter__(self):
+        self._prev.append(CURRENT["stream"])
+        CURRENT["stream"] = self
+        return self
+
+    def __exit__(self, *exc):
+        CURRENT["stream"] = self._prev.pop()
+
+
+def _stream_now():
+    return CURRENT["stream"]
+
+
+CURRENT = {"device": 0, "stream": _Stream(ptr=0)}   # the current device and stream (0: null)
+cuda = _Namespace(runtime=_Runtime, Device=_Device, Stream=_Stream, Event=_Event,
+                  get_current_stream=_stream_now, nccl=None)
+# ``cuda``: the subset of ``cupy.cuda`` that hpcnn's device code calls
+# (hpcnn/parallel/collectives/gpu.py), so that the same code runs under strict: devices counted
+# from HPCNN_STRICT_DEVICES and CUDA_VISIBLE_DEVICES, streams and events. ``nccl`` is None (no
+# NCCL here): a test installs a test double of ``cupy.cuda.nccl`` there.
+
+
 def __getattr__(name):
     """Every other NumPy name: functions and ufuncs on device arrays; types and constants as
     NumPy has them (CuPy's dtypes are NumPy's)."""

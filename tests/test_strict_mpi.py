@@ -6,6 +6,7 @@ from mpi_util import run_mpi
 
 def test_dp_tp_pp_zero_under_strict_equal_numpy(tmp_path):
     layouts = ("dp", "tp", "pp", "zero1", "zero2", "zero3")
-    out = run_mpi("strict_layouts", 2, str(tmp_path), *layouts, timeout=240)
+    out = run_mpi("strict_layouts", 2, str(tmp_path), *layouts, timeout=240,
+                  env={"HPCNN_STRICT_DEVICES": "2"})          # a device each
     for layout in layouts:
         assert f"strict {layout}=2 OK" in out, out

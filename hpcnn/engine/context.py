@@ -26,7 +26,7 @@ from hpcnn.nn.chain import Chain
 from hpcnn.nn.optim import grad_norm_sq
 from hpcnn.parallel.data import hetero
 from hpcnn.schedule import stages as partition, pipeline
-from hpcnn.parallel.collectives import CommStats, Communicator
+from hpcnn.parallel.collectives import CommStats, Communicator, gpu
 from hpcnn.parallel.data.bucketed import NONBLOCKING, DataParallel, LocalGradients
 from hpcnn.parallel.data.sharded import ShardedDataParallel, ShardedGradients, ShardedOptimizer
 from hpcnn.parallel.data.zero3 import ShardedParameters
@@ -47,6 +47,10 @@ class ParallelContext:
         from hpcnn.parallel.collectives.grid import ProcessGrid
         self.cfg, self.stats = cfg, CommStats()
         topology.emulate(cfg.nodes or None)        # (before any communicator asks its node)
+        try:                   # this rank's device and --gpu_comm, before anything is allocated
+            self.gpu = gpu.start(cfg.device, cfg.gpu_comm, cfg.share_gpus, world)
+        except gpu.DeviceRefusal as e:
+            raise ConfigError(f"invalid configuration: {e}") from None
         self.grid = ProcessGrid(world, cfg.dp, cfg.tp, cfg.pp) if world is not None else None
         # every world rank's node, and the grid's groups that span nodes (tp should not)
         self.nodes = topology.node_map(world) if world is not None else [0]
@@ -59,6 +63,7 @@ class ParallelContext:
             self.dp = Communicator(self.grid.dp_comm, self.stats, "dp")
             self.tp = Communicator(self.grid.tp_comm, self.stats, "tp")
             self.pp = Communicator(self.grid.pp_comm, self.stats, "pp")
+            gpu.attach(self.gpu, (self.dp, self.tp))     # device arrays' collectives
         self.rank = self.world.rank
         self.pipelined = cfg.pp > 1
         self.stages = self.ranges = self.owner = self.local = None
@@ -251,4 +256,5 @@ class ParallelContext:
         if self.remat is not None:
             self.remat.close()
         if self.grid is not None:
+            gpu.detach(self.gpu, (self.dp, self.tp))
             self.grid.free()

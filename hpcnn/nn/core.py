@@ -129,14 +129,16 @@ class Parameter:
             self._grad += value
 
     def add_matmul(self, a, b) -> None:
-        """grad += a @ b for 2-D a, b whose product has grad's size (reshaped to grad's shape)."""
+        """grad += a @ b for 2-D a, b whose product has grad's size (reshaped to grad's shape),
+        computed in the compute dtype (:func:`hpcnn.backend.matmul`: 16-bit operands on the
+        tensor cores on CuPy, upcast on NumPy)."""
         if self._grad is None:
             self._claim()
         if self._zero:
-            backend.xp.matmul(a, b, out=self._grad.reshape(a.shape[0], b.shape[1]))
+            backend.matmul(a, b, out=self._grad.reshape(a.shape[0], b.shape[1]))
             self._zero = False
         else:
-            self._grad += backend.xp.matmul(a, b).reshape(self._grad.shape)
+            self._grad += backend.matmul(a, b).reshape(self._grad.shape)
 
     @property
     def shape(self):

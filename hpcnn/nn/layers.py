@@ -81,9 +81,8 @@ class Linear(Block):
         if x.shape[-1] != self.n_in:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, expected {self.n_in}")
         # one 2-D product over all rows: a stacked (B, T, in) operand would be B small products;
-        # 16-bit operands are upcast (backend.up: NumPy has no fast 16-bit GEMM)
-        y = backend.xp.matmul(backend.up(x.reshape(-1, self.n_in)),
-                              backend.up(self.weight.data))                  # (N, out)
+        # in the compute dtype: 16-bit operands upcast on NumPy, tensor cores on CuPy
+        y = backend.matmul(x.reshape(-1, self.n_in), self.weight.data)      # (N, out)
         if self.bias is not None:
             y += self.bias.data
         y = backend.down(y, self.dtype)                                      # stored 16-bit
@@ -98,17 +97,16 @@ class Linear(Block):
 
     def backward_input(self, dy, cache):
         """dx = dy W^T  (from y = x W), as one 2-D product over all rows."""
-        dx = backend.xp.matmul(backend.up(dy.reshape(-1, self.n_out)),
-                               backend.up(self.weight.data).T)                 # (N, in)
+        dx = backend.matmul(dy.reshape(-1, self.n_out), self.weight.data.T)  # (N, in)
         return backend.down(dx, dy.dtype).reshape(tuple(dy.shape[:-1]) + (self.n_in,))
 
     def backward_weight(self, dy, cache):
         """dW += x^T dy, db += sum(dy)  (from y = x W + b)."""
-        x2 = backend.up(cache.x.reshape(-1, self.n_in))     # (N, in), in the gradient's dtype
-        dy2 = backend.up(dy.reshape(-1, self.n_out))        # (N, out)
-        self.weight.add_matmul(x2.T, dy2)               # (in, out)
+        x2 = cache.x.reshape(-1, self.n_in)                # (N, in)
+        dy2 = dy.reshape(-1, self.n_out)                   # (N, out)
+        self.weight.add_matmul(x2.T, dy2)                  # (in, out), in the gradient's dtype
         if self.bias is not None:
-            self.bias.add_grad(dy2.sum(axis=0))
+            self.bias.add_grad(backend.up(dy2).sum(axis=0))
 
     def spec(self, x_shape):
         n = _rows(x_shape)

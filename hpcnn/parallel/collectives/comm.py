@@ -41,8 +41,8 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.parallel.collectives import algorithms      # the algorithms behind allreduce(...)
-from hpcnn.parallel.collectives.mpi_base import (Request, _cuda_aware, _mpi, host_buffers,
-                                                 host_side, mpi_buffers, staged)
+from hpcnn.parallel.collectives.mpi_base import (Request, _cuda_aware, _mpi, device_view,
+                                                 host_buffers, host_side, mpi_buffers, staged)
 from hpcnn.parallel.collectives.objects import ObjectCalls
 from hpcnn.parallel.collectives.state import Collectives
 from hpcnn.parallel.collectives.stats import CommStats
@@ -86,8 +86,11 @@ class Communicator(ObjectCalls):
     Attributes read by :mod:`.algorithms`: ``allreduce_table`` (what ``auto`` chooses, see
     :func:`~.algorithms.calibrate`; None: the defaults), ``allreduce_segment_bytes``,
     ``iallreduce_segment_bytes``, ``shm_piece_bytes`` (optional). The algorithms' own state is
-    ``collectives`` (:class:`~.state.Collectives`).
+    ``collectives`` (:class:`~.state.Collectives`). ``device_path`` (None, or a path of
+    :mod:`.device_paths`, set by :func:`.gpu.attach`): how device arrays are reduced.
     """
+
+    device_path = None
 
     def __init__(self, comm, stats: CommStats | None = None, name: str = "comm"):
         self.comm = comm
@@ -157,7 +160,10 @@ class Communicator(ObjectCalls):
         if self.size == 1:
             return buf
         t = _perf()
-        algorithms.allreduce(self, buf, algorithm)  # resolves auto, rejects unknown names
+        if self.device_path is not None and type(buf) is not _ndarray:
+            self.device_path.allreduce(self, buf)   # a device array: --gpu_comm's path
+        else:
+            algorithms.allreduce(self, buf, algorithm)  # resolves auto, rejects unknown names
         c = self._ar
         c.seconds += _perf() - t
         c.calls += 1
@@ -181,6 +187,8 @@ class Communicator(ObjectCalls):
                 return r
         if self.size > 1 and started("iallreduce", self.name, -1, buf.nbytes):
             return self._skipped("iallreduce", on_done)
+        if self.size > 1 and self.device_path is not None and type(buf) is not _ndarray:
+            return self.device_path.iallreduce(self, buf, on_done)
         if self.size > 1 and algorithm != "mpi":
             return algorithms.iallreduce(self, buf, algorithm, on_done)
         r = Request([], self._stats, "iallreduce", 0, _perf(), on_done)
@@ -192,7 +200,7 @@ class Communicator(ObjectCalls):
             r._finish(0.0)
             return r
         MPI = _mpi()
-        r._reqs = [self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)]
+        r._reqs = [self.comm.Iallreduce(MPI.IN_PLACE, device_view(buf), op=MPI.SUM)]
         r._nbytes = 2 * (self.size - 1) * buf.nbytes // self.size
         return r
 
@@ -272,11 +280,20 @@ class Communicator(ObjectCalls):
         if sendbuf.shape[0] != recvbuf.shape[0] * self.size:
             raise ValueError(f"reduce_scatter: send axis 0 ({sendbuf.shape[0]}) != "
                              f"size ({self.size}) x recv axis 0 ({recvbuf.shape[0]})")
+        nbytes = (self.size - 1) * sendbuf.nbytes // self.size
+        if self._nccl_gathers(sendbuf):
+            return self._timed("reduce_scatter", nbytes, lambda: self.device_path.reduce_scatter(
+                self, sendbuf, recvbuf))
         MPI = _mpi()
-        with host_buffers(sendbuf, recvbuf, writeback=(1,)) as (s, r):
-            self._timed("reduce_scatter", (self.size - 1) * sendbuf.nbytes // self.size,
+        with host_buffers(sendbuf, recvbuf, writeback=(1,), fresh=(1,)) as (s, r):
+            self._timed("reduce_scatter", nbytes,
                         lambda: self.comm.Reduce_scatter_block(s, r, op=MPI.SUM))
         return recvbuf
+
+    def _nccl_gathers(self, buf) -> bool:
+        """Whether ``buf`` (a device array) goes to the device path's gathers (NCCL's)."""
+        path = self.device_path
+        return path is not None and path.gathers and type(buf) is not _ndarray
 
     def allgather(self, sendbuf, recvbuf):
         """recvbuf (axis 0 = p blocks) = every rank's sendbuf, in rank order."""
@@ -286,9 +303,12 @@ class Communicator(ObjectCalls):
         if recvbuf.shape[0] != sendbuf.shape[0] * self.size:
             raise ValueError(f"allgather: recv axis 0 ({recvbuf.shape[0]}) != size ({self.size}) "
                              f"x send axis 0 ({sendbuf.shape[0]})")
-        with host_buffers(sendbuf, recvbuf, writeback=(1,)) as (s, r):
-            self._timed("allgather", (self.size - 1) * recvbuf.nbytes // self.size,
-                        lambda: self.comm.Allgather(s, r))
+        nbytes = (self.size - 1) * recvbuf.nbytes // self.size
+        if self._nccl_gathers(sendbuf):
+            return self._timed("allgather", nbytes, lambda: self.device_path.allgather(
+                self, sendbuf, recvbuf))
+        with host_buffers(sendbuf, recvbuf, writeback=(1,), fresh=(1,)) as (s, r):
+            self._timed("allgather", nbytes, lambda: self.comm.Allgather(s, r))
         return recvbuf
 
     def _levels(self, algorithm: str):

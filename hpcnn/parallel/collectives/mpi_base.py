@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import numpy
 
 from hpcnn import backend
+from hpcnn import strict as _strict
 from hpcnn.parallel.collectives.watchdog import enter, leave
 
 _perf = time.perf_counter
@@ -29,8 +30,32 @@ def _mpi():
     return _MPI
 
 
+_DECLARED = [None]          # the run's CUDA-awareness (set_cuda_aware); None: HPCNN_CUDA_AWARE
+
+
+def env_cuda_aware() -> bool | None:
+    """``HPCNN_CUDA_AWARE`` read: True (1), False (0), None (unset or empty)."""
+    v = os.environ.get("HPCNN_CUDA_AWARE", "").strip().lower()
+    return None if v == "" else v not in ("0", "false", "no")
+
+
+def set_cuda_aware(flag: bool | None) -> None:
+    """Declare for this process whether MPI reads device buffers (the run's ``--gpu_comm``
+    decides: :func:`hpcnn.parallel.collectives.gpu.start`); None: back to
+    ``HPCNN_CUDA_AWARE``."""
+    _DECLARED[0] = flag
+
+
 def _cuda_aware() -> bool:
-    return os.environ.get("HPCNN_CUDA_AWARE", "0") not in ("", "0", "false")
+    flag = _DECLARED[0]
+    return bool(env_cuda_aware()) if flag is None else flag
+
+
+def device_view(a):
+    """What a CUDA-aware MPI is handed for the array ``a``: a host or CuPy array itself (mpi4py
+    reads a CuPy array's ``__cuda_array_interface__``), a strict device array's memory in
+    place, as a CUDA-aware MPI reads device memory (no host transfer: nothing counted)."""
+    return _strict.unwrap(a) if type(a) is _strict.StrictArray else a
 
 
 def staged(buf) -> bool:
@@ -44,7 +69,7 @@ def host_side(buf, copy: bool = False):
     :func:`staged` one a host buffer (``copy``: holding ``buf``'s values, for an operation in
     place) and the copy of it back to ``buf`` once received."""
     if not staged(buf):
-        return buf, None
+        return device_view(buf), None
     h = backend.to_host(buf) if copy else numpy.empty(buf.shape, buf.dtype)
 
     def back():
@@ -63,19 +88,22 @@ def mpi_buffers(op: str, *arrays):
                     f"a device buffer handed to MPI in {op} ({type(a).__name__} {a.shape}): "
                     "this MPI is not declared CUDA-aware (HPCNN_CUDA_AWARE=1); stage it "
                     "through host memory (mpi_base.host_buffers, backend.to_host/to_device)")
-    return arrays
+    return tuple(device_view(a) for a in arrays)
 
 
 @contextmanager
-def host_buffers(*arrays, writeback=()):
+def host_buffers(*arrays, writeback=(), fresh=()):
     """Yield buffers MPI can read: the arrays themselves on NumPy or CUDA-aware MPI, else host
-    copies; arrays whose index is in ``writeback`` are copied back to the device afterwards."""
+    copies; arrays whose index is in ``writeback`` are copied back to the device afterwards,
+    and those in ``fresh`` (outputs whose values MPI does not read) are not copied over but
+    given as empty host arrays: a staged call moves only what it needs."""
     backend.sync()
     if backend.xp is numpy or _cuda_aware():
-        yield arrays
+        yield tuple(device_view(a) for a in arrays)
         return
     # a device without CUDA-aware MPI (CuPy, or the strict backend): its arrays copied over
-    hosts = tuple(backend.to_host(a) if staged(a) else a for a in arrays)
+    hosts = tuple((numpy.empty(a.shape, a.dtype) if i in fresh else backend.to_host(a))
+                  if staged(a) else a for i, a in enumerate(arrays))
     yield hosts
     for i in writeback:
         if hosts[i] is not arrays[i]:
