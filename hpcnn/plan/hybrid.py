@@ -13,9 +13,11 @@ built without storage) and the machine's rates, ranks ordered as
   ``remat="full"`` runs each block's forward again in the backward but the last segment's
   (:func:`recomputed_forward`);
 - **tensor parallelism** (Megatron): two ring allreduces of the activation per block each way
-  (:func:`ring_allreduce_s`); **data parallelism**: the ring allreduce of the gradients after
-  the step, not overlapped; **pipeline**: the schedule's makespan in stage passes
-  (:mod:`hpcnn.schedule.pipeline`) plus one activation message per boundary each way;
+  (:func:`ring_allreduce_s`; under sequence parallelism a reduce-scatter and an all-gather, the
+  same ring); **data parallelism**: the ring allreduce of the gradients after the step, or where
+  the machine file says ``dp_overlap`` what the backward does not hide (:func:`dp_seconds`);
+  **pipeline**: the schedule's makespan in stage passes (chunk passes when interleaved,
+  :mod:`hpcnn.schedule.pipeline`) plus one activation message per boundary each way;
 - **where ranks share cores**: the level's handoffs (per allreduce, pp message and stage pass)
   and its ``bubble_weight`` on a pipeline's fill and drain;
 - **held activations**: the device's ``elementwise["held"]`` seconds per byte a stage holds beyond
@@ -510,13 +512,27 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     the uniform ``layout``: the one place its formulas live, for :func:`price` and
     :func:`stage_times`. Interleaved: the schedule's span in chunk passes
     (:func:`_chunk_times`), the StageTimes' passes a rank's v chunks together."""
-    from hpcnn.schedule import pipeline as schedules
-    dp, tp, pp, m_count, v = (layout.dp, layout.tp, layout.pp, layout.microbatches,
-                              layout.virtual)
-    rows = model.batch // (dp * m_count)                    # sequences per micro-batch
+    rows = model.batch // (layout.dp * layout.microbatches)  # sequences per micro-batch
     _, _, cache, pbytes, xbytes = _layout_block(model, layout, rows)
-    per_stage = model.n_layers / pp
-    c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, per_stage)
+    per_stage = model.n_layers / layout.pp
+    t_f, t_b, t_w, tp_s, span, msg, pp_s, held_s = _unsharded_times(
+        model, dataclasses.replace(layout, zero=0) if layout.zero else layout, machine)
+    # every stage priced as the last (the head's table): the fullest, the first, has the
+    # embedding's and position tables too
+    local_params = _stage_params(model, layout, 0, per_stage, True)
+    dp_s = dp_seconds(model, layout, machine, local_params, t_b)
+    opt_s = sharded_update_seconds(local_params, layout, machine, model.word, optimizer)
+    return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
+            (cache, xbytes), local_params)
+
+
+@lru_cache(maxsize=4096)
+def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
+    """(t_f, t_b, t_w, tp_s, span, msg, pp_s, held_s) of the uniform ``layout``: what does not
+    depend on its ZeRO stage, once for a plan's ZeRO stages of one layout."""
+    from hpcnn.schedule import pipeline as schedules
+    pp, m_count, v = layout.pp, layout.microbatches, layout.virtual
+    c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, model.n_layers / pp)
     span = schedules.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
     if span is None:
         span = schedules.simulate(_lists(layout.schedule, pp, m_count, v), c_f, c_b - c_w, c_w,
@@ -524,14 +540,7 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     t_f, t_b, t_w, tp_s = v * c_f, v * c_b, v * c_w, v * c_tp
     span = _weighted(layout, machine, span, m_count * (t_f + t_b))
     msg, pp_s = _messages(model, layout, machine, c_f)
-    # every stage priced as the last (the head's table): the fullest, the first, has the
-    # embedding's and position tables too
-    local_params = _stage_params(model, layout, 0, per_stage, True)
-    dp_s = dp_seconds(model, layout, machine, local_params, t_b)
-    opt_s = sharded_update_seconds(local_params, layout, machine, model.word, optimizer)
-    held_s = held_seconds(model, layout, machine)
-    return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
-            (cache, xbytes), local_params)
+    return t_f, t_b, t_w, tp_s, span, msg, pp_s, held_seconds(model, layout, machine)
 
 
 @lru_cache(maxsize=256)
@@ -678,23 +687,34 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     memory per rank is the fullest stage's (:func:`_stage_memory`).
     ``heads`` = every stage is the uniform price's convention (every stage priced as the last):
     with uniform stages this prices exactly as :func:`price` prices the uniform layout."""
-    from hpcnn.schedule import pipeline as schedules
     pp, m_count, word = layout.pp, layout.microbatches, model.word
     heads = {pp - 1} if heads is None else set(heads)
-    times = [_pass_times(model, layout, machine, n, s in heads)
-             for s, n in enumerate(layout.stages)]
-    t_f, t_b, t_w, _ = (list(t) for t in zip(*times))
-    span = schedules.simulate(_lists(layout.schedule, pp, m_count), t_f,
-                              [b - w for b, w in zip(t_b, t_w)], t_w, validated=True).makespan
+    once = {key: _pass_times(model, layout, machine, *key)       # a few distinct stages
+            for key in {(n, s in heads) for s, n in enumerate(layout.stages)}}
+    times = [once[n, s in heads] for s, n in enumerate(layout.stages)]
+    t_f, t_b, t_w, _ = (tuple(t) for t in zip(*times))
+    span = _simulated_span(layout.schedule, pp, m_count, t_f,
+                           tuple(b - w for b, w in zip(t_b, t_w)), t_w)
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
     _, pp_s = _messages(model, layout, machine, max(t_f))
-    params = [_stage_params(model, layout, s, n, s in heads) for s, n in enumerate(layout.stages)]
+    params = dict.fromkeys(_stage_params(model, layout, s, n, s in heads)
+                           for s, n in enumerate(layout.stages))
     reduce = [(dp_seconds(model, layout, machine, q, max(t_b)),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
     memory = max((stage_memory_parts(model, layout, s, n, s in heads, optimizer)
                   for s, n in enumerate(layout.stages)), key=lambda m: sum(m.values()))
     busiest = max(times, key=lambda t: t[0] + t[1])
     return span, pp_s, busiest, max(reduce, key=sum), memory
+
+
+@lru_cache(maxsize=1024)
+def _simulated_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
+                    t_w: tuple) -> float:
+    """The makespan of ``schedule`` simulated with these per-stage times (messages free),
+    once for the layouts that share them (a plan's ZeRO stages cut alike)."""
+    from hpcnn.schedule import pipeline as schedules
+    return schedules.simulate(_lists(schedule, pp, m_count), list(t_f), list(t_b), list(t_w),
+                              validated=True).makespan
 
 
 def _check_fits(model: Transformer, layout: Layout) -> None:
@@ -727,8 +747,11 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     else:
         st, _, local_params = _priced_parts(model, layout, machine, optimizer)
         per_stage = model.n_layers / pp
+        # uniform stages, each priced as the last: a middle stage holds what the first does
+        # less its tables, tokens and (every schedule's held count falls with the stage) its
+        # extra micro-batches; the first and the last are the candidates for the fullest
         memory = max((stage_memory_parts(model, layout, s, per_stage, True, optimizer)
-                      for s in range(pp)), key=lambda m: sum(m.values()))
+                      for s in sorted({0, pp - 1})), key=lambda m: sum(m.values()))
     memory_parts, memory = memory, sum(memory.values())
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
@@ -781,6 +804,10 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     fixed_cost = [bare[0] + bare[1]] * (pp - 1) + [head[0] + head[1]]
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     costs = [one[0] + one[1]] * n
+    # the fullest stage holds at least the mean over the stages, at least (their fixed parts +
+    # every block at the least a block costs a stage) / pp: above the cap, no cut fits
+    if (sum(fixed_memory) + n * min(row[0] for row in memory)) / pp > cap:
+        return tuple(b - a for a, b in partition.uniform(n, pp))
     ranges = (partition.by_cost_bounded(costs, memory, pp, cap, fixed_cost, fixed_memory)
               or partition.uniform(n, pp))
     return tuple(b - a for a, b in ranges)
