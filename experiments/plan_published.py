@@ -5,11 +5,12 @@ et al. SC 2021, Korthikanti et al. MLSys 2023, BLOOM 176B, NVIDIA NeMo on H100),
 file of its device (``machines/dgx-a100-cluster.toml``, ``machines/dgx-h100-cluster.toml``: public
 specifications only, nothing fitted to these runs) cut to its device count:
 
-- the **published layout** as the planner prices it: tp, pp, dp, ZeRO stage and recomputation as
-  published (selective recomputation priced as none where the planner has no such choice: said
-  in the row); the micro-batch count from the published micro-batch size, or, where the source
-  does not state it, the planner's best count for that tp x pp x dp; interleaving priced as
-  1F1B where the planner has no virtual stages (said in the row);
+- the **published layout** as the planner prices it: tp, pp, dp, ZeRO stage, sequence
+  parallelism and recomputation as published (selective recomputation priced by
+  :func:`hpcnn.plan.hybrid.price`, though ``hpcnn train`` does not run it); the micro-batch
+  count from the published micro-batch size, or, where the source does not state it, the
+  planner's best count for that tp x pp x dp; interleaved 1F1B with the published chunks per
+  rank, priced as 1F1B where the source does not state them (said in the row);
 - its predicted throughput per device in the published convention (hardware FLOP/s: the
   recomputed forward counted, Narayanan et al.'s eq. 3; model FLOP/s: not; MFU and HFU: those
   over the device's peak; iteration seconds) against the published figure;
@@ -59,20 +60,26 @@ def model_of(run) -> hybrid.Transformer:
 def published_layout(run, model, machine) -> tuple:
     """(the published layout as priced, what the pricing left out)."""
     notes = []
-    remat = {"full": "full", "selective": "none", "none": "none", None: "full"}[run.recompute]
-    if run.recompute == "selective":
-        notes.append("selective recomputation priced as none")
-    if run.pp > 1 and ((run.virtual or 1) > 1 or (run.schedule or "").startswith("interleaved")):
-        notes.append("interleaving priced as 1f1b")
+    remat = {"full": "full", "selective": "selective", "none": "none", None: "full"}[
+        run.recompute]
+    interleaved = run.pp > 1 and ((run.virtual or 1) > 1 or (run.schedule or "").startswith(
+        "interleaved"))
+    schedule, virtual = "1f1b", 1
+    if interleaved and (run.virtual or 1) > 1:
+        schedule, virtual = "interleaved", run.virtual
+    elif interleaved:
+        notes.append("chunks per rank not published: interleaving priced as 1f1b")
     allow = {"tp": {run.tp}, "pp": {run.pp}, "dp": {run.dp}, "remat": {remat},
-             "schedule": {"1f1b"}}
+             "schedule": {schedule}, "virtual": {virtual},
+             "sequence_parallel": {bool(run.sequence_parallel) and run.tp > 1}}
     if run.micro_batch:
         allow["micro_batch_size"] = {run.micro_batch}
     else:
         notes.append("micro-batch size not published: the planner's best")
     zero = (run.zero or 0,)
     if run.layers % run.pp == 0:
-        best = hybrid.plan(model, machine, run.devices, zero=zero, allow=allow)
+        best = hybrid.plan(model, machine, run.devices, zero=zero, allow=allow,
+                           remat=hybrid.PRICED_REMAT)
         uniform = [q for q in best if not q.layout.stages] or best
         return uniform[0], notes
     # layers not a multiple of the stages: as even a cut as there is, the larger stages first

@@ -221,7 +221,7 @@ def simulate_planned(o: dict, command_line: str) -> int:
             model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"],
                                        o["vocab"], o["batch"], o["dtype"])
             lay = hybrid.Layout(o["dp"], o["tp"], o["pp"], o["microbatches"], o["schedule"],
-                                o["remat"])
+                                o["remat"], virtual=o["virtual"])
             bad = [k for k, ok in (("schedule", lay.schedule in hybrid.SCHEDULES),
                                    ("remat", lay.remat in hybrid.REMAT),
                                    ("dp x tp x pp x microbatches", min(
@@ -237,7 +237,8 @@ def simulate_planned(o: dict, command_line: str) -> int:
             priced = hybrid.price(model, lay, mach)
             events, step, what = timeline.gpt_events(model, lay, mach), priced.step_s, priced.formula
             plan = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "schedule": lay.schedule,
-                    "microbatches": lay.microbatches, "remat": lay.remat}
+                    "virtual": lay.virtual, "microbatches": lay.microbatches,
+                    "remat": lay.remat}
         elif o["model"] == "mlp":
             widths = [int(w) for w in o["widths"].split(",")]
             cuts, devices = load_cut_plan(o["plan"])
@@ -299,10 +300,15 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
         "microbatches": ("", str, "micro-batches per step allowed, as --tp"),
         "micro_batch_size": ("", str, "sequences per micro-batch allowed, as --tp"),
         "schedule": ("", str, "pipeline schedules allowed, e.g. 1f1b,zb_h1 (of 1f1b, gpipe, "
-                              "zb_h1); '' all"),
+                              "zb_h1, interleaved); '' all"),
+        "virtual": ("", str, "model chunks per pipeline rank allowed (interleaved), as --tp"),
         "remat": ("", str, "rematerialization allowed: none, full or none,full; '' both"),
+        "sequence_parallel": ("both", str, "sequence parallelism (tp > 1): true, false or "
+                                           "both"),
         "explain": ("", str, "price one layout term by term, e.g. 'dp=8,tp=8,pp=16,"
-                             "microbatches=64,schedule=1f1b,remat=none,zero=1'"),
+                             "microbatches=64,schedule=interleaved,virtual=2,remat=none,"
+                             "sequence_parallel=true,zero=1' (remat=selective: priced, "
+                             "hpcnn train does not run it)"),
         "json": (False, bool, "print JSON for scripts: each layout's dimensions as fields, its "
                               "step, memory by kind and throughput")}
 
@@ -367,7 +373,14 @@ def _allow(o: dict):
     schedule and remat."""
     from hpcnn.plan.hybrid import REMAT, SCHEDULES
     allow = {}
-    for key in ("tp", "pp", "dp", "microbatches", "micro_batch_size", "schedule", "remat"):
+    sp = o["sequence_parallel"].strip().lower()
+    if sp not in ("true", "false", "both"):
+        return None, (f"hpcnn plan: --sequence_parallel={o['sequence_parallel']}: expected "
+                      f"true, false or both")
+    if sp != "both":
+        allow["sequence_parallel"] = {sp == "true"}
+    for key in ("tp", "pp", "dp", "microbatches", "micro_batch_size", "virtual", "schedule",
+                "remat"):
         raw = o[key].strip()
         if not raw:
             continue
@@ -402,8 +415,8 @@ def _plan_row(model, q, devices: int) -> dict:
     return {"layout": str(lay), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
             "microbatches": lay.microbatches,
             "micro_batch_size": model.batch // (lay.dp * lay.microbatches),
-            "schedule": lay.schedule if lay.pp > 1 else "none", "remat": lay.remat,
-            "zero": lay.zero, "stages": list(lay.stages), "step_s": q.step_s,
+            "schedule": lay.schedule if lay.pp > 1 else "none", "virtual": lay.virtual,
+            "remat": lay.remat, "sequence_parallel": lay.sequence_parallel, "zero": lay.zero, "stages": list(lay.stages), "step_s": q.step_s,
             "memory_gb": q.memory_bytes / 1e9,
             "memory_by_kind_gb": {k: v / 1e9 for k, v in q.memory_parts.items()},
             "tflops_per_device": hybrid.flops_per_step(model) / q.step_s / devices / 1e12,
@@ -418,14 +431,15 @@ def _explain(model, mach, o: dict) -> int:
     or does not fill the devices."""
     from hpcnn.plan import hybrid
     fields = {"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b",
-              "remat": "none", "zero": 0, "stages": ()}
+              "remat": "none", "zero": 0, "stages": (), "virtual": 1, "sequence_parallel": False}
     for item in (x.strip() for x in o["explain"].split(",") if x.strip()):
         key, _, value = item.partition("=")
         if key not in fields or not value:
             raise ValueError(f"--explain: {item!r}: expected KEY=VALUE with KEY one of "
                              f"{', '.join(fields)} (stages as 6|6|4)")
         fields[key] = (value if key in ("schedule", "remat") else
-                       tuple(int(v) for v in value.split("|")) if key == "stages" else int(value))
+                       tuple(int(v) for v in value.split("|")) if key == "stages" else
+                       _truth(key, value) if key == "sequence_parallel" else int(value))
     lay = hybrid.Layout(**fields)
     devices = o["devices"] or lay.dp * lay.tp * lay.pp
     if lay.dp * lay.tp * lay.pp != devices or devices > mach.p:
@@ -443,6 +457,13 @@ def _explain(model, mach, o: dict) -> int:
               f"{k} {v / 1e9:.2f}" for k, v in q.memory_parts.items()))
     print(f"as a sum: {q.formula}")
     return 0
+
+
+def _truth(key: str, value: str) -> bool:
+    """``true``/``false`` of ``--explain``'s ``key=value``; ValueError otherwise."""
+    if value.lower() not in ("true", "false"):
+        raise ValueError(f"--explain: {key}={value}: expected true or false")
+    return value.lower() == "true"
 
 
 EXPLAIN = {"compute": "the stage passes' blocks and head, at the device's rates",

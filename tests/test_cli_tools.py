@@ -227,3 +227,30 @@ def test_plan_explains_one_layout_term_by_term(capsys):
     assert "dp x tp x pp = 8, not the 16 devices" in capsys.readouterr().err
     assert cmd_plan(small + ["--explain=dp=2,tq=2"]) == 2
     assert "'tq=2': expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_plan_offers_interleaving_and_sequence_parallelism_as_bounded_dimensions(capsys):
+    """``--schedule=interleaved --virtual=2`` keeps interleaved layouts of two chunks a rank;
+    ``--sequence_parallel=true`` keeps sequence-parallel ones (tp > 1), ``false`` none;
+    ``--explain`` reads both; a bad value is one line, exit 2."""
+    import json
+    from hpcnn.cli_tools import cmd_plan
+    small = ["--n_layers=8", "--dim=64", "--n_heads=4", "--seq=32", "--vocab=65", "--batch=24",
+             "--machine=dgx-a100-cluster", "--devices=8", "--json", "--top=1000"]
+    assert cmd_plan(small + ["--schedule=interleaved", "--virtual=2"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranked"]
+    assert rows and all(r["schedule"] == "interleaved" and r["virtual"] == 2
+                        and r["microbatches"] % r["pp"] == 0 for r in rows)
+    assert "x2 chunks" in rows[0]["layout"]
+    for flag, want in (("true", {True}), ("false", {False})):
+        assert cmd_plan(small + [f"--sequence_parallel={flag}"]) == 0
+        rows = json.loads(capsys.readouterr().out)["ranked"]
+        assert {r["sequence_parallel"] for r in rows} == want
+        assert all(r["tp"] > 1 for r in rows if r["sequence_parallel"])
+    assert cmd_plan(small + ["--sequence_parallel=maybe"]) == 2
+    assert "expected true, false or both" in capsys.readouterr().err
+    assert cmd_plan(small[:-2] + ["--explain=dp=1,tp=2,pp=4,microbatches=4,schedule=interleaved,"
+                                  "virtual=2,sequence_parallel=true,remat=selective"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dp=1 x tp=2 x pp=4, interleaved x2 chunks, 4 micro-batches, "
+                          "remat=selective, sequence parallel on 8 devices")

@@ -64,7 +64,13 @@ def test_every_layout_respects_the_divisibility_rules():
     assert all(SMALL.n_heads % q.tp == 0 and SMALL.n_layers % q.pp == 0 for q in got)
     assert all(SMALL.batch % (q.dp * q.microbatches) == 0 for q in got)
     assert all(q.pp == 1 or q.microbatches >= q.pp for q in got)
-    assert {q.schedule for q in got if q.pp > 1} == {"1f1b", "gpipe", "zb_h1"}
+    assert {q.schedule for q in got if q.pp > 1} == {"1f1b", "gpipe", "zb_h1", "interleaved"}
+    inter = [q for q in got if q.virtual > 1]
+    assert inter and all(q.schedule == "interleaved" and q.microbatches % q.pp == 0
+                         and SMALL.n_layers % (q.pp * q.virtual) == 0 for q in inter)
+    assert all(q.tp > 1 and SMALL.seq % q.tp == 0 and q.zero < 2
+               for q in got if q.sequence_parallel)
+    assert any(q.sequence_parallel for q in got)
     for q in plan(SMALL, Machine(), 16):
         assert q.step_s == pytest.approx(sum(q.parts.values()), rel=1e-9), q.layout
 
@@ -590,3 +596,100 @@ def test_a_blocks_figures_scale_with_its_sequences_as_its_spec_says(dim, heads, 
     for rows in (1, 2, 3, 7, 16):
         assert _block(dim, heads, seq, rows, word, tp) == _block_one(dim, heads, seq, word, tp,
                                                                       rows)
+
+
+def test_interleaved_chunks_held_are_what_the_schedule_holds():
+    """Interleaved 1F1B's closed form per rank (chunk passes) equals the simulated schedule's
+    peak, and on the first rank it is Korthikanti et al.'s pp + (pp - 1) / v stages' worth."""
+    from hpcnn.schedule import pipeline as schedules
+    from hpcnn.plan.hybrid import held_microbatches
+    for pp, v, m in ((2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 2, 8), (4, 3, 12), (8, 2, 16)):
+        sim = schedules.simulate(schedules.interleaved_1f1b(pp * v, m, pp), 1.0, 1.0)
+        got = [held_microbatches("interleaved", pp, m, r, v) for r in range(pp)]
+        assert got == sim.peak_held, (pp, v, m)
+        if m > pp:
+            assert got[0] / v == pytest.approx(pp + (pp - 1) / v)
+
+
+def test_interleaving_divides_the_bubble_by_v_and_crosses_every_chunk_boundary():
+    """With no fixed cost per pass (the stub device), a chunk pass is a v-th of a stage pass:
+    the bubble is 1F1B's over v, the passes' compute the same, the critical path's messages
+    2(pp v - 1) instead of 2(pp - 1); the first rank holds pp + (pp - 1) / v stages' worth of
+    activations where 1F1B's holds pp; chunks that do not split the layers are refused."""
+    from hpcnn.plan.hybrid import _held_bytes
+    m = Machine()
+    one = price(SMALL, Layout(1, 1, 4, 8, "1f1b"), m)
+    for v in (2,):
+        lay = Layout(1, 1, 4, 8, "interleaved", virtual=v)
+        inter = price(SMALL, lay, m)
+        assert inter.parts["compute"] == pytest.approx(one.parts["compute"], rel=1e-9)
+        assert inter.parts["bubble"] == pytest.approx(one.parts["bubble"] / v, rel=1e-9)
+        assert inter.parts["pp_comm"] == pytest.approx(one.parts["pp_comm"] * (4 * v - 1) / 3,
+                                                       rel=1e-9)
+        ratio = _held_bytes(SMALL, lay, 0, 2) / _held_bytes(SMALL, one.layout, 0, 2)
+        assert ratio == pytest.approx((4 + 3 / v) / 4, rel=0.02)
+        assert "x2 chunks" in str(lay)
+    with pytest.raises(ValueError, match="interleaving needs"):
+        price(SMALL, Layout(1, 1, 4, 8, "interleaved", virtual=4), m)     # 8 layers, 16 chunks
+    with pytest.raises(ValueError, match="virtual=2"):
+        Layout(1, 1, 4, 8, "1f1b", virtual=2)
+
+
+def test_sequence_parallelism_splits_the_norm_regions_not_the_allreduce_volume():
+    """Sequence parallelism: the block's figures are its spec with the seq/tp input (less
+    cache, less memory-bound time), the tp collectives cost the allreduce's ring (reduce-scatter
+    + all-gather), a pp message is a seq/tp slice; tp = 1 is refused."""
+    from hpcnn.parallel.tensor.attention import ParallelTransformerBlock
+    from hpcnn.plan.hybrid import _ShapeComm
+    m = Machine(per_node=8, nodes=1)
+    for tp in (2, 4):
+        spec = ParallelTransformerBlock(_ShapeComm(tp), 64, 4, dtype="float32", keep=(),
+                                        sequence_parallel=True).spec((2, 16 // tp, 64))
+        assert _block(64, 4, 16, 2, 4, tp, True)[2] == spec.bytes_cache < _block(
+            64, 4, 16, 2, 4, tp)[2]
+    plain, sp = (price(SMALL, Layout(1, 4, 2, 4, sequence_parallel=s), m) for s in (False, True))
+    assert sp.parts["tp_comm"] == pytest.approx(plain.parts["tp_comm"], rel=1e-12)
+    assert sp.memory_parts["activations"] < plain.memory_parts["activations"]
+    assert sp.parts["pp_comm"] < plain.parts["pp_comm"]
+    assert "sequence parallel" in str(sp.layout)
+    with pytest.raises(ValueError, match="tp=1"):
+        Layout(2, 1, 1, 1, sequence_parallel=True)
+
+
+def test_selective_recomputation_runs_the_attention_core_again_and_holds_the_rest():
+    """remat="selective" (priced, not offered: hpcnn train has no such remat) holds the
+    caches less the attention core's (the softmax output: a s^2 / t words a sequence and
+    block) and runs the core's forward again: slower than none, faster than full, between
+    them in memory; its hardware FLOPs count the core once more."""
+    from hpcnn.plan.hybrid import (attention_core, hardware_flops_per_step, _held_bytes)
+    big = Transformer(n_layers=8, dim=512, n_heads=8, seq=1024, vocab=1024, batch=64)
+    m = Machine(per_node=8, nodes=1)
+    assert attention_core(512, 8, 1024, 2, 4)[1] == 8 * 1024 * 1024 // 4 * 2
+    none, sel, full = (price(big, Layout(1, 4, 2, 4, remat=r), m)
+                       for r in ("none", "selective", "full"))
+    assert none.step_s < sel.step_s < full.step_s
+    assert full.memory_bytes < sel.memory_bytes < none.memory_bytes
+    rows = big.batch // 4
+    assert _held_bytes(big, none.layout, 0, 4) - _held_bytes(big, sel.layout, 0, 4) == \
+        pytest.approx(2 * 4 * rows * attention_core(512, 8, 1024, 2, 4)[1])
+    assert hardware_flops_per_step(big, sel.layout) > flops_per_step(big)
+    assert all(q.remat in ("none", "full") for q in layouts(big, 8))
+
+
+def test_the_dp_reduction_hides_behind_the_backward_where_the_machine_overlaps_it():
+    """dp_overlap: what the backward does not hide plus the last bucket's reduction, at most
+    the whole; without it, the whole (float32 gradients under 16-bit parameters either way)."""
+    from hpcnn.config import TrainConfig
+    from hpcnn.plan.hybrid import dp_allreduce_s, dp_seconds, _stage_params
+    serial, overlapped = Machine(), replace(Machine(), dp_overlap=True)
+    for model in (SMALL, Transformer(n_layers=8, dim=4096, n_heads=32, seq=2048, batch=64)):
+        lay = Layout(8, 2, 2, 2)
+        st = stage_times(model, lay, overlapped)
+        params = _stage_params(model, lay, 0, 4, True)
+        whole = dp_allreduce_s(params * 4, lay, serial, after=st.t_b)
+        last = dp_allreduce_s(min(params * 4, TrainConfig.bucket_mb * 2 ** 20), lay, serial,
+                              after=st.t_b)
+        assert stage_times(model, lay, serial).dp_s == pytest.approx(whole, rel=1e-12)
+        assert st.dp_s == pytest.approx(min(whole, max(0, whole - st.t_b) + last), rel=1e-12)
+        assert dp_seconds(model, lay, overlapped, params, 0.0) == pytest.approx(whole)
+    assert st.dp_s < whole / 2         # the larger model's: many buckets, most hidden

@@ -92,7 +92,9 @@ def candidates(cfg, world_size: int, vocab: int, machine):
     cut = transformer_stages(cfg.layout) if cfg.layout else None
     remat = ("full",) if cfg.remat == "full" else ("none", "full")
     for lay in hybrid.layouts(hybrid.Transformer(vocab=vocab, **shape), world_size,
-                              remat=remat, machine=machine, zero=(cfg.zero,)):
+                              remat=remat, machine=machine, zero=(cfg.zero,),
+                              schedules=hybrid.ONE_STAGE_PER_RANK,   # (one stage a rank,
+                              allow={"sequence_parallel": {False}}):  # priced without SP)
         if (lay.pp == 1 and lay.microbatches != 1) or not _matches(lay, given):
             continue
         if cut is not None and not (lay.stages and len(cut) == lay.pp and min(cut) >= 1

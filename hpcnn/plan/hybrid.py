@@ -13,9 +13,11 @@ built without storage) and the machine's rates, ranks ordered as
   ``remat="full"`` runs each block's forward again in the backward but the last segment's
   (:func:`recomputed_forward`);
 - **tensor parallelism** (Megatron): two ring allreduces of the activation per block each way
-  (:func:`ring_allreduce_s`); **data parallelism**: the ring allreduce of the gradients after
-  the step, not overlapped; **pipeline**: the schedule's makespan in stage passes
-  (:mod:`hpcnn.schedule.pipeline`) plus one activation message per boundary each way;
+  (:func:`ring_allreduce_s`; under sequence parallelism a reduce-scatter and an all-gather, the
+  same ring); **data parallelism**: the ring allreduce of the gradients after the step, or where
+  the machine file says ``dp_overlap`` what the backward does not hide (:func:`dp_seconds`);
+  **pipeline**: the schedule's makespan in stage passes (chunk passes when interleaved,
+  :mod:`hpcnn.schedule.pipeline`) plus one activation message per boundary each way;
 - **where ranks share cores**: the level's handoffs (per allreduce, pp message and stage pass)
   and its ``bubble_weight`` on a pipeline's fill and drain;
 - **held activations**: the device's ``elementwise["held"]`` seconds per byte a stage holds beyond
@@ -40,8 +42,15 @@ from functools import lru_cache
 from typing import NamedTuple
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-SCHEDULES = ("1f1b", "gpipe", "zb_h1")
+SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved")
+# The schedules of one stage per rank: what `hpcnn train --plan=auto` chooses among (it runs one
+# stage per rank) and what the validations on this machine measured.
+ONE_STAGE_PER_RANK = ("1f1b", "gpipe", "zb_h1")
 REMAT = ("none", "full")
+# What price() also prices, for the published runs (experiments/plan_published.py): "selective"
+# (Korthikanti et al., MLSys 2023: the attention core recomputed) is not offered by layouts()
+# unless asked for, as `hpcnn train` has no such --remat.
+PRICED_REMAT = REMAT + ("selective",)
 # Passes over parameter-sized arrays per optimizer step (hpcnn.nn.optim): AdamW's 10 and its
 # decoupled decay; SGD's momentum (2), its update and the L2 decay (zero_grad is lazy: no pass).
 UPDATE_PASSES = {"adamw": 11, "sgd": 4}
@@ -142,29 +151,68 @@ class _ShapeComm(NamedTuple):
     name: str = "tp"
 
 
-def _block(dim: int, heads: int, seq: int, rows: int, word: int, tp: int = 1) -> tuple:
+def _block(dim: int, heads: int, seq: int, rows: int, word: int, tp: int = 1,
+           sp: bool = False) -> tuple:
     """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
-    transformer block on ``rows`` sequences as one of ``tp`` ranks runs it: one sequence's
-    figures (:func:`_block_one`) times ``rows`` (every figure but the parameters is a sum over
-    the sequences; tests/test_plan_hybrid.py checks it against the spec on many rows)."""
-    f, b, cache, pbytes, xbytes = _block_one(dim, heads, seq, word, tp)
+    transformer block on ``rows`` sequences as one of ``tp`` ranks runs it (``sp``: with
+    sequence parallelism, its input a seq/tp slice): one sequence's figures
+    (:func:`_block_one`) times ``rows`` (every figure but the parameters is a sum over the
+    sequences; tests/test_plan_hybrid.py checks it against the spec on many rows)."""
+    f, b, cache, pbytes, xbytes = _block_one(dim, heads, seq, word, tp, 1, sp)
     return f * rows, b * rows, cache * rows, pbytes, xbytes * rows
 
 
-@lru_cache(maxsize=4096)
-def _block_one(dim: int, heads: int, seq: int, word: int, tp: int = 1, rows: int = 1) -> tuple:
-    """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
-    transformer block on ``rows`` sequences as one of ``tp`` ranks runs it, from its ``spec()``
-    (built without storage: the serial block, or the Megatron block over a tp group)."""
+def _layout_block(model: Transformer, layout, rows: int) -> tuple:
+    """:func:`_block` of ``model`` on ``rows`` sequences under ``layout`` (its tp and
+    sequence parallelism)."""
+    return _block(model.dim, model.n_heads, model.seq, rows, model.word, layout.tp,
+                  layout.sequence_parallel)
+
+
+def _spec(dim: int, heads: int, seq: int, word: int, tp: int, rows: int, sp: bool):
+    """The block's ``spec()`` (built without storage: the serial block, or the Megatron block
+    over a tp group, with ``sp`` its sequence-parallel form) at float32 or float64, and the
+    factor from its bytes to ``word``-byte ones."""
     from hpcnn.nn.transformer import TransformerBlock
     from hpcnn.parallel.tensor.attention import ParallelTransformerBlock
     dtype = {2: "float32", 4: "float32", 8: "float64"}[word]     # spec's shapes, then rescaled
-    blk = (ParallelTransformerBlock(_ShapeComm(tp), dim, heads, dtype=dtype, keep=()) if tp > 1
+    blk = (ParallelTransformerBlock(_ShapeComm(tp), dim, heads, dtype=dtype, keep=(),
+                                    sequence_parallel=sp) if tp > 1
            else TransformerBlock(dim, heads, dtype=dtype, keep=()))
-    s = blk.spec((rows, seq, dim))
-    scale = word / (4 if word <= 4 else 8)
+    return blk.spec((rows, seq // tp if sp else seq, dim)), word / (4 if word <= 4 else 8)
+
+
+@lru_cache(maxsize=4096)
+def _block_one(dim: int, heads: int, seq: int, word: int, tp: int = 1, rows: int = 1,
+               sp: bool = False) -> tuple:
+    """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
+    transformer block on ``rows`` sequences as one of ``tp`` ranks runs it, from its ``spec()``
+    (:func:`_spec`)."""
+    s, scale = _spec(dim, heads, seq, word, tp, rows, sp)
     return (s.flops_fwd, s.flops_bwd, int(s.bytes_cache * scale), int(s.bytes_params * scale),
             int(s.bytes_x * scale))
+
+
+@lru_cache(maxsize=4096)
+def attention_core(dim: int, heads: int, seq: int, word: int, tp: int = 1,
+                   sp: bool = False) -> tuple:
+    """(forward FLOPs, cache bytes) per sequence of one block's attention core on one of ``tp``
+    ranks: the scores (Q K^T, the causal mask, softmax), the attention dropout and att^T V, the
+    part selective recomputation runs again in the backward and does not hold (Korthikanti et
+    al., MLSys 2023, Sec. 4.2). The cache is what those sub-blocks' specs cache beyond the
+    scores' input (the q, k, v the recomputation reads, still held): hpcnn's blocks cache the
+    softmax output (a s^2 / t words per sequence and block; with dropout, its mask too), where
+    Korthikanti et al. count 5 a s^2 b / t bytes at 16 bits (the softmax's input as well)."""
+    s, scale = _spec(dim, heads, seq, word, tp, 1, sp)
+    walk, core = list(s.children), []
+    while walk:
+        c = walk.pop()
+        walk += c.children
+        if c.name.endswith((".attn.scores", ".attn.drop", ".attn.av")):
+            core.append(c)
+    return (sum(c.flops_fwd for c in core),
+            int(sum(c.bytes_cache - (c.bytes_x if c.name.endswith(".scores") else 0)
+                    for c in core) * scale))
 
 
 @lru_cache(maxsize=4096)
@@ -182,14 +230,23 @@ def _tail(dim: int, seq: int, rows: int, vocab: int, word: int, tp: int = 1) -> 
     return int(cache * word / (4 if word <= 4 else 8))
 
 
-def held_microbatches(schedule: str, pp: int, m_count: int, stage: int) -> int:
+def held_microbatches(schedule: str, pp: int, m_count: int, stage: int, virtual: int = 1) -> int:
     """Micro-batches stage ``stage`` holds at its peak (from its F to its last backward part,
     as :func:`hpcnn.schedule.pipeline.simulate` counts them): GPipe all m; 1F1B min(pp - s, m);
-    ZB-H1 min(pp, m) on every stage (a micro-batch's B is early, its W late)."""
+    ZB-H1 min(pp, m) on every stage (a micro-batch's B is early, its W late). Interleaved 1F1B
+    with v = ``virtual`` chunks per rank (:func:`hpcnn.schedule.pipeline.interleaved_1f1b`):
+    chunk passes, not micro-batches, rank s holding its warm-up's forwards and one more,
+    min(v m, 2(pp - s - 1) + (v - 1) pp + 1), all v m when m = pp: on the first rank
+    v pp + pp - 1 chunks, pp + (pp - 1) / v stages' worth (Korthikanti et al., MLSys 2023,
+    Sec. 4.2.3; Narayanan et al., SC 2021, Sec. 2.2)."""
     if schedule == "gpipe":
         return m_count
     if schedule == "zb_h1":
         return min(pp, m_count)
+    if schedule == "interleaved" and virtual > 1:
+        total = virtual * m_count
+        return total if m_count == pp else min(total, 2 * (pp - stage - 1)
+                                               + (virtual - 1) * pp + 1)
     return min(pp - stage, m_count)
 
 
@@ -200,20 +257,33 @@ class Layout:
     pp: int
     microbatches: int
     schedule: str = "1f1b"
-    remat: str = "none"
+    remat: str = "none"     # none | full | selective (priced only: PRICED_REMAT)
     stages: tuple = ()      # transformer blocks per stage; () the uniform cut, n_layers / pp each
     zero: int = 0           # ZeRO stage (hpcnn/parallel/data/sharded.py): 1 = slots over dp,
     #                         2 = and the gradients, 3 = and the parameters (zero3.py)
+    virtual: int = 1        # model chunks per pipeline rank (schedule "interleaved")
+    sequence_parallel: bool = False     # tp > 1: the LayerNorm/dropout regions split over tp
 
     def __post_init__(self):
         if self.stages and (len(self.stages) != self.pp or min(self.stages) < 1):
             raise ValueError(f"stages={self.stages}: expected pp={self.pp} stage sizes, each at "
                              f"least one transformer block")
+        if self.virtual < 1 or (self.virtual > 1 and (self.schedule != "interleaved"
+                                                      or self.stages)):
+            raise ValueError(f"virtual={self.virtual} with schedule={self.schedule!r}, stages="
+                             f"{self.stages}: chunks per rank are >= 1, more than one only "
+                             f"with the interleaved schedule on uniform stages")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel with tp=1: the sequence is split over tp ranks")
+        if self.remat not in PRICED_REMAT:
+            raise ValueError(f"remat={self.remat!r}: expected one of {', '.join(PRICED_REMAT)}")
 
     def __str__(self) -> str:
         cut = f", stages {'|'.join(map(str, self.stages))}" if self.stages else ""
-        return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}, {self.schedule}, "
+        chunks = f" x{self.virtual} chunks" if self.virtual > 1 else ""
+        return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}, {self.schedule}{chunks}, "
                 f"{self.microbatches} micro-batches, remat={self.remat}{cut}"
+                + (", sequence parallel" if self.sequence_parallel else "")
                 + (f", zero {self.zero}" if self.zero else ""))
 
 
@@ -318,7 +388,7 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     their count, plus the pass's own."""
     rows = model.batch // (layout.dp * layout.microbatches)     # sequences per micro-batch
     tp = layout.tp
-    f, b, cache, _, _ = _block(model.dim, model.n_heads, model.seq, rows, model.word, tp)
+    f, b, cache, _, _ = _layout_block(model, layout, rows)
     dev = machine.device
     dtype = model.dtype if model.dtype in dev.flops else max(dev.flops, key=dev.flops.get)
     head_f = 2.0 * rows * model.seq * model.dim * model.vocab / tp   # LM head forward FLOPs
@@ -342,6 +412,11 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
                                                        False) if head else 0.0)
     if layout.remat == "full":
         t_b += recomputed_forward(comp_f + tp_s, blocks, head)
+    elif layout.remat == "selective":       # every block's attention core run again
+        core_f, core_cache = attention_core(model.dim, model.n_heads, model.seq, model.word,
+                                            tp, layout.sequence_parallel)
+        t_b += dev.pass_seconds(blocks * rows * core_f, dtype, "transformer", 0,
+                                blocks * rows * core_cache, True, tokens=rows * model.seq)
     t_w = 0.0
     if layout.schedule == "zb_h1":
         # zero bubble splits B into its input and weight halves, each the measured fraction of
@@ -375,12 +450,15 @@ def _neighbours(layout: Layout, machine):
 
 
 def _messages(model: Transformer, layout: Layout, machine, after: float = 0.0) -> tuple:
-    """(one activation message between pp neighbours, sent after ``after`` seconds of a stage
-    pass's compute, the 2(pp - 1) on the critical path)."""
+    """(one activation message between pp neighbours, sent after ``after`` seconds of a
+    chunk's pass, the 2(pp v - 1) on the critical path: the fill and drain cross every one of
+    the pp x v chunks' boundaries, v = ``layout.virtual``). Under sequence parallelism a rank
+    sends its seq/tp slice."""
     rows = model.batch // (layout.dp * layout.microbatches)
-    act = rows * model.seq * model.dim * model.word
+    act = rows * model.seq * model.dim * model.word / (layout.tp if layout.sequence_parallel
+                                                        else 1)
     msg = _neighbours(layout, machine).message_seconds(act, after) if layout.pp > 1 else 0
-    return msg, 2 * (layout.pp - 1) * msg
+    return msg, 2 * (layout.pp * layout.virtual - 1) * msg
 
 
 def _weighted(layout: Layout, machine, span: float, busy: float) -> float:
@@ -393,42 +471,87 @@ def _weighted(layout: Layout, machine, span: float, busy: float) -> float:
     return span if w == 1 else busy + w * (span - busy)
 
 
+def _chunk_times(model: Transformer, layout: Layout, machine, per_stage: float) -> tuple:
+    """(t_f, t_b, t_w, tp_s) of one pass through one of the v = ``layout.virtual`` chunks of a
+    rank of ``per_stage`` blocks, the stage pass (every stage priced as the last, the LM head
+    on it) for v = 1. Our choice for v > 1: a chunk of per_stage / v blocks without the head
+    (its own fixed cost per pass, as the executor runs each chunk as a stage), plus 1/v of what
+    the head adds to the rank's stage pass."""
+    v = layout.virtual
+    if v == 1:
+        return _pass_times(model, layout, machine, per_stage, True)
+    chunk = _pass_times(model, layout, machine, per_stage / v, False)
+    whole, bare = (_pass_times(model, layout, machine, per_stage, h) for h in (True, False))
+    return tuple(c + (w - b) / v for c, w, b in zip(chunk, whole, bare))
+
+
+def dp_seconds(model: Transformer, layout: Layout, machine, params: float,
+               window: float) -> float:
+    """The data-parallel reduction of ``params`` gradients left on the step (float32 gradients
+    under 16-bit parameters, as hpcnn's engine holds and reduces them: ``Parameter.grad_dtype``,
+    ``--grad_reduce_dtype=fp32``; at ZeRO-2 and 3 its reduce-scatter half,
+    :func:`reduced_share`). Where the machine file says ``dp_overlap`` (its collectives on their
+    own stream, hpcnn train's default ``--overlap``: a bucket's reduction launched as the last
+    micro-batch's backward fills it, :mod:`hpcnn.parallel.data.bucketed`), what the backward
+    of ``window`` seconds does not hide, plus the last bucket's (``--bucket_mb``'s default),
+    at most the whole; else the whole, after the step (the machine files where ranks share
+    cores: what their validation measured)."""
+    nbytes = params * (4 if model.word == 2 else model.word)
+    share = reduced_share(layout)
+    whole = dp_allreduce_s(nbytes, layout, machine, after=window) * share
+    if not getattr(machine, "dp_overlap", False) or whole == 0:
+        return whole
+    from hpcnn.config import TrainConfig
+    last = dp_allreduce_s(min(nbytes, TrainConfig.bucket_mb * 2 ** 20), layout, machine,
+                          after=window) * share
+    return min(whole, max(0.0, whole - window) + last)
+
+
 def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     """(StageTimes, (cache bytes, input bytes) per block and rank, local parameter count) of
     the uniform ``layout``: the one place its formulas live, for :func:`price` and
-    :func:`stage_times`."""
-    from hpcnn.schedule import pipeline as schedules
-    dp, tp, pp, m_count = layout.dp, layout.tp, layout.pp, layout.microbatches
-    rows = model.batch // (dp * m_count)                    # sequences per micro-batch
-    _, _, cache, pbytes, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
-                                         tp)
-    per_stage = model.n_layers / pp
-    t_f, t_b, t_w, tp_s = _pass_times(model, layout, machine, per_stage, True)
-    span = schedules.formula_makespan(layout.schedule, pp, m_count, t_f, t_b - t_w, t_w)
-    if span is None:
-        span = schedules.simulate(_lists(layout.schedule, pp, m_count), t_f, t_b - t_w, t_w,
-                                  validated=True).makespan
-    span = _weighted(layout, machine, span, m_count * (t_f + t_b))
-    msg, pp_s = _messages(model, layout, machine, t_f)
+    :func:`stage_times`. Interleaved: the schedule's span in chunk passes
+    (:func:`_chunk_times`), the StageTimes' passes a rank's v chunks together."""
+    rows = model.batch // (layout.dp * layout.microbatches)  # sequences per micro-batch
+    _, _, cache, pbytes, xbytes = _layout_block(model, layout, rows)
+    per_stage = model.n_layers / layout.pp
+    t_f, t_b, t_w, tp_s, span, msg, pp_s, held_s = _unsharded_times(
+        model, dataclasses.replace(layout, zero=0) if layout.zero else layout, machine)
     # every stage priced as the last (the head's table): the fullest, the first, has the
     # embedding's and position tables too
     local_params = _stage_params(model, layout, 0, per_stage, True)
-    dp_s = dp_allreduce_s(local_params * model.word, layout, machine, after=t_b) \
-        * reduced_share(layout)
+    dp_s = dp_seconds(model, layout, machine, local_params, t_b)
     opt_s = sharded_update_seconds(local_params, layout, machine, model.word, optimizer)
-    held_s = held_seconds(model, layout, machine)
     return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
             (cache, xbytes), local_params)
 
 
-@lru_cache(maxsize=256)
-def _lists(schedule: str, pp: int, m_count: int) -> tuple:
-    """The instruction lists of ``schedule`` on pp ranks and stages, M micro-batches,
-    validated once (every stage cut of a plan simulates the same lists)."""
+@lru_cache(maxsize=4096)
+def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
+    """(t_f, t_b, t_w, tp_s, span, msg, pp_s, held_s) of the uniform ``layout``: what does not
+    depend on its ZeRO stage, once for a plan's ZeRO stages of one layout."""
     from hpcnn.schedule import pipeline as schedules
-    lists = schedules.SCHEDULES[schedule](pp, m_count, pp)
-    schedules.validate(lists, pp, m_count, pp)
+    pp, m_count, v = layout.pp, layout.microbatches, layout.virtual
+    c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, model.n_layers / pp)
+    span = schedules.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
+    if span is None:
+        span = schedules.simulate(_lists(layout.schedule, pp, m_count, v), c_f, c_b - c_w, c_w,
+                                  validated=True).makespan
+    t_f, t_b, t_w, tp_s = v * c_f, v * c_b, v * c_w, v * c_tp
+    span = _weighted(layout, machine, span, m_count * (t_f + t_b))
+    msg, pp_s = _messages(model, layout, machine, c_f)
+    return t_f, t_b, t_w, tp_s, span, msg, pp_s, held_seconds(model, layout, machine)
+
+
+@lru_cache(maxsize=256)
+def _lists(schedule: str, pp: int, m_count: int, virtual: int = 1) -> tuple:
+    """The instruction lists of ``schedule`` on pp ranks, pp x ``virtual`` stages, M
+    micro-batches, validated once (every stage cut of a plan simulates the same lists)."""
+    from hpcnn.schedule import pipeline as schedules
+    lists = schedules.SCHEDULES[schedule](pp * virtual, m_count, pp)
+    schedules.validate(lists, pp * virtual, m_count, pp)
     return tuple(tuple(lst) for lst in lists)
+
 
 
 def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float,
@@ -442,20 +565,27 @@ def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float,
     last stage, its output until it is sent; once per rank, a backward in progress holds its
     gradient pair (dy, dx) on top: the rematerializing executor's account
     (:meth:`hpcnn.memory.executor.Executor`), which counts these where a stored cache does not.
+    Under ``remat="selective"`` the blocks' caches less their attention cores'
+    (:func:`attention_core`). Interleaved (v chunks): chunk passes of blocks / v blocks each,
+    the tail held once (the last chunk's one micro-batch), the tokens for at most m of them.
     """
-    rows = model.batch // (layout.dp * layout.microbatches)
-    _, _, cache, _, xbytes = _block(model.dim, model.n_heads, model.seq, rows, model.word,
-                                    layout.tp)
-    last = stage == layout.pp - 1
-    tail = _tail(model.dim, model.seq, rows, model.vocab, model.word, layout.tp)
-    tokens = rows * model.seq * 8                       # the first stage's int64 input
+    rows, v = model.batch // (layout.dp * layout.microbatches), layout.virtual
+    _, _, cache, _, xbytes = _layout_block(model, layout, rows)
+    last, unit = stage == layout.pp - 1, blocks / v
+    tail = _tail(model.dim, model.seq, rows, model.vocab, model.word, layout.tp) if last else 0
+    tokens = rows * model.seq * 8 if stage == 0 else 0  # the first stage's int64 input
+    pending = 0
     if layout.remat == "full":
-        held, pending = xbytes * blocks + cache + (0 if last else xbytes), 2 * xbytes
+        held, pending = xbytes * unit + cache + (0 if last and v == 1 else xbytes), 2 * xbytes
+    elif layout.remat == "selective":
+        held = (cache - rows * attention_core(model.dim, model.n_heads, model.seq, model.word,
+                                              layout.tp, layout.sequence_parallel)[1]) * unit
     else:
-        held, pending = cache * blocks, 0
-    count = held_microbatches(layout.schedule, layout.pp, layout.microbatches, stage)
-    one = held + (tail if last else 0) + (tokens if stage == 0 else 0)
-    return (count - 1) * one if beyond_one else count * one + pending
+        held = cache * unit
+    count = held_microbatches(layout.schedule, layout.pp, layout.microbatches, stage, v)
+    total = (count * held + (count if v == 1 else 1) * tail
+             + (count if v == 1 else min(layout.microbatches, count)) * tokens)
+    return total - (held + tail + tokens) if beyond_one else total + pending
 
 
 def held_seconds(model: Transformer, layout: Layout, machine, blocks=None) -> float:
@@ -557,19 +687,19 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     memory per rank is the fullest stage's (:func:`_stage_memory`).
     ``heads`` = every stage is the uniform price's convention (every stage priced as the last):
     with uniform stages this prices exactly as :func:`price` prices the uniform layout."""
-    from hpcnn.schedule import pipeline as schedules
     pp, m_count, word = layout.pp, layout.microbatches, model.word
     heads = {pp - 1} if heads is None else set(heads)
-    times = [_pass_times(model, layout, machine, n, s in heads)
-             for s, n in enumerate(layout.stages)]
-    t_f, t_b, t_w, _ = (list(t) for t in zip(*times))
-    span = schedules.simulate(_lists(layout.schedule, pp, m_count), t_f,
-                              [b - w for b, w in zip(t_b, t_w)], t_w, validated=True).makespan
+    once = {key: _pass_times(model, layout, machine, *key)       # a few distinct stages
+            for key in {(n, s in heads) for s, n in enumerate(layout.stages)}}
+    times = [once[n, s in heads] for s, n in enumerate(layout.stages)]
+    t_f, t_b, t_w, _ = (tuple(t) for t in zip(*times))
+    span = _simulated_span(layout.schedule, pp, m_count, t_f,
+                           tuple(b - w for b, w in zip(t_b, t_w)), t_w)
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
     _, pp_s = _messages(model, layout, machine, max(t_f))
-    params = [_stage_params(model, layout, s, n, s in heads) for s, n in enumerate(layout.stages)]
-    reduce = [(dp_allreduce_s(q * word, layout, machine, after=max(t_b))
-               * reduced_share(layout),
+    params = dict.fromkeys(_stage_params(model, layout, s, n, s in heads)
+                           for s, n in enumerate(layout.stages))
+    reduce = [(dp_seconds(model, layout, machine, q, max(t_b)),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
     memory = max((stage_memory_parts(model, layout, s, n, s in heads, optimizer)
                   for s, n in enumerate(layout.stages)), key=lambda m: sum(m.values()))
@@ -577,11 +707,35 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     return span, pp_s, busiest, max(reduce, key=sum), memory
 
 
+@lru_cache(maxsize=1024)
+def _simulated_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
+                    t_w: tuple) -> float:
+    """The makespan of ``schedule`` simulated with these per-stage times (messages free),
+    once for the layouts that share them (a plan's ZeRO stages cut alike)."""
+    from hpcnn.schedule import pipeline as schedules
+    return schedules.simulate(_lists(schedule, pp, m_count), list(t_f), list(t_b), list(t_w),
+                              validated=True).makespan
+
+
+def _check_fits(model: Transformer, layout: Layout) -> None:
+    """ValueError where ``layout`` cannot run ``model``: interleaving whose chunks do not split
+    the layers evenly or whose micro-batches are not a multiple of pp (hpcnn's
+    :func:`~hpcnn.schedule.pipeline.interleaved_1f1b`), sequence parallelism whose tp does not
+    divide the sequence."""
+    v, pp = layout.virtual, layout.pp
+    if v > 1 and (model.n_layers % (pp * v) or layout.microbatches % pp):
+        raise ValueError(f"{layout}: interleaving needs the {model.n_layers} layers in pp x "
+                         f"virtual = {pp * v} equal chunks and micro-batches a multiple of pp")
+    if layout.sequence_parallel and model.seq % layout.tp:
+        raise ValueError(f"{layout}: sequence parallelism needs tp dividing seq = {model.seq}")
+
+
 def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None,
           optimizer: str = "adamw") -> Priced:
     """The predicted step time and memory per rank of ``layout`` (see the module docstring; a
     layout with explicit ``stages``: :func:`_staged`)."""
     pp, m_count = layout.pp, layout.microbatches
+    _check_fits(model, layout)
     if layout.stages:
         if sum(layout.stages) != model.n_layers:
             raise ValueError(f"stages {layout.stages} hold {sum(layout.stages)} transformer "
@@ -593,8 +747,11 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     else:
         st, _, local_params = _priced_parts(model, layout, machine, optimizer)
         per_stage = model.n_layers / pp
+        # uniform stages, each priced as the last: a middle stage holds what the first does
+        # less its tables, tokens and (every schedule's held count falls with the stage) its
+        # extra micro-batches; the first and the last are the candidates for the fullest
         memory = max((stage_memory_parts(model, layout, s, per_stage, True, optimizer)
-                      for s in range(pp)), key=lambda m: sum(m.values()))
+                      for s in sorted({0, pp - 1})), key=lambda m: sum(m.values()))
     memory_parts, memory = memory, sum(memory.values())
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
@@ -647,6 +804,10 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     fixed_cost = [bare[0] + bare[1]] * (pp - 1) + [head[0] + head[1]]
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     costs = [one[0] + one[1]] * n
+    # the fullest stage holds at least the mean over the stages, at least (their fixed parts +
+    # every block at the least a block costs a stage) / pp: above the cap, no cut fits
+    if (sum(fixed_memory) + n * min(row[0] for row in memory)) / pp > cap:
+        return tuple(b - a for a, b in partition.uniform(n, pp))
     ranges = (partition.by_cost_bounded(costs, memory, pp, cap, fixed_cost, fixed_memory)
               or partition.uniform(n, pp))
     return tuple(b - a for a, b in ranges)
@@ -668,16 +829,14 @@ def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMA
             memory_bytes: float | None = None, zero=(0,), allow: dict | None = None):
     """Every layout of ``model`` on ``devices``: dp x tp x pp = devices, tp dividing the heads,
     pp dividing the layers, any count of micro-batches M with dp x M dividing the batch (and
-    M >= pp for the pipelined schedules' steady state), each schedule and remat choice (no
-    rematerialized zero-bubble schedule: their split backward is not rematerialized), each
-    ZeRO stage of ``zero`` (stages 1 and 2 only where dp > 1).
+    M >= pp for the pipelined schedules' steady state), each schedule, chunk count, remat,
+    sequence parallelism and ZeRO choice (:func:`_variants`).
 
     With a ``machine``, each pipelined choice (pp > 1) with pp x M <= :data:`STAGE_CUT_PASSES`
     also comes with explicit stages cut by :func:`stage_cut` for that machine and
     ``memory_bytes``, pp then any number up to the layers (not only their divisors).
-    ``allow`` fixes or bounds dimensions: {"tp", "pp", "dp", "microbatches",
-    "micro_batch_size", "schedule", "remat", "zero"} -> the values allowed (any container:
-    a set, a ``range``); a dimension not named is free."""
+    ``allow`` fixes or bounds dimensions (:data:`DIMENSIONS`) -> the values allowed (any
+    container: a set, a ``range``); a dimension not named is free."""
     ok = _allowed(allow or {})
     for tp in _divisors(devices):
         if model.n_heads % tp or not ok("tp", tp):
@@ -693,19 +852,42 @@ def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMA
                 if (pp > 1 and m_count < pp) or not ok("microbatches", m_count) or not ok(
                         "micro_batch_size", model.batch // (dp * m_count)):
                     continue
-                for s in (("1f1b",) if pp == 1 else schedules):
-                    for r in remat:
-                        if r != "none" and s.startswith("zb"):   # as hpcnn train refuses
-                            continue
-                        for z in zero if dp > 1 else (0,):
-                            if z == 3 and pp > 1 or not (ok("schedule", s) and ok("remat", r)
-                                                         and ok("zero", z)):
-                                continue                         # (zero 3: as train refuses)
-                            yield from _with_cut(Layout(dp, tp, pp, m_count, s, r, zero=z),
-                                                 uniform, model, machine, memory_bytes)
+                for lay in _variants(model, Layout(dp, tp, pp, m_count), schedules, remat,
+                                     zero, ok, uniform):
+                    yield from _with_cut(lay, uniform, model, machine, memory_bytes)
 
 
-DIMENSIONS = ("tp", "pp", "dp", "microbatches", "micro_batch_size", "schedule", "remat", "zero")
+def _variants(model: Transformer, base: Layout, schedules, remat, zero, ok, uniform: bool):
+    """``base`` (dp, tp, pp, M) in each schedule of ``schedules`` (pp > 1; else 1F1B), each
+    chunk count v >= 2 of the interleaved schedule (uniform stages, v dividing n_layers / pp,
+    M a multiple of pp: as ``hpcnn train --virtual`` builds it), each remat of ``remat`` (no
+    rematerialized zero-bubble schedule: their split backward is not rematerialized), with and
+    without sequence parallelism (tp > 1, tp dividing seq; not with ZeRO-2 and 3, as ``hpcnn
+    train`` refuses), each ZeRO stage of ``zero`` (1 and 2 where dp > 1, 3 where also pp = 1),
+    as ``ok`` allows."""
+    dp, tp, pp, m_count = base.dp, base.tp, base.pp, base.microbatches
+    chunks = {"interleaved": [v for v in _divisors(model.n_layers // pp)[1:]
+                              if uniform and m_count % pp == 0]}
+    sps = (False, True) if tp > 1 and model.seq % tp == 0 else (False,)
+    for s in (("1f1b",) if pp == 1 else schedules):
+        if not ok("schedule", s):
+            continue
+        for v in chunks.get(s, (1,)):
+            for r in remat:
+                if r != "none" and s.startswith("zb") or not (ok("remat", r)
+                                                              and ok("virtual", v)):
+                    continue                             # (zero bubble: as train refuses)
+                for sp in sps:
+                    for z in zero if dp > 1 else (0,):
+                        if (z == 3 and pp > 1 or sp and z >= 2 or not ok("zero", z)
+                                or not ok("sequence_parallel", sp)):
+                            continue                     # (as train refuses)
+                        yield dataclasses.replace(base, schedule=s, remat=r, zero=z, virtual=v,
+                                                  sequence_parallel=sp)
+
+
+DIMENSIONS = ("tp", "pp", "dp", "microbatches", "micro_batch_size", "schedule", "remat", "zero",
+              "virtual", "sequence_parallel")
 
 
 def _allowed(allow: dict):
@@ -724,21 +906,23 @@ def _with_cut(lay: Layout, uniform: bool, model, machine, memory_bytes):
     if uniform:
         yield lay
     m = lay.microbatches
-    if machine is not None and lay.pp > 1 and lay.pp * m <= STAGE_CUT_PASSES and not m & (m - 1):
+    if (machine is not None and lay.pp > 1 and lay.pp * m <= STAGE_CUT_PASSES and not m & (m - 1)
+            and lay.virtual == 1):
         yield dataclasses.replace(lay, stages=stage_cut(model, lay, machine, memory_bytes))
 
 
 def plan(model: Transformer, machine, devices: int | None = None, *,
-         memory_bytes: float | None = None, zero=(0,), allow: dict | None = None) -> list[Priced]:
+         memory_bytes: float | None = None, zero=(0,), allow: dict | None = None,
+         remat=REMAT) -> list[Priced]:
     """Every layout priced (:func:`layouts` with this machine: the uniform ones and the stage
-    cuts; ``allow`` fixing or bounding dimensions), the feasible ones first, each group by
-    predicted step time."""
+    cuts; ``allow`` fixing or bounding dimensions; ``remat`` the choices offered, of
+    :data:`PRICED_REMAT`), the feasible ones first, each group by predicted step time."""
     devices = machine.p if devices is None else int(devices)
     if devices < 1 or devices > machine.p:
         raise ValueError(f"devices={devices}: the machine {machine.name!r} has {machine.p}")
     out = [price(model, lay, machine, memory_bytes)
            for lay in layouts(model, devices, machine=machine, memory_bytes=memory_bytes,
-                              zero=zero, allow=allow)]
+                              zero=zero, allow=allow, remat=remat)]
     if not out:
         raise ValueError(f"no layout of {model} fits {devices} devices (tp must divide the "
                          f"{model.n_heads} heads, pp the {model.n_layers} layers or be cut "
@@ -757,16 +941,22 @@ def flops_per_step(model: Transformer) -> float:
 def hardware_flops_per_step(model: Transformer, layout: Layout) -> float:
     """FLOPs one step runs, recomputation counted: :func:`flops_per_step` plus, under
     ``remat="full"``, the forward of the blocks run again (:func:`recomputed_forward`: all of
-    the last stage's, all but one of every other stage's)."""
+    the last stage's, all but one of every other stage's, or with v chunks a rank, of every
+    other chunk's), under ``remat="selective"`` the forward of every block's attention core
+    (:func:`attention_core`, on the whole sequence)."""
+    if layout.remat == "selective":
+        return flops_per_step(model) + model.n_layers * model.batch * attention_core(
+            model.dim, model.n_heads, model.seq, model.word)[0]
     if layout.remat != "full":
         return flops_per_step(model)
     f = _block(model.dim, model.n_heads, model.seq, model.batch, model.word, 1)[0]
-    again = model.n_layers - (layout.pp - 1) if not layout.stages else sum(
+    again = model.n_layers - (layout.pp * layout.virtual - 1) if not layout.stages else sum(
         n - (s < layout.pp - 1) for s, n in enumerate(layout.stages))
     return flops_per_step(model) + f * again
 
 
-__all__ = ["DIMENSIONS", "Layout", "Priced", "StageTimes", "Transformer", "dp_allreduce_forms",
+__all__ = ["DIMENSIONS", "Layout", "ONE_STAGE_PER_RANK", "PRICED_REMAT", "Priced", "StageTimes",
+           "Transformer", "attention_core", "dp_allreduce_forms", "dp_seconds",
            "flops_per_step", "hardware_flops_per_step",
            "held_microbatches",
            "layouts", "plan", "price", "recomputed_forward", "ring_allreduce_s", "stage_cut",

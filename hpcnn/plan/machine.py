@@ -385,11 +385,14 @@ class Device:
 
 @dataclass(frozen=True)
 class Machine:
-    """Devices at the leaves of ``levels`` (innermost first): p = product of the fan-outs."""
+    """Devices at the leaves of ``levels`` (innermost first): p = product of the fan-outs.
+    ``dp_overlap``: the data-parallel gradient reduction runs beside the backward (collectives
+    on their own stream, as on GPUs): :func:`hpcnn.plan.hybrid.dp_seconds`."""
     name: str
     levels: tuple
     device: Device
     source: str = ""
+    dp_overlap: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "levels", tuple(self.levels))
@@ -572,9 +575,12 @@ def loads(text: str, where: str = "<string>") -> Machine:
                                 collective_scale=lv.get("collective_scale", 1.0),
                                 group_scales=lv.get("group_scales", ()),
                                 stream_bandwidth=lv.get("stream_bandwidth", ())))
+    overlap = doc.get("dp_overlap", False)
+    if not isinstance(overlap, bool):
+        raise ValueError(f"{where}: dp_overlap = {overlap!r}: expected true or false")
     with _named(where):
         return Machine(name=str(_get(doc, "name", where)), levels=tuple(levels), device=device,
-                       source=str(doc.get("source", "")))
+                       source=str(doc.get("source", "")), dp_overlap=overlap)
 
 
 def resolve(path) -> str:

@@ -42,8 +42,9 @@ def gpt_events(model, layout, machine) -> list[Event]:
     from hpcnn.plan import hybrid
     st = hybrid.stage_times(model, layout, machine)
     pp, m_count = layout.pp, layout.microbatches
-    lists = pipeline.SCHEDULES[layout.schedule](pp, m_count, pp)
-    sim = pipeline.simulate(lists, st.t_f, st.t_b - st.t_w, st.t_w)
+    v = layout.virtual                             # interleaved: v chunk passes a stage pass
+    lists = pipeline.SCHEDULES[layout.schedule](pp * v, m_count, pp)
+    sim = pipeline.simulate(lists, st.t_f / v, (st.t_b - st.t_w) / v, st.t_w / v)
     warp = _warp(sim, hybrid._neighbours(layout, machine).bubble_weight if pp > 1 else 1.0)
     fill = (pp - 1) * st.msg                       # activation of micro-batch 0, relayed down
     per_stage = []
