@@ -766,3 +766,55 @@ def test_a_linears_compute_is_slowed_by_its_rows_per_rank():
         assert slowed.seconds - 1e-5 == pytest.approx(factor * (plain.seconds - 1e-5), rel=1e-12)
         assert slowed.formula.startswith(f"S_linear({256 // cuts[0].batch})*(")
         assert "S_linear" not in plain.formula
+
+
+def with_gemm(points=((1024, 1024, 1024, 8e11),)):
+    """small() with published GEMM rates for float32."""
+    m = small()
+    return replace(m, device=replace(m.device, gemm={"float32": points}))
+
+
+def test_a_gemm_table_round_trips_is_checked_and_files_without_it_have_none(tmp_path):
+    m = with_gemm(((1024, 1024, 1024, 8e11), (64, 64, 64, 1e11)))
+    assert hm.loads(m.to_toml()) == m and "[device.gemm]" in m.to_toml()
+    assert "[device.gemm]" not in small().to_toml() and small().device.gemm == {}
+    for f in FILES:                     # only the public GPU files carry published GEMM rates
+        gemm = hm.load(f).device.gemm
+        assert bool(gemm) == (os.path.basename(f) in ("dgx-a100-cluster.toml",
+                                                      "dgx-h100-cluster.toml")), f
+    a100 = hm.load(GPU).device.gemm
+    assert a100["bfloat16"] == a100["float16"] == ((1024, 10240, 5120, 271.2e12),)
+    text = m.to_toml()
+    for old, new, message in (
+            ("8e+11", "2e12", r"gemm.float32\[0\] flop_per_s = 2000000000000.0: above the "
+                              "float32 peak"),
+            ("[1024, 1024, 1024,", "[1024, 0, 1024,", r"gemm.float32\[0\] = \[1024, 0, 1024"),
+            ("[64, 64, 64, 1e+11]", "[64, 64, 1e+11]", r"gemm.float32\[1\] = \[64, 64, "),
+            ('"float32" = [[', '"int8" = [[', "gemm.int8: expected a dtype")):
+        bad = text.replace("800000000000", "8e+11").replace("100000000000]", "1e+11]")
+        assert old in bad, old
+        with pytest.raises(ValueError, match=message):
+            hm.loads(bad.replace(old, new))
+    slow = m.device.slowed(4.0)
+    assert slow.gemm_seconds(1024, 1024, 1024, "float32") == pytest.approx(
+        4 * m.device.gemm_seconds(1024, 1024, 1024, "float32"), rel=1e-12)
+    with pytest.raises(ValueError, match="no gemm figures for dtype 'float64'"):
+        m.device.gemm_seconds(8, 8, 8, "float64")
+
+
+def test_a_gemms_seconds_are_its_roofline():
+    """max(FLOPs at the rate of the point nearest in arithmetic intensity, bytes at the memory
+    bandwidth): word (mk + kn + mn) bytes, 4 bytes a float32 word, 1e11 B/s in small()."""
+    from hpcnn.plan.gemm import intensity
+    m = with_gemm(((4096, 4096, 4096, 8e11), (256, 256, 256, 2e11)))
+    dev = m.device
+    # compute-bound and near the large point: its rate
+    assert dev.gemm_seconds(8192, 4096, 2048, "float32") == pytest.approx(
+        2 * 8192 * 4096 * 2048 / 8e11, rel=1e-12)
+    # near the small point in intensity: its rate (intensity 42.7 > ridge 2e11 / 1e11 = 2)
+    assert intensity(256, 256, 256, 4) == pytest.approx(256 / 6)
+    assert dev.gemm_seconds(256, 256, 256, "float32", batch=3) == pytest.approx(
+        3 * 2 * 256 ** 3 / 2e11, rel=1e-12)
+    # a thin GEMM (a matrix-vector product): its bytes at the bandwidth
+    assert dev.gemm_seconds(4096, 1, 4096, "float32") == pytest.approx(
+        4 * (4096 * 4096 + 4096 + 4096) / 1e11, rel=1e-12)

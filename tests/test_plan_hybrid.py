@@ -693,3 +693,41 @@ def test_the_dp_reduction_hides_behind_the_backward_where_the_machine_overlaps_i
         assert st.dp_s == pytest.approx(min(whole, max(0, whole - st.t_b) + last), rel=1e-12)
         assert dp_seconds(model, lay, overlapped, params, 0.0) == pytest.approx(whole)
     assert st.dp_s < whole / 2         # the larger model's: many buckets, most hidden
+
+
+def test_published_gemm_rates_price_the_blocks_gemms_on_their_roofline():
+    """With a dtype's [device.gemm] table, a block pass is its GEMMs' roofline seconds (the
+    backward's two GEMMs each twice the forward's) plus the rest of its FLOPs at the rate;
+    without one the pass is as before; the LM head's GEMM likewise."""
+    from hpcnn.plan import gemm
+    from hpcnn.plan.hybrid import _pass_times
+    plain = Machine(per_node=8, nodes=1)
+    rate = 100e12
+    table = replace(plain, device=replace(plain.device, gemm={"bfloat16": (
+        (4096, 4096, 4096, rate),)}))
+    lay = Layout(1, 2, 1, 4)
+    rows, tp = SMALL.batch // 4, 2
+    f, b, *_ = _block(SMALL.dim, SMALL.n_heads, SMALL.seq, rows, SMALL.word, tp)
+    shapes = gemm.block_shapes(SMALL.dim, SMALL.n_heads, SMALL.seq, rows, tp)
+    assert len(shapes) == 6
+    gemm_f = sum(2.0 * m * n * k * bt for m, n, k, bt in shapes)
+    assert 0 < f - gemm_f < 0.02 * f            # the rest: biases, softmax, GELU, norms
+    dev = table.device
+    roof = sum(dev.gemm_seconds(m, n, k, "bfloat16", bt) for m, n, k, bt in shapes)
+    head = gemm.head_shapes(SMALL.dim, SMALL.seq, rows, SMALL.vocab, tp)[0]
+    t_f, t_b, _, tp_s = _pass_times(SMALL, lay, table, 3, False)
+    assert t_f - tp_s == pytest.approx(3 * ((f - gemm_f) / 150e12 + roof), rel=1e-12)
+    assert t_b - tp_s == pytest.approx(3 * ((b - 2 * gemm_f) / 150e12 + 2 * roof), rel=1e-12)
+    h_f = _pass_times(SMALL, lay, table, 3, True)[0] - t_f
+    assert h_f == pytest.approx(dev.gemm_seconds(*head[:3], "bfloat16"), rel=1e-12)
+    # the attention core's GEMMs (batched per head) are memory-bound at this size
+    core = gemm.core_shapes(SMALL.dim, SMALL.n_heads, SMALL.seq, rows, tp)
+    assert core[0] == (256, 256, 64, rows * 4)
+    assert dev.gemm_seconds(*core[0][:3], "bfloat16", core[0][3]) > 2.0 * 256 * 256 * 64 * rows * 4 / rate
+    # without the table: the FLOPs as spec() counts them at the rate
+    p_f, p_b, _, p_tp = _pass_times(SMALL, lay, plain, 3, False)
+    assert p_f - p_tp == pytest.approx(3 * f / 150e12, rel=1e-12)
+    assert p_b - p_tp == pytest.approx(3 * b / 150e12, rel=1e-12)
+    # a dtype the table does not list is priced as before
+    fp32 = replace(SMALL, dtype="float32")
+    assert _pass_times(fp32, lay, table, 3, True) == _pass_times(fp32, lay, plain, 3, True)

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
+from hpcnn.plan import gemm
+
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved")
 # The schedules of one stage per rank: what `hpcnn train --plan=auto` chooses among (it runs one
@@ -391,14 +393,18 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     f, b, cache, _, _ = _layout_block(model, layout, rows)
     dev = machine.device
     dtype = model.dtype if model.dtype in dev.flops else max(dev.flops, key=dev.flops.get)
-    head_f = 2.0 * rows * model.seq * model.dim * model.vocab / tp   # LM head forward FLOPs
     act = rows * model.seq * model.dim * model.word                  # one activation
     # a block's fixed cost and element-wise seconds split between its passes by the device's
     # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them, the FLOP
     # and element-wise seconds slowed for a call on the micro-batch's rows x seq tokens
-    comp_f, comp_b = (dev.pass_seconds(blocks * flops, dtype, "transformer", blocks,
+    # (where the machine file lists published GEMM rates for the dtype, the block's GEMMs on
+    # their roofline instead: hpcnn.plan.gemm)
+    shapes = gemm.block_shapes(model.dim, model.n_heads, model.seq, rows, tp)
+    comp_f, comp_b = (dev.pass_seconds(blocks * rest, dtype, "transformer", blocks,
                                        blocks * cache, fwd, tokens=rows * model.seq)
-                      for flops, fwd in ((f, True), (b, False)))
+                      + blocks * gemm_s
+                      for (rest, gemm_s), fwd in ((gemm.split(dev, dtype, shapes, f, True), True),
+                                                  (gemm.split(dev, dtype, shapes, b, False), False)))
     # two allreduces per block each way, each after the compute since the previous one
     between = (comp_f + comp_b) / (4 * blocks) if blocks else 0.0
     tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp), after=between) * blocks
@@ -406,17 +412,20 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     # "stage" kind: the instruction, embedding, the tail's small calls, the loss)
     around_f, around_b = (dev.pass_seconds(0.0, dtype, "stage", 1, 0.0, fwd)
                           for fwd in (True, False))
-    t_f = comp_f + tp_s + around_f + (dev.pass_seconds(head_f, dtype, "linear", 1, act, True)
+    t_f = comp_f + tp_s + around_f + (_head_seconds(model, dev, dtype, rows, tp, True)
                                       if head else 0.0)
-    t_b = comp_b + tp_s + around_b + (dev.pass_seconds(2 * head_f, dtype, "linear", 1, act,
-                                                       False) if head else 0.0)
+    t_b = comp_b + tp_s + around_b + (_head_seconds(model, dev, dtype, rows, tp, False)
+                                      if head else 0.0)
     if layout.remat == "full":
         t_b += recomputed_forward(comp_f + tp_s, blocks, head)
     elif layout.remat == "selective":       # every block's attention core run again
         core_f, core_cache = attention_core(model.dim, model.n_heads, model.seq, model.word,
                                             tp, layout.sequence_parallel)
-        t_b += dev.pass_seconds(blocks * rows * core_f, dtype, "transformer", 0,
-                                blocks * rows * core_cache, True, tokens=rows * model.seq)
+        rest, gemm_s = gemm.split(dev, dtype, gemm.core_shapes(
+            model.dim, model.n_heads, model.seq, rows, tp), rows * core_f, True)
+        t_b += dev.pass_seconds(blocks * rest, dtype, "transformer", 0,
+                                blocks * rows * core_cache, True,
+                                tokens=rows * model.seq) + blocks * gemm_s
     t_w = 0.0
     if layout.schedule == "zb_h1":
         # zero bubble splits B into its input and weight halves, each the measured fraction of
@@ -429,6 +438,20 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
         lvl = _neighbours(layout, machine)   # for that neighbour to get a core after its pass
         t_f, t_b = t_f + lvl.handoff_after(t_f), t_b + lvl.handoff_after(t_b - t_w)
     return t_f, t_b, t_w, tp_s
+
+
+def _head_seconds(model: Transformer, dev, dtype: str, rows: int, tp: int,
+                  forward: bool) -> float:
+    """Seconds of the LM head's forward (``forward``) or backward on ``rows`` sequences on one
+    of ``tp`` ranks, as a "linear" block: its FLOPs (2 rows seq dim vocab / tp forward, twice
+    that backward) at the device's rate, or its GEMMs on their roofline where the machine file
+    lists GEMM rates for ``dtype`` (:func:`hpcnn.plan.gemm.split`), and its activation's
+    element-wise seconds."""
+    flops = 2.0 * rows * model.seq * model.dim * model.vocab / tp * (1 if forward else 2)
+    act = rows * model.seq * model.dim * model.word                  # one activation
+    rest, gemm_s = gemm.split(dev, dtype, gemm.head_shapes(model.dim, model.seq, rows,
+                                                           model.vocab, tp), flops, forward)
+    return dev.pass_seconds(rest, dtype, "linear", 1, act, forward) + gemm_s
 
 
 def recomputed_forward(blocks_f: float, blocks: float, head: bool) -> float:

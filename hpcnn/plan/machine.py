@@ -25,7 +25,8 @@ these choices: docs/results/planner-model.md):
   1/3 if missing), ``split`` (a zero-bubble backward's input and weight halves), ``tokens``
   (slowdown of small calls, in log(tokens)) and ``update`` (measured seconds per parameter of an
   optimizer step, :meth:`Device.update_seconds`; without it, priced from the bandwidth by
-  :func:`hpcnn.plan.hybrid.update_seconds`).
+  :func:`hpcnn.plan.hybrid.update_seconds`); per dtype, ``gemm``: published GEMM rates by shape,
+  from which a block's GEMMs are priced on a roofline (:mod:`hpcnn.plan.gemm`).
 - **Where ranks share cores** a level holds ``handoff`` (H_l(c): a blocking exchange's wait for
   its peer to get a core after c seconds of compute, paid per message, allreduce and pipeline
   stage pass), ``bubble_weight`` (share of its length a pipeline's fill and drain take) and
@@ -40,7 +41,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field, replace
 
-from hpcnn.plan import tables
+from hpcnn.plan import gemm, tables
 
 MACHINES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "machines")
@@ -237,7 +238,8 @@ class Device:
     the seconds per byte of the output of the non-linearity that ends a block (``activation``,
     kind -> seconds >= 0; missing kinds their ``elementwise`` figure) and the slowdown of a
     kind's FLOP and element-wise seconds by tokens per call (``tokens``, kind -> pieces
-    ((tokens, slowdown), ..., (inf, slowdown)); missing kinds 1)."""
+    ((tokens, slowdown), ..., (inf, slowdown)); missing kinds 1) and, per dtype, published GEMM
+    rates (``gemm``, dtype -> ((m, n, k, flop_per_s), ...): :meth:`gemm_seconds`)."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
@@ -250,6 +252,7 @@ class Device:
     update: dict = field(default_factory=dict, hash=False)
     activation: dict = field(default_factory=dict, hash=False)
     tokens: dict = field(default_factory=dict, hash=False)
+    gemm: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -303,6 +306,8 @@ class Device:
                                  f"{key} -> [[{', '.join(names)}], ..., [inf, {names[1]}]]")
             object.__setattr__(self, table, {
                 str(k): tables.read_pieces(v, f"device {table}.{k}", names) for k, v in value.items()})
+        object.__setattr__(self, "gemm", gemm.read_table(self.gemm, self.flops,
+                                                         f"device {self.name!r}"))
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
@@ -347,6 +352,15 @@ class Device:
                 + cache_bytes * self.elementwise.get(kind, 0.0) * slow)
         return flops / self.rate(dtype, kind) * slow + (share if forward else 1 - share) * rest
 
+    def gemm_seconds(self, m: int, n: int, k: int, dtype: str, batch: int = 1) -> float:
+        """Seconds of ``batch`` (m x k) @ (k x n) GEMMs in ``dtype`` on the roofline of its
+        ``gemm`` points and the memory bandwidth (:func:`hpcnn.plan.gemm.roofline`)."""
+        points = self.gemm.get(str(dtype))
+        if points is None:
+            raise ValueError(f"device {self.name!r} has no gemm figures for dtype {dtype!r} "
+                             f"(has {', '.join(self.gemm) or 'none'})")
+        return gemm.roofline(points, m, n, k, gemm.WORD[dtype], self.memory_bandwidth, batch)
+
     def backward_halves(self, kind: str) -> tuple:
         """(input, weight): the zero-bubble halves of ``kind``'s backward as fractions of it."""
         return self.split.get(kind, (0.5, 0.5))
@@ -377,6 +391,8 @@ class Device:
         factor = tables.finite_positive(factor, "device slowdown factor")
         return replace(self, flops={k: v / factor for k, v in self.flops.items()},
                        memory_bandwidth=self.memory_bandwidth / factor,
+                       gemm={k: tuple((*p[:3], p[3] / factor) for p in v)
+                             for k, v in self.gemm.items()},
                        **{t: {k: v * factor for k, v in getattr(self, t).items()}
                           for t in ("overhead", "elementwise", "activation")},
                        update={k: tuple((n, s * factor) for n, s in v)
@@ -465,7 +481,8 @@ class Machine:
 
     def to_toml(self) -> str:
         """The machine as a TOML file that :func:`load` reads back equal."""
-        lines = [f"name = {tables.toml_str(self.name)}", f"source = {tables.toml_str(self.source)}", "",
+        lines = [f"name = {tables.toml_str(self.name)}", f"source = {tables.toml_str(self.source)}",
+                 *(["dp_overlap = true"] if self.dp_overlap else []), "",
                  "[device]", f"name = {tables.toml_str(self.device.name)}",
                  f"memory_bandwidth = {tables.toml_num(self.device.memory_bandwidth)}   # bytes/s",
                  f"memory_bytes = {tables.toml_num(self.device.memory_bytes)}", "",
@@ -490,6 +507,11 @@ class Machine:
                 lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
                 lines += [f"{tables.toml_str(k)} = {tables.toml_pieces(pieces)}"
                           for k, pieces in getattr(self.device, table).items()]
+        if self.device.gemm:
+            lines += ["", "[device.gemm]".ljust(32) + "# published GEMM rates: [m, n, k, flop_per_s]"]
+            lines += [f"{tables.toml_str(k)} = [" + ", ".join(
+                f"[{m}, {n}, {kk}, {tables.toml_num(r)}]" for m, n, kk, r in pts) + "]"
+                for k, pts in self.device.gemm.items()]
         if not self.levels:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
@@ -557,7 +579,8 @@ def loads(text: str, where: str = "<string>") -> Machine:
                         efficiency=dev.get("efficiency", {}), overhead=dev.get("overhead", {}),
                         elementwise=dev.get("elementwise", {}), forward=dev.get("forward", {}),
                         split=dev.get("split", {}), update=dev.get("update", {}),
-                        activation=dev.get("activation", {}), tokens=dev.get("tokens", {}))
+                        activation=dev.get("activation", {}), tokens=dev.get("tokens", {}),
+                        gemm=dev.get("gemm", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"
