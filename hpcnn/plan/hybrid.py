@@ -7,8 +7,9 @@ built without storage) and the machine's rates, ranks ordered as
 :class:`hpcnn.parallel.collectives.grid.ProcessGrid` orders them (tp fastest, then dp, then pp). A step:
 
 - **compute** per stage and micro-batch: the blocks' FLOPs at the device's rate and
-  "transformer" efficiency, their fixed (``overhead``) and element-wise seconds, slowed for
-  small calls (``tokens``), split between the passes by the device's ``forward`` share, the LM
+  "transformer" efficiency (where the machine file lists published GEMM rates for the dtype,
+  their GEMMs and the head's on a roofline instead, :mod:`hpcnn.plan.gemm`), their fixed
+  (``overhead``) and element-wise seconds, slowed for small calls (``tokens``), split between the passes by the device's ``forward`` share, the LM
   head as a "linear" block on the last stage, and the device's ``"stage"`` cost per stage pass;
   ``remat="full"`` runs each block's forward again in the backward but the last segment's
   (:func:`recomputed_forward`);

@@ -500,18 +500,7 @@ class Machine:
                 lines += [f"{tables.toml_str(k)} = " + (
                     f"[{', '.join(tables.toml_num(x) for x in v)}]" if isinstance(v, tuple)
                     else tables.toml_num(v)) for k, v in getattr(self.device, table).items()]
-        for table, what in (("update", "optimizer step: [max_params, seconds_per_param] "
-                                       "(float32)"),
-                            ("tokens", "slowdown by tokens per call: [tokens, slowdown]")):
-            if getattr(self.device, table):
-                lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
-                lines += [f"{tables.toml_str(k)} = {tables.toml_pieces(pieces)}"
-                          for k, pieces in getattr(self.device, table).items()]
-        if self.device.gemm:
-            lines += ["", "[device.gemm]".ljust(32) + "# published GEMM rates: [m, n, k, flop_per_s]"]
-            lines += [f"{tables.toml_str(k)} = [" + ", ".join(
-                f"[{m}, {n}, {kk}, {tables.toml_num(r)}]" for m, n, kk, r in pts) + "]"
-                for k, pts in self.device.gemm.items()]
+        lines += _device_tables(self.device)
         if not self.levels:
             lines.insert(2, "levels = []                     # one device, no network")
         for lv in self.levels:
@@ -543,6 +532,25 @@ class Machine:
                     f"[{tables.toml_num(c)}, {tables.toml_num(b)}, {tables.toml_num(t)}]" for c, b, t in rows)
                     + "]" for k, rows in lv.after_compute.items()]
         return "\n".join(lines) + "\n"
+
+
+def _device_tables(device: Device) -> list:
+    """The TOML lines of a device's ``update``, ``tokens`` and ``gemm`` tables (none where
+    empty)."""
+    lines = []
+    for table, what in (("update", "optimizer step: [max_params, seconds_per_param] "
+                                   "(float32)"),
+                        ("tokens", "slowdown by tokens per call: [tokens, slowdown]")):
+        if getattr(device, table):
+            lines += ["", f"[device.{table}]".ljust(32) + f"# {what}"]
+            lines += [f"{tables.toml_str(k)} = {tables.toml_pieces(pieces)}"
+                      for k, pieces in getattr(device, table).items()]
+    if device.gemm:
+        lines += ["", "[device.gemm]".ljust(32) + "# published GEMM rates: [m, n, k, flop_per_s]"]
+        lines += [f"{tables.toml_str(k)} = [" + ", ".join(
+            f"[{m}, {n}, {kk}, {tables.toml_num(r)}]" for m, n, kk, r in pts) + "]"
+            for k, pts in device.gemm.items()]
+    return lines
 
 
 def _get(table: dict, key: str, where: str, kind=None):
