@@ -22,6 +22,7 @@ rate and efficiency, as before (:meth:`hpcnn.plan.machine.Device.pass_seconds`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from hpcnn.plan import tables
@@ -66,11 +67,13 @@ def intensity(m: float, n: float, k: float, word: int) -> float:
     return 2.0 * m * n * k / (word * (m * k + k * n + m * n))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def roofline(points: tuple, m: int, n: int, k: int, word: int, bandwidth: float,
              batch: int = 1) -> float:
     """Seconds of ``batch`` (m x k) @ (k x n) GEMMs: their FLOPs at the rate of the point of
     ``points`` ((m, n, k, flop_per_s), ...) nearest in log arithmetic intensity (the first on a
-    tie), or their bytes at ``bandwidth``, whichever is longer (module docstring)."""
+    tie), or their bytes at ``bandwidth``, whichever is longer (module docstring). Cached: a
+    plan prices the same shapes in many layouts."""
     if min(m, n, k, batch) <= 0:
         return 0.0
     ai = intensity(m, n, k, word)
@@ -108,10 +111,16 @@ def pass_seconds(device, dtype: str, shapes: tuple, forward: bool) -> tuple:
     on ``device``'s ``gemm`` table for ``dtype``; (0, 0) where it has none."""
     if dtype not in device.gemm:
         return 0.0, 0.0
-    seconds = sum(device.gemm_seconds(m, n, k, dtype, b) for m, n, k, b in shapes)
-    flops = sum(2.0 * m * n * k * b for m, n, k, b in shapes)
+    seconds, flops = _pass(device.gemm[dtype], WORD[dtype], device.memory_bandwidth, shapes)
     times = 1 if forward else 2
     return times * seconds, times * flops
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _pass(points: tuple, word: int, bandwidth: float, shapes: tuple) -> tuple:
+    """(seconds, FLOPs) of the forward GEMMs ``shapes`` on the roofline of ``points``."""
+    return (sum(roofline(points, m, n, k, word, bandwidth, b) for m, n, k, b in shapes),
+            sum(2.0 * m * n * k * b for m, n, k, b in shapes))
 
 
 def split(device, dtype: str, shapes: tuple, flops: float, forward: bool) -> tuple:
