@@ -69,16 +69,17 @@ def parser():
     return ap
 
 
+def slowest(world, fn) -> float:
+    """The slowest rank's seconds of ``fn()``, the ranks lined up by a barrier before it."""
+    world.Barrier()
+    t = time.perf_counter()
+    fn()
+    return world.allreduce(time.perf_counter() - t, op=_mpi().MAX)
+
+
 def median_of(world, fn, rounds: int) -> float:
-    """The median over ``rounds`` of the slowest rank's seconds of ``fn()``, ranks lined up by a
-    barrier before each."""
-    ts = []
-    for _ in range(rounds):
-        world.Barrier()
-        t = time.perf_counter()
-        fn()
-        ts.append(world.allreduce(time.perf_counter() - t, op=_mpi().MAX))
-    return float(np.median(ts))
+    """The median over ``rounds`` of :func:`slowest` of ``fn()``."""
+    return float(np.median([slowest(world, fn) for _ in range(rounds)]))
 
 
 def _mpi():
@@ -174,10 +175,7 @@ def time_sizes(world, comm, sizes, rounds: int) -> list:
             rng.shuffle(order)
             for k in order:
                 np.copyto(bufs[k], src)
-                world.Barrier()
-                t = time.perf_counter()
-                run[k]()
-                ts[k].append(world.allreduce(time.perf_counter() - t, op=MPI.MAX))
+                ts[k].append(slowest(world, run[k]))
         same = len(set(world.allgather(digest(bufs["hier"])))) == 1
         close = bool(np.allclose(bufs["hier"], bufs["lib"], rtol=1e-6, atol=0))
         rows.append({"mib": mib, **{f"{k}_s": float(np.median(v)) for k, v in ts.items()},

@@ -9,8 +9,9 @@ built without storage) and the machine's rates, ranks ordered as
 - **compute** per stage and micro-batch: the blocks' FLOPs at the device's rate and
   "transformer" efficiency (where the machine file lists published GEMM rates for the dtype,
   their GEMMs and the head's on a roofline instead, :mod:`hpcnn.plan.gemm`), their fixed
-  (``overhead``) and element-wise seconds, slowed for small calls (``tokens``), split between the passes by the device's ``forward`` share, the LM
-  head as a "linear" block on the last stage, and the device's ``"stage"`` cost per stage pass;
+  (``overhead``) and element-wise seconds, slowed for small calls (``tokens``), split between
+  the passes by the device's ``forward`` share, the LM head as a "linear" block on the last
+  stage, and the device's ``"stage"`` cost per stage pass;
   ``remat="full"`` runs each block's forward again in the backward but the last segment's
   (:func:`recomputed_forward`);
 - **tensor parallelism** (Megatron): two ring allreduces of the activation per block each way
@@ -404,8 +405,8 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     comp_f, comp_b = (dev.pass_seconds(blocks * rest, dtype, "transformer", blocks,
                                        blocks * cache, fwd, tokens=rows * model.seq)
                       + blocks * gemm_s
-                      for (rest, gemm_s), fwd in ((gemm.split(dev, dtype, shapes, f, True), True),
-                                                  (gemm.split(dev, dtype, shapes, b, False), False)))
+                      for (rest, gemm_s), fwd in ((gemm.split(dev, dtype, shapes, flops, fwd), fwd)
+                                                  for flops, fwd in ((f, True), (b, False))))
     # two allreduces per block each way, each after the compute since the previous one
     between = (comp_f + comp_b) / (4 * blocks) if blocks else 0.0
     tp_s = 2 * ring_allreduce_s(act, tp, machine.level_for_group(tp), after=between) * blocks
@@ -575,7 +576,6 @@ def _lists(schedule: str, pp: int, m_count: int, virtual: int = 1) -> tuple:
     lists = schedules.SCHEDULES[schedule](pp * virtual, m_count, pp)
     schedules.validate(lists, pp * virtual, m_count, pp)
     return tuple(tuple(lst) for lst in lists)
-
 
 
 def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float,

@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/: labkit
 import labkit  # noqa: E402
+from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
 
@@ -38,9 +39,7 @@ def main():
     err.set(xlabel="step", ylabel="largest relative gradient error", title="against the serial twin")
     ax.legend(fontsize=7)
     err.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(figure, dpi=120)
-    print(f"wrote {figure}")
+    print(f"wrote {save_figure(fig, figure, dpi=120)}")
 
 
 if __name__ == "__main__":

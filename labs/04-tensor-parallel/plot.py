@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/: labkit
 import labkit  # noqa: E402
+from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
 
@@ -31,9 +32,7 @@ def main():
             title=f"MLP block, batch 32, {int(attrs['ranks'])} ranks")
     mem.legend(fontsize=7)
     sec.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(figure, dpi=120)
-    print(f"wrote {figure}")
+    print(f"wrote {save_figure(fig, figure, dpi=120)}")
 
 
 if __name__ == "__main__":

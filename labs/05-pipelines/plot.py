@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/: labkit
 import labkit  # noqa: E402
+from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
 COLOURS = {"F": "#9ecae1", "B": "#3182bd", "W": "#fdae6b"}
@@ -60,9 +61,7 @@ def main():
     ax.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
     ax.legend(handles, list(COLOURS), fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(figure, dpi=120)
-    print(f"wrote {figure}")
+    print(f"wrote {save_figure(fig, figure, dpi=120)}")
 
 
 if __name__ == "__main__":

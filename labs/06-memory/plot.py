@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/: labkit
 import labkit  # noqa: E402
+from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
 
@@ -36,9 +37,7 @@ def main():
         ax.legend(fontsize=8)
     axes[0].set_title(f"a chain of L = {int(attrs['L'])} Linear blocks")
     axes[1].set_title("the time the recomputation took")
-    fig.tight_layout()
-    fig.savefig(figure, dpi=120)
-    print(f"wrote {figure}")
+    print(f"wrote {save_figure(fig, figure, dpi=120)}")
 
 
 if __name__ == "__main__":

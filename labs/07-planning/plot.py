@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/: labkit
 import labkit  # noqa: E402
+from hpcnn.log.report import save_figure  # noqa: E402
 from hpcnn.log.results import load_table  # noqa: E402
 
 
@@ -33,9 +34,7 @@ def main():
     ax.set(ylabel="milliseconds per step", title=f"MLP {attrs['dims']}, batch "
            f"{int(attrs['batch'])}, on {int(attrs['ranks'])} ranks (* the planner's choice)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(figure, dpi=120)
-    print(f"wrote {figure}")
+    print(f"wrote {save_figure(fig, figure, dpi=120)}")
 
 
 if __name__ == "__main__":
