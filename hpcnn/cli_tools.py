@@ -285,6 +285,8 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
         "dtype": ("bfloat16", str, "bfloat16 | float16 (mixed precision: 16-bit parameters, "
                                    "float32 gradients, master copy and optimizer state) | "
                                    "float32 | float64"),
+        "dropout": (0.0, float, "the blocks' dropout probability, as hpcnn train's --dropout "
+                                "(its masks held and moved)"),
         "machine": ("", str, "machine file (machines/*.toml); '' = this machine's, as hpcnn "
                              "train: $HPCNN_MACHINE, else machines/local.toml, else "
                              "machines/local-2vcpu.toml"),
@@ -345,7 +347,7 @@ def cmd_plan(args) -> int:
     try:
         mach = load_machine(o["machine"])
         model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"], o["vocab"],
-                                   o["batch"], o["dtype"])
+                                   o["batch"], o["dtype"], o["dropout"])
         if o["explain"]:
             return _explain(model, mach, o)
         ranked = hybrid.plan(model, mach, o["devices"] or mach.p,
@@ -467,7 +469,9 @@ def _truth(key: str, value: str) -> bool:
     return value.lower() == "true"
 
 
-EXPLAIN = {"compute": "the stage passes' blocks and head, at the device's rates",
+EXPLAIN = {"compute": "the stage passes' GEMMs and other FLOPs (blocks and head)",
+           "memory_bound": "their memory-bound operations (LayerNorm, softmax, GELU, dropout, "
+                           "residuals, the loss)",
            "tp_comm": "tensor parallelism's allreduces, two per block each way",
            "bubble": "the pipeline's fill and drain (the schedule's span beyond its passes)",
            "pp_comm": "activation messages between stages on the critical path",

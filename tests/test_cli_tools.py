@@ -218,11 +218,11 @@ def test_plan_explains_one_layout_term_by_term(capsys):
     assert out[0].startswith("dp=2 x tp=2 x pp=2, 1f1b, 4 micro-batches, remat=full on 8 "
                              "devices of dgx-a100-cluster: ")
     step = float(out[0].split(": ")[1].split(" s a step")[0])
-    parts = [float(line.split()[1]) for line in out[1:8]]
-    assert {line.split()[0] for line in out[1:8]} == {
-        "compute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer", "held"}
+    parts = [float(line.split()[1]) for line in out[1:9]]
+    assert {line.split()[0] for line in out[1:9]} == {
+        "compute", "memory_bound", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer", "held"}
     assert sum(parts) == pytest.approx(step, rel=1e-3)
-    assert out[8].startswith("memory a device: ") and "activations" in out[8]
+    assert out[9].startswith("memory a device: ") and "activations" in out[9]
     assert cmd_plan(small + ["--devices=16", "--explain=dp=2,tp=2,pp=2"]) == 2
     assert "dp x tp x pp = 8, not the 16 devices" in capsys.readouterr().err
     assert cmd_plan(small + ["--explain=dp=2,tq=2"]) == 2

@@ -92,6 +92,38 @@ def test_sequences_give_store_all_gradients(kind):
             assert res.peak == sim.peak, (name, res.peak, sim.peak)
 
 
+def test_a_stage_without_the_loss_holds_only_checkpoints_between_its_passes():
+    """Full recomputation on a pipeline stage without the loss (a segment per block,
+    ``has_loss=False``): its forward keeps each block's input and its output, no cache; its
+    backward recomputes every block, the last first, and gives store-all's dx and gradients
+    bit for bit (dropout's masks drawn again); the account equals the simulator's peak."""
+    full, (x, _) = gpt(), batch("gpt")
+    stage = full[:3]                                     # the embedding and two blocks
+    n = len(stage)
+    seq = sequence.segments(n, n, has_loss=False)
+    assert " ".join(map(str, seq)) == "F_ck0 F_ck1 F_ck2 F_all2 B2 F_all1 B1 F_all0 B0"
+    dy = np.random.default_rng(1).standard_normal((6, 16, 32))
+    want = gpt()[:3]
+    ys, cs = [], []
+    h = x
+    for blk in want.blocks:
+        h, c = blk.forward(h)
+        ys.append(h)
+        cs.append(c)
+    d = dy
+    for blk, c in reversed(list(zip(want.blocks, cs))):
+        d = blk.backward(d, c)
+    prof = profile.of_chain(stage, x.shape, need_dx=False)
+    ex = Executor(stage, seq, need_dx=False)
+    y, st = ex.forward(x)
+    np.testing.assert_array_equal(y, ys[-1])
+    assert not st.bars and sorted(st.xs) == [0, 1, 2, 3]     # inputs and the output only
+    ex.backward(dy, st)
+    for a, b in zip(grads(stage), grads(want)):
+        np.testing.assert_array_equal(a, b)
+    assert st.peak == simulate(seq, prof).peak
+
+
 def test_recompute_restores_dropout_state():
     chain, (x, y) = gpt(), batch("gpt")
     seq = sequence.revolve(len(chain) + 1, 1)

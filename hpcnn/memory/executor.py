@@ -9,7 +9,8 @@
 The executor owns the stored values: checkpoints x[i], the x̄[i] = (x[i], cache of stage i-1) and
 the current gradient δ. A recomputed forward restores the block's RNG state of its first forward
 (dropout draws the same mask). For pipelines the run splits in two: :meth:`Executor.forward` runs
-the ops before the first backward and returns the stage output (or the loss) and a state;
+the ops before the first backward or the first recomputation and returns the stage output (or the
+loss) and a state;
 :meth:`Executor.backward` finishes from the output gradient.
 
 **The account** is the number of distinct bytes the arrays reachable from the stored values
@@ -123,6 +124,19 @@ class _State:
         self.done = set()          # stages whose forward has run once in this pass
 
 
+def _first_recompute(seq) -> int:
+    """The index of the first forward op of ``seq`` that runs a block again (len if none): a
+    pipeline stage's backward may start by recomputing its last block
+    (:func:`hpcnn.schedule.sequences.segments` without the loss)."""
+    seen = set()
+    for k, op in enumerate(seq):
+        if op.kind.startswith("F_"):
+            if op.block in seen:
+                return k
+            seen.add(op.block)
+    return len(seq)
+
+
 class Executor:
     """Runs ``seq`` on ``chain`` (its blocks, then its loss as the last stage if it has one)."""
 
@@ -139,7 +153,7 @@ class Executor:
         if not firsts or self.seq[firsts[0]].block != self.n - 1:
             raise ValueError(f"the sequence's first backward must be B{self.n - 1} "
                              f"(the chain has {self.n} stages)")
-        self.split = firsts[0]
+        self.split = min(firsts[0], _first_recompute(self.seq))
         self.recompute_seconds = 0.0   # wall time of forwards run again (what store-all saves)
 
     # -- the two halves ---------------------------------------------------------------------------
@@ -150,7 +164,7 @@ class Executor:
         while st.pos < self.split:
             self._step(st, self.seq[st.pos])
             st.pos += 1
-        y = st.bars[self.n][0]
+        y = self._value(st, self.n)
         return (st.loss if self.chain.loss is not None else y), st
 
     def backward(self, dy, st, on_block_done=None):
@@ -237,6 +251,7 @@ class Executor:
             self.recompute_seconds += time.perf_counter() - t0
         st.done.add(i)
         if kind == "F_all":
+            st.xs.pop(i + 1, None)          # a stage's stored output, recomputed with its cache
             st.bars[i + 1] = (y, cache)
         else:
             cache = None

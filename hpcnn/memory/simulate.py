@@ -6,6 +6,8 @@ The model (the same one :mod:`.rotor` optimises and :mod:`.executor` runs):
   δ[d]; it starts with x[0] and δ[n] (the loss gradient, 0 bytes, or a stage's output gradient);
 - a compute op needs its result bytes plus its transient on top of what is stored: F_ck/F_n(i)
   wx[i+1] + of[i], F_all(i) wbar[i+1] + of[i], B(i) wd[i] + ob[i]; the peak is the largest sum;
+  F_all of the last block of a chain without a loss may recompute from a stored output x[n]
+  (a pipeline stage's, kept until its gradient comes): x̄[n] replaces it;
 - OFF/PRE run on a second resource (the channel, ``bandwidth`` bytes/s, one transfer at a time in
   issue order) concurrently with compute. An offloaded value's memory is released when its copy
   ends; a prefetched value's memory is taken when the PRE is issued, and a compute op that reads
@@ -109,10 +111,15 @@ class RematCost(CostModel):
         if src is None:
             raise SequenceError(f"x{i} is not stored")
         reads = (self._read(src, op),)
-        if (i + 1) in self.A or (i + 1) in self.F:
+        upgrade = op.kind == "F_all" and (i + 1) in self.A and self.where.get(("x", i + 1)) \
+            == "mem" and i + 1 == self.n          # a stage's stored output turned into x̄
+        if ((i + 1) in self.A and not upgrade) or (i + 1) in self.F:
             raise SequenceError(f"x{i + 1} is already stored")
         out = p.wbar[i + 1] if op.kind == "F_all" else p.wx[i + 1]
         delta = out
+        if upgrade:                               # x̄[n] holds the output x[n]: it replaces it
+            self._drop(("x", i + 1), self.A)
+            delta -= p.wx[i + 1]
         if op.kind == "F_all":
             self.F.add(i + 1)
             self.where[("bar", i + 1)] = "mem"

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
-from hpcnn.plan import gemm
+from hpcnn.plan import gemm, traffic
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved")
@@ -118,10 +118,21 @@ def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw")
     return device.stream_seconds(UPDATE_PASSES[optimizer] * 3 * word * n_params)
 
 
+def _cached_hash(obj) -> int:
+    """The hash of a frozen dataclass's fields, computed once: a plan looks its model and
+    layouts up in its caches many thousand times."""
+    h = obj.__dict__.get("_hash")
+    if h is None:       # the instance's dict holds its fields alone, in their order, until now
+        h = hash(tuple(obj.__dict__.values()))
+        object.__setattr__(obj, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class Transformer:
     """A GPT's shape: ``n_layers`` blocks of width ``dim`` with ``n_heads`` heads, context
-    ``seq``, vocabulary ``vocab``, global ``batch`` sequences per step, in ``dtype``."""
+    ``seq``, vocabulary ``vocab``, global ``batch`` sequences per step, in ``dtype``, its
+    blocks' dropout probability ``dropout`` (their masks cached and moved)."""
 
     n_layers: int
     dim: int
@@ -130,13 +141,19 @@ class Transformer:
     vocab: int = 50304
     batch: int = 512
     dtype: str = "bfloat16"
+    dropout: float = 0.0    # the blocks' dropout probability (hpcnn train's --dropout)
 
     def __post_init__(self):
-        bad = {k: v for k, v in vars(self).items() if k != "dtype" and not (
+        bad = {k: v for k, v in vars(self).items() if k not in ("dtype", "dropout") and not (
             isinstance(v, int) and v >= 1)}
-        if bad or self.dim % self.n_heads or self.dtype not in DTYPE_BYTES:
+        if (bad or self.dim % self.n_heads or self.dtype not in DTYPE_BYTES
+                or not 0.0 <= self.dropout < 1.0):
             raise ValueError(f"transformer shape: {dict(vars(self))}: every size an integer "
-                             f">= 1, n_heads dividing dim, dtype one of {list(DTYPE_BYTES)}")
+                             f">= 1, n_heads dividing dim, dtype one of {list(DTYPE_BYTES)}, "
+                             f"0 <= dropout < 1")
+
+    def __hash__(self) -> int:
+        return _cached_hash(self)
 
     @property
     def word(self) -> int:
@@ -156,13 +173,13 @@ class _ShapeComm(NamedTuple):
 
 
 def _block(dim: int, heads: int, seq: int, rows: int, word: int, tp: int = 1,
-           sp: bool = False) -> tuple:
+           sp: bool = False, dropout: float = 0.0) -> tuple:
     """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
     transformer block on ``rows`` sequences as one of ``tp`` ranks runs it (``sp``: with
     sequence parallelism, its input a seq/tp slice): one sequence's figures
     (:func:`_block_one`) times ``rows`` (every figure but the parameters is a sum over the
     sequences; tests/test_plan_hybrid.py checks it against the spec on many rows)."""
-    f, b, cache, pbytes, xbytes = _block_one(dim, heads, seq, word, tp, 1, sp)
+    f, b, cache, pbytes, xbytes = _block_one(dim, heads, seq, word, tp, 1, sp, dropout)
     return f * rows, b * rows, cache * rows, pbytes, xbytes * rows
 
 
@@ -170,10 +187,11 @@ def _layout_block(model: Transformer, layout, rows: int) -> tuple:
     """:func:`_block` of ``model`` on ``rows`` sequences under ``layout`` (its tp and
     sequence parallelism)."""
     return _block(model.dim, model.n_heads, model.seq, rows, model.word, layout.tp,
-                  layout.sequence_parallel)
+                  layout.sequence_parallel, model.dropout)
 
 
-def _spec(dim: int, heads: int, seq: int, word: int, tp: int, rows: int, sp: bool):
+def _spec(dim: int, heads: int, seq: int, word: int, tp: int, rows: int, sp: bool,
+          dropout: float = 0.0):
     """The block's ``spec()`` (built without storage: the serial block, or the Megatron block
     over a tp group, with ``sp`` its sequence-parallel form) at float32 or float64, and the
     factor from its bytes to ``word``-byte ones."""
@@ -181,25 +199,48 @@ def _spec(dim: int, heads: int, seq: int, word: int, tp: int, rows: int, sp: boo
     from hpcnn.parallel.tensor.attention import ParallelTransformerBlock
     dtype = {2: "float32", 4: "float32", 8: "float64"}[word]     # spec's shapes, then rescaled
     blk = (ParallelTransformerBlock(_ShapeComm(tp), dim, heads, dtype=dtype, keep=(),
-                                    sequence_parallel=sp) if tp > 1
-           else TransformerBlock(dim, heads, dtype=dtype, keep=()))
+                                    sequence_parallel=sp, dropout=dropout) if tp > 1
+           else TransformerBlock(dim, heads, dtype=dtype, keep=(), dropout=dropout))
     return blk.spec((rows, seq // tp if sp else seq, dim)), word / (4 if word <= 4 else 8)
 
 
 @lru_cache(maxsize=4096)
 def _block_one(dim: int, heads: int, seq: int, word: int, tp: int = 1, rows: int = 1,
-               sp: bool = False) -> tuple:
+               sp: bool = False, dropout: float = 0.0) -> tuple:
     """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
     transformer block on ``rows`` sequences as one of ``tp`` ranks runs it, from its ``spec()``
     (:func:`_spec`)."""
-    s, scale = _spec(dim, heads, seq, word, tp, rows, sp)
+    s, scale = _spec(dim, heads, seq, word, tp, rows, sp, dropout)
     return (s.flops_fwd, s.flops_bwd, int(s.bytes_cache * scale), int(s.bytes_params * scale),
             int(s.bytes_x * scale))
 
 
 @lru_cache(maxsize=4096)
+def _moved(dim: int, heads: int, seq: int, word: int, tp: int = 1, sp: bool = False,
+           dropout: float = 0.0) -> tuple:
+    """(forward, backward, attention core's forward) bytes one block's memory-bound operations
+    move per sequence on one of ``tp`` ranks (:func:`hpcnn.plan.traffic.moved` of its spec)."""
+    s, scale = _spec(dim, heads, seq, word, tp, 1, sp, dropout)
+    return tuple(x * scale for x in traffic.moved(s))
+
+
+@lru_cache(maxsize=1024)
+def _tail_moved(dim: int, seq: int, rows: int, vocab: int, word: int, tp: int = 1) -> tuple:
+    """(forward, backward) bytes the last stage's tail moves per micro-batch on one of ``tp``
+    ranks: the final LayerNorm and the loss over the vocab / tp logits
+    (:func:`hpcnn.plan.traffic.tail`; the LM head's GEMM is on its roofline)."""
+    from hpcnn.nn.layers import LayerNorm
+    from hpcnn.nn.loss import SoftmaxCrossEntropy
+    dtype = {2: "float32", 4: "float32", 8: "float64"}[word]
+    shape = (rows, seq, dim)
+    specs = (LayerNorm(dim, dtype=dtype, keep=()).spec(shape),
+             SoftmaxCrossEntropy().spec((rows, seq, -(-vocab // tp)), dtype))
+    return tuple(x * word / (4 if word <= 4 else 8) for x in traffic.tail(specs))
+
+
+@lru_cache(maxsize=4096)
 def attention_core(dim: int, heads: int, seq: int, word: int, tp: int = 1,
-                   sp: bool = False) -> tuple:
+                   sp: bool = False, dropout: float = 0.0) -> tuple:
     """(forward FLOPs, cache bytes) per sequence of one block's attention core on one of ``tp``
     ranks: the scores (Q K^T, the causal mask, softmax), the attention dropout and att^T V, the
     part selective recomputation runs again in the backward and does not hold (Korthikanti et
@@ -207,7 +248,7 @@ def attention_core(dim: int, heads: int, seq: int, word: int, tp: int = 1,
     scores' input (the q, k, v the recomputation reads, still held): hpcnn's blocks cache the
     softmax output (a s^2 / t words per sequence and block; with dropout, its mask too), where
     Korthikanti et al. count 5 a s^2 b / t bytes at 16 bits (the softmax's input as well)."""
-    s, scale = _spec(dim, heads, seq, word, tp, 1, sp)
+    s, scale = _spec(dim, heads, seq, word, tp, 1, sp, dropout)
     walk, core = list(s.children), []
     while walk:
         c = walk.pop()
@@ -282,6 +323,9 @@ class Layout:
         if self.remat not in PRICED_REMAT:
             raise ValueError(f"remat={self.remat!r}: expected one of {', '.join(PRICED_REMAT)}")
 
+    def __hash__(self) -> int:
+        return _cached_hash(self)
+
     def __str__(self) -> str:
         cut = f", stages {'|'.join(map(str, self.stages))}" if self.stages else ""
         chunks = f" x{self.virtual} chunks" if self.virtual > 1 else ""
@@ -340,7 +384,14 @@ def dp_allreduce_forms(nbytes: float, layout, machine, after: float = 0.0) -> di
     the dp / g groups at the outer level. Crossing the outer level, a flat ring laid over
     consecutive ranks sends one message per ring from each node at once (min(tp, q) of a
     node's q devices), the two-level form one from every device (its rails)."""
-    dp, tp = layout.dp, layout.tp
+    return dict(_dp_forms(nbytes, layout.dp, layout.tp, machine,
+                          after if machine.compute_dependent else 0.0))
+
+
+@lru_cache(maxsize=4096)
+def _dp_forms(nbytes: float, dp: int, tp: int, machine, after: float) -> tuple:
+    """:func:`dp_allreduce_forms` as (form, seconds) pairs, once per plan for the layouts that
+    share them."""
     outer = machine.level_for_group(tp * dp)
     spans = machine._spans()
     at = machine.levels.index(outer)
@@ -352,7 +403,7 @@ def dp_allreduce_forms(nbytes: float, layout, machine, after: float = 0.0) -> di
             forms["hier"] = (ring_allreduce_s(nbytes, g, lv, after)
                              + ring_allreduce_s(nbytes / g, dp // g, outer, after, crossing=1.0))
             break
-    return forms
+    return tuple(forms.items())
 
 
 class StageTimes(NamedTuple):
@@ -388,9 +439,30 @@ def stage_times(model: Transformer, layout: Layout, machine, optimizer: str = "a
 def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head: bool):
     """(t_f, t_b, t_w, tp_s) of one micro-batch's pass through a stage of ``blocks`` transformer
     blocks, with the LM head when ``head`` (module docstring: compute, tp allreduces, remat,
-    zero bubble's halves, the pass's fixed cost). Affine in ``blocks``: a block's figures times
-    their count, plus the pass's own."""
+    zero bubble's halves, the pass's fixed cost; where pp > 1 the wait on the neighbour's
+    message). Affine in ``blocks``: a block's figures times their count, plus the pass's own.
+    The pass itself is priced once for every layout that shares its micro-batch's rows, tp,
+    sequence parallelism, recomputation and zero-bubble split (:func:`_pass_core`)."""
     rows = model.batch // (layout.dp * layout.microbatches)     # sequences per micro-batch
+    t_f, t_b, t_w, tp_s = _pass_core(model, _pass_key(layout), machine, rows, blocks, head)
+    if layout.pp > 1:     # each pass waits on its neighbour's message: where ranks share cores,
+        lvl = _neighbours(layout, machine)   # for that neighbour to get a core after its pass
+        t_f, t_b = t_f + lvl.handoff_after(t_f), t_b + lvl.handoff_after(t_b - t_w)
+    return t_f, t_b, t_w, tp_s
+
+
+@lru_cache(maxsize=4096)
+def _pass_key(layout: Layout) -> Layout:
+    """What of ``layout`` a stage pass's price reads (:func:`_pass_core`): tp, sequence
+    parallelism, recomputation, and whether zero bubble splits the backward."""
+    return Layout(1, layout.tp, 1, 1, "zb_h1" if layout.schedule == "zb_h1" else "1f1b",
+                  layout.remat, sequence_parallel=layout.sequence_parallel)
+
+
+@lru_cache(maxsize=1 << 14)
+def _pass_core(model: Transformer, layout: Layout, machine, rows: int, blocks: float,
+               head: bool) -> tuple:
+    """:func:`_pass_times` of ``rows`` sequences a micro-batch, before the neighbours' wait."""
     tp = layout.tp
     f, b, cache, _, _ = _layout_block(model, layout, rows)
     dev = machine.device
@@ -400,11 +472,14 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them, the FLOP
     # and element-wise seconds slowed for a call on the micro-batch's rows x seq tokens
     # (where the machine file lists published GEMM rates for the dtype, the block's GEMMs on
-    # their roofline instead: hpcnn.plan.gemm)
+    # their roofline instead: hpcnn.plan.gemm; where it prices the bytes moved, the memory-bound
+    # operations by each pass's own bytes instead of per byte of cache: _block_moved_s)
     shapes = gemm.block_shapes(model.dim, model.n_heads, model.seq, rows, tp)
+    moved_s = _block_moved_s(model, layout, dev, rows)
     comp_f, comp_b = (dev.pass_seconds(blocks * rest, dtype, "transformer", blocks,
-                                       blocks * cache, fwd, tokens=rows * model.seq)
-                      + blocks * gemm_s
+                                       0.0 if moved_s else blocks * cache, fwd,
+                                       tokens=rows * model.seq)
+                      + blocks * (gemm_s + (moved_s[0 if fwd else 1] if moved_s else 0.0))
                       for (rest, gemm_s), fwd in ((gemm.split(dev, dtype, shapes, flops, fwd), fwd)
                                                   for flops, fwd in ((f, True), (b, False))))
     # two allreduces per block each way, each after the compute since the previous one
@@ -422,12 +497,13 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
         t_b += recomputed_forward(comp_f + tp_s, blocks, head)
     elif layout.remat == "selective":       # every block's attention core run again
         core_f, core_cache = attention_core(model.dim, model.n_heads, model.seq, model.word,
-                                            tp, layout.sequence_parallel)
+                                            tp, layout.sequence_parallel, model.dropout)
         rest, gemm_s = gemm.split(dev, dtype, gemm.core_shapes(
             model.dim, model.n_heads, model.seq, rows, tp), rows * core_f, True)
         t_b += dev.pass_seconds(blocks * rest, dtype, "transformer", 0,
-                                blocks * rows * core_cache, True,
-                                tokens=rows * model.seq) + blocks * gemm_s
+                                0.0 if moved_s else blocks * rows * core_cache, True,
+                                tokens=rows * model.seq) + blocks * (
+                                    gemm_s + (moved_s[2] if moved_s else 0.0))
     t_w = 0.0
     if layout.schedule == "zb_h1":
         # zero bubble splits B into its input and weight halves, each the measured fraction of
@@ -436,9 +512,6 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
         b_in, b_w = dev.backward_halves("transformer")
         t_w = b_w * (t_b - tp_s)
         t_b = b_in * (t_b - tp_s) + tp_s + t_w
-    if layout.pp > 1:     # each pass waits on its neighbour's message: where ranks share cores,
-        lvl = _neighbours(layout, machine)   # for that neighbour to get a core after its pass
-        t_f, t_b = t_f + lvl.handoff_after(t_f), t_b + lvl.handoff_after(t_b - t_w)
     return t_f, t_b, t_w, tp_s
 
 
@@ -453,25 +526,91 @@ def _head_seconds(model: Transformer, dev, dtype: str, rows: int, tp: int,
     act = rows * model.seq * model.dim * model.word                  # one activation
     rest, gemm_s = gemm.split(dev, dtype, gemm.head_shapes(model.dim, model.seq, rows,
                                                            model.vocab, tp), flops, forward)
-    return dev.pass_seconds(rest, dtype, "linear", 1, act, forward) + gemm_s
+    return dev.pass_seconds(rest, dtype, "linear", 1, act, forward) + gemm_s + _tail_moved_s(
+        model, dev, rows, tp)[0 if forward else 1]
+
+
+def _block_moved_s(model: Transformer, layout: Layout, dev, rows: int) -> tuple | None:
+    """(forward, backward, attention core's forward) seconds of one block's memory-bound
+    operations on a micro-batch of ``rows`` sequences, their bytes moved
+    (:func:`hpcnn.plan.traffic.moved`) at the device's ``elementwise["moved"]`` seconds per
+    byte; None where the machine file prices them per byte of cache instead."""
+    per_byte = dev.elementwise.get("moved")
+    if per_byte is None:
+        return None
+    return tuple(rows * b * per_byte for b in _moved(
+        model.dim, model.n_heads, model.seq, model.word, layout.tp, layout.sequence_parallel,
+        model.dropout))
+
+
+def _tail_moved_s(model: Transformer, dev, rows: int, tp: int) -> tuple:
+    """(forward, backward) seconds of the loss tail's memory-bound operations on ``rows``
+    sequences (:func:`_tail_moved`), (0, 0) where the machine file has no ``moved`` figure."""
+    per_byte = dev.elementwise.get("moved")
+    if per_byte is None:
+        return 0.0, 0.0
+    return tuple(b * per_byte for b in _tail_moved(model.dim, model.seq, rows, model.vocab,
+                                                   model.word, tp))
+
+
+def memory_bound_seconds(model: Transformer, layout: Layout, machine) -> float:
+    """The part of a step's ``compute`` (:func:`price`) in memory-bound operations: the
+    micro-batches' passes through the busiest stage (the uniform stage, priced as the last, or
+    the largest of explicit ``stages``), the recomputed forward counted as on a stage with the
+    head. By bytes moved where the machine file has ``elementwise["moved"]``
+    (:func:`_block_moved_s`, :func:`_tail_moved_s`), else per byte of the blocks' cache at the
+    device's ``transformer`` figure (the head's activation left out)."""
+    rows = model.batch // (layout.dp * layout.microbatches)
+    blocks = max(layout.stages) if layout.stages else model.n_layers / layout.pp
+    return layout.microbatches * _memory_bound_pass(model, _pass_key(layout), machine, rows,
+                                                    blocks)
+
+
+@lru_cache(maxsize=4096)
+def _memory_bound_pass(model: Transformer, layout: Layout, machine, rows: int,
+                       blocks: float) -> float:
+    """:func:`memory_bound_seconds` of one micro-batch of ``rows`` sequences."""
+    dev = machine.device
+    moved_s = _block_moved_s(model, layout, dev, rows)
+    if moved_s is not None:
+        f, b, core = (blocks * x for x in moved_s)
+        f_tail, b_tail = _tail_moved_s(model, dev, rows, layout.tp)
+    else:
+        cache = _layout_block(model, layout, rows)[2]
+        per = dev.elementwise.get("transformer", 0.0) * dev.slowdown("transformer",
+                                                                      rows * model.seq)
+        share = dev.forward.get("transformer", 1 / 3)
+        f, b = share * blocks * cache * per, (1 - share) * blocks * cache * per
+        core = blocks * rows * per * attention_core(
+            model.dim, model.n_heads, model.seq, model.word, layout.tp,
+            layout.sequence_parallel, model.dropout)[1]
+        f_tail = b_tail = 0.0
+    again = {"full": f, "selective": core}.get(layout.remat, 0.0)
+    return f + b + f_tail + b_tail + again
 
 
 def recomputed_forward(blocks_f: float, blocks: float, head: bool) -> float:
     """Seconds of forward a stage pass runs again under ``remat="full"``, as ``hpcnn train
     --remat=full`` runs it (:func:`hpcnn.schedule.sequences.segments` with a segment per chain
     block): every block's forward but the last segment's, which runs once with the loss. On a
-    stage with the head that segment is the LM head, so all ``blocks`` transformer blocks (their
-    forward ``blocks_f``, tensor-parallel allreduces included) run again; on a stage without it,
-    the last transformer block is the last segment and the other blocks - 1 run again (the
-    embedding and the final LayerNorm, also recomputed, are left out as their forward is)."""
-    if head or blocks <= 0:
-        return blocks_f
-    return blocks_f * (blocks - 1) / blocks
+    stage with the head (``head``) that segment is the LM head; a stage without it keeps
+    only its blocks' inputs and its output between a micro-batch's forward and backward and
+    recomputes its last block too: either way all ``blocks`` transformer blocks (their forward
+    ``blocks_f``, tensor-parallel allreduces included) run again, as Megatron's full
+    recomputation does (the embedding and the final LayerNorm, also recomputed, are left out
+    as their forward is)."""
+    return blocks_f if blocks > 0 else 0.0
 
 
 def _neighbours(layout: Layout, machine):
     """The level that holds two pp neighbours (tp x dp devices apart)."""
-    return machine.level_for_group(min(machine.p, 2 * layout.tp * layout.dp))
+    return _level_for(machine, min(machine.p, 2 * layout.tp * layout.dp))
+
+
+@lru_cache(maxsize=1024)
+def _level_for(machine, size: int):
+    """``machine.level_for_group(size)``, once per plan."""
+    return machine.level_for_group(size)
 
 
 def _messages(model: Transformer, layout: Layout, machine, after: float = 0.0) -> tuple:
@@ -584,11 +723,12 @@ def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float,
     (with ``beyond_one``: those beyond one micro-batch's, without the gradient pair): its
     held micro-batches (:func:`held_microbatches`) x (the blocks' caches; the tail's caches on
     the last stage, the int64 tokens on the first). Under ``remat="full"`` a micro-batch keeps
-    its blocks' inputs and its last segment's cache (one block's cache; the last stage's is the
-    tail, counted above, and one block's cache as well, for the recomputation) and, but on the
-    last stage, its output until it is sent; once per rank, a backward in progress holds its
-    gradient pair (dy, dx) on top: the rematerializing executor's account
-    (:meth:`hpcnn.memory.executor.Executor`), which counts these where a stored cache does not.
+    its blocks' inputs and, but on the last stage, its output until its gradient comes
+    (:func:`hpcnn.schedule.sequences.segments` without the loss; on the last stage its last
+    segment's cache is the tail, counted above); once per rank, a backward in progress holds
+    its gradient pair (dy, dx) and one block's recomputed cache on top: the rematerializing
+    executor's account (:meth:`hpcnn.memory.executor.Executor`), which counts these where a
+    stored cache does not.
     Under ``remat="selective"`` the blocks' caches less their attention cores'
     (:func:`attention_core`). Interleaved (v chunks): chunk passes of blocks / v blocks each,
     the tail held once (the last chunk's one micro-batch), the tokens for at most m of them.
@@ -600,10 +740,11 @@ def _held_bytes(model: Transformer, layout: Layout, stage: int, blocks: float,
     tokens = rows * model.seq * 8 if stage == 0 else 0  # the first stage's int64 input
     pending = 0
     if layout.remat == "full":
-        held, pending = xbytes * unit + cache + (0 if last and v == 1 else xbytes), 2 * xbytes
+        held, pending = xbytes * unit + (0 if last and v == 1 else xbytes), 2 * xbytes + cache
     elif layout.remat == "selective":
         held = (cache - rows * attention_core(model.dim, model.n_heads, model.seq, model.word,
-                                              layout.tp, layout.sequence_parallel)[1]) * unit
+                                              layout.tp, layout.sequence_parallel,
+                                              model.dropout)[1]) * unit
     else:
         held = cache * unit
     count = held_microbatches(layout.schedule, layout.pp, layout.microbatches, stage, v)
@@ -779,7 +920,9 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
     memory_parts, memory = memory, sum(memory.values())
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
     compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
-    parts = {"compute": compute, "tp_comm": 2 * m_count * st.tp_s,
+    memory_bound = min(compute, memory_bound_seconds(model, layout, machine))
+    parts = {"compute": compute - memory_bound, "memory_bound": memory_bound,
+             "tp_comm": 2 * m_count * st.tp_s,
              "bubble": st.span - m_count * (st.t_f + st.t_b), "pp_comm": st.pp_s,
              "dp_comm": st.dp_s, "optimizer": st.opt_s, "held": st.held_s}
     step = st.span + st.pp_s + st.dp_s + st.opt_s + st.held_s
@@ -957,31 +1100,30 @@ def plan(model: Transformer, machine, devices: int | None = None, *,
 
 def flops_per_step(model: Transformer) -> float:
     """Model FLOPs of one step (forward + backward, no recomputation): for throughput."""
-    f, b, *_ = _block(model.dim, model.n_heads, model.seq, model.batch, model.word, 1)
+    f, b, *_ = _block(model.dim, model.n_heads, model.seq, model.batch, model.word, 1, False,
+                      model.dropout)
     head = 2.0 * model.batch * model.seq * model.dim * model.vocab
     return model.n_layers * (f + b) + 3 * head
 
 
 def hardware_flops_per_step(model: Transformer, layout: Layout) -> float:
     """FLOPs one step runs, recomputation counted: :func:`flops_per_step` plus, under
-    ``remat="full"``, the forward of the blocks run again (:func:`recomputed_forward`: all of
-    the last stage's, all but one of every other stage's, or with v chunks a rank, of every
-    other chunk's), under ``remat="selective"`` the forward of every block's attention core
+    ``remat="full"``, the forward of every block, run again (:func:`recomputed_forward`),
+    under ``remat="selective"`` the forward of every block's attention core
     (:func:`attention_core`, on the whole sequence)."""
     if layout.remat == "selective":
         return flops_per_step(model) + model.n_layers * model.batch * attention_core(
-            model.dim, model.n_heads, model.seq, model.word)[0]
+            model.dim, model.n_heads, model.seq, model.word, 1, False, model.dropout)[0]
     if layout.remat != "full":
         return flops_per_step(model)
-    f = _block(model.dim, model.n_heads, model.seq, model.batch, model.word, 1)[0]
-    again = model.n_layers - (layout.pp * layout.virtual - 1) if not layout.stages else sum(
-        n - (s < layout.pp - 1) for s, n in enumerate(layout.stages))
-    return flops_per_step(model) + f * again
+    f = _block(model.dim, model.n_heads, model.seq, model.batch, model.word, 1, False,
+               model.dropout)[0]
+    return flops_per_step(model) + f * model.n_layers
 
 
 __all__ = ["DIMENSIONS", "Layout", "ONE_STAGE_PER_RANK", "PRICED_REMAT", "Priced", "StageTimes",
            "Transformer", "attention_core", "dp_allreduce_forms", "dp_seconds",
            "flops_per_step", "hardware_flops_per_step",
-           "held_microbatches",
+           "held_microbatches", "memory_bound_seconds",
            "layouts", "plan", "price", "recomputed_forward", "ring_allreduce_s", "stage_cut",
            "stage_times", "update_seconds"]

@@ -36,6 +36,7 @@ these choices: docs/results/planner-model.md):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import tomllib
@@ -228,7 +229,9 @@ class Device:
     (``efficiency``, kind -> (0, 1]; missing kinds 1), its seconds per cache byte
     (``elementwise``, kind -> seconds >= 0; missing kinds 0; the pseudo-kind "held": seconds
     per byte of the activations a pipeline stage holds beyond one micro-batch's,
-    :func:`hpcnn.plan.hybrid.held_seconds`), its fixed seconds per forward +
+    :func:`hpcnn.plan.hybrid.held_seconds`; the pseudo-kind "moved": seconds per byte the GPT
+    blocks' memory-bound operations move, :mod:`hpcnn.plan.traffic`, in place of the
+    transformer's figure per cache byte), its fixed seconds per forward +
     backward (``overhead``, kind -> seconds >= 0; missing kinds 0), the forward's share of
     those two (``forward``, kind -> (0, 1); missing kinds 1/3), its backward's zero-bubble
     halves (``split``, kind -> (input, weight) fractions of the whole backward; missing kinds
@@ -418,17 +421,36 @@ class Machine:
         if len(set(names)) != len(names):
             raise ValueError(f"machine {self.name!r}: level names repeat: {names}")
 
-    @property
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: a plan looks a machine up in its caches many
+        thousand times (:mod:`hpcnn.plan.hybrid`)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.name, self.levels, self.device, self.source, self.dp_overlap))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    @functools.cached_property
+    def compute_dependent(self) -> bool:
+        """Whether a collective's price depends on the compute before it (some level has
+        ``handoff`` points or ``after_compute`` curves: ranks share cores)."""
+        return any(lv.handoff or lv.after_compute for lv in self.levels)
+
+    @functools.cached_property
     def p(self) -> int:
         return math.prod(lv.fanout for lv in self.levels)
 
     def _spans(self) -> list:
         """Devices under each level, innermost first (level l holds prod_{i<=l} p_i devices)."""
+        return list(self._span_tuple)
+
+    @functools.cached_property
+    def _span_tuple(self) -> tuple:
         spans, n = [], 1
         for lv in self.levels:
             n *= lv.fanout
             spans.append(n)
-        return spans
+        return tuple(spans)
 
     def bisection_level(self, k: int) -> Level:
         """The level whose fan-out the k-th bisection of the p devices splits: k = 0 is the first
@@ -453,7 +475,7 @@ class Machine:
             raise ValueError(f"machine {self.name!r} has no levels: one device, no groups")
         if not 1 <= size <= self.p:
             raise ValueError(f"machine {self.name!r}: group size {size} out of range 1..{self.p}")
-        for lv, span in zip(self.levels, self._spans()):
+        for lv, span in zip(self.levels, self._span_tuple):
             if span % size == 0:
                 return lv
         return self.levels[-1]

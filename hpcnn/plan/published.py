@@ -55,6 +55,7 @@ class PublishedRun:
     schedule: str | None = None
     zero: int | None = None
     precision: str | None = None
+    dropout: float | None = None
     sequence_parallel: bool | None = None
     recompute: str | None = None
     dp_overlap: bool | None = None
@@ -106,6 +107,10 @@ def _check_types(name: str, row: dict) -> None:
                          ("flops_convention", CONVENTIONS)):
         if row.get(key) is not None and row[key] not in allowed:
             _fail(name, key, row[key], f"expected one of {', '.join(allowed)}")
+    v = row.get("dropout")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                          or not 0 <= v < 1):
+        _fail(name, "dropout", v, "expected a probability in [0, 1)")
     if row.get("zero") is not None and row["zero"] not in (0, 1, 2, 3):
         _fail(name, "zero", row["zero"], "expected a ZeRO stage 0, 1, 2 or 3")
     for key in ("sequence_parallel", "dp_overlap"):

@@ -41,24 +41,32 @@ def segment_bounds(n_blocks: int, n_segments: int) -> list[int]:
 
 
 def segments(n: int, n_segments: int | None = None, *, has_loss: bool = True) -> list[Op]:
-    """Uniform checkpointing: keep each segment's input, run the last segment normally.
+    """Uniform checkpointing: keep each segment's input; with the loss, run the last segment
+    normally.
 
     The blocks (the loss, when ``has_loss``, joins the last segment) are cut into
     ``n_segments`` (default ⌈√blocks⌉) segments. Forward: each segment but the last from its input
-    without keeping anything; the last keeping everything. Backward: the last segment, then each
-    earlier one recomputed from its checkpoint with F_all and backpropagated.
+    without keeping anything; with the loss the last keeping everything, its backward next.
+    Backward: the last segment, then each earlier one recomputed from its checkpoint with F_all
+    and backpropagated. Without the loss (a pipeline stage that sends its output on and waits
+    for its gradient) the last segment too keeps only its input and its output, and is
+    recomputed first in the backward (its F_all turns the stored output into x̄): between a
+    micro-batch's forward and backward the stage holds checkpoints, no cache (Megatron's full
+    recomputation).
     """
     blocks = n - 1 if has_loss and n > 1 else n
     k = n_segments or max(1, math.isqrt(blocks - 1) + 1 if blocks > 1 else 1)
     k = min(k, blocks)
     starts = segment_bounds(blocks, k)
     ends = starts[1:] + [n]
+    stored = len(starts) - 1 if has_loss else len(starts)      # segments run from checkpoints
     seq = []
-    for a, b in zip(starts[:-1], ends[:-1]):
+    for a, b in zip(starts[:stored], ends[:stored]):
         seq += forward_run(a, b)
-    seq += [Op("F_all", block=i) for i in range(starts[-1], n)]
-    seq += [Op("B", block=i) for i in range(n - 1, starts[-1] - 1, -1)]
-    for a, b in reversed(list(zip(starts[:-1], ends[:-1]))):
+    if has_loss:
+        seq += [Op("F_all", block=i) for i in range(starts[-1], n)]
+        seq += [Op("B", block=i) for i in range(n - 1, starts[-1] - 1, -1)]
+    for a, b in reversed(list(zip(starts[:stored], ends[:stored]))):
         seq += [Op("F_all", block=i) for i in range(a, b)]
         seq += [Op("B", block=i) for i in range(b - 1, a - 1, -1)]
     return seq
