@@ -699,8 +699,9 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
     c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, model.n_layers / pp)
     span = schedules.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
     if span is None:
-        span = schedules.simulate(_lists(layout.schedule, pp, m_count, v), c_f, c_b - c_w, c_w,
-                                  validated=True).makespan
+        n = pp * v
+        span = schedules.makespan(_lists(layout.schedule, pp, m_count, v), (c_f,) * n,
+                                  (c_b - c_w,) * n, (c_w,) * n)
     t_f, t_b, t_w, tp_s = v * c_f, v * c_b, v * c_w, v * c_tp
     span = _weighted(layout, machine, span, m_count * (t_f + t_b))
     msg, pp_s = _messages(model, layout, machine, c_f)
@@ -878,8 +879,7 @@ def _simulated_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple
     """The makespan of ``schedule`` simulated with these per-stage times (messages free),
     once for the layouts that share them (a plan's ZeRO stages cut alike)."""
     from hpcnn.schedule import pipeline as schedules
-    return schedules.simulate(_lists(schedule, pp, m_count), list(t_f), list(t_b), list(t_w),
-                              validated=True).makespan
+    return schedules.makespan(_lists(schedule, pp, m_count), t_f, t_b, t_w)
 
 
 def _check_fits(model: Transformer, layout: Layout) -> None:

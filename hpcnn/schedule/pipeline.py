@@ -411,6 +411,42 @@ class PipelineCost(CostModel):
         raise ValueError(f"unknown op {op.kind!r} (one of {', '.join(OPS)})")
 
 
+def makespan(schedule_lists, t_f, t_b, t_w) -> float:
+    """The makespan :func:`simulate` gives ``schedule_lists`` (validated already) with these
+    per-stage times (lists, one per stage) and messages free, without its timelines, peaks and
+    checks: the planner prices many stage cuts' schedules and needs only this. Each rank runs
+    its list in order; a compute instruction takes its stage's time (B the whole backward
+    ``t_b + t_w`` where the lists have no W), a SEND stamps its message with the rank's clock,
+    a RECV waits for it; the ranks are swept until every list is done."""
+    split = any(op.kind == "W" for lst in schedule_lists for op in lst)
+    seconds = {"F": t_f, "B": t_b if split else [b + w for b, w in zip(t_b, t_w)], "W": t_w}
+    pos, clock, arrival = [0] * len(schedule_lists), [0.0] * len(schedule_lists), {}
+    left = sum(len(lst) for lst in schedule_lists)
+    while left:
+        moved = 0
+        for r, lst in enumerate(schedule_lists):
+            i, t = pos[r], clock[r]
+            while i < len(lst):
+                op = lst[i]
+                kind = op.kind
+                if kind in seconds:
+                    t += seconds[kind][op.stage]
+                elif kind[0] == "S":                    # SEND_ACT, SEND_GRAD
+                    arrival[kind[5:], op.mb, op.stage] = t
+                else:                                   # RECV_ACT, RECV_GRAD
+                    sent = arrival.pop((kind[5:], op.mb, op.stage), None)
+                    if sent is None:
+                        break
+                    t = max(t, sent)
+                i += 1
+            moved += i - pos[r]
+            pos[r], clock[r] = i, t
+        if not moved:
+            raise ValueError("makespan: the lists deadlock (validate them first)")
+        left -= moved
+    return max(clock, default=0.0)
+
+
 def _owner_of(schedule_lists, n_stages):
     """Each stage on the lowest rank that runs a compute instruction of it."""
     owner = round_robin(n_stages, len(schedule_lists))
