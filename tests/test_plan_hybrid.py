@@ -732,3 +732,20 @@ def test_published_gemm_rates_price_the_blocks_gemms_on_their_roofline():
     # a dtype the table does not list is priced as before
     fp32 = replace(SMALL, dtype="float32")
     assert _pass_times(fp32, lay, table, 3, True) == _pass_times(fp32, lay, plain, 3, True)
+
+
+def test_a_pp_that_does_not_divide_the_layers_gets_the_even_cut_beyond_the_searched_ones():
+    """Where pp does not divide the layers and pp x M is past the searched cuts (or M is not
+    a power of two), the plan offers the even cut, the first stages a block more (BLOOM's 70
+    layers on 12 stages: 6 x 10 and 5 x 2), priced stage by stage; up to EVEN_CUT_PASSES."""
+    from hpcnn.plan import hybrid
+    gpt = Transformer(n_layers=7, dim=64, n_heads=4, seq=32, vocab=96, batch=96)
+    every = plan(gpt, Machine(per_node=2, nodes=1), 2, allow={"pp": {2}})
+    cuts = {q.layout.microbatches: q.layout.stages for q in every}
+    assert cuts[48] == cuts[96] == cuts[3] == (4, 3)          # past 64 passes, or M = 3
+    assert 2 * 96 <= hybrid.EVEN_CUT_PASSES
+    q = next(q for q in every if q.layout.microbatches == 96 and q.layout.remat == "none"
+             and q.layout.schedule == "1f1b")
+    assert q.step_s == pytest.approx(sum(q.parts.values()), rel=1e-12)
+    assert q.step_s == price(gpt, q.layout, Machine(per_node=2, nodes=1)).step_s
+    assert hybrid._even_cut(70, 12) == (6,) * 10 + (5,) * 2

@@ -444,9 +444,19 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     The pass itself is priced once for every layout that shares its micro-batch's rows, tp,
     sequence parallelism, recomputation and zero-bubble split (:func:`_pass_core`)."""
     rows = model.batch // (layout.dp * layout.microbatches)     # sequences per micro-batch
-    t_f, t_b, t_w, tp_s = _pass_core(model, _pass_key(layout), machine, rows, blocks, head)
-    if layout.pp > 1:     # each pass waits on its neighbour's message: where ranks share cores,
-        lvl = _neighbours(layout, machine)   # for that neighbour to get a core after its pass
+    # each pass waits on its neighbour's message: where ranks share cores, for that neighbour
+    # to get a core after its pass
+    lvl = _neighbours(layout, machine) if layout.pp > 1 else None
+    return _pass_with(model, _pass_key(layout), machine, rows, blocks, head, lvl)
+
+
+@lru_cache(maxsize=1 << 14)
+def _pass_with(model: Transformer, key: Layout, machine, rows: int, blocks: float, head: bool,
+               lvl) -> tuple:
+    """:func:`_pass_core` and the wait on the neighbour's message at level ``lvl`` (None
+    without a pipeline)."""
+    t_f, t_b, t_w, tp_s = _pass_core(model, key, machine, rows, blocks, head)
+    if lvl is not None:
         t_f, t_b = t_f + lvl.handoff_after(t_f), t_b + lvl.handoff_after(t_b - t_w)
     return t_f, t_b, t_w, tp_s
 
@@ -990,6 +1000,9 @@ def _divisors(n: int) -> list[int]:
 # machines/dgx-a100-cluster.toml plans in 0.2 s uniform, 0.58 s with cuts up to 64 passes,
 # 1.3 s up to 256, on this 2-core machine idle; the cut DP and the simulations share the time).
 STAGE_CUT_PASSES = 64
+# Up to how many stage passes (pp x M) a pp that does not divide the layers is offered its even
+# cut, where no cut is searched: each is priced by a simulation of the schedule.
+EVEN_CUT_PASSES = 2048
 
 
 def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT, machine=None,
@@ -1069,13 +1082,26 @@ def _allowed(allow: dict):
 def _with_cut(lay: Layout, uniform: bool, model, machine, memory_bytes):
     """``lay`` if its stages are uniform, and with a ``machine`` its stage cut (pipelined, up
     to :data:`STAGE_CUT_PASSES` passes, micro-batch counts a power of two: each cut is a
-    search and a simulation, what a plan's time goes to)."""
+    search and a simulation, what a plan's time goes to); where pp does not divide the layers
+    and no cut is searched, the even cut (the first stages a block more, as
+    :func:`hpcnn.schedule.stages.uniform` and BLOOM's 70 layers on 12 stages), up to
+    :data:`EVEN_CUT_PASSES` passes (one simulation each)."""
     if uniform:
         yield lay
+    if machine is None or lay.pp == 1 or lay.virtual > 1:
+        return
     m = lay.microbatches
-    if (machine is not None and lay.pp > 1 and lay.pp * m <= STAGE_CUT_PASSES and not m & (m - 1)
-            and lay.virtual == 1):
+    if lay.pp * m <= STAGE_CUT_PASSES and not m & (m - 1):
         yield dataclasses.replace(lay, stages=stage_cut(model, lay, machine, memory_bytes))
+    elif not uniform and lay.pp * m <= EVEN_CUT_PASSES:
+        yield dataclasses.replace(lay, stages=_even_cut(model.n_layers, lay.pp))
+
+
+@lru_cache(maxsize=256)
+def _even_cut(n_layers: int, pp: int) -> tuple:
+    """Transformer blocks per stage of the even cut of ``n_layers`` over ``pp`` stages."""
+    from hpcnn.schedule import stages as partition
+    return tuple(b - a for a, b in partition.uniform(n_layers, pp))
 
 
 def plan(model: Transformer, machine, devices: int | None = None, *,
