@@ -126,11 +126,13 @@ def leaves(spec, out=None):
 def test_block_spec_four_allreduces(p, sp):
     """Megatron: two allreduces of (B, T, C) forward, two backward, per transformer layer
     (Shoeybi et al. 2019, Sec. 3); sequence parallelism moves the same bytes (Korthikanti et al.
-    2022, Sec. 4.2.2), and its flops per rank are 1/p of the serial block's matmuls."""
+    2022, Sec. 4.2.2) and one allreduce's more: the backward gathers the two column-parallel
+    GEMMs' inputs again, whose slices it cached; its flops per rank are 1/p of the serial
+    block's matmuls."""
     B, T, C = 2, 8, 16
     blk = ParallelTransformerBlock(sized(p), C, 4, sequence_parallel=sp, dtype=np.float64)
     s = blk.spec((B, T // p, C) if sp else (B, T, C))
-    assert s.comm_bytes == 4 * 2 * (p - 1) * B * T * C * 8 // p
+    assert s.comm_bytes == (5 if sp else 4) * 2 * (p - 1) * B * T * C * 8 // p
     ser = leaves(TransformerBlock(C, 4, dtype=np.float64).spec((B, T, C)))
     par = leaves(s)
     assert list(par) == list(ser)

@@ -409,7 +409,8 @@ def _dp_forms(nbytes: float, dp: int, tp: int, machine, after: float) -> tuple:
 class StageTimes(NamedTuple):
     """What one layout's step is made of (seconds): a stage pass's forward ``t_f``, whole backward
     ``t_b`` (input and weight gradients) and the part of it ``t_w`` zero bubble splits off (else
-    0), each including ``tp_s``, the pass's tensor-parallel allreduces; ``span`` the schedule's
+    0), each including ``tp_s``, the pass's tensor-parallel allreduces (the backward
+    :func:`regather_share` times them); ``span`` the schedule's
     makespan in such passes (messages free), ``msg`` one activation message between stages,
     ``pp_s`` the 2(pp - 1) of them on the critical path, ``dp_s`` the data-parallel allreduce,
     ``opt_s`` the optimizer's update, ``held_s`` the fresh memory of the activations held beyond
@@ -461,6 +462,14 @@ def _pass_with(model: Transformer, key: Layout, machine, rows: int, blocks: floa
     return t_f, t_b, t_w, tp_s
 
 
+def regather_share(layout: Layout) -> float:
+    """The backward's tensor-parallel seconds over the forward's: under sequence parallelism
+    the backward also gathers the two column-parallel GEMMs' inputs again (their slices are
+    cached: :class:`hpcnn.parallel.tensor.linear.ColumnParallelLinear`), two all-gathers a
+    block, half the forward's two allreduces; else 1."""
+    return 1.5 if layout.sequence_parallel and layout.tp > 1 else 1.0
+
+
 @lru_cache(maxsize=4096)
 def _pass_key(layout: Layout) -> Layout:
     """What of ``layout`` a stage pass's price reads (:func:`_pass_core`): tp, sequence
@@ -501,8 +510,8 @@ def _pass_core(model: Transformer, layout: Layout, machine, rows: int, blocks: f
                           for fwd in (True, False))
     t_f = comp_f + tp_s + around_f + (_head_seconds(model, dev, dtype, rows, tp, True)
                                       if head else 0.0)
-    t_b = comp_b + tp_s + around_b + (_head_seconds(model, dev, dtype, rows, tp, False)
-                                      if head else 0.0)
+    t_b = comp_b + tp_s * regather_share(layout) + around_b + (
+        _head_seconds(model, dev, dtype, rows, tp, False) if head else 0.0)
     if layout.remat == "full":
         t_b += recomputed_forward(comp_f + tp_s, blocks, head)
     elif layout.remat == "selective":       # every block's attention core run again
@@ -520,8 +529,9 @@ def _pass_core(model: Transformer, layout: Layout, machine, rows: int, blocks: f
         # the whole (Device.backward_halves; the head taken as a transformer block's): t_b
         # becomes the split backward, t_w its weight half
         b_in, b_w = dev.backward_halves("transformer")
-        t_w = b_w * (t_b - tp_s)
-        t_b = b_in * (t_b - tp_s) + tp_s + t_w
+        tp_b = tp_s * regather_share(layout)
+        t_w = b_w * (t_b - tp_b)
+        t_b = b_in * (t_b - tp_b) + tp_b + t_w
     return t_f, t_b, t_w, tp_s
 
 
@@ -929,10 +939,11 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
                       for s in sorted({0, pp - 1})), key=lambda m: sum(m.values()))
     memory_parts, memory = memory, sum(memory.values())
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
-    compute = m_count * (st.t_f + st.t_b - 2 * st.tp_s)
+    tp_comm = m_count * st.tp_s * (1 + regather_share(layout))
+    compute = m_count * (st.t_f + st.t_b) - tp_comm
     memory_bound = min(compute, memory_bound_seconds(model, layout, machine))
     parts = {"compute": compute - memory_bound, "memory_bound": memory_bound,
-             "tp_comm": 2 * m_count * st.tp_s,
+             "tp_comm": tp_comm,
              "bubble": st.span - m_count * (st.t_f + st.t_b), "pp_comm": st.pp_s,
              "dp_comm": st.dp_s, "optimizer": st.opt_s, "held": st.held_s}
     step = st.span + st.pp_s + st.dp_s + st.opt_s + st.held_s

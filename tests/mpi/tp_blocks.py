@@ -163,8 +163,8 @@ for sp in (False, True):
                                             index=5, name="h", **kw),
                    TransformerBlock(C, NH, dropout=0.2, index=5, name="h", **kw),
                    x, dyC, x_in, x_in, f"transformer block sp={sp}")
-    nb = x.nbytes                                     # two allreduces of (B, T, C) each way
-    assert sent == (4 * 2 * (P - 1) * nb // P), (sp, sent)
+    nb = x.nbytes       # two allreduces of (B, T, C) each way; under sp one more: the
+    assert sent == ((5 if sp else 4) * 2 * (P - 1) * nb // P), (sp, sent)  # inputs re-gathered
     tokens = np.random.default_rng([8, 1]).integers(0, V, (B, T))
     compare(VocabParallelEmbedding(comm, V, C, T, sequence_parallel=sp, index=6, **kw),
             Embedding(V, C, T, index=6, **kw), tokens, dyC, full, x_in, f"embedding sp={sp}")

@@ -33,7 +33,7 @@ import numpy
 
 from hpcnn import backend
 from hpcnn.nn.core import Block, BlockSpec, Parameter, is_placeholder, placeholder
-from hpcnn.nn.layers import GELU, Dropout, DropoutCache, LayerNorm, Linear
+from hpcnn.nn.layers import GELU, Dropout, DropoutCache, LayerNorm, Linear, LinearCache
 from hpcnn.nn.transformer import MLPBlock, sub_index
 from hpcnn.parallel.tensor.mappings import (AllGatherSeq, Copy, GatherLast, Reduce,
                                             ReduceScatterSeq, Volume, check_divides)
@@ -141,8 +141,8 @@ def replicated_layernorm(dim, *, sequence_parallel=False, dtype=backend.DEFAULT_
 
 class ColumnParallelCache(NamedTuple):
     """The cache of :class:`ColumnParallelLinear`: its three steps' caches."""
-    c_in: Any           # self.enter's (None: a collective keeps nothing)
-    c_lin: Any          # self.linear's LinearCache: the (gathered) input
+    c_in: Any           # under sequence parallelism the input's (B, T/tp, in) slice, else None
+    c_lin: Any          # self.linear's LinearCache: the input (None: gathered again from c_in)
     c_out: Any          # self.gather's, or None without gather_output
 
 
@@ -154,9 +154,10 @@ class ColumnParallelLinear(Block):
     over tp (:class:`Copy`; reduce-scattered along T with sequence parallelism).
     ``parts``: the output is ``parts`` equal blocks each split over tp (3 for [q | k | v]).
     Parameters ``weight`` (in, out/tp), tp_axis 1, and ``bias`` (out/tp,), tp_axis 0.
-    Cache: :class:`ColumnParallelCache`, whose ``c_lin`` holds the (gathered) input. Under sequence
-    parallelism that is (B, T, in); Korthikanti et al. keep the (B, T/tp, in) slice and all-gather
-    it again in the backward (memory for one more all-gather): not done here.
+    Cache: :class:`ColumnParallelCache`, whose ``c_lin`` holds the input; under sequence
+    parallelism ``c_in`` holds the (B, T/tp, in) slice instead, all-gathered again in the
+    backward for the weight gradient (Korthikanti et al.: a tp-th of the memory for one more
+    all-gather; the gathered copy lives within the backward call).
     ``backward(dy, cache, defer=None)``: with a list, the local Linear's weight gradient is
     deferred into it (:class:`~hpcnn.nn.layers.Linear`).
     """
@@ -188,6 +189,8 @@ class ColumnParallelLinear(Block):
     def forward(self, x):
         xin, c_in = self.enter.forward(x)            # (..., in) replicated [gathered along T]
         y, c_lin = self.linear.forward(xin)          # (..., out/tp)
+        if self._regathers:                          # keep the slice, not the gathered copy
+            c_in, c_lin = x, None
         c_out = None
         if self.gather is not None:
             y, c_out = self.gather.forward(y)        # (..., out)
@@ -196,8 +199,16 @@ class ColumnParallelLinear(Block):
     def backward(self, dy, cache, defer=None):
         if self.gather is not None:
             dy = self.gather.backward(dy, cache.c_out)       # (..., out/tp) this rank's part
-        dx = self.linear.backward(dy, cache.c_lin, defer)    # (..., in) partial: y = x W_r + b_r
-        return self.enter.backward(dx, cache.c_in)   # summed [reduce-scattered: (B, T/tp, in)]
+        c_lin = cache.c_lin
+        if c_lin is None:                                    # gathered again, bit for bit
+            c_lin = LinearCache(x=self.enter.forward(cache.c_in)[0])
+        dx = self.linear.backward(dy, c_lin, defer)          # (..., in) partial: y = x W_r + b_r
+        return self.enter.backward(dx, None)         # summed [reduce-scattered: (B, T/tp, in)]
+
+    @property
+    def _regathers(self) -> bool:
+        """Whether the input's slice is cached and gathered again in the backward."""
+        return self.sequence_parallel and self.enter.active
 
     def spec(self, x_shape):
         p, dt = self.comm.size, self.dtype
@@ -206,14 +217,16 @@ class ColumnParallelLinear(Block):
         s = self.linear.spec(full_in)                # local product on the gathered input
         out = s.out_shape[:-1] + (self.n_out,) if self.gather is not None else s.out_shape
         vol = self.enter.volume(backend.nbytes(full_in, dt))
+        if self._regathers:                          # the backward's second all-gather
+            vol = vol + Volume(gather=(backend.nbytes(full_in, dt),))
         if self.gather is not None:
             vol = vol + self.gather.volume(backend.nbytes(out, dt))
-        # the cache holds the input itself, or under sp the all-gathered copy (a new array;
-        # on one rank the gather is the identity and the input is cached itself)
-        gathered = self.sequence_parallel and self.enter.active
+        # the cache holds the input itself: under sp its slice, gathered again in the backward
         return replace(s, name=self.name, in_shape=x_shape, out_shape=out,
                        bytes_x=backend.nbytes(x_shape, dt), bytes_y=backend.nbytes(out, dt),
-                       comm_bytes=vol.sent(p), cache_has_x=s.cache_has_x and not gathered)
+                       bytes_cache=(backend.nbytes(x_shape, dt) if self._regathers
+                                    else s.bytes_cache),
+                       comm_bytes=vol.sent(p), cache_has_x=s.cache_has_x or self._regathers)
 
 
 class RowParallelLinear(Block):
