@@ -172,6 +172,7 @@ class _ShapeComm(NamedTuple):
     name: str = "tp"
 
 
+@lru_cache(maxsize=4096)
 def _block(dim: int, heads: int, seq: int, rows: int, word: int, tp: int = 1,
            sp: bool = False, dropout: float = 0.0) -> tuple:
     """(FLOPs forward, FLOPs backward, cache bytes, parameter bytes, input bytes) of one
@@ -816,6 +817,17 @@ def stage_memory_parts(model: Transformer, layout: Layout, stage: int, blocks: f
     3 the parameters of two blocks, one computing, the next prefetched: twice the largest of a
     transformer block, the embedding's tables, the LM head) and ``activations`` (the held
     ones, :func:`_held_bytes`)."""
+    state = _state_parts(model, Layout(layout.dp, layout.tp, 1, 1, zero=layout.zero), stage == 0,
+                         blocks, head, optimizer, slots)
+    return {**state, "activations": _held_bytes(model, layout, stage, blocks)}
+
+
+@lru_cache(maxsize=4096)
+def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float, head: bool,
+                 optimizer: str, slots: int | None) -> dict:
+    """:func:`stage_memory_parts` but the activations, of the first stage (``first``) or
+    another: what depends on the layout's dp, tp and ZeRO stage alone, once per plan."""
+    stage = 0 if first else 1
     table = model.vocab * model.dim / layout.tp
     largest = max(4 * model.dim * model.dim / layout.tp, table if head or stage == 0 else 0,
                   model.seq * model.dim if stage == 0 else 0)
@@ -834,8 +846,7 @@ def stage_memory_parts(model: Transformer, layout: Layout, stage: int, blocks: f
     return {"parameters": weights, "gradients": grads,
             "optimizer": state_bytes(optimizer, layout, model.word, slots) * params
             - weights - grads,
-            "scratch": largest * wide, "gathered": gathered * model.word,
-            "activations": _held_bytes(model, layout, stage, blocks)}
+            "scratch": largest * wide, "gathered": gathered * model.word}
 
 
 def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",

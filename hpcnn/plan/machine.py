@@ -101,6 +101,17 @@ class Level:
     group_scales: tuple = ()
     stream_bandwidth: tuple = ()
 
+    def __hash__(self) -> int:
+        """The hashed fields' hash (``after_compute`` aside), computed once: a plan looks a
+        level up in its caches many thousand times."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.name, self.fanout, self.latency_s, self.bandwidth,
+                      self.reduce_bandwidth, self.handoff, self.bubble_weight,
+                      self.collective_scale, self.group_scales, self.stream_bandwidth))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def __post_init__(self):
         where = f"level {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
