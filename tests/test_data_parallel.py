@@ -143,11 +143,11 @@ def dp_runs(tmp_path_factory):
                     folder=tmp_path_factory.mktemp("dp"), timeout=240)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_dp_equivalence_mpi(n, dp_runs):
     assert f"dp_equivalence OK on {n} ranks" in dp_runs.stdout(n, "dp_equivalence")
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_training_loop_data_parallel_equals_serial(n, dp_runs):
     assert f"train_dp OK on {n} ranks" in dp_runs.stdout(n, "train_dp", CaseRuns.FOLDER)

@@ -62,6 +62,7 @@ SCRIPT_SHORTEN = {
                                        "--hidden=16,16", "--gpt=2,16,2,8,4", "--mlp_batch=32",
                                        "--confirm=1", "--confirm_rounds=1"],
     "experiments/plan_crossover.py": ["--batches=8,32", "--widths=8", "--rounds=1", "--steps=2"],
+    "experiments/plan_scale.py": ["--models=1.7B,145B"],
     "experiments/plan_portability.py": ["--changes=5,6", "--reps=1", "--replans=1"],
     "benchmarks/graph_eigs.py": ["--nodes=3000", "--rounds=1"],
     "experiments/graph_partition.py": ["--nodes=2000", "--train_graphs=karate", "--train_parts=2",

@@ -1,5 +1,6 @@
 """Experiments and their figures run end to end on tiny settings (real MPI, real HDF5)."""
 import os
+import shlex
 import subprocess
 import sys
 
@@ -33,20 +34,17 @@ def test_hetero_weighting_experiment_and_figure(tmp_path):
     assert np.isfinite(runs["epoch_time_s"]).all()
 
 
-def test_plan_scale_experiment_and_figure(tmp_path):
-    out = tmp_path / "ps"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plan_scale.py"),
-                        "--models=1.7B,145B", f"--out={out}"], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
-    t, attrs = load_table(out / "results.h5", "scale")
+def test_plan_scale_experiment_and_figure(docs_run):
+    """The documentation's run of the experiment and of its figure (docs/results/planning.md;
+    tests/test_docs.py shortens it to two models)."""
+    docs_run.succeeded(docs_run.command_running("experiments/plan_scale.py"))
+    t, attrs = load_table(docs_run.scratch / "runs" / "plan_scale" / "results.h5", "scale")
     assert list(t["model"]) == ["1.7B", "145B"] and attrs["machine"] == "dgx-a100-cluster"
     assert (t["dp"] * t["tp"] * t["pp"] == t["devices"]).all()
     assert t["feasible"].all() and (t["memory_gb"] <= 80).all()
     assert t["tp"][1] > 1 and t["pp"][1] > 1             # 146 B parameters must be sharded
     assert (0 < t["fraction_of_peak"]).all() and (t["fraction_of_peak"] < 1).all()
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "analysis", "plan_scale.py"),
-                        str(out / "results.h5"), str(tmp_path / "fig.png")],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+    figure = docs_run.command_running("analysis/plan_scale.py", "runs/plan_scale/results.h5")
+    docs_run.succeeded(figure)
+    png = shlex.split(docs_run.commands[figure], comments=True)[-1]
+    assert (docs_run.scratch / png).read_bytes()[:4] == b"\x89PNG"

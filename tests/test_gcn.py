@@ -120,7 +120,8 @@ def test_serial_training_on_karate_learns_the_factions(tmp_path):
     assert int(run.config["batch_size"]) == 34         # full batch: the graph's nodes
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.long),
+                               pytest.param(4, marks=pytest.mark.long)])
 def test_distributed_gcn_equals_serial(n, tmp_path):
     assert f"OK on {n} ranks" in run_mpi("gcn_equivalence", n, tmp_path)
 

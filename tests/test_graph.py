@@ -102,12 +102,13 @@ def graph_runs():
                     + [(n, "graph_unite", ()) for n in (2, 4)])
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.long),
+                               pytest.param(4, marks=pytest.mark.long)])
 def test_distributed_lanczos_matches_arpack(n, graph_runs):
     assert f"OK on {n} ranks" in graph_runs.stdout(n, "graph_lanczos")
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_unite_and_conquer_matches_arpack(n, graph_runs):
     assert f"OK on {n} ranks" in graph_runs.stdout(n, "graph_unite")
 

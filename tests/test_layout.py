@@ -13,7 +13,8 @@ from hpcnn.parallel.layout import LayoutLinear, Redistribute, gather_full, layou
 from mpi_util import run_mpi, single
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.long),
+                               pytest.param(4, marks=pytest.mark.long)])
 def test_layouts_equal_serial_on_n_ranks(n):
     out = run_mpi("layout_chain", n, timeout=180)
     assert f"layout_chain OK on {n} ranks" in out

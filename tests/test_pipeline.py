@@ -128,10 +128,11 @@ def test_errors():
 
 
 # -- under mpiexec --------------------------------------------------------------------------------
-@pytest.mark.parametrize("n,names", [(2, ()), (4, ()), (3, ("zb_h1", "zb_v"))])
+@pytest.mark.parametrize("n,names", [(2, ()), pytest.param(4, (), marks=pytest.mark.long),
+                                     (3, ("zb_h1", "zb_v"))])
 def test_pipeline_equivalence_mpi(n, names):
-    """Every schedule on 2 and 4 ranks; the zero-bubble ones also on an odd pp (3 stages, or
-    6 in a V)."""
+    """Every schedule on 2 and 4 ranks (4: make test-long); the zero-bubble ones also on an odd
+    pp (3 stages, or 6 in a V)."""
     out = run_mpi("pipeline_equivalence", n, *([",".join(names)] if names else []), timeout=120)
     assert f"pipeline_equivalence OK on {n} ranks" in out
     ran = dict(x.rsplit(" ", 1) for x in out.split("runs: ")[1].split(")")[0].split(", "))

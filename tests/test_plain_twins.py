@@ -39,9 +39,9 @@ def test_one_rank_ring_and_pipeline_are_serial():
         plain_pipeline.train_step("zb_h1", model, single(), x, y, 2)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.long)])
 def test_plain_twins_equal_the_fast_paths_mpi(n):
-    """The ring at 2, 3 and 4 ranks, the pipeline at 2 and 3."""
+    """The ring at 2, 3 and 4 ranks (4: make test-long), the pipeline at 2 and 3."""
     out = run_mpi("plain_twins", n, timeout=240)
     assert f"plain_twins OK on {n} ranks" in out
     if n in (2, 3):

@@ -299,11 +299,12 @@ def test_refusals(args, names, tmp_path):
 
 
 # -- many ranks --------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [2, 4, pytest.param(3, marks=pytest.mark.long)])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.long),
+                               pytest.param(3, marks=pytest.mark.long)])
 def test_data_parallel_16_bit_equals_serial_and_shards_at_every_zero_stage_mpi(tmp_path, n):
     """tests/mpi/train_precision.py: dp against serial at bf16 and fp16; zero 1, 2, 3 against
     zero 0 at 16 bits, their account, the sharded master copy's float64 twin; resumes across
-    stages, precisions and dp (4 ranks: zero 3, dp 4, bf16 <-> zero 0, dp 2, fp32; 3 ranks,
-    in make test-long: uneven parts)."""
+    stages, precisions and dp (2 ranks: to and from the serial run; in make test-long, 4 ranks:
+    zero 3, dp 4, bf16 <-> zero 0, dp 2, fp32, and 3 ranks: uneven parts)."""
     out = run_mpi("train_precision", n, str(tmp_path), timeout=240)
     assert f"train_precision OK on {n} ranks" in out

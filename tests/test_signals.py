@@ -78,7 +78,8 @@ def signal_and_time(p, sig, marker, again_after=None):
 
 @pytest.mark.parametrize("n,sig,layout", [
     (4, signal.SIGINT, ["--dp=4"]),
-    (4, signal.SIGTERM, ["--dp=4"]),
+    # SIGTERM under MPI stays in make test (a stuck rank, below); at 4 ranks: make test-long
+    pytest.param(4, signal.SIGTERM, ["--dp=4"], marks=pytest.mark.long),
     (2, signal.SIGINT, ["--pp=2", "--n_layers=2", "--microbatches=2"]),
 ], ids=["dp4-int", "dp4-term", "pp2-int"])
 def test_interrupt_ends_every_rank(tmp_path, n, sig, layout):

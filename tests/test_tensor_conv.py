@@ -98,6 +98,6 @@ def test_bad_dimensions(make, msg):
 
 
 # -- many ranks ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_tp_conv_mpi(n):
     assert f"tp_conv OK on {n} ranks" in run_mpi("tp_conv", n, timeout=120)

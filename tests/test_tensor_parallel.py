@@ -178,11 +178,11 @@ def tp_runs():
     return CaseRuns([(n, scenario, ()) for n in (2, 4) for scenario in ("tp_blocks", "tp_specs")])
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_tp_blocks_mpi(n, tp_runs):
     assert f"tp_blocks OK on {n} ranks" in tp_runs.stdout(n, "tp_blocks")
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_tensor_parallel_specs_describe_the_caches(n, tp_runs):
     assert f"tp_specs OK on {n} ranks" in tp_runs.stdout(n, "tp_specs")

@@ -90,7 +90,7 @@ def test_options_given_constrain_the_search(tmp_path):
     assert run.pp == 1 or run.schedule == "gpipe"
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_planned_run_equals_the_layout_given_explicitly(tmp_path, n):
     path = write_machine(tmp_path, "m", *CHEAP, pairs=n // 2)
     out = run_mpi("train_gpt_plan", n, str(tmp_path), path, timeout=120)

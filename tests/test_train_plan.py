@@ -7,7 +7,8 @@ from hpcnn.train import train
 from mpi_util import run_mpi
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.long),
+                               pytest.param(4, marks=pytest.mark.long)])
 def test_planned_layouts_equal_the_serial_run(tmp_path, n):
     out = run_mpi("train_plan", n, str(tmp_path), timeout=300)
     assert f"train_plan OK on {n} ranks" in out

@@ -4,20 +4,33 @@ import pytest
 from hpcnn.config import ConfigError, parse_overrides
 from mpi_util import CaseRuns
 
-LAYOUTS = [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)]
+LAYOUTS = [(1, 1, 2), (2, 1, 2)]          # make test: pp alone, and dp x pp
+LONG_LAYOUTS = [(1, 1, 4), (1, 2, 2)]     # make test-long: 4 stages, and tp x pp
+
+
+def _case_runs(tmp_path_factory, layouts, name):
+    return CaseRuns([(dp * tp * pp, "train_pp", (CaseRuns.FOLDER, dp, tp, pp))
+                     for dp, tp, pp in layouts],
+                    folder=tmp_path_factory.mktemp(name), timeout=400)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The three 4-rank layouts share one job (one start-up per rank)."""
-    return CaseRuns([(dp * tp * pp, "train_pp", (CaseRuns.FOLDER, dp, tp, pp))
-                     for dp, tp, pp in LAYOUTS],
-                    folder=tmp_path_factory.mktemp("train_pp"), timeout=400)
+    return _case_runs(tmp_path_factory, LAYOUTS, "train_pp")
 
 
-@pytest.mark.parametrize("dp,tp,pp", LAYOUTS)
-def test_training_loop_pipeline_equals_serial(dp, tp, pp, runs):
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory):
+    """The 4-rank layouts of make test-long share one job (one start-up per rank), apart from
+    make test's, so that make test does not start them."""
+    return _case_runs(tmp_path_factory, LONG_LAYOUTS, "train_pp_long")
+
+
+@pytest.mark.parametrize("dp,tp,pp", LAYOUTS + [pytest.param(*layout, marks=pytest.mark.long)
+                                                for layout in LONG_LAYOUTS])
+def test_training_loop_pipeline_equals_serial(dp, tp, pp, request):
     n = dp * tp * pp
+    runs = request.getfixturevalue("long_runs" if (dp, tp, pp) in LONG_LAYOUTS else "runs")
     out = runs.stdout(n, "train_pp", CaseRuns.FOLDER, dp, tp, pp)
     assert f"train_pp OK on {n} ranks (dp={dp}, tp={tp}, pp={pp})" in out
 

@@ -110,7 +110,8 @@ def remat_runs(tmp_path_factory):
                     folder=tmp_path_factory.mktemp("train_remat"), timeout=400)
 
 
-@pytest.mark.parametrize("n,dp,pp", REMAT_LAYOUTS)
+@pytest.mark.parametrize("n,dp,pp", [pytest.param(*layout, marks=pytest.mark.long)
+                                     if layout[0] == 4 else layout for layout in REMAT_LAYOUTS])
 def test_remat_under_mpi_equals_serial(remat_runs, n, dp, pp):
     out = remat_runs.stdout(n, "train_remat", CaseRuns.FOLDER, dp, pp)
     assert f"train_remat OK on {n} ranks (dp={dp}, pp={pp})" in out

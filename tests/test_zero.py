@@ -2,8 +2,9 @@
 stage 2 the gradients, at stage 3 the parameters too, sharded over the data-parallel ranks,
 against zero 0 in float64 (tests/mpi/train_zero.py; at 2 ranks: MLP with AdamW, SGD with
 clipping, accumulation and weight decay, weighted speeds; GPT, also with remat and the shm
-allreduce; GCN; at 3 ranks (uneven parts) the SGD, weighted and GPT cases; at 4 ranks dp = 4,
-tp = 2 and pp = 2 with 1F1B and ZB-H1, stage 3 where there is no pipeline), the memory split,
+allreduce; GCN; in make test-long, at 3 ranks (uneven parts) the SGD, weighted and GPT cases,
+at 4 ranks dp = 4, tp = 2 and pp = 2 with 1F1B and ZB-H1, stage 3 where there is no pipeline,
+and every case at 3 and 4 ranks), the memory split,
 checkpoints across stages, the planner's price of what a rank holds; and the parts, the
 gathered blocks, the note and the refusals on their own."""
 import numpy as np
@@ -26,7 +27,9 @@ def every_zero_run(tmp_path_factory):           # (jobs of their own: make test-
                     folder=tmp_path_factory.mktemp("zero-every"), timeout=240)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+# 3 and 4 ranks (uneven parts; tp = 2, pp = 2 with ZeRO) in make test-long: ~17 s
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.long),
+                               pytest.param(4, marks=pytest.mark.long)])
 def test_zero1_2_and_3_equal_zero0_and_shard_the_state(n, zero_runs):
     assert f"train_zero OK on {n} ranks" in zero_runs.stdout(n, "train_zero", CaseRuns.FOLDER)
 
