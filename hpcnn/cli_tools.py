@@ -454,7 +454,7 @@ def _explain(model, mach, o: dict) -> int:
           f"{row['tflops_per_device']:.1f} model TFLOP/s a device "
           f"({row['hardware_tflops_per_device']:.1f} hardware, recomputation counted)")
     for part, sec in sorted(q.parts.items(), key=lambda kv: -kv[1]):
-        print(f"  {part:<10} {sec:10.4g} s  {sec / q.step_s:6.1%}  {EXPLAIN[part]}")
+        print(f"  {part:<12} {sec:10.4g} s  {sec / q.step_s:6.1%}  {EXPLAIN[part]}")
     print(f"memory a device: {q.memory_bytes / 1e9:.2f} GB"
           f"{'' if q.feasible else ' (does not fit)'}: " + ", ".join(
               f"{k} {v / 1e9:.2f}" for k, v in q.memory_parts.items()))
