@@ -751,3 +751,16 @@ def test_a_pp_that_does_not_divide_the_layers_gets_the_even_cut_beyond_the_searc
     assert q.step_s == pytest.approx(sum(q.parts.values()), rel=1e-12)
     assert q.step_s == price(gpt, q.layout, Machine(per_node=2, nodes=1)).step_s
     assert hybrid._even_cut(70, 12) == (6,) * 10 + (5,) * 2
+
+
+def test_cached_hashes_are_not_pickled():
+    """A model's, layout's, machine's and level's hash is computed once and kept, but not
+    pickled: a string's hash differs between processes (an unpickled copy hashes afresh)."""
+    import pickle
+    m = Machine()
+    objs = (SMALL, Layout(2, 2, 2, 4), m, m.levels[0])
+    for o in objs:
+        hash(o)
+        assert "_hash" in o.__dict__
+        back = pickle.loads(pickle.dumps(o))
+        assert "_hash" not in back.__dict__ and back == o and hash(back) == hash(o)

@@ -120,12 +120,18 @@ def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw")
 
 def _cached_hash(obj) -> int:
     """The hash of a frozen dataclass's fields, computed once: a plan looks its model and
-    layouts up in its caches many thousand times."""
+    layouts up in its caches many thousand times. Not pickled (:func:`_state`): a string's
+    hash differs from one process to the next."""
     h = obj.__dict__.get("_hash")
     if h is None:       # the instance's dict holds its fields alone, in their order, until now
         h = hash(tuple(obj.__dict__.values()))
         object.__setattr__(obj, "_hash", h)
     return h
+
+
+def _state(obj) -> dict:
+    """A frozen dataclass's pickled state: its fields and cached values, not its hash."""
+    return {k: v for k, v in obj.__dict__.items() if k != "_hash"}
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,8 @@ class Transformer:
 
     def __hash__(self) -> int:
         return _cached_hash(self)
+
+    __getstate__ = _state
 
     @property
     def word(self) -> int:
@@ -326,6 +334,8 @@ class Layout:
 
     def __hash__(self) -> int:
         return _cached_hash(self)
+
+    __getstate__ = _state
 
     def __str__(self) -> str:
         cut = f", stages {'|'.join(map(str, self.stages))}" if self.stages else ""

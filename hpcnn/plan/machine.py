@@ -112,6 +112,10 @@ class Level:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def __getstate__(self) -> dict:
+        """The pickled state: not the hash, which differs from one process to the next."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __post_init__(self):
         where = f"level {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
@@ -440,6 +444,10 @@ class Machine:
             h = hash((self.name, self.levels, self.device, self.source, self.dp_overlap))
             object.__setattr__(self, "_hash", h)
         return h
+
+    def __getstate__(self) -> dict:
+        """The pickled state: not the hash, which differs from one process to the next."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @functools.cached_property
     def compute_dependent(self) -> bool:
