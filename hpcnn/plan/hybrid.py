@@ -44,6 +44,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from hpcnn.plan import gemm, traffic
+from hpcnn.plan.machine import cached_hash, unhashed_state
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved")
@@ -118,22 +119,6 @@ def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw")
     return device.stream_seconds(UPDATE_PASSES[optimizer] * 3 * word * n_params)
 
 
-def _cached_hash(obj) -> int:
-    """The hash of a frozen dataclass's fields, computed once: a plan looks its model and
-    layouts up in its caches many thousand times. Not pickled (:func:`_state`): a string's
-    hash differs from one process to the next."""
-    h = obj.__dict__.get("_hash")
-    if h is None:       # the instance's dict holds its fields alone, in their order, until now
-        h = hash(tuple(obj.__dict__.values()))
-        object.__setattr__(obj, "_hash", h)
-    return h
-
-
-def _state(obj) -> dict:
-    """A frozen dataclass's pickled state: its fields and cached values, not its hash."""
-    return {k: v for k, v in obj.__dict__.items() if k != "_hash"}
-
-
 @dataclass(frozen=True)
 class Transformer:
     """A GPT's shape: ``n_layers`` blocks of width ``dim`` with ``n_heads`` heads, context
@@ -158,10 +143,8 @@ class Transformer:
                              f">= 1, n_heads dividing dim, dtype one of {list(DTYPE_BYTES)}, "
                              f"0 <= dropout < 1")
 
-    def __hash__(self) -> int:
-        return _cached_hash(self)
-
-    __getstate__ = _state
+    __hash__ = cached_hash
+    __getstate__ = unhashed_state
 
     @property
     def word(self) -> int:
@@ -206,11 +189,17 @@ def _spec(dim: int, heads: int, seq: int, word: int, tp: int, rows: int, sp: boo
     factor from its bytes to ``word``-byte ones."""
     from hpcnn.nn.transformer import TransformerBlock
     from hpcnn.parallel.tensor.attention import ParallelTransformerBlock
-    dtype = {2: "float32", 4: "float32", 8: "float64"}[word]     # spec's shapes, then rescaled
+    dtype, scale = _spec_dtype(word)
     blk = (ParallelTransformerBlock(_ShapeComm(tp), dim, heads, dtype=dtype, keep=(),
                                     sequence_parallel=sp, dropout=dropout) if tp > 1
            else TransformerBlock(dim, heads, dtype=dtype, keep=(), dropout=dropout))
-    return blk.spec((rows, seq // tp if sp else seq, dim)), word / (4 if word <= 4 else 8)
+    return blk.spec((rows, seq // tp if sp else seq, dim)), scale
+
+
+def _spec_dtype(word: int) -> tuple:
+    """(the dtype a spec is built in for ``word``-byte words, the factor from its bytes to
+    ``word``-byte ones): 16-bit words from float32 specs, halved."""
+    return {2: "float32", 4: "float32", 8: "float64"}[word], word / (4 if word <= 4 else 8)
 
 
 @lru_cache(maxsize=4096)
@@ -238,13 +227,8 @@ def _tail_moved(dim: int, seq: int, rows: int, vocab: int, word: int, tp: int = 
     """(forward, backward) bytes the last stage's tail moves per micro-batch on one of ``tp``
     ranks: the final LayerNorm and the loss over the vocab / tp logits
     (:func:`hpcnn.plan.traffic.tail`; the LM head's GEMM is on its roofline)."""
-    from hpcnn.nn.layers import LayerNorm
-    from hpcnn.nn.loss import SoftmaxCrossEntropy
-    dtype = {2: "float32", 4: "float32", 8: "float64"}[word]
-    shape = (rows, seq, dim)
-    specs = (LayerNorm(dim, dtype=dtype, keep=()).spec(shape),
-             SoftmaxCrossEntropy().spec((rows, seq, -(-vocab // tp)), dtype))
-    return tuple(x * word / (4 if word <= 4 else 8) for x in traffic.tail(specs))
+    norm, _, loss, scale = _tail_specs(dim, seq, rows, vocab, word, tp)
+    return tuple(x * scale for x in traffic.tail((norm, loss)))
 
 
 @lru_cache(maxsize=4096)
@@ -273,15 +257,22 @@ def attention_core(dim: int, heads: int, seq: int, word: int, tp: int = 1,
 def _tail(dim: int, seq: int, rows: int, vocab: int, word: int, tp: int = 1) -> int:
     """Cache bytes per micro-batch of the last stage's tail on one of ``tp`` ranks: the final
     LayerNorm, the LM head's vocab/tp columns and the loss's probabilities (their spec())."""
+    *specs, scale = _tail_specs(dim, seq, rows, vocab, word, tp)
+    return int(sum(s.bytes_cache for s in specs) * scale)
+
+
+@lru_cache(maxsize=1024)
+def _tail_specs(dim: int, seq: int, rows: int, vocab: int, word: int, tp: int = 1) -> tuple:
+    """(the final LayerNorm's, the LM head's vocab / tp columns' and the loss's spec on a
+    micro-batch of ``rows`` sequences, built as :func:`_spec` builds a block's, and the factor
+    from their bytes to ``word``-byte ones)."""
     from hpcnn.nn.layers import LayerNorm, Linear
     from hpcnn.nn.loss import SoftmaxCrossEntropy
-    dtype = {2: "float32", 4: "float32", 8: "float64"}[word]
+    dtype, scale = _spec_dtype(word)
     shape = (rows, seq, dim)
-    head = Linear(dim, -(-vocab // tp), bias=False, dtype=dtype, keep=())
-    cache = LayerNorm(dim, dtype=dtype, keep=()).spec(shape).bytes_cache
-    s = head.spec(shape)
-    cache += s.bytes_cache + SoftmaxCrossEntropy().spec(s.out_shape, dtype).bytes_cache
-    return int(cache * word / (4 if word <= 4 else 8))
+    head = Linear(dim, -(-vocab // tp), bias=False, dtype=dtype, keep=()).spec(shape)
+    return (LayerNorm(dim, dtype=dtype, keep=()).spec(shape), head,
+            SoftmaxCrossEntropy().spec(head.out_shape, dtype), scale)
 
 
 def held_microbatches(schedule: str, pp: int, m_count: int, stage: int, virtual: int = 1) -> int:
@@ -332,10 +323,8 @@ class Layout:
         if self.remat not in PRICED_REMAT:
             raise ValueError(f"remat={self.remat!r}: expected one of {', '.join(PRICED_REMAT)}")
 
-    def __hash__(self) -> int:
-        return _cached_hash(self)
-
-    __getstate__ = _state
+    __hash__ = cached_hash
+    __getstate__ = unhashed_state
 
     def __str__(self) -> str:
         cut = f", stages {'|'.join(map(str, self.stages))}" if self.stages else ""

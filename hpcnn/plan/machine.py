@@ -40,9 +40,28 @@ import functools
 import math
 import os
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from hpcnn.plan import gemm, tables
+
+
+def cached_hash(obj) -> int:
+    """A frozen dataclass's hash (its fields' that take part in it, as the dataclass's own
+    ``__hash__`` takes them), computed once and kept on the instance: a plan looks its machine,
+    levels, model and layouts up in its caches many thousand times (:mod:`hpcnn.plan.hybrid`).
+    Not pickled (:func:`unhashed_state`): a string's hash differs from one process to the
+    next."""
+    h = obj.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(obj, f.name) for f in fields(obj)
+                       if (f.compare if f.hash is None else f.hash)))
+        object.__setattr__(obj, "_hash", h)
+    return h
+
+
+def unhashed_state(obj) -> dict:
+    """A frozen dataclass's pickled state: its fields and cached values, not its hash."""
+    return {k: v for k, v in obj.__dict__.items() if k != "_hash"}
 
 MACHINES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "machines")
@@ -101,20 +120,8 @@ class Level:
     group_scales: tuple = ()
     stream_bandwidth: tuple = ()
 
-    def __hash__(self) -> int:
-        """The hashed fields' hash (``after_compute`` aside), computed once: a plan looks a
-        level up in its caches many thousand times."""
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.name, self.fanout, self.latency_s, self.bandwidth,
-                      self.reduce_bandwidth, self.handoff, self.bubble_weight,
-                      self.collective_scale, self.group_scales, self.stream_bandwidth))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __getstate__(self) -> dict:
-        """The pickled state: not the hash, which differs from one process to the next."""
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    __hash__ = cached_hash      # after_compute (hash=False) aside
+    __getstate__ = unhashed_state
 
     def __post_init__(self):
         where = f"level {self.name!r}"
@@ -436,18 +443,8 @@ class Machine:
         if len(set(names)) != len(names):
             raise ValueError(f"machine {self.name!r}: level names repeat: {names}")
 
-    def __hash__(self) -> int:
-        """The fields' hash, computed once: a plan looks a machine up in its caches many
-        thousand times (:mod:`hpcnn.plan.hybrid`)."""
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.name, self.levels, self.device, self.source, self.dp_overlap))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __getstate__(self) -> dict:
-        """The pickled state: not the hash, which differs from one process to the next."""
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    __hash__ = cached_hash
+    __getstate__ = unhashed_state
 
     @functools.cached_property
     def compute_dependent(self) -> bool:
