@@ -10,3 +10,16 @@ def to_stderr(line: str) -> None:
     import sys
     sys.stderr.write(f"{line}\n")
     sys.stderr.flush()
+
+
+def exit_interrupted(code: int = 130):
+    """Leave the process at once with ``code``, its streams flushed: after a Ctrl-C caught at
+    start-up, before anything has run that needs finalizing. Not ``sys.exit``: CPython ends a
+    process by SIGINT once its interpreter exits (status -2, not ``code``) whenever the
+    KeyboardInterrupt was raised inside an ``exec`` of a string, caught or not, and
+    dataclasses and namedtuple build their methods that way while modules import."""
+    import os
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

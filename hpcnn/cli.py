@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from hpcnn import to_stderr
+from hpcnn import exit_interrupted, to_stderr
 
 SUBCOMMANDS = (   # (name, arguments, one line): what ``hpcnn --help`` lists, in this order
     ("train", "[--key=value ...]", "train a model (hpcnn train --help lists the options)"),
@@ -87,27 +87,28 @@ START_UP = "hpcnn: interrupted during start-up"
 INTERRUPT_AGREE_SECONDS = 5.0   # how long an interrupted rank waits for the others to be too
 
 
-def interrupted_at_start() -> int:
+def interrupted_at_start():
     """A SIGINT before the run's own handlers (:mod:`hpcnn.signals`) were in place: one line,
-    no traceback, exit status 130. Under MPI, every rank normally got it (``mpiexec`` forwards
-    it): MPI is finalized once all have (so that ``python -m mpi4py`` does not make an abort of
-    the non-zero exit), else, after :data:`INTERRUPT_AGREE_SECONDS`, the job is aborted."""
+    no traceback, exit status 130 (:func:`hpcnn.exit_interrupted`; never returns). Under MPI,
+    every rank normally got it (``mpiexec`` forwards it): MPI is finalized once all have (so
+    that ``python -m mpi4py`` does not make an abort of the non-zero exit), else, after
+    :data:`INTERRUPT_AGREE_SECONDS`, the job is aborted."""
     to_stderr(START_UP)
     if mpi_ranks() > 1:
         from mpi4py import MPI
-        return leave_refused(MPI.COMM_WORLD, 130, INTERRUPT_AGREE_SECONDS)
+        exit_interrupted(leave_refused(MPI.COMM_WORLD, 130, INTERRUPT_AGREE_SECONDS))
     if mpi_loaded():
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.Finalize()
-    return 130
+    exit_interrupted(130)
 
 
 def cmd_train(args) -> int:
     try:
         return _train(args)
     except KeyboardInterrupt:
-        return interrupted_at_start()
+        interrupted_at_start()
 
 
 def _train(args) -> int:
