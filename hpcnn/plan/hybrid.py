@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from hpcnn.plan import gemm, traffic
 from hpcnn.plan.machine import cached_hash, unhashed_state
+from hpcnn.schedule import pipeline as schedules
+from hpcnn.schedule import stages as partition
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved")
@@ -146,8 +148,9 @@ class Transformer:
     __hash__ = cached_hash
     __getstate__ = unhashed_state
 
-    @property
+    @cached_property
     def word(self) -> int:
+        """Bytes of one number in ``dtype``."""
         return DTYPE_BYTES[self.dtype]
 
     def params(self) -> int:
@@ -337,16 +340,29 @@ class Layout:
 
 @dataclass
 class Priced:
-    """A layout's predicted step: ``step_s`` and its parts (seconds), ``memory_bytes`` per rank,
-    ``feasible`` (fits the device memory), ``formula`` (the step as a sum of its terms)."""
+    """A layout's predicted step: ``step_s`` and its ``parts`` (seconds), ``memory_bytes`` per
+    rank, ``feasible`` (fits the device memory), ``formula`` (the step as a sum of its terms).
+    ``parts`` and ``formula`` are worked out from ``terms`` (the model, the machine, the
+    :class:`StageTimes` and the optimizer) when first read: a plan prices thousands of layouts
+    and shows a few."""
 
     layout: Layout
     step_s: float
-    parts: dict = field(default_factory=dict)
     memory_bytes: float = 0.0
     feasible: bool = True
-    formula: str = ""
     memory_parts: dict = field(default_factory=dict)    # bytes by kind, the fullest stage's
+    terms: tuple = field(default=(), repr=False)
+
+    @cached_property
+    def parts(self) -> dict:
+        """The step's seconds by part (:func:`_step_parts`)."""
+        model, machine, st, _ = self.terms
+        return _step_parts(model, self.layout, machine, st)
+
+    @cached_property
+    def formula(self) -> str:
+        """The step as a sum of its terms (:func:`_formula`)."""
+        return _formula(self.layout, self.terms[2], self.terms[3], self.step_s)
 
 
 def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0,
@@ -371,7 +387,8 @@ def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0,
 def dp_allreduce_s(nbytes: float, layout, machine, after: float = 0.0) -> float:
     """The data-parallel gradient allreduce of ``nbytes`` as ``auto`` would run it: the
     cheaper of :func:`dp_allreduce_forms`."""
-    return min(dp_allreduce_forms(nbytes, layout, machine, after).values())
+    return min(s for _, s in _dp_forms(nbytes, layout.dp, layout.tp, machine,
+                                         after if machine.compute_dependent else 0.0))
 
 
 def dp_allreduce_forms(nbytes: float, layout, machine, after: float = 0.0) -> dict:
@@ -470,18 +487,44 @@ def regather_share(layout: Layout) -> float:
     return 1.5 if layout.sequence_parallel and layout.tp > 1 else 1.0
 
 
-@lru_cache(maxsize=4096)
 def _pass_key(layout: Layout) -> Layout:
     """What of ``layout`` a stage pass's price reads (:func:`_pass_core`): tp, sequence
-    parallelism, recomputation, and whether zero bubble splits the backward."""
-    return Layout(1, layout.tp, 1, 1, "zb_h1" if layout.schedule == "zb_h1" else "1f1b",
-                  layout.remat, sequence_parallel=layout.sequence_parallel)
+    parallelism, recomputation, and whether zero bubble splits the backward; one object for
+    each (the pass caches then find their keys by identity)."""
+    return _pass_key_of(layout.tp, layout.schedule == "zb_h1", layout.remat,
+                        layout.sequence_parallel)
 
 
-@lru_cache(maxsize=1 << 14)
+@lru_cache(maxsize=256)
+def _pass_key_of(tp: int, zero_bubble: bool, remat: str, sequence_parallel: bool) -> Layout:
+    """:func:`_pass_key`'s layout."""
+    return Layout(1, tp, 1, 1, "zb_h1" if zero_bubble else "1f1b", remat,
+                  sequence_parallel=sequence_parallel)
+
+
 def _pass_core(model: Transformer, layout: Layout, machine, rows: int, blocks: float,
                head: bool) -> tuple:
-    """:func:`_pass_times` of ``rows`` sequences a micro-batch, before the neighbours' wait."""
+    """:func:`_pass_times` of ``rows`` sequences a micro-batch, before the neighbours' wait:
+    affine in ``blocks`` (a block's figures times their count, plus the pass's own and the
+    head's), so from :func:`_pass_terms` of its rows."""
+    per_block, bare, with_head = _pass_terms(model, layout, machine, rows)
+    return tuple(a + blocks * b for a, b in zip(with_head if head else bare, per_block))
+
+
+@lru_cache(maxsize=4096)
+def _pass_terms(model: Transformer, layout: Layout, machine, rows: int) -> tuple:
+    """(a block's (t_f, t_b, t_w, tp_s), a pass's own without blocks, with the head) of
+    ``rows`` sequences a micro-batch (:func:`_pass_priced`), once per plan for the stages of
+    every size that share them."""
+    bare = _pass_priced(model, layout, machine, rows, 0, False)
+    one = _pass_priced(model, layout, machine, rows, 1, False)
+    return (tuple(b - a for a, b in zip(bare, one)), bare,
+            _pass_priced(model, layout, machine, rows, 0, True))
+
+
+def _pass_priced(model: Transformer, layout: Layout, machine, rows: int, blocks: float,
+                 head: bool) -> tuple:
+    """:func:`_pass_core` priced term by term for ``blocks`` blocks."""
     tp = layout.tp
     f, b, cache, _, _ = _layout_block(model, layout, rows)
     dev = machine.device
@@ -664,8 +707,10 @@ def _chunk_times(model: Transformer, layout: Layout, machine, per_stage: float) 
     v = layout.virtual
     if v == 1:
         return _pass_times(model, layout, machine, per_stage, True)
-    chunk = _pass_times(model, layout, machine, per_stage / v, False)
-    whole, bare = (_pass_times(model, layout, machine, per_stage, h) for h in (True, False))
+    rows = model.batch // (layout.dp * layout.microbatches)
+    key, lvl = _pass_key(layout), _neighbours(layout, machine)
+    chunk = _pass_with(model, key, machine, rows, per_stage / v, False, lvl)
+    whole, bare = (_pass_with(model, key, machine, rows, per_stage, h, lvl) for h in (True, False))
     return tuple(c + (w - b) / v for c, w, b in zip(chunk, whole, bare))
 
 
@@ -685,10 +730,15 @@ def dp_seconds(model: Transformer, layout: Layout, machine, params: float,
     whole = dp_allreduce_s(nbytes, layout, machine, after=window) * share
     if not getattr(machine, "dp_overlap", False) or whole == 0:
         return whole
-    from hpcnn.config import TrainConfig
-    last = dp_allreduce_s(min(nbytes, TrainConfig.bucket_mb * 2 ** 20), layout, machine,
-                          after=window) * share
+    last = dp_allreduce_s(min(nbytes, _bucket_bytes()), layout, machine, after=window) * share
     return min(whole, max(0.0, whole - window) + last)
+
+
+@lru_cache(maxsize=1)
+def _bucket_bytes() -> int:
+    """Bytes of a gradient bucket at ``hpcnn train``'s default ``--bucket_mb``."""
+    from hpcnn.config import TrainConfig
+    return TrainConfig.bucket_mb * 2 ** 20
 
 
 def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
@@ -714,7 +764,6 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
 def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
     """(t_f, t_b, t_w, tp_s, span, msg, pp_s, held_s) of the uniform ``layout``: what does not
     depend on its ZeRO stage, once for a plan's ZeRO stages of one layout."""
-    from hpcnn.schedule import pipeline as schedules
     pp, m_count, v = layout.pp, layout.microbatches, layout.virtual
     c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, model.n_layers / pp)
     span = schedules.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
@@ -732,7 +781,6 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
 def _lists(schedule: str, pp: int, m_count: int, virtual: int = 1) -> tuple:
     """The instruction lists of ``schedule`` on pp ranks, pp x ``virtual`` stages, M
     micro-batches, validated once (every stage cut of a plan simulates the same lists)."""
-    from hpcnn.schedule import pipeline as schedules
     lists = schedules.SCHEDULES[schedule](pp * virtual, m_count, pp)
     schedules.validate(lists, pp * virtual, m_count, pp)
     return tuple(tuple(lst) for lst in lists)
@@ -816,9 +864,15 @@ def stage_memory_parts(model: Transformer, layout: Layout, stage: int, blocks: f
     3 the parameters of two blocks, one computing, the next prefetched: twice the largest of a
     transformer block, the embedding's tables, the LM head) and ``activations`` (the held
     ones, :func:`_held_bytes`)."""
-    state = _state_parts(model, Layout(layout.dp, layout.tp, 1, 1, zero=layout.zero), stage == 0,
+    state = _state_parts(model, _state_key(layout.dp, layout.tp, layout.zero), stage == 0,
                          blocks, head, optimizer, slots)
     return {**state, "activations": _held_bytes(model, layout, stage, blocks)}
+
+
+@lru_cache(maxsize=4096)
+def _state_key(dp: int, tp: int, zero: int) -> Layout:
+    """What of a layout its state's memory reads (:func:`_state_parts`): dp, tp, ZeRO stage."""
+    return Layout(dp, tp, 1, 1, zero=zero)
 
 
 @lru_cache(maxsize=4096)
@@ -908,7 +962,6 @@ def _simulated_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple
                     t_w: tuple) -> float:
     """The makespan of ``schedule`` simulated with these per-stage times (messages free),
     once for the layouts that share them (a plan's ZeRO stages cut alike)."""
-    from hpcnn.schedule import pipeline as schedules
     return schedules.makespan(_lists(schedule, pp, m_count), t_f, t_b, t_w)
 
 
@@ -929,7 +982,7 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
           optimizer: str = "adamw") -> Priced:
     """The predicted step time and memory per rank of ``layout`` (see the module docstring; a
     layout with explicit ``stages``: :func:`_staged`)."""
-    pp, m_count = layout.pp, layout.microbatches
+    pp = layout.pp
     _check_fits(model, layout)
     if layout.stages:
         if sum(layout.stages) != model.n_layers:
@@ -949,22 +1002,34 @@ def price(model: Transformer, layout: Layout, machine, memory_bytes: float | Non
                       for s in sorted({0, pp - 1})), key=lambda m: sum(m.values()))
     memory_parts, memory = memory, sum(memory.values())
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
+    step = st.span + st.pp_s + st.dp_s + st.opt_s + st.held_s
+    return Priced(layout, step, memory, memory <= cap, memory_parts,
+                  (model, machine, st, optimizer))
+
+
+def _step_parts(model: Transformer, layout: Layout, machine, st: StageTimes) -> dict:
+    """A step's seconds (:func:`price`) by part: compute, memory-bound operations
+    (:func:`memory_bound_seconds`), tensor-parallel communication, the pipeline's bubble and
+    messages, the data-parallel reduction, the optimizer, the held activations."""
+    m_count = layout.microbatches
     tp_comm = m_count * st.tp_s * (1 + regather_share(layout))
     compute = m_count * (st.t_f + st.t_b) - tp_comm
     memory_bound = min(compute, memory_bound_seconds(model, layout, machine))
-    parts = {"compute": compute - memory_bound, "memory_bound": memory_bound,
-             "tp_comm": tp_comm,
-             "bubble": st.span - m_count * (st.t_f + st.t_b), "pp_comm": st.pp_s,
-             "dp_comm": st.dp_s, "optimizer": st.opt_s, "held": st.held_s}
-    step = st.span + st.pp_s + st.dp_s + st.opt_s + st.held_s
+    return {"compute": compute - memory_bound, "memory_bound": memory_bound,
+            "tp_comm": tp_comm,
+            "bubble": st.span - m_count * (st.t_f + st.t_b), "pp_comm": st.pp_s,
+            "dp_comm": st.dp_s, "optimizer": st.opt_s, "held": st.held_s}
+
+
+def _formula(layout: Layout, st: StageTimes, optimizer: str, step: float) -> str:
+    """A step (:func:`price`) as the sum of its terms."""
     cut = f"stages {'|'.join(map(str, layout.stages))}, busiest " if layout.stages else ""
-    formula = (f"({m_count} micro-batches, {pp} stages) {layout.schedule} span {st.span:.4g} s "
-               f"[{cut}t_f {st.t_f:.3g} + t_b {st.t_b:.3g} per stage pass, of which tp "
-               f"{st.tp_s:.3g}] + pp messages {st.pp_s:.3g} + dp allreduce {st.dp_s:.3g} "
-               f"+ {optimizer} update {st.opt_s:.3g}"
-               + (f" + held activations {st.held_s:.3g}" if st.held_s else "")
-               + f" = {step:.4g} s")
-    return Priced(layout, step, parts, memory, memory <= cap, formula, memory_parts)
+    return (f"({layout.microbatches} micro-batches, {layout.pp} stages) {layout.schedule} span "
+            f"{st.span:.4g} s [{cut}t_f {st.t_f:.3g} + t_b {st.t_b:.3g} per stage pass, of "
+            f"which tp {st.tp_s:.3g}] + pp messages {st.pp_s:.3g} + dp allreduce "
+            f"{st.dp_s:.3g} + {optimizer} update {st.opt_s:.3g}"
+            + (f" + held activations {st.held_s:.3g}" if st.held_s else "")
+            + f" = {step:.4g} s")
 
 
 def stage_cut(model: Transformer, layout: Layout, machine,
@@ -984,7 +1049,6 @@ def stage_cut(model: Transformer, layout: Layout, machine,
     (:func:`_stage_memory`), so the cut's memory per stage is what :func:`price` charges it.
     The objective is the slowest stage, not the simulated span: the schedule's span grows
     with it, and it is what the existing ``by_cost`` cut balances."""
-    from hpcnn.schedule import stages as partition
     pp, n = layout.pp, model.n_layers
     uniform = dataclasses.replace(layout, stages=())
     head = _pass_times(model, uniform, machine, 0, True)
@@ -1083,8 +1147,7 @@ def _variants(model: Transformer, base: Layout, schedules, remat, zero, ok, unif
                         if (z == 3 and pp > 1 or sp and z >= 2 or not ok("zero", z)
                                 or not ok("sequence_parallel", sp)):
                             continue                     # (as train refuses)
-                        yield dataclasses.replace(base, schedule=s, remat=r, zero=z, virtual=v,
-                                                  sequence_parallel=sp)
+                        yield Layout(dp, tp, pp, m_count, s, r, (), z, v, sp)
 
 
 DIMENSIONS = ("tp", "pp", "dp", "microbatches", "micro_batch_size", "schedule", "remat", "zero",
@@ -1121,7 +1184,6 @@ def _with_cut(lay: Layout, uniform: bool, model, machine, memory_bytes):
 @lru_cache(maxsize=256)
 def _even_cut(n_layers: int, pp: int) -> tuple:
     """Transformer blocks per stage of the even cut of ``n_layers`` over ``pp`` stages."""
-    from hpcnn.schedule import stages as partition
     return tuple(b - a for a, b in partition.uniform(n_layers, pp))
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import operator
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -53,10 +54,17 @@ def cached_hash(obj) -> int:
     next."""
     h = obj.__dict__.get("_hash")
     if h is None:
-        h = hash(tuple(getattr(obj, f.name) for f in fields(obj)
-                       if (f.compare if f.hash is None else f.hash)))
+        h = hash(_hashed_fields(type(obj))(obj))
         object.__setattr__(obj, "_hash", h)
     return h
+
+
+@functools.lru_cache(maxsize=None)
+def _hashed_fields(cls):
+    """A getter of the tuple of ``cls``'s fields that take part in its hash."""
+    names = [f.name for f in fields(cls) if (f.compare if f.hash is None else f.hash)]
+    get = operator.attrgetter(*names)
+    return get if len(names) > 1 else lambda obj: (get(obj),)
 
 
 def unhashed_state(obj) -> dict:
