@@ -473,7 +473,7 @@ def _pass_with(model: Transformer, key: Layout, machine, rows: int, blocks: floa
                lvl) -> tuple:
     """:func:`_pass_core` and the wait on the neighbour's message at level ``lvl`` (None
     without a pipeline)."""
-    t_f, t_b, t_w, tp_s = _pass_core(model, key, machine, rows, blocks, head)
+    t_f, t_b, t_w, tp_s, _ = _pass_core(model, key, machine, rows, blocks, head)
     if lvl is not None:
         t_f, t_b = t_f + lvl.handoff_after(t_f), t_b + lvl.handoff_after(t_b - t_w)
     return t_f, t_b, t_w, tp_s
@@ -524,24 +524,23 @@ def _pass_terms(model: Transformer, layout: Layout, machine, rows: int) -> tuple
 
 def _pass_priced(model: Transformer, layout: Layout, machine, rows: int, blocks: float,
                  head: bool) -> tuple:
-    """:func:`_pass_core` priced term by term for ``blocks`` blocks."""
+    """:func:`_pass_core` priced term by term for ``blocks`` blocks, and the pass's seconds in
+    memory-bound operations (its recomputation's included) as a fifth term."""
     tp = layout.tp
-    f, b, cache, _, _ = _layout_block(model, layout, rows)
+    f, b, _, _, _ = _layout_block(model, layout, rows)
     dev = machine.device
     dtype = model.dtype if model.dtype in dev.flops else max(dev.flops, key=dev.flops.get)
     act = rows * model.seq * model.dim * model.word                  # one activation
-    # a block's fixed cost and element-wise seconds split between its passes by the device's
-    # measured forward share (Device.pass_seconds), its FLOPs as spec() counts them, the FLOP
-    # and element-wise seconds slowed for a call on the micro-batch's rows x seq tokens
-    # (where the machine file lists published GEMM rates for the dtype, the block's GEMMs on
-    # their roofline instead: hpcnn.plan.gemm; where it prices the bytes moved, the memory-bound
-    # operations by each pass's own bytes instead of per byte of cache: _block_moved_s)
+    # a block's fixed cost split between its passes by the device's measured forward share
+    # (Device.pass_seconds), its FLOPs as spec() counts them, the FLOP seconds slowed for a
+    # call on the micro-batch's rows x seq tokens (where the machine file lists published GEMM
+    # rates for the dtype, the block's GEMMs on their roofline instead: hpcnn.plan.gemm), and
+    # its memory-bound operations (_block_memory_s)
     shapes = gemm.block_shapes(model.dim, model.n_heads, model.seq, rows, tp)
-    moved_s = _block_moved_s(model, layout, dev, rows)
-    comp_f, comp_b = (dev.pass_seconds(blocks * rest, dtype, "transformer", blocks,
-                                       0.0 if moved_s else blocks * cache, fwd,
+    mem_f, mem_b, mem_core = _block_memory_s(model, layout, dev, rows)
+    comp_f, comp_b = (dev.pass_seconds(blocks * rest, dtype, "transformer", blocks, 0.0, fwd,
                                        tokens=rows * model.seq)
-                      + blocks * (gemm_s + (moved_s[0 if fwd else 1] if moved_s else 0.0))
+                      + blocks * (gemm_s + (mem_f if fwd else mem_b))
                       for (rest, gemm_s), fwd in ((gemm.split(dev, dtype, shapes, flops, fwd), fwd)
                                                   for flops, fwd in ((f, True), (b, False))))
     # two allreduces per block each way, each after the compute since the previous one
@@ -551,21 +550,23 @@ def _pass_priced(model: Transformer, layout: Layout, machine, rows: int, blocks:
     # "stage" kind: the instruction, embedding, the tail's small calls, the loss)
     around_f, around_b = (dev.pass_seconds(0.0, dtype, "stage", 1, 0.0, fwd)
                           for fwd in (True, False))
-    t_f = comp_f + tp_s + around_f + (_head_seconds(model, dev, dtype, rows, tp, True)
-                                      if head else 0.0)
-    t_b = comp_b + tp_s * regather_share(layout) + around_b + (
-        _head_seconds(model, dev, dtype, rows, tp, False) if head else 0.0)
+    (head_f, head_mf), (head_b, head_mb) = (
+        _head_seconds(model, dev, dtype, rows, tp, fwd) if head else (0.0, 0.0)
+        for fwd in (True, False))
+    t_f = comp_f + tp_s + around_f + head_f
+    t_b = comp_b + tp_s * regather_share(layout) + around_b + head_b
+    memory = blocks * (mem_f + mem_b) + head_mf + head_mb
     if layout.remat == "full":
         t_b += recomputed_forward(comp_f + tp_s, blocks, head)
+        memory += recomputed_forward(blocks * mem_f, blocks, head)
     elif layout.remat == "selective":       # every block's attention core run again
-        core_f, core_cache = attention_core(model.dim, model.n_heads, model.seq, model.word,
-                                            tp, layout.sequence_parallel, model.dropout)
+        core_f = attention_core(model.dim, model.n_heads, model.seq, model.word, tp,
+                                layout.sequence_parallel, model.dropout)[0]
         rest, gemm_s = gemm.split(dev, dtype, gemm.core_shapes(
             model.dim, model.n_heads, model.seq, rows, tp), rows * core_f, True)
-        t_b += dev.pass_seconds(blocks * rest, dtype, "transformer", 0,
-                                0.0 if moved_s else blocks * rows * core_cache, True,
-                                tokens=rows * model.seq) + blocks * (
-                                    gemm_s + (moved_s[2] if moved_s else 0.0))
+        t_b += dev.pass_seconds(blocks * rest, dtype, "transformer", 0, 0.0, True,
+                                tokens=rows * model.seq) + blocks * (gemm_s + mem_core)
+        memory += blocks * mem_core
     t_w = 0.0
     if layout.schedule == "zb_h1":
         # zero bubble splits B into its input and weight halves, each the measured fraction of
@@ -575,22 +576,49 @@ def _pass_priced(model: Transformer, layout: Layout, machine, rows: int, blocks:
         tp_b = tp_s * regather_share(layout)
         t_w = b_w * (t_b - tp_b)
         t_b = b_in * (t_b - tp_b) + tp_b + t_w
-    return t_f, t_b, t_w, tp_s
+    return t_f, t_b, t_w, tp_s, memory
 
 
 def _head_seconds(model: Transformer, dev, dtype: str, rows: int, tp: int,
-                  forward: bool) -> float:
-    """Seconds of the LM head's forward (``forward``) or backward on ``rows`` sequences on one
-    of ``tp`` ranks, as a "linear" block: its FLOPs (2 rows seq dim vocab / tp forward, twice
-    that backward) at the device's rate, or its GEMMs on their roofline where the machine file
-    lists GEMM rates for ``dtype`` (:func:`hpcnn.plan.gemm.split`), and its activation's
-    element-wise seconds."""
+                  forward: bool) -> tuple:
+    """(seconds, of which in memory-bound operations) of the LM head's forward (``forward``)
+    or backward on ``rows`` sequences on one of ``tp`` ranks, as a "linear" block: its FLOPs
+    (2 rows seq dim vocab / tp forward, twice that backward) at the device's rate, or its GEMMs
+    on their roofline where the machine file lists GEMM rates for ``dtype``
+    (:func:`hpcnn.plan.gemm.split`), and its activation's element-wise seconds (the pass's
+    share of them) or the loss tail's bytes moved (:func:`_tail_moved_s`)."""
     flops = 2.0 * rows * model.seq * model.dim * model.vocab / tp * (1 if forward else 2)
     act = rows * model.seq * model.dim * model.word                  # one activation
     rest, gemm_s = gemm.split(dev, dtype, gemm.head_shapes(model.dim, model.seq, rows,
                                                            model.vocab, tp), flops, forward)
-    return dev.pass_seconds(rest, dtype, "linear", 1, act, forward) + gemm_s + _tail_moved_s(
-        model, dev, rows, tp)[0 if forward else 1]
+    share = dev.forward.get("linear", 1 / 3)
+    memory = ((share if forward else 1 - share) * _elementwise_s(dev, "linear", act, None)
+              + _tail_moved_s(model, dev, rows, tp)[0 if forward else 1])
+    return dev.pass_seconds(rest, dtype, "linear", 1, 0.0, forward) + gemm_s + memory, memory
+
+
+def _elementwise_s(dev, kind: str, nbytes: float, tokens: float | None) -> float:
+    """Seconds of the device's ``kind`` element-wise figure on ``nbytes`` of cache, slowed for
+    calls on ``tokens`` rows (:meth:`hpcnn.plan.machine.Device.slowdown`)."""
+    return nbytes * dev.elementwise.get(kind, 0.0) * dev.slowdown(kind, tokens)
+
+
+def _block_memory_s(model: Transformer, layout: Layout, dev, rows: int) -> tuple:
+    """(forward, backward, attention core's recomputed forward) seconds of one block's
+    memory-bound operations on a micro-batch of ``rows`` sequences: by the bytes each moves
+    where the machine file has ``elementwise["moved"]`` (:func:`_block_moved_s`), else its
+    cache at the device's ``transformer`` element-wise figure, split between the passes by
+    its forward share (the core's cache at the forward's)."""
+    moved_s = _block_moved_s(model, layout, dev, rows)
+    if moved_s is not None:
+        return moved_s
+    cache = _layout_block(model, layout, rows)[2]
+    core_cache = rows * attention_core(model.dim, model.n_heads, model.seq, model.word,
+                                       layout.tp, layout.sequence_parallel, model.dropout)[1]
+    share = dev.forward.get("transformer", 1 / 3)
+    whole, core = (_elementwise_s(dev, "transformer", n, rows * model.seq)
+                   for n in (cache, core_cache))
+    return share * whole, (1 - share) * whole, share * core
 
 
 def _block_moved_s(model: Transformer, layout: Layout, dev, rows: int) -> tuple | None:
@@ -619,37 +647,13 @@ def _tail_moved_s(model: Transformer, dev, rows: int, tp: int) -> tuple:
 def memory_bound_seconds(model: Transformer, layout: Layout, machine) -> float:
     """The part of a step's ``compute`` (:func:`price`) in memory-bound operations: the
     micro-batches' passes through the busiest stage (the uniform stage, priced as the last, or
-    the largest of explicit ``stages``), the recomputed forward counted as on a stage with the
-    head. By bytes moved where the machine file has ``elementwise["moved"]``
-    (:func:`_block_moved_s`, :func:`_tail_moved_s`), else per byte of the blocks' cache at the
-    device's ``transformer`` figure (the head's activation left out)."""
+    the largest of explicit ``stages``, with the head), as those passes are priced
+    (:func:`_pass_priced`'s fifth term: :func:`_block_memory_s`, the head's and the loss
+    tail's, what the recomputation runs again)."""
     rows = model.batch // (layout.dp * layout.microbatches)
     blocks = max(layout.stages) if layout.stages else model.n_layers / layout.pp
-    return layout.microbatches * _memory_bound_pass(model, _pass_key(layout), machine, rows,
-                                                    blocks)
-
-
-@lru_cache(maxsize=4096)
-def _memory_bound_pass(model: Transformer, layout: Layout, machine, rows: int,
-                       blocks: float) -> float:
-    """:func:`memory_bound_seconds` of one micro-batch of ``rows`` sequences."""
-    dev = machine.device
-    moved_s = _block_moved_s(model, layout, dev, rows)
-    if moved_s is not None:
-        f, b, core = (blocks * x for x in moved_s)
-        f_tail, b_tail = _tail_moved_s(model, dev, rows, layout.tp)
-    else:
-        cache = _layout_block(model, layout, rows)[2]
-        per = dev.elementwise.get("transformer", 0.0) * dev.slowdown("transformer",
-                                                                      rows * model.seq)
-        share = dev.forward.get("transformer", 1 / 3)
-        f, b = share * blocks * cache * per, (1 - share) * blocks * cache * per
-        core = blocks * rows * per * attention_core(
-            model.dim, model.n_heads, model.seq, model.word, layout.tp,
-            layout.sequence_parallel, model.dropout)[1]
-        f_tail = b_tail = 0.0
-    again = {"full": f, "selective": core}.get(layout.remat, 0.0)
-    return f + b + f_tail + b_tail + again
+    return layout.microbatches * _pass_core(model, _pass_key(layout), machine, rows, blocks,
+                                            True)[4]
 
 
 def recomputed_forward(blocks_f: float, blocks: float, head: bool) -> float:
