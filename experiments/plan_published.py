@@ -27,6 +27,7 @@ priced at bfloat16, hpcnn's narrowest precision, and kept out of the summary.
     python experiments/plan_published.py [--out=runs/plan_published.h5] [--only=NAME,...]
 """
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -65,9 +66,14 @@ def parser():
 
 
 def machine_for(run):
+    """The machine file of the run's device, cut to its devices, with the run's data-parallel
+    overlap where its source (or its software's default) says it (``dp_overlap``)."""
     for key, name in MACHINES.items():
         if key in run.device:
-            return load(name).with_devices(run.devices)
+            machine = load(name).with_devices(run.devices)
+            if run.dp_overlap is None:
+                return machine
+            return dataclasses.replace(machine, dp_overlap=run.dp_overlap)
     raise ValueError(f"{run.name}: no machine file for device {run.device!r}")
 
 
