@@ -753,6 +753,35 @@ def test_a_pp_that_does_not_divide_the_layers_gets_the_even_cut_beyond_the_searc
     assert hybrid._even_cut(70, 12) == (6,) * 10 + (5,) * 2
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_a_long_staged_schedule_is_priced_by_closed_forms_bounding_its_simulation(schedule):
+    """Past SIMULATED_PASSES a staged layout's span is not simulated: GPipe's closed form (two
+    flow shops of M identical jobs) equals the simulation on unequal stages, and 1F1B's and
+    ZB-H1's with every stage as slow as the busiest are at or above it, equal on equal
+    stages (an even cut and a head, random times, seeded)."""
+    import random
+    from hpcnn.plan import hybrid
+    rng = random.Random(7)
+    for pp, m in [(3, 30), (5, 16), (12, 16), (7, 40)]:
+        assert pp * m > hybrid.SIMULATED_PASSES
+        blocks = [3] * rng.randint(0, pp - 1)
+        blocks += [2] * (pp - len(blocks))
+        per_f, per_b = rng.uniform(0.5, 2), rng.uniform(1, 4)
+        t_f = [n * per_f for n in blocks]
+        t_f[-1] += rng.uniform(0, 2)
+        whole = [n * per_b for n in blocks]
+        whole[-1] += rng.uniform(0, 3)
+        split = 0.4 if schedule == "zb_h1" else 0.0
+        t_b, t_w = (tuple(x * (1 - split) for x in whole), tuple(x * split for x in whole))
+        for f, b, w in [(tuple(t_f), t_b, t_w), ((t_f[0],) * pp, (t_b[0],) * pp, (t_w[0],) * pp)]:
+            simulated = hybrid._simulated_span(schedule, pp, m, f, b, w)
+            closed = hybrid._staged_span(schedule, pp, m, f, b, w)
+            if schedule == "gpipe" or len(set(f)) == 1:
+                assert closed == pytest.approx(simulated, rel=1e-12), (pp, m, f)
+            else:
+                assert closed >= simulated * (1 - 1e-12), (pp, m, closed, simulated)
+
+
 def test_cached_hashes_are_not_pickled():
     """A model's, layout's, machine's and level's hash is computed once and kept, but not
     pickled: a string's hash differs between processes (an unpickled copy hashes afresh)."""

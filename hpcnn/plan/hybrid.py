@@ -947,8 +947,8 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
             for key in {(n, s in heads) for s, n in enumerate(layout.stages)}}
     times = [once[n, s in heads] for s, n in enumerate(layout.stages)]
     t_f, t_b, t_w, _ = (tuple(t) for t in zip(*times))
-    span = _simulated_span(layout.schedule, pp, m_count, t_f,
-                           tuple(b - w for b, w in zip(t_b, t_w)), t_w)
+    span = _staged_span(layout.schedule, pp, m_count, t_f,
+                        tuple(b - w for b, w in zip(t_b, t_w)), t_w)
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
     _, pp_s = _messages(model, layout, machine, max(t_f))
     params = dict.fromkeys(_stage_params(model, layout, s, n, s in heads)
@@ -959,6 +959,27 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
                   for s, n in enumerate(layout.stages)), key=lambda m: sum(m.values()))
     busiest = max(times, key=lambda t: t[0] + t[1])
     return span, pp_s, busiest, max(reduce, key=sum), memory
+
+
+def _staged_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
+                 t_w: tuple) -> float:
+    """The makespan of ``schedule`` with these per-stage times (messages free): simulated up to
+    :data:`SIMULATED_PASSES` stage passes (:func:`_simulated_span`); beyond, GPipe's exactly
+    (its forwards and its backwards each a flow shop of M identical jobs: the stages' sum and
+    M - 1 times the slowest) and the other schedules' with every stage as slow as the busiest
+    (:func:`hpcnn.schedule.pipeline.formula_makespan`), the convention of the uniform price
+    (every stage priced as the last): exact on equal stages, above the simulated span on
+    others (a span is its schedule's longest path, which no shorter pass lengthens)."""
+    if pp * m_count <= SIMULATED_PASSES:
+        return _simulated_span(schedule, pp, m_count, t_f, t_b, t_w)
+    back = tuple(b + w for b, w in zip(t_b, t_w))
+    if schedule == "gpipe":
+        return sum(t_f) + (m_count - 1) * max(t_f) + sum(back) + (m_count - 1) * max(back)
+    busiest = max(range(pp), key=lambda k: t_f[k] + back[k])
+    span = schedules.formula_makespan(schedule, pp, m_count, t_f[busiest], t_b[busiest],
+                                      t_w[busiest])
+    return (span if span is not None else
+            _simulated_span(schedule, pp, m_count, t_f, t_b, t_w))
 
 
 @lru_cache(maxsize=1024)
@@ -1090,8 +1111,11 @@ def _divisors(n: int) -> list[int]:
 # 1.3 s up to 256, on this 2-core machine idle; the cut DP and the simulations share the time).
 STAGE_CUT_PASSES = 64
 # Up to how many stage passes (pp x M) a pp that does not divide the layers is offered its even
-# cut, where no cut is searched: each is priced by a simulation of the schedule.
+# cut, where no cut is searched.
 EVEN_CUT_PASSES = 2048
+# Up to how many stage passes a layout with explicit stages has its schedule simulated with each
+# stage's own times (milliseconds each); beyond, closed forms (_staged_span).
+SIMULATED_PASSES = STAGE_CUT_PASSES
 
 
 def layouts(model: Transformer, devices: int, *, schedules=SCHEDULES, remat=REMAT, machine=None,
