@@ -951,14 +951,27 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
                         tuple(b - w for b, w in zip(t_b, t_w)), t_w)
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
     _, pp_s = _messages(model, layout, machine, max(t_f))
-    params = dict.fromkeys(_stage_params(model, layout, s, n, s in heads)
-                           for s, n in enumerate(layout.stages))
+    fullest = _fullest_candidates(layout.stages, heads)
+    params = dict.fromkeys(_stage_params(model, layout, s, layout.stages[s], s in heads)
+                           for s in fullest)
     reduce = [(dp_seconds(model, layout, machine, q, max(t_b)),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
-    memory = max((stage_memory_parts(model, layout, s, n, s in heads, optimizer)
-                  for s, n in enumerate(layout.stages)), key=lambda m: sum(m.values()))
+    memory = max((stage_memory_parts(model, layout, s, layout.stages[s], s in heads, optimizer)
+                  for s in fullest), key=lambda m: sum(m.values()))
     busiest = max(times, key=lambda t: t[0] + t[1])
     return span, pp_s, busiest, max(reduce, key=sum), memory
+
+
+def _fullest_candidates(stages: tuple, heads: set) -> list:
+    """The stages of a cut that may hold the most, and the most parameters: the first of each
+    block count (with or without the head) and the last. A later stage of as many blocks holds
+    no more: no more micro-batches (:func:`held_microbatches` falls or stays with the stage on
+    every schedule that runs explicit stages), and the embedding's tables and the tokens only
+    on the first."""
+    first = {}
+    for s, n in enumerate(stages):
+        first.setdefault((n, s in heads), s)
+    return sorted({*first.values(), len(stages) - 1})
 
 
 def _staged_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
