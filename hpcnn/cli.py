@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from hpcnn import exit_interrupted, to_stderr
+from hpcnn import exit_interrupted, start_up_interrupted, to_stderr
 
 SUBCOMMANDS = (   # (name, arguments, one line): what ``hpcnn --help`` lists, in this order
     ("train", "[--key=value ...]", "train a model (hpcnn train --help lists the options)"),
@@ -105,9 +105,17 @@ def interrupted_at_start():
 
 
 def cmd_train(args) -> int:
+    """``hpcnn train``: a Ctrl-C before the run's handlers are in place ends it by
+    :func:`interrupted_at_start`, and so does any error after one under ``python -m hpcnn``
+    (:func:`hpcnn.start_up_interrupted`: an import in C may have turned the
+    ``KeyboardInterrupt`` into an ``ImportError``)."""
     try:
         return _train(args)
     except KeyboardInterrupt:
+        interrupted_at_start()
+    except Exception:
+        if not start_up_interrupted():
+            raise
         interrupted_at_start()
 
 
@@ -131,6 +139,8 @@ def _train(args) -> int:
         return 2
     from hpcnn.checkpoint import CheckpointError
     from hpcnn.train import train
+    if start_up_interrupted():      # a Ctrl-C that an import swallowed: still honoured
+        raise KeyboardInterrupt
     comm = agree = None
     if mpi:
         from mpi4py import MPI
