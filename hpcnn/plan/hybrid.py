@@ -340,29 +340,42 @@ class Layout:
 
 @dataclass
 class Priced:
-    """A layout's predicted step: ``step_s`` and its ``parts`` (seconds), ``memory_bytes`` per
-    rank, ``feasible`` (fits the device memory), ``formula`` (the step as a sum of its terms).
-    ``parts`` and ``formula`` are worked out from ``terms`` (the model, the machine, the
-    :class:`StageTimes` and the optimizer) when first read: a plan prices thousands of layouts
-    and shows a few."""
+    """A layout's predicted memory per rank, ``memory_bytes`` (by kind: ``memory_parts``), and
+    ``feasible`` (it fits the device memory); its predicted step: ``step_s``, its ``parts``
+    (seconds) and ``formula`` (the step as a sum of its terms). The step is priced from
+    ``terms`` (the model, the machine, the optimizer) when first read: a plan ranks by step
+    only the layouts that fit (those that do not, by memory), often a fifth of them, and shows
+    a few."""
 
     layout: Layout
-    step_s: float
     memory_bytes: float = 0.0
     feasible: bool = True
     memory_parts: dict = field(default_factory=dict)    # bytes by kind, the fullest stage's
     terms: tuple = field(default=(), repr=False)
 
     @cached_property
+    def times(self) -> StageTimes:
+        """The times the step adds up (:func:`_step_times`)."""
+        model, machine, optimizer = self.terms
+        return _step_times(model, self.layout, machine, optimizer)
+
+    @cached_property
+    def step_s(self) -> float:
+        """Seconds of the predicted step: the schedule's span, the pipeline's messages, the
+        data-parallel reduction, the optimizer's update and the held activations' cost."""
+        st = self.times
+        return st.span + st.pp_s + st.dp_s + st.opt_s + st.held_s
+
+    @cached_property
     def parts(self) -> dict:
         """The step's seconds by part (:func:`_step_parts`)."""
-        model, machine, st, _ = self.terms
-        return _step_parts(model, self.layout, machine, st)
+        model, machine, _ = self.terms
+        return _step_parts(model, self.layout, machine, self.times)
 
     @cached_property
     def formula(self) -> str:
         """The step as a sum of its terms (:func:`_formula`)."""
-        return _formula(self.layout, self.terms[2], self.terms[3], self.step_s)
+        return _formula(self.layout, self.times, self.terms[2], self.step_s)
 
 
 def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0,
@@ -951,15 +964,21 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
                         tuple(b - w for b, w in zip(t_b, t_w)), t_w)
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
     _, pp_s = _messages(model, layout, machine, max(t_f))
-    fullest = _fullest_candidates(layout.stages, heads)
     params = dict.fromkeys(_stage_params(model, layout, s, layout.stages[s], s in heads)
-                           for s in fullest)
+                           for s in _fullest_candidates(layout.stages, heads))
     reduce = [(dp_seconds(model, layout, machine, q, max(t_b)),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
-    memory = max((stage_memory_parts(model, layout, s, layout.stages[s], s in heads, optimizer)
-                  for s in fullest), key=lambda m: sum(m.values()))
     busiest = max(times, key=lambda t: t[0] + t[1])
-    return span, pp_s, busiest, max(reduce, key=sum), memory
+    return (span, pp_s, busiest, max(reduce, key=sum),
+            _staged_memory(model, layout, heads, optimizer))
+
+
+def _staged_memory(model: Transformer, layout: Layout, heads: set, optimizer: str) -> dict:
+    """The fullest stage's memory by kind (:func:`stage_memory_parts`) of a layout with
+    explicit ``stages``, the LM head's table on the stages in ``heads``."""
+    return max((stage_memory_parts(model, layout, s, layout.stages[s], s in heads, optimizer)
+                for s in _fullest_candidates(layout.stages, heads)),
+               key=lambda m: sum(m.values()))
 
 
 def _fullest_candidates(stages: tuple, heads: set) -> list:
@@ -1018,31 +1037,38 @@ def _check_fits(model: Transformer, layout: Layout) -> None:
 
 def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None,
           optimizer: str = "adamw") -> Priced:
-    """The predicted step time and memory per rank of ``layout`` (see the module docstring; a
-    layout with explicit ``stages``: :func:`_staged`)."""
+    """The predicted memory per rank and step time of ``layout`` (see the module docstring; a
+    layout with explicit ``stages``: :func:`_staged`), the step priced when first read
+    (:class:`Priced`)."""
     pp = layout.pp
     _check_fits(model, layout)
     if layout.stages:
         if sum(layout.stages) != model.n_layers:
             raise ValueError(f"stages {layout.stages} hold {sum(layout.stages)} transformer "
                              f"blocks, the model has {model.n_layers}")
-        span, pp_s, (t_f, t_b, _, tp_s), (dp_s, opt_s), memory = _staged(model, layout, machine,
-                                                                          optimizer)
-        st = StageTimes(t_f, t_b, 0.0, tp_s, span, 0.0, pp_s, dp_s, opt_s,
-                        held_seconds(model, layout, machine, layout.stages))
+        memory = _staged_memory(model, layout, {pp - 1}, optimizer)
     else:
-        st, _, local_params = _priced_parts(model, layout, machine, optimizer)
         per_stage = model.n_layers / pp
         # uniform stages, each priced as the last: a middle stage holds what the first does
         # less its tables, tokens and (every schedule's held count falls with the stage) its
         # extra micro-batches; the first and the last are the candidates for the fullest
         memory = max((stage_memory_parts(model, layout, s, per_stage, True, optimizer)
                       for s in sorted({0, pp - 1})), key=lambda m: sum(m.values()))
-    memory_parts, memory = memory, sum(memory.values())
+    total = sum(memory.values())
     cap = machine.device.memory_bytes if memory_bytes is None else memory_bytes
-    step = st.span + st.pp_s + st.dp_s + st.opt_s + st.held_s
-    return Priced(layout, step, memory, memory <= cap, memory_parts,
-                  (model, machine, st, optimizer))
+    return Priced(layout, total, total <= cap, memory, (model, machine, optimizer))
+
+
+def _step_times(model: Transformer, layout: Layout, machine, optimizer: str) -> StageTimes:
+    """The times :func:`price`'s step adds up: the uniform layout's (:func:`_priced_parts`),
+    or the busiest stage's and the schedule's span of a layout with explicit stages
+    (:func:`_staged`)."""
+    if not layout.stages:
+        return _priced_parts(model, layout, machine, optimizer)[0]
+    span, pp_s, (t_f, t_b, _, tp_s), (dp_s, opt_s), _ = _staged(model, layout, machine,
+                                                                 optimizer)
+    return StageTimes(t_f, t_b, 0.0, tp_s, span, 0.0, pp_s, dp_s, opt_s,
+                      held_seconds(model, layout, machine, layout.stages))
 
 
 def _step_parts(model: Transformer, layout: Layout, machine, st: StageTimes) -> dict:
