@@ -69,6 +69,7 @@ SCRIPT_SHORTEN = {
                                        "--kinds=contiguous,spectral", "--rounds=1", "--steps=3"],
     "benchmarks/graph_unite.py": ["--nodes=3000", "--rounds=1"],
     "benchmarks/plan_search.py": ["--tiny"],
+    "benchmarks/plan_time.py": ["--rounds=1", "--only=gpt3"],
     "benchmarks/throttled_link.py": ["--rate=2gbit", "--sizes=1", "--rounds=1"],
     "experiments/plan_published.py": ["--only=korthikanti2023-22b-full,bloom2022-176b"],
     "benchmarks/oversubscribed.py": ["--rounds=1", "--stream_mib=1"],
