@@ -51,7 +51,7 @@ demo: $(VENV)/.installed $(LEAN)
 
 # The teaching labs (labs/README.md): `make lab N=1` grades labs/01-*/student.py (copied from
 # the lab's skeleton.py); `make labs-reference` grades every lab's reference solution, which
-# tests/test_labs.py also does within `make test`.
+# tests/test_labs.py also does (lab 1 within `make test`, the others within `make test-long`).
 lab: $(VENV)/.installed
 	@test -n "$(N)" || { echo "which lab? make lab N=1 (labs/README.md lists them)"; exit 2; }
 	$(BIN)/python labs/grade.py $(N)

@@ -31,9 +31,16 @@ def _no_runs_in_the_tree():
 
 
 @pytest.fixture(scope="session")
-def docs_run(tmp_path_factory):
-    """The documented commands (README.md and docs/), run once each per session in one
-    scratch directory (:class:`test_docs.DocsRun`): the docs test and the experiments' tests
-    share it."""
+def _docs_session(tmp_path_factory):
     from test_docs import DocsRun
     return DocsRun(tmp_path_factory.mktemp("docs"))
+
+
+@pytest.fixture
+def docs_run(_docs_session, request):
+    """The documented commands (README.md and docs/), run once each per session in one
+    scratch directory (:class:`test_docs.DocsRun`): the docs test and the experiments' tests
+    share it. It is told whether the asking test is long: a test of make test may not ask for
+    a command that tests/test_docs.py leaves to make test-long (its LONG)."""
+    _docs_session.asker_is_long = request.node.get_closest_marker("long") is not None
+    return _docs_session

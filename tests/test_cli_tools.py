@@ -68,6 +68,8 @@ def test_simulate_errors(capsys):
     assert cmd_simulate(["--help"]) == 0 and "--t_comm" in capsys.readouterr().out
 
 
+@pytest.mark.long     # ~4 s; make test calibrates on 2 ranks (tests/test_allreduce.py: auto's
+# calibration and its keyed file) and runs hpcnn calibrate's refusals (tests/test_machine.py)
 def test_calibrate_under_mpi_and_alone(tmp_path):
     saved = tmp_path / "calibration.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HPCNN_CALIBRATION=str(saved))

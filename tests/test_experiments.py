@@ -34,6 +34,7 @@ def test_hetero_weighting_experiment_and_figure(tmp_path):
     assert np.isfinite(runs["epoch_time_s"]).all()
 
 
+@pytest.mark.long     # as the documented run it reads (tests/test_docs.py, LONG): ~15 s of planning
 def test_plan_scale_experiment_and_figure(docs_run):
     """The documentation's run of the experiment and of its figure (docs/results/planning.md;
     tests/test_docs.py shortens it to two models)."""

@@ -86,6 +86,8 @@ def _train(n, *args, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, env=e, cwd=ROOT, timeout=120)
 
 
+@pytest.mark.long     # ~4 s of four 2-rank runs; make test binds devices serially, through
+# jobs/gpu_bind.sh and under every --gpu_comm path (below)
 def test_ranks_outnumbering_a_nodes_devices_are_refused_unless_shared(tmp_path):
     log = f"--log={tmp_path}/a.h5"
     p = _train(2, "--dp=2", log, env={"HPCNN_STRICT_DEVICES": "1"})
@@ -140,6 +142,7 @@ def test_every_gpu_comm_path_under_strict_on_2_ranks(tmp_path):
         assert f"gpu_comm {layout}=2 OK" in out, out
 
 
+@pytest.mark.long     # ~12 s: its checks, one by one, are this file's and test_strict*.py's
 def test_the_gpu_check_runs_green_under_strict():
     """`make gpu-check` without a GPU: benchmarks/gpu_check.py under the strict backend, every
     check a PASS line (a FAIL makes it exit 1), the throughput line last."""

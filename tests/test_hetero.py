@@ -509,20 +509,28 @@ def test_parse_speeds():
 # -- under MPI ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hetero_runs(tmp_path_factory):
-    """The scenarios on the same number of ranks share one job (one start-up per rank)."""
-    return CaseRuns([(2, "hetero_balancer", ()), (4, "hetero_balancer", ()),
-                     (4, "train_hetero_hybrid", (CaseRuns.FOLDER,)),
-                     (2, "train_hetero_balance", (CaseRuns.FOLDER,))],
+    """make test's scenarios, on 2 ranks: one job (one start-up per rank)."""
+    return CaseRuns([(2, "hetero_balancer", ()), (2, "train_hetero_balance", (CaseRuns.FOLDER,))],
                     folder=tmp_path_factory.mktemp("hetero"), timeout=300)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_balancer_straggler_mpi(n, hetero_runs):
-    assert f"hetero_balancer OK on {n} ranks" in hetero_runs.stdout(n, "hetero_balancer")
+@pytest.fixture(scope="module")
+def long_hetero_runs(tmp_path_factory):
+    """The 4-rank scenarios (make test-long: the balancer at 2 ranks and the shares in a
+    training run stay in make test), one job."""
+    return CaseRuns([(4, "hetero_balancer", ()), (4, "train_hetero_hybrid", (CaseRuns.FOLDER,))],
+                    folder=tmp_path_factory.mktemp("hetero4"), timeout=300)
 
 
-def test_proportional_shares_in_hybrid_layouts_under_mpi(hetero_runs):
-    out = hetero_runs.stdout(4, "train_hetero_hybrid", CaseRuns.FOLDER)
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_balancer_straggler_mpi(n, request):
+    runs = request.getfixturevalue("long_hetero_runs" if n == 4 else "hetero_runs")
+    assert f"hetero_balancer OK on {n} ranks" in runs.stdout(n, "hetero_balancer")
+
+
+@pytest.mark.long
+def test_proportional_shares_in_hybrid_layouts_under_mpi(long_hetero_runs):
+    out = long_hetero_runs.stdout(4, "train_hetero_hybrid", CaseRuns.FOLDER)
     assert "train_hetero_hybrid OK on 4 ranks" in out
 
 

@@ -29,11 +29,13 @@ JOBS_DIR = os.path.join(ROOT, "jobs")
 JOBS = sorted(f for f in os.listdir(JOBS_DIR) if f.endswith((".slurm", ".pbs")))
 HELPERS = sorted(f for f in os.listdir(JOBS_DIR) if f.endswith(".sh"))
 # the jobs left to `make test-long` (`pytest -m long`): an experiment's sweep and figure, or a
-# second training job of a kind make test already runs (~5-20 s each on 2 busy cores)
+# second training job of a kind make test already runs (~5-20 s each on 2 busy cores; the PBS
+# one: train_dp.slurm is make test's)
 LONG = {"collective_waits.slurm", "graph_features.slurm", "graph_partition.slurm",
         "graph_reduction.slurm", "hetero_weighting.slurm", "pipeline_bubble.slurm",
         "plan_crossover.slurm", "plan_portability.slurm", "plan_scale.slurm",
-        "plan_validation.slurm", "remat_tradeoff.slurm", "train_gpu.pbs",
+        "plan_validation.slurm", "remat_tradeoff.slurm", "train_dp.pbs",
+        "train_gpu.pbs", "train_gpu.slurm",
         "train_resumable.pbs", "train_resumable.slurm"}
 RANKS = 2                   # at most, whatever a job asks for: this machine has 2 cores
 TIMEOUT = 240

@@ -4,6 +4,8 @@ naming the problem, on the unmodified skeleton and on planted mistakes.
 A planted mistake is the reference solution with a few lines changed (:data:`PLANTED`: the lab,
 what it plants, the replacements, and a phrase the grader's message must contain), written to a
 temporary file and graded like a student's. ``make labs-reference`` grades the solutions alone.
+``make test`` grades lab 1 (:data:`FIRST_LAB`): its solution, skeleton and first planted mistake;
+``make test-long`` every other lab and planted mistake.
 """
 import os
 import subprocess
@@ -16,6 +18,9 @@ from mpi_util import ROOT
 LABS = {1: "01-collectives", 2: "02-data-parallel", 3: "03-zero", 4: "04-tensor-parallel",
         5: "05-pipelines", 6: "06-memory", 7: "07-planning", 8: "08-hang"}
 TIMEOUT = 150           # seconds per grading run; the graders end a hang themselves after 90
+# the lab graded in make test (its solution, skeleton and first planted mistake); the other labs'
+# gradings, each a few seconds of mpiexec, are in make test-long (the suite's time budget)
+FIRST_LAB = 1
 
 # (lab, mistake, [(old, new), ...] on solution.py, a phrase the FAIL message must contain)
 PLANTED = [
@@ -123,7 +128,13 @@ def lab_file(lab: int, name: str) -> str:
     return os.path.join(ROOT, "labs", LABS[lab], name)
 
 
-@pytest.mark.parametrize("lab", sorted(LABS))
+def _lab_params():
+    """Every lab, those but :data:`FIRST_LAB` in make test-long."""
+    return [pytest.param(lab, marks=[] if lab == FIRST_LAB else [pytest.mark.long])
+            for lab in sorted(LABS)]
+
+
+@pytest.mark.parametrize("lab", _lab_params())
 def test_the_reference_solution_passes(lab, tmp_path):
     p = grade(lab, lab_file(lab, "solution.py"), tmp_path)
     assert p.returncode == 0 and f"PASS lab {lab}" in p.stdout, p.stdout + p.stderr
@@ -136,7 +147,7 @@ def test_the_reference_solution_passes(lab, tmp_path):
     assert plot.returncode == 0 and (tmp_path / "figure.png").stat().st_size > 10000, plot.stderr
 
 
-@pytest.mark.parametrize("lab", sorted(LABS))
+@pytest.mark.parametrize("lab", _lab_params())
 def test_the_skeleton_fails_saying_what_to_write(lab, tmp_path):
     p = grade(lab, lab_file(lab, "skeleton.py"), tmp_path)
     assert p.returncode == 1, p.stdout + p.stderr
@@ -144,11 +155,11 @@ def test_the_skeleton_fails_saying_what_to_write(lab, tmp_path):
 
 
 def _planted_params():
-    """Each lab's first planted mistake in ``make test``, its others in ``make test-long``
-    (each grading run is a few seconds of mpiexec: the suite's time budget)."""
+    """:data:`FIRST_LAB`'s first planted mistake in ``make test``, every other one in
+    ``make test-long`` (each grading run is a few seconds of mpiexec: the suite's time budget)."""
     seen = set()
     for lab, mistake, edits, phrase in PLANTED:
-        marks = [pytest.mark.long] if lab in seen else []
+        marks = [pytest.mark.long] if lab in seen or lab != FIRST_LAB else []
         seen.add(lab)
         yield pytest.param(lab, mistake, edits, phrase, marks=marks, id=f"lab{lab}: {mistake}")
 

@@ -30,6 +30,8 @@ def test_c_and_python_paths_agree(n):
     assert f"lean_path OK on {n} ranks" in out
 
 
+@pytest.mark.long     # ~5 s of pip; make test builds the extension itself (the Makefile's
+# lean_build) and compares its path with Python's above
 @pytest.mark.skipif(not os.path.exists(MPICC), reason="no mpicc next to this Python")
 def test_an_installed_wheel_carries_the_c_source_and_builds_it(tmp_path):
     """A non-editable install: the wheel holds _lean.c, and lean_build compiles it in place

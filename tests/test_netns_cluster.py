@@ -36,6 +36,8 @@ def test_the_hierarchical_allreduce_over_a_throttled_link_is_bitwise_the_same_ev
         assert f["throttled_link"].attrs["emulated_link"] == "tbf 2gbit, netns"
 
 
+@pytest.mark.long     # ~6 s; make test trains with the two-level allreduce across emulated nodes
+# (tests/test_topology.py) and runs it across these namespaced ones (above)
 def test_training_across_the_nodes_equals_the_run_on_one_node(tmp_path):
     """An MLP on dp = 4 in float64 with the two-level allreduce, over 2 namespaced nodes, has
     the losses of the same run on one node to 1e-10; its header and log name the link as an

@@ -1,10 +1,12 @@
-"""The pipeline-bubble experiment and its two figures run end to end on tiny settings (2 ranks)."""
+"""The pipeline-bubble experiment and its two figures run end to end on tiny settings (2 ranks;
+make test-long)."""
 import os
 import shlex
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from hpcnn.log import read_run
 from hpcnn.log.results import load_table
@@ -23,6 +25,8 @@ def _figure(script, *args):
     assert p.returncode == 0, p.stderr
 
 
+@pytest.mark.long     # as the documented 4-rank run it reads (tests/test_docs.py, LONG); make
+# test runs the documented 2-rank sweep and its figures
 def test_pipeline_bubble_experiment_and_figures(docs_run, tmp_path):
     """The documentation's 2-rank run of the experiment, shortened by tests/test_docs.py's
     SCRIPT_SHORTEN (narrow model, M in 1, 2, 8, 2 steps after 1 warm-up: the test checks the

@@ -1,12 +1,14 @@
 """experiments/plan_crossover.py and plan_portability.py with their analyses, end to end on tiny
-settings (real MPI runs, real HDF5): the tables agree with themselves. Which layout wins and by
-how much is a measured figure, not a test."""
+settings (real MPI runs, real HDF5): the tables agree with themselves (the crossover's in make
+test-long, as its documented run). Which layout wins and by how much is a measured figure, not a
+test."""
 import math
 import os
 import shlex
 import sys
 
 import numpy as np
+import pytest
 
 from hpcnn.log.results import load_table
 from hpcnn.schedule.placement import Cut
@@ -48,6 +50,7 @@ def documented_experiment(docs_run, name):
     return docs_run.scratch / "runs" / name, stdout, docs_run.scratch / figure
 
 
+@pytest.mark.long     # as the documented run it reads (tests/test_docs.py, LONG): measured runs
 def test_crossover_experiment_and_figure(docs_run):
     # SCRIPT_SHORTEN: --batches=8,32 --widths=8 --rounds=1 --steps=2 on local-2vcpu (the default)
     out, stdout, figure = documented_experiment(docs_run, "plan_crossover")

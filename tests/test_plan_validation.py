@@ -1,6 +1,7 @@
 """experiments/plan_validation.py and its figure end to end on tiny settings (real MPI runs of
 ``hpcnn train``, real HDF5): the tables' columns, predictions and measurements for every layout,
-tau and MAPE computed. Whether they meet the issue's targets is a measured figure, not a test."""
+tau and MAPE computed (make test-long: the documentation's run). Whether they meet the issue's
+targets is a measured figure, not a test."""
 import json
 import os
 import shlex
@@ -15,6 +16,10 @@ from hpcnn.log.results import load_table
 from hpcnn.schedule.placement import Cut, read_plan
 from hpcnn.plan import validation as plan_validation
 from mpi_util import ROOT
+
+# the tests reading the documentation's run of the experiment are long as that run is
+# (tests/test_docs.py, LONG)
+DOCS_RUN = pytest.mark.long
 
 LAYOUT_COLUMNS = {"model", "layout", "dp", "tp", "pp", "schedule", "microbatches", "remat",
                   "pred_s", "pred_min_s", "pred_max_s", "meas_s", "meas_min_s", "meas_max_s", "rounds", "steps", "load1",
@@ -64,6 +69,7 @@ def test_mlp_layouts_cover_the_uniform_and_the_planners_choice():
     assert len(some) == 7 and extra in some and ("col",) * 3 in some
 
 
+@DOCS_RUN
 def test_experiment_and_figure(docs_run):
     """The documentation's run of the experiment (shortened by tests/test_docs.py's SCRIPT_SHORTEN:
     local-2vcpu, one round, 3 steps, 2 GPT and 2 MLP layouts) and of its figure."""
@@ -121,6 +127,7 @@ def test_experiment_and_figure(docs_run):
     assert (docs_run.scratch / png).read_bytes()[:4] == b"\x89PNG"
 
 
+@DOCS_RUN
 def test_phases_of_the_docs_runs(docs_run, capsys):
     """analysis/plan_phases.py on the documentation's run of the experiment: one row per MLP run of
     the sweep, its measured phases inside the run's steps, its priced terms summing to the
@@ -173,6 +180,7 @@ def test_fit_by_kind_recovers_the_factors_of_each_kind():
         assert got[r][1] < 1e-9
 
 
+@DOCS_RUN
 def test_confirmations_of_the_docs_run_and_across_runs(docs_run, capsys, tmp_path):
     """analysis/plan_confirm.py: on the documentation's run (--confirm=1, --confirm_rounds=1) each
     confirmed MLP plan's step times are the confirm table's; per-round ratios to the best and

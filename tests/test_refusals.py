@@ -223,12 +223,15 @@ def run_mpi_cli(n, *args, timeout=240, cwd=None):
 
 
 @pytest.mark.parametrize("args,names", [
-    # refused before MPI starts: the option checks, with the launcher's world size
-    (["--dp=4", "--speeds=1,2", "--balance=proportional"], ["speeds='1,2'", "for 4 replicas"]),
-    (["--dp=2", "--pp=2", "--schedule=interleaved", "--virtual=2", "--microbatches=3"],
-     ["microbatches=3"]),
+    # refused before MPI starts: the option checks, with the launcher's world size (the world
+    # size's in make test, the others, the same path with other options, in make test-long)
+    pytest.param(["--dp=4", "--speeds=1,2", "--balance=proportional"],
+                 ["speeds='1,2'", "for 4 replicas"], marks=pytest.mark.long),
+    pytest.param(["--dp=2", "--pp=2", "--schedule=interleaved", "--virtual=2", "--microbatches=3"],
+                 ["microbatches=3"], marks=pytest.mark.long),
     (["--dp=3"], ["world size (4) != dp*tp*pp (3*1*1 = 3)"]),
-    (["--dp=4", "--checkpoint=."], ["checkpoint='.' is a directory"]),   # before step 0
+    pytest.param(["--dp=4", "--checkpoint=."], ["checkpoint='.' is a directory"],  # before step 0
+                 marks=pytest.mark.long),
     # refused after MPI started, on every rank alike (a checkpoint every rank fails to read)
     (["--dp=4", "--allreduce=mpi", "--resume=missing.h5", *TINY_GPT], ["--resume=missing.h5"]),
 ])
@@ -255,6 +258,8 @@ def test_single_copy_and_blocking_allreduces_train_like_mpi(tmp_path):
     assert len(set(results.values())) == 1, results
 
 
+@pytest.mark.long     # ~4 s; make test refuses on every rank once (above and below) and draws
+# the configurations serially (test_any_configuration_runs_a_step_or_is_refused_in_one_line)
 @settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(grid=st.sampled_from([("2", "1", "1"), ("1", "2", "1"), ("1", "1", "2"), ("2", "2", "1")]),

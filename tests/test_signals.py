@@ -77,8 +77,9 @@ def signal_and_time(p, sig, marker, again_after=None):
 
 
 @pytest.mark.parametrize("n,sig,layout", [
-    (4, signal.SIGINT, ["--dp=4"]),
-    # SIGTERM under MPI stays in make test (a stuck rank, below); at 4 ranks: make test-long
+    # at 4 ranks in make test-long: make test sends SIGINT to 2 (pp here, dp in a long step
+    # below) and SIGTERM to 2 (a stuck rank, below)
+    pytest.param(4, signal.SIGINT, ["--dp=4"], marks=pytest.mark.long),
     pytest.param(4, signal.SIGTERM, ["--dp=4"], marks=pytest.mark.long),
     (2, signal.SIGINT, ["--pp=2", "--n_layers=2", "--microbatches=2"]),
 ], ids=["dp4-int", "dp4-term", "pp2-int"])
@@ -100,6 +101,8 @@ def test_interrupt_ends_every_rank(tmp_path, n, sig, layout):
     assert f"interrupted by a signal after step {len(steps)}" in out
 
 
+@pytest.mark.long     # ~10 s; make test: the stop signal serially (its checkpoint, below), a stop
+# on 2 ranks (SIGINT, above), a resume bit for bit (tests/test_checkpoint.py)
 def test_stop_signal_checkpoints_and_resumes_bit_for_bit(tmp_path):
     """SIGUSR1 on 2 ranks: both stop at the same step k, write the checkpoint, log "stopped",
     exit 0; resumed from it the run's losses equal the uninterrupted run's, bit for bit."""
@@ -214,6 +217,7 @@ def _ended(log, out):
     return run.attrs["status"], len(steps), run.plan.get("ended", "")
 
 
+@pytest.mark.long     # ~8 s; the grace of measured steps stays in make test (a stuck rank, below)
 def test_an_interrupt_in_a_long_step_stops_after_that_step(tmp_path):
     """SIGINT in the middle of step 3 (of ~0.9 s): every rank stops at the boundary after it
     (3 steps logged, not 4), within the grace its measured steps give (3 x 0.9 s), although
@@ -242,6 +246,7 @@ def test_an_interrupt_in_a_long_evaluation_stops_at_its_next_round(tmp_path):
     assert "val_loss" not in read_run(log).metrics, out         # never completed
 
 
+@pytest.mark.long     # ~6 s; a second interrupt stays in make test (serially, above)
 def test_two_interrupts_50ms_apart_leave_the_log_interrupted(tmp_path):
     """A second SIGINT 50 ms after the first, in a ~0.9 s step: hydra's ``mpiexec`` then
     kills every rank (SIGKILL), yet the log says "interrupted" with the 2 steps done (rank 0

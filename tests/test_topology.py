@@ -102,6 +102,7 @@ def test_the_header_and_the_log_name_the_nodes_and_warn_of_a_split_tp_group(tmp_
     assert "(warning: 2 tp group(s) span nodes" in p.stdout
 
 
+@pytest.mark.long      # ~5 s of 4 ranks; make test names the nodes in the header and log (above)
 def test_info_prints_every_rank_s_node_once(tmp_path):
     cmd = [mpiexec(), "-n", "4", *scripts.mpiexec_flags(), sys.executable, "-m", "mpi4py", "-m",
            "hpcnn", "info"]

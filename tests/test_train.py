@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from hpcnn.config import parse_overrides
 from hpcnn.log import read_run
@@ -54,6 +55,7 @@ def test_mlp_reaches_97_percent_on_digits(tmp_path):
     assert set(run.timeline["kind"]) == {"F", "B", "optimizer"}   # the schedule's op names
 
 
+@pytest.mark.long     # ~5 s; the MLP's target above and the CNN's blocks' gradient checks stay
 def test_cnn_reaches_97_percent_on_digits(tmp_path):
     r = _run(tmp_path, "cnn.h5", "--model=cnn")
     assert r["test_acc"] >= 0.97, r
@@ -78,6 +80,8 @@ def _cli(*args, **kw):
                           env=env, timeout=120, **kw)
 
 
+@pytest.mark.long     # ~5 s; make test runs hpcnn train, report and info from the documentation
+# (tests/test_docs.py) and the report's figures in-process (tests/test_runlog.py)
 def test_cli_train_report_info(tmp_path):
     log = tmp_path / "cli.h5"
     p = _cli("train", "--model=mlp", "--epochs=2", f"--log={log}", "--log_interval=5")

@@ -4,8 +4,9 @@ import pytest
 from hpcnn.config import ConfigError, parse_overrides
 from mpi_util import CaseRuns
 
-LAYOUTS = [(1, 1, 2), (2, 1, 2)]          # make test: pp alone, and dp x pp
-LONG_LAYOUTS = [(1, 1, 4), (1, 2, 2)]     # make test-long: 4 stages, and tp x pp
+LAYOUTS = [(2, 1, 2)]                     # make test: dp x pp (pp's cases, each with dp = 2)
+# make test-long: pp alone (the same cases at dp = 1), 4 stages, and tp x pp
+LONG_LAYOUTS = [(1, 1, 2), (1, 1, 4), (1, 2, 2)]
 
 
 def _case_runs(tmp_path_factory, layouts, name):
@@ -21,8 +22,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def long_runs(tmp_path_factory):
-    """The 4-rank layouts of make test-long share one job (one start-up per rank), apart from
-    make test's, so that make test does not start them."""
+    """The layouts of make test-long (those of 4 ranks share one job: one start-up per rank),
+    apart from make test's, so that make test does not start them."""
     return _case_runs(tmp_path_factory, LONG_LAYOUTS, "train_pp_long")
 
 

@@ -158,12 +158,17 @@ HUNG = {"dp": (2, "skip_collective:rank=1:step=1:kind=iallreduce",
         "rank0": (4, "stall_collective:rank=0:step=1", GPT + ["--tp=2", "--dp=2"])}
 
 
-@pytest.fixture(scope="module")
-def hung_runs(tmp_path_factory):
-    """The four hung runs, started together: each spends most of its time waiting out the 2 s
-    timeout, so together they take little more than the longest one alone."""
+# make test-long: the 4-rank hangs (a pipeline's skipped send; rank 0 in no call, so that another
+# rank reports); make test's name a rank waiting in its dp or tp allreduce and one in no call
+LONG_HUNG = ("pp", "rank0")
+
+
+def _started(tmp_path_factory, names):
+    """The hung runs ``names``, started together: each spends most of its time waiting out the
+    2 s timeout, so together they take little more than the longest one alone."""
     runs = {}
-    for name, (n, fault, args) in HUNG.items():
+    for name in names:
+        n, fault, args = HUNG[name]
         log = tmp_path_factory.mktemp(f"hung_{name}") / "run.h5"
         cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcnn", "train",
                *args, "--steps=6", "--eval_interval=0", "--hang_timeout=2", f"--log={log}"]
@@ -176,6 +181,16 @@ def hung_runs(tmp_path_factory):
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+@pytest.fixture(scope="module")
+def hung_runs(tmp_path_factory):
+    yield from _started(tmp_path_factory, [name for name in HUNG if name not in LONG_HUNG])
+
+
+@pytest.fixture(scope="module")
+def long_hung_runs(tmp_path_factory):
+    yield from _started(tmp_path_factory, LONG_HUNG)
 
 
 def _hung_run(hung_runs, name):
@@ -205,8 +220,9 @@ def test_tp_rank_that_never_enters_its_allreduce_is_named(hung_runs):
     assert "ranks [1] are in no communication call" in err
 
 
-def test_pp_rank_skipping_its_send_leaves_its_peer_in_irecv(hung_runs):
-    rows, err, _ = _hung_run(hung_runs, "pp")
+@pytest.mark.long
+def test_pp_rank_skipping_its_send_leaves_its_peer_in_irecv(long_hung_runs):
+    rows, err, _ = _hung_run(long_hung_runs, "pp")
     # rank 1 skipped a send: its pipeline peer waits for it in irecv, rank 1 in its own next
     # irecv, and the other pipeline's ranks in the data-parallel allreduce that pairs them
     assert {r for r in rows if re.match(r"waiting\s+\d+\s+wait irecv\s+pp ", rows[r])} == \
@@ -215,8 +231,9 @@ def test_pp_rank_skipping_its_send_leaves_its_peer_in_irecv(hung_runs):
         {0, 2}, err
 
 
-def test_rank0_that_never_enters_a_call_still_reports(hung_runs):
-    rows, err, _ = _hung_run(hung_runs, "rank0")
+@pytest.mark.long
+def test_rank0_that_never_enters_a_call_still_reports(long_hung_runs):
+    rows, err, _ = _hung_run(long_hung_runs, "rank0")
     assert rows[0].startswith("not in call"), err
     assert rows[1].startswith("waiting") and " tp " in rows[1], err   # rank 0's tp peer
 
