@@ -270,17 +270,26 @@ def refuse(message: str, code: int = 2):
 
 
 def info_lines() -> list[str]:
+    import importlib.metadata
+
     import numpy
     import hpcnn
     from hpcnn import backend
     lines = [f"hpcnn {hpcnn.__version__}", f"python {platform.python_version()} ({sys.executable})",
              f"numpy {numpy.__version__}"]
-    for mod in ("scipy", "h5py", "matplotlib", "mpi4py", "sklearn", "cupy"):
+    # the installed distributions' versions, read without importing them (scikit-learn's
+    # import alone took 2 s); CuPy's by import, as its distribution's name names the CUDA
+    for mod, dist in (("scipy", "scipy"), ("h5py", "h5py"), ("matplotlib", "matplotlib"),
+                      ("mpi4py", "mpi4py"), ("sklearn", "scikit-learn")):
         try:
-            m = __import__(mod)
-            lines.append(f"{mod} {m.__version__}")
-        except ImportError:
+            lines.append(f"{mod} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
             lines.append(f"{mod} not installed")
+    try:
+        import cupy
+        lines.append(f"cupy {cupy.__version__}")
+    except ImportError:
+        lines.append("cupy not installed")
     try:
         from mpi4py import MPI
         lines.append("MPI library: " + MPI.Get_library_version().splitlines()[0].strip())
