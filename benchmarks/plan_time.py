@@ -26,9 +26,7 @@ from hpcnn.log.results import save_table
 from hpcnn.plan import gemm, hybrid, machine, published, traffic
 
 OUT = os.path.join("runs", "bench", "plan_time.h5")
-A100 = "dgx-a100-cluster"
-FILES = {"A100": A100, "H100": "dgx-h100-cluster"}
-PRECISION = {"bf16": "bfloat16", "fp16": "float16", "mixed": "float16", "fp8": "bfloat16"}
+A100 = published.MACHINES["A100"]
 
 
 def cases(only: str = "") -> list:
@@ -38,11 +36,7 @@ def cases(only: str = "") -> list:
     if only != "gpt3":
         seen = set()
         for run in published.load():
-            model = hybrid.Transformer(run.layers, run.hidden, run.heads, run.sequence,
-                                       run.vocabulary or 51200, run.global_batch,
-                                       PRECISION.get(run.precision or "mixed", "float16"),
-                                       run.dropout or 0.0)
-            name = next(v for k, v in FILES.items() if k in run.device)
+            model, name = published.model_of(run), published.machine_name(run)
             if (model, name, run.devices) not in seen:
                 seen.add((model, name, run.devices))
                 out.append((run.name, model, name, run.devices))

@@ -36,7 +36,6 @@ import time
 from hpcnn.plan import hybrid, published
 from hpcnn.plan.machine import load
 
-MACHINES = {"A100": "dgx-a100-cluster", "H100": "dgx-h100-cluster"}
 # What each source's software could run (hpcnn.plan.hybrid's dimensions), for the rank of its
 # layouts among those its setting offered: zero-bubble ZB-H1 (Qi et al., ICLR 2024) came after
 # every run here; sequence parallelism and selective recomputation with Korthikanti et al.
@@ -55,7 +54,6 @@ SETTINGS = {
                  "remat": {"none", "full", "selective"}},
 }
 ZERO = {"narayanan2021": (0,), "korthikanti2023": (0,), "bloom2022": (0, 1), "nemo2407": (0, 1)}
-PRECISION = {"bf16": "bfloat16", "fp16": "float16", "mixed": "float16", "fp8": "bfloat16"}
 
 
 def parser():
@@ -68,20 +66,10 @@ def parser():
 def machine_for(run):
     """The machine file of the run's device, cut to its devices, with the run's data-parallel
     overlap where its source (or its software's default) says it (``dp_overlap``)."""
-    for key, name in MACHINES.items():
-        if key in run.device:
-            machine = load(name).with_devices(run.devices)
-            if run.dp_overlap is None:
-                return machine
-            return dataclasses.replace(machine, dp_overlap=run.dp_overlap)
-    raise ValueError(f"{run.name}: no machine file for device {run.device!r}")
-
-
-def model_of(run) -> hybrid.Transformer:
-    return hybrid.Transformer(run.layers, run.hidden, run.heads, run.sequence,
-                              run.vocabulary or 51200, run.global_batch,
-                              PRECISION.get(run.precision or "mixed", "float16"),
-                              run.dropout or 0.0)
+    machine = load(published.machine_name(run)).with_devices(run.devices)
+    if run.dp_overlap is None:
+        return machine
+    return dataclasses.replace(machine, dp_overlap=run.dp_overlap)
 
 
 def published_layout(run, model, machine) -> tuple:
@@ -155,7 +143,7 @@ def rank_of(run, model, machine, q) -> tuple:
 
 
 def row_of(run) -> dict:
-    machine, model = machine_for(run), model_of(run)
+    machine, model = machine_for(run), published.model_of(run)
     t0 = time.perf_counter()
     q, notes = published_layout(run, model, machine)
     pred, pub, what = predicted_throughput(run, model, q)
@@ -196,7 +184,7 @@ def main(argv=None) -> int:
               f"fits: {sum(r['fits'] for r in scored)}; slowest plan "
               f"{max(r['plan_s'] for r in scored):.2f} s")
     from hpcnn.log.results import save_table
-    save_table(a.out, "plan_published", rows, {"machines": ",".join(MACHINES.values())})
+    save_table(a.out, "plan_published", rows, {"machines": ",".join(published.MACHINES.values())})
     print(f"table plan_published -> {a.out}")
     return 0 if math.isfinite(sum(r["error"] for r in rows)) else 1
 

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from hpcnn.plan import gemm, traffic
 from hpcnn.plan.machine import cached_hash, unhashed_state
-from hpcnn.schedule import pipeline as schedules
+from hpcnn.schedule import pipeline
 from hpcnn.schedule import stages as partition
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -400,8 +400,7 @@ def ring_allreduce_s(nbytes: float, n: int, level, after: float = 0.0,
 def dp_allreduce_s(nbytes: float, layout, machine, after: float = 0.0) -> float:
     """The data-parallel gradient allreduce of ``nbytes`` as ``auto`` would run it: the
     cheaper of :func:`dp_allreduce_forms`."""
-    return min(s for _, s in _dp_forms(nbytes, layout.dp, layout.tp, machine,
-                                         after if machine.compute_dependent else 0.0))
+    return min(s for _, s in _dp_forms_of(nbytes, layout, machine, after))
 
 
 def dp_allreduce_forms(nbytes: float, layout, machine, after: float = 0.0) -> dict:
@@ -414,8 +413,14 @@ def dp_allreduce_forms(nbytes: float, layout, machine, after: float = 0.0) -> di
     the dp / g groups at the outer level. Crossing the outer level, a flat ring laid over
     consecutive ranks sends one message per ring from each node at once (min(tp, q) of a
     node's q devices), the two-level form one from every device (its rails)."""
-    return dict(_dp_forms(nbytes, layout.dp, layout.tp, machine,
-                          after if machine.compute_dependent else 0.0))
+    return dict(_dp_forms_of(nbytes, layout, machine, after))
+
+
+def _dp_forms_of(nbytes: float, layout, machine, after: float) -> tuple:
+    """:func:`_dp_forms` of ``layout``'s dp and tp, ``after`` read only where the machine's
+    collectives depend on the compute before them."""
+    return _dp_forms(nbytes, layout.dp, layout.tp, machine,
+                     after if machine.compute_dependent else 0.0)
 
 
 @lru_cache(maxsize=4096)
@@ -464,7 +469,7 @@ def stage_times(model: Transformer, layout: Layout, machine, optimizer: str = "a
     if layout.stages:
         raise ValueError(f"{layout}: stage_times lays out uniform stages; explicit stages are "
                          f"priced per stage by price()")
-    return _priced_parts(model, layout, machine, optimizer)[0]
+    return _priced_parts(model, layout, machine, optimizer)
 
 
 def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head: bool):
@@ -474,11 +479,16 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     message). Affine in ``blocks``: a block's figures times their count, plus the pass's own.
     The pass itself is priced once for every layout that shares its micro-batch's rows, tp,
     sequence parallelism, recomputation and zero-bubble split (:func:`_pass_core`)."""
-    rows = model.batch // (layout.dp * layout.microbatches)     # sequences per micro-batch
-    # each pass waits on its neighbour's message: where ranks share cores, for that neighbour
-    # to get a core after its pass
-    lvl = _neighbours(layout, machine) if layout.pp > 1 else None
-    return _pass_with(model, _pass_key(layout), machine, rows, blocks, head, lvl)
+    key, rows, lvl = _pass_args(model, layout, machine)
+    return _pass_with(model, key, machine, rows, blocks, head, lvl)
+
+
+def _pass_args(model: Transformer, layout: Layout, machine) -> tuple:
+    """(:func:`_pass_key`, sequences per micro-batch, the level whose message each pass waits
+    on, None without a pipeline) of ``layout``'s stage passes: where ranks share cores, a pass
+    waits for its neighbour to get a core after its pass."""
+    rows = model.batch // (layout.dp * layout.microbatches)
+    return _pass_key(layout), rows, _neighbours(layout, machine) if layout.pp > 1 else None
 
 
 @lru_cache(maxsize=1 << 14)
@@ -605,15 +615,9 @@ def _head_seconds(model: Transformer, dev, dtype: str, rows: int, tp: int,
     rest, gemm_s = gemm.split(dev, dtype, gemm.head_shapes(model.dim, model.seq, rows,
                                                            model.vocab, tp), flops, forward)
     share = dev.forward.get("linear", 1 / 3)
-    memory = ((share if forward else 1 - share) * _elementwise_s(dev, "linear", act, None)
+    memory = ((share if forward else 1 - share) * dev.elementwise_seconds("linear", act, None)
               + _tail_moved_s(model, dev, rows, tp)[0 if forward else 1])
     return dev.pass_seconds(rest, dtype, "linear", 1, 0.0, forward) + gemm_s + memory, memory
-
-
-def _elementwise_s(dev, kind: str, nbytes: float, tokens: float | None) -> float:
-    """Seconds of the device's ``kind`` element-wise figure on ``nbytes`` of cache, slowed for
-    calls on ``tokens`` rows (:meth:`hpcnn.plan.machine.Device.slowdown`)."""
-    return nbytes * dev.elementwise.get(kind, 0.0) * dev.slowdown(kind, tokens)
 
 
 def _block_memory_s(model: Transformer, layout: Layout, dev, rows: int) -> tuple:
@@ -629,7 +633,7 @@ def _block_memory_s(model: Transformer, layout: Layout, dev, rows: int) -> tuple
     core_cache = rows * attention_core(model.dim, model.n_heads, model.seq, model.word,
                                        layout.tp, layout.sequence_parallel, model.dropout)[1]
     share = dev.forward.get("transformer", 1 / 3)
-    whole, core = (_elementwise_s(dev, "transformer", n, rows * model.seq)
+    whole, core = (dev.elementwise_seconds("transformer", n, rows * model.seq)
                    for n in (cache, core_cache))
     return share * whole, (1 - share) * whole, share * core
 
@@ -724,8 +728,7 @@ def _chunk_times(model: Transformer, layout: Layout, machine, per_stage: float) 
     v = layout.virtual
     if v == 1:
         return _pass_times(model, layout, machine, per_stage, True)
-    rows = model.batch // (layout.dp * layout.microbatches)
-    key, lvl = _pass_key(layout), _neighbours(layout, machine)
+    key, rows, lvl = _pass_args(model, layout, machine)
     chunk = _pass_with(model, key, machine, rows, per_stage / v, False, lvl)
     whole, bare = (_pass_with(model, key, machine, rows, per_stage, h, lvl) for h in (True, False))
     return tuple(c + (w - b) / v for c, w, b in zip(chunk, whole, bare))
@@ -758,13 +761,10 @@ def _bucket_bytes() -> int:
     return TrainConfig.bucket_mb * 2 ** 20
 
 
-def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
-    """(StageTimes, (cache bytes, input bytes) per block and rank, local parameter count) of
-    the uniform ``layout``: the one place its formulas live, for :func:`price` and
-    :func:`stage_times`. Interleaved: the schedule's span in chunk passes
+def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str) -> StageTimes:
+    """The StageTimes of the uniform ``layout``: the one place its formulas live, for
+    :func:`price` and :func:`stage_times`. Interleaved: the schedule's span in chunk passes
     (:func:`_chunk_times`), the StageTimes' passes a rank's v chunks together."""
-    rows = model.batch // (layout.dp * layout.microbatches)  # sequences per micro-batch
-    _, _, cache, pbytes, xbytes = _layout_block(model, layout, rows)
     per_stage = model.n_layers / layout.pp
     t_f, t_b, t_w, tp_s, span, msg, pp_s, held_s = _unsharded_times(
         model, dataclasses.replace(layout, zero=0) if layout.zero else layout, machine)
@@ -773,8 +773,7 @@ def _priced_parts(model: Transformer, layout: Layout, machine, optimizer: str):
     local_params = _stage_params(model, layout, 0, per_stage, True)
     dp_s = dp_seconds(model, layout, machine, local_params, t_b)
     opt_s = sharded_update_seconds(local_params, layout, machine, model.word, optimizer)
-    return (StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s),
-            (cache, xbytes), local_params)
+    return StageTimes(t_f, t_b, t_w, tp_s, span, msg, pp_s, dp_s, opt_s, held_s)
 
 
 @lru_cache(maxsize=4096)
@@ -783,10 +782,10 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
     depend on its ZeRO stage, once for a plan's ZeRO stages of one layout."""
     pp, m_count, v = layout.pp, layout.microbatches, layout.virtual
     c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, model.n_layers / pp)
-    span = schedules.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
+    span = pipeline.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
     if span is None:
         n = pp * v
-        span = schedules.makespan(_lists(layout.schedule, pp, m_count, v), (c_f,) * n,
+        span = pipeline.makespan(_lists(layout.schedule, pp, m_count, v), (c_f,) * n,
                                   (c_b - c_w,) * n, (c_w,) * n)
     t_f, t_b, t_w, tp_s = v * c_f, v * c_b, v * c_w, v * c_tp
     span = _weighted(layout, machine, span, m_count * (t_f + t_b))
@@ -798,8 +797,8 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
 def _lists(schedule: str, pp: int, m_count: int, virtual: int = 1) -> tuple:
     """The instruction lists of ``schedule`` on pp ranks, pp x ``virtual`` stages, M
     micro-batches, validated once (every stage cut of a plan simulates the same lists)."""
-    lists = schedules.SCHEDULES[schedule](pp * virtual, m_count, pp)
-    schedules.validate(lists, pp * virtual, m_count, pp)
+    lists = pipeline.SCHEDULES[schedule](pp * virtual, m_count, pp)
+    pipeline.validate(lists, pp * virtual, m_count, pp)
     return tuple(tuple(lst) for lst in lists)
 
 
@@ -1008,7 +1007,7 @@ def _staged_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
     if schedule == "gpipe":
         return sum(t_f) + (m_count - 1) * max(t_f) + sum(back) + (m_count - 1) * max(back)
     busiest = max(range(pp), key=lambda k: t_f[k] + back[k])
-    span = schedules.formula_makespan(schedule, pp, m_count, t_f[busiest], t_b[busiest],
+    span = pipeline.formula_makespan(schedule, pp, m_count, t_f[busiest], t_b[busiest],
                                       t_w[busiest])
     return (span if span is not None else
             _simulated_span(schedule, pp, m_count, t_f, t_b, t_w))
@@ -1019,7 +1018,7 @@ def _simulated_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple
                     t_w: tuple) -> float:
     """The makespan of ``schedule`` simulated with these per-stage times (messages free),
     once for the layouts that share them (a plan's ZeRO stages cut alike)."""
-    return schedules.makespan(_lists(schedule, pp, m_count), t_f, t_b, t_w)
+    return pipeline.makespan(_lists(schedule, pp, m_count), t_f, t_b, t_w)
 
 
 def _check_fits(model: Transformer, layout: Layout) -> None:
@@ -1064,7 +1063,7 @@ def _step_times(model: Transformer, layout: Layout, machine, optimizer: str) -> 
     or the busiest stage's and the schedule's span of a layout with explicit stages
     (:func:`_staged`)."""
     if not layout.stages:
-        return _priced_parts(model, layout, machine, optimizer)[0]
+        return _priced_parts(model, layout, machine, optimizer)
     span, pp_s, (t_f, t_b, _, tp_s), (dp_s, opt_s), _ = _staged(model, layout, machine,
                                                                  optimizer)
     return StageTimes(t_f, t_b, 0.0, tp_s, span, 0.0, pp_s, dp_s, opt_s,

@@ -380,10 +380,15 @@ class Device:
         and element-wise seconds, the FLOP and element-wise seconds slowed for calls on
         ``tokens`` rows (:meth:`slowdown`)."""
         share = self.forward.get(kind, 1 / 3)
-        slow = self.slowdown(kind, tokens)
         rest = (calls * self.overhead.get(kind, 0.0)
-                + cache_bytes * self.elementwise.get(kind, 0.0) * slow)
-        return flops / self.rate(dtype, kind) * slow + (share if forward else 1 - share) * rest
+                + self.elementwise_seconds(kind, cache_bytes, tokens))
+        return (flops / self.rate(dtype, kind) * self.slowdown(kind, tokens)
+                + (share if forward else 1 - share) * rest)
+
+    def elementwise_seconds(self, kind: str, nbytes: float, tokens: float | None) -> float:
+        """Seconds of ``kind``'s element-wise figure on ``nbytes`` of cache, slowed for calls
+        on ``tokens`` rows (:meth:`slowdown`)."""
+        return nbytes * self.elementwise.get(kind, 0.0) * self.slowdown(kind, tokens)
 
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str, batch: int = 1) -> float:
         """Seconds of ``batch`` (m x k) @ (k x n) GEMMs in ``dtype`` on the roofline of its

@@ -200,3 +200,26 @@ def load(path: str = RUNS) -> list:
     an unknown source, no published throughput, or a value out of its range."""
     with open(path, "rb") as f:
         return loads(f.read().decode())
+
+
+# The machine file of each device the runs name, and the dtype the planner prices each
+# published precision at (FP8 at bfloat16, hpcnn's narrowest; "mixed": 16 bits, type unstated).
+MACHINES = {"A100": "dgx-a100-cluster", "H100": "dgx-h100-cluster"}
+PRECISION = {"bf16": "bfloat16", "fp16": "float16", "mixed": "float16", "fp8": "bfloat16"}
+
+
+def machine_name(run: PublishedRun) -> str:
+    """The machine file (:data:`MACHINES`) of the run's device; ValueError if none."""
+    for key, name in MACHINES.items():
+        if key in run.device:
+            return name
+    raise ValueError(f"{run.name}: no machine file for device {run.device!r}")
+
+
+def model_of(run: PublishedRun):
+    """The run's model as the planner prices it (:class:`hpcnn.plan.hybrid.Transformer`): its
+    shape, vocabulary (51,200 where unstated), global batch, precision and dropout."""
+    from hpcnn.plan.hybrid import Transformer
+    return Transformer(run.layers, run.hidden, run.heads, run.sequence, run.vocabulary or 51200,
+                       run.global_batch, PRECISION.get(run.precision or "mixed", "float16"),
+                       run.dropout or 0.0)
