@@ -802,6 +802,59 @@ def test_a_gemm_table_round_trips_is_checked_and_files_without_it_have_none(tmp_
         m.device.gemm_seconds(8, 8, 8, "float64")
 
 
+def test_a_gemms_waves_fill_by_hand_and_set_its_rate_by_its_shape():
+    """fill = batch m n / (waves x processors x tile area), the better orientation, by hand; a
+    GEMM's rate is its point's times fill(shape) / fill(point); the backward prices its own two
+    results (m x k and k x n), not twice the forward."""
+    from hpcnn.plan import gemm
+    waves = (108, 256, 128)                                   # the A100 file's
+    assert gemm.fill(1024, 10240, 1, waves) == pytest.approx(1024 * 10240 / (3 * 108 * 32768))
+    assert gemm.fill(2048, 2304, 1, waves) == pytest.approx(2048 * 2304 / (2 * 108 * 32768))
+    # 300 x 128: 2 x 1 tiles of 256 x 128 (fill 300*128 / (108*32768)), or 3 x 1 of 128 x 256
+    # with half of each tile past n (worse): the first
+    assert gemm.fill(300, 128, 1, waves) == pytest.approx(300 * 128 / (108 * 32768))
+    assert gemm.fill(256, 128, 216, waves) == 1.0 and gemm.fill(5, 5, 1, ()) == 1.0
+    m = with_gemm(((1024, 10240, 5120, 2.7e11),))
+    dev = replace(m.device, waves=waves)
+    assert dev.waves == waves and hm.loads(replace(m, device=dev).to_toml()).device == dev
+    full = 2.7e11 / gemm.fill(1024, 10240, 1, waves)
+    assert dev.gemm_seconds(2048, 2304, 4096, "float32") == pytest.approx(
+        2 * 2048 * 2304 * 4096 / (full * 2048 * 2304 / (2 * 108 * 32768)), rel=1e-12)
+    assert dev.gemm_seconds(1024, 10240, 5120, "float32") == pytest.approx(
+        2 * 1024 * 10240 * 5120 / 2.7e11, rel=1e-12)          # the point itself: its rate
+    shapes = ((2048, 2304, 4096, 1),)
+    fwd, _ = gemm.pass_seconds(dev, "float32", shapes, True)
+    bwd, flops = gemm.pass_seconds(dev, "float32", shapes, False)
+    assert flops == 2 * 2 * 2048 * 2304 * 4096
+    assert bwd == pytest.approx(dev.gemm_seconds(2048, 4096, 2304, "float32")
+                                + dev.gemm_seconds(4096, 2304, 2048, "float32"), rel=1e-12)
+    assert bwd != pytest.approx(2 * fwd, rel=1e-3)            # other results, other waves
+    plain = m.device                                          # without waves: twice the forward
+    assert gemm.pass_seconds(plain, "float32", shapes, False)[0] == pytest.approx(
+        2 * gemm.pass_seconds(plain, "float32", shapes, True)[0], rel=1e-12)
+
+
+def test_a_waves_table_is_checked_and_only_the_a100_file_has_one():
+    text = replace(with_gemm(((1024, 10240, 5120, 2.7e11),)).device, waves=(108, 256, 128))
+    toml = replace(with_gemm(), device=text).to_toml()
+    assert "[device.waves]" in toml and "processors = 108" in toml
+    for old, new, message in (
+            ("processors = 108", "processors = 0", r"waves: processors = 0, tile = \[256, 128\]"),
+            ("tile = [256, 128]", "tile = [256]", r"waves.tile = \[256\]: expected \[rows"),
+            ("processors = 108", "sms = 108", r"waves has keys \['sms', 'tile'\]"),
+            ("2.7e+11", "9.95e+11", "fills 0.988 of its waves: .* above the float32 peak")):
+        bad = toml.replace("270000000000", "2.7e+11")
+        assert old in bad, old
+        with pytest.raises(ValueError, match=message):
+            hm.loads(bad.replace(old, new))
+    with pytest.raises(ValueError, match=r"waves = \(108, 256\): expected \(processors"):
+        replace(small().device, waves=(108, 256))
+    for f in FILES:
+        waves = hm.load(f).device.waves
+        assert bool(waves) == (os.path.basename(f) == "dgx-a100-cluster.toml"), f
+    assert hm.load(GPU).device.waves == (108, 256, 128)
+
+
 def test_a_gemms_seconds_are_its_roofline():
     """max(FLOPs at the rate of the point nearest in arithmetic intensity, bytes at the memory
     bandwidth): word (mk + kn + mn) bytes, 4 bytes a float32 word, 1e11 B/s in small()."""

@@ -11,8 +11,21 @@ from one its operands starve), and takes no less than its bytes at the memory ba
 
 (each operand read once, the result written once: the roofline's floor on the traffic). The
 intensity 2 m n k / (word (m k + k n + m n)) is symmetric in m, n and k, so a GEMM and the two
-of its backward (dA = dC B^T: m x n by n x k; dB = A^T dC: k x m by m x n) share it and their
-bytes: the backward takes twice the forward's seconds (:func:`pass_seconds`).
+of its backward (dA = dC B^T: an m x k result, inner n; dB = A^T dC: a k x n result, inner m)
+share it and their bytes (:func:`pass_seconds`).
+
+Where the file also gives the device's **waves** (``[device.waves]``: ``processors``, the
+streaming multiprocessors, and ``tile``, the output tile one of them computes at a time), the
+rate depends on the shape's result as well: a kernel cuts the m x n result into tiles, runs
+them in waves of one tile per processor, and a wave takes as long whether it is full or not
+(NVIDIA, *Matrix Multiplication Background User's Guide*, "Tile quantization", "Wave
+quantization"). The fraction of the processors' work that is useful (:func:`fill`)::
+
+    fill(m, n, batch) = batch m n / (waves x processors x tile_m x tile_n),
+    waves = ceil(batch ceil(m / tile_m) ceil(n / tile_n) / processors)
+
+(the better of the tile and its transpose), and a GEMM runs at its point's rate times
+fill(shape) / fill(point): a published rate is that of its own shape's waves.
 
 :func:`block_shapes` gives the GEMMs of one GPT block on one of ``tp`` ranks (Megatron's
 split: QKV and the MLP's first GEMM by columns, the two output projections by rows), the
@@ -62,6 +75,41 @@ def read_table(table, peaks: dict, where: str) -> dict:
     return out
 
 
+def read_waves(table, where: str) -> tuple:
+    """A ``[device.waves]`` table checked: (processors, tile_m, tile_n), each an integer >= 1;
+    () for an empty table (no waves: every shape at its point's rate)."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: waves = {table!r}: expected a table with processors = "
+                         "<integer> and tile = [rows, columns]")
+    if not table:
+        return ()
+    at = f"{where}: waves"
+    if set(table) != {"processors", "tile"}:
+        raise ValueError(f"{at} has keys {sorted(table)}: expected processors and tile")
+    procs, tile = table["processors"], table["tile"]
+    if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
+        raise ValueError(f"{at}.tile = {tile!r}: expected [rows, columns]")
+    values = (procs, *tile)
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
+        raise ValueError(f"{at}: processors = {procs!r}, tile = {list(tile)!r}: expected "
+                         "integers >= 1")
+    return values
+
+
+def fill(m: int, n: int, batch: int, waves: tuple) -> float:
+    """The useful fraction of the processors' work on ``batch`` m x n results cut into
+    ``waves``' tiles (module docstring), the better of the tile and its transpose; 1 without
+    waves."""
+    if not waves:
+        return 1.0
+    procs, tm, tn = waves
+    best = 0.0
+    for a, b in ((tm, tn), (tn, tm)):
+        tiles = batch * -(-m // a) * -(-n // b)
+        best = max(best, batch * m * n / (-(-tiles // procs) * procs * a * b))
+    return best
+
+
 def intensity(m: float, n: float, k: float, word: int) -> float:
     """FLOPs per byte of an (m x k) @ (k x n) GEMM moving each operand and the result once."""
     return 2.0 * m * n * k / (word * (m * k + k * n + m * n))
@@ -69,15 +117,18 @@ def intensity(m: float, n: float, k: float, word: int) -> float:
 
 @functools.lru_cache(maxsize=1 << 16)
 def roofline(points: tuple, m: int, n: int, k: int, word: int, bandwidth: float,
-             batch: int = 1) -> float:
+             batch: int = 1, waves: tuple = ()) -> float:
     """Seconds of ``batch`` (m x k) @ (k x n) GEMMs: their FLOPs at the rate of the point of
     ``points`` ((m, n, k, flop_per_s), ...) nearest in log arithmetic intensity (the first on a
-    tie), or their bytes at ``bandwidth``, whichever is longer (module docstring). Cached: a
-    plan prices the same shapes in many layouts."""
+    tie), times fill(shape) / fill(point) under ``waves`` (:func:`fill`), or their bytes at
+    ``bandwidth``, whichever is longer (module docstring). Cached: a plan prices the same
+    shapes in many layouts."""
     if min(m, n, k, batch) <= 0:
         return 0.0
     ai = intensity(m, n, k, word)
-    rate = min(points, key=lambda p: abs(math.log(intensity(*p[:3], word) / ai)))[3]
+    pm, pn, pk, rate = min(points, key=lambda p: abs(math.log(intensity(*p[:3], word) / ai)))
+    if waves:
+        rate *= fill(m, n, batch, waves) / fill(pm, pn, 1, waves)
     return batch * max(2.0 * m * n * k / rate, word * (m * k + k * n + m * n) / bandwidth)
 
 
@@ -107,20 +158,24 @@ def head_shapes(dim: int, seq: int, rows: int, vocab: int, tp: int = 1) -> tuple
 
 def pass_seconds(device, dtype: str, shapes: tuple, forward: bool) -> tuple:
     """(seconds, FLOPs) of the GEMMs ``shapes`` (forward shapes, :func:`block_shapes`) in the
-    forward pass, or of their two backward GEMMs each (twice the forward's: module docstring),
-    on ``device``'s ``gemm`` table for ``dtype``; (0, 0) where it has none."""
+    forward pass, or of their two backward GEMMs each (the m x k and k x n results: module
+    docstring; twice the forward's FLOPs), on ``device``'s ``gemm`` table for ``dtype`` and its
+    ``waves``; (0, 0) where it has none."""
     if dtype not in device.gemm:
         return 0.0, 0.0
-    seconds, flops = _pass(device.gemm[dtype], WORD[dtype], device.memory_bandwidth, shapes)
-    times = 1 if forward else 2
-    return times * seconds, times * flops
+    return _pass(device.gemm[dtype], WORD[dtype], device.memory_bandwidth, shapes,
+                 device.waves, forward)
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _pass(points: tuple, word: int, bandwidth: float, shapes: tuple) -> tuple:
-    """(seconds, FLOPs) of the forward GEMMs ``shapes`` on the roofline of ``points``."""
-    return (sum(roofline(points, m, n, k, word, bandwidth, b) for m, n, k, b in shapes),
-            sum(2.0 * m * n * k * b for m, n, k, b in shapes))
+def _pass(points: tuple, word: int, bandwidth: float, shapes: tuple, waves: tuple,
+          forward: bool) -> tuple:
+    """(seconds, FLOPs) of the forward GEMMs ``shapes``, or of their backward's, on the
+    roofline of ``points`` under ``waves``."""
+    run = (shapes if forward else
+           [g for m, n, k, b in shapes for g in ((m, k, n, b), (k, n, m, b))])
+    return (sum(roofline(points, m, n, k, word, bandwidth, b, waves) for m, n, k, b in run),
+            sum(2.0 * m * n * k * b for m, n, k, b in run))
 
 
 def split(device, dtype: str, shapes: tuple, flops: float, forward: bool) -> tuple:

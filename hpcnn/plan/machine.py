@@ -272,7 +272,9 @@ class Device:
     kind -> seconds >= 0; missing kinds their ``elementwise`` figure) and the slowdown of a
     kind's FLOP and element-wise seconds by tokens per call (``tokens``, kind -> pieces
     ((tokens, slowdown), ..., (inf, slowdown)); missing kinds 1) and, per dtype, published GEMM
-    rates (``gemm``, dtype -> ((m, n, k, flop_per_s), ...): :meth:`gemm_seconds`)."""
+    rates (``gemm``, dtype -> ((m, n, k, flop_per_s), ...): :meth:`gemm_seconds`), the GEMMs
+    run in ``waves`` of output tiles where given ((processors, tile_m, tile_n); () none:
+    :func:`hpcnn.plan.gemm.fill`)."""
     name: str
     flops: dict = field(hash=False)
     memory_bandwidth: float
@@ -286,6 +288,7 @@ class Device:
     activation: dict = field(default_factory=dict, hash=False)
     tokens: dict = field(default_factory=dict, hash=False)
     gemm: dict = field(default_factory=dict, hash=False)
+    waves: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.flops, dict) or not self.flops:
@@ -341,6 +344,28 @@ class Device:
                 str(k): tables.read_pieces(v, f"device {table}.{k}", names) for k, v in value.items()})
         object.__setattr__(self, "gemm", gemm.read_table(self.gemm, self.flops,
                                                          f"device {self.name!r}"))
+        self._check_waves()
+
+    def _check_waves(self):
+        """``waves`` as read_waves gives it, and no GEMM point's rate beyond its dtype's peak
+        once its own shape's unfilled waves are taken out (a point's full-wave rate)."""
+        waves = self.waves
+        if isinstance(waves, dict):
+            waves = gemm.read_waves(waves, f"device {self.name!r}")
+        elif waves and (len(waves) != 3 or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in waves)):
+            raise ValueError(f"device {self.name!r}: waves = {waves!r}: expected (processors, "
+                             "tile_m, tile_n), integers >= 1")
+        object.__setattr__(self, "waves", tuple(waves))
+        for dtype, points in self.gemm.items():
+            for m, n, _, rate in points:
+                full = rate / gemm.fill(m, n, 1, self.waves)
+                if full > self.flops[dtype]:
+                    raise ValueError(
+                        f"device {self.name!r}: gemm.{dtype} point [{m}, {n}, ...] at "
+                        f"{rate!r} FLOP/s fills {gemm.fill(m, n, 1, self.waves):.3f} of its "
+                        f"waves: {full!r} FLOP/s a full wave, above the {dtype} peak "
+                        f"{self.flops[dtype]!r}")
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's
@@ -397,7 +422,8 @@ class Device:
         if points is None:
             raise ValueError(f"device {self.name!r} has no gemm figures for dtype {dtype!r} "
                              f"(has {', '.join(self.gemm) or 'none'})")
-        return gemm.roofline(points, m, n, k, gemm.WORD[dtype], self.memory_bandwidth, batch)
+        return gemm.roofline(points, m, n, k, gemm.WORD[dtype], self.memory_bandwidth, batch,
+                             self.waves)
 
     def backward_halves(self, kind: str) -> tuple:
         """(input, weight): the zero-bubble halves of ``kind``'s backward as fractions of it."""
@@ -586,8 +612,8 @@ class Machine:
 
 
 def _device_tables(device: Device) -> list:
-    """The TOML lines of a device's ``update``, ``tokens`` and ``gemm`` tables (none where
-    empty)."""
+    """The TOML lines of a device's ``update``, ``tokens``, ``gemm`` and ``waves`` tables
+    (none where empty)."""
     lines = []
     for table, what in (("update", "optimizer step: [max_params, seconds_per_param] "
                                    "(float32)"),
@@ -601,6 +627,10 @@ def _device_tables(device: Device) -> list:
         lines += [f"{tables.toml_str(k)} = [" + ", ".join(
             f"[{m}, {n}, {kk}, {tables.toml_num(r)}]" for m, n, kk, r in pts) + "]"
             for k, pts in device.gemm.items()]
+    if device.waves:
+        procs, tm, tn = device.waves
+        lines += ["", "[device.waves]".ljust(32) + "# GEMM output tiles, one a processor a wave",
+                  f"processors = {procs}", f"tile = [{tm}, {tn}]"]
     return lines
 
 
@@ -639,7 +669,7 @@ def loads(text: str, where: str = "<string>") -> Machine:
                         elementwise=dev.get("elementwise", {}), forward=dev.get("forward", {}),
                         split=dev.get("split", {}), update=dev.get("update", {}),
                         activation=dev.get("activation", {}), tokens=dev.get("tokens", {}),
-                        gemm=dev.get("gemm", {}))
+                        gemm=dev.get("gemm", {}), waves=dev.get("waves", {}))
     levels = []
     for i, lv in enumerate(_get(doc, "levels", where, list)):
         at = f"{where} levels[{i}]"
