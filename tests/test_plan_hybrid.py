@@ -528,7 +528,8 @@ def test_zero3_and_mixed_precision_price_what_a_rank_holds():
 def test_data_parallelism_across_nodes_is_priced_in_two_levels_where_cheaper():
     """dp = 32 over 4 nodes of 8 (tp = 1): the reduce-scatter and all-gather among a node's 8,
     the 8th part across the 4 nodes (hier), cheaper than the flat ring on the slow network; at
-    tp = 8 a node holds one dp rank, and the ring is flat."""
+    tp = 8 a node holds one dp rank, and the ring is flat. ZeRO-2 and 3's reduce-scatter is the
+    flat ring wherever (the engine's parts collectives under auto)."""
     from hpcnn.plan.hybrid import dp_allreduce_s, ring_allreduce_s
     m = Machine(per_node=8, nodes=4, inter=10e9)
     node, cluster = m.levels
@@ -541,6 +542,11 @@ def test_data_parallelism_across_nodes_is_priced_in_two_levels_where_cheaper():
     assert dp_allreduce_s(n, Layout(8, 1, 4, 1), m) == ring_allreduce_s(n, 8, node)
     q = price(SMALL, Layout(32, 1, 1, 1), m)
     assert q.parts["dp_comm"] < ring_allreduce_s(SMALL.params() * SMALL.word, 32, cluster) / 2
+    # ZeRO-2 and 3 reduce-scatter: --allreduce=auto leaves a parts collective to the MPI
+    # library (Comm._levels), so the flat ring, as the parameters' gathers; ZeRO-1 allreduces
+    for zero, form in ((1, two), (2, flat), (3, flat)):
+        assert dp_allreduce_s(n, Layout(32, 1, 1, 1, zero=zero), m) == pytest.approx(form,
+                                                                               rel=1e-12)
 
 
 def test_a_flat_ring_gets_a_nodes_whole_link_where_the_level_has_a_stream_bandwidth():
