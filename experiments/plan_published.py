@@ -2,8 +2,9 @@
 
 For each run of ``experiments/published_runs.toml`` (:mod:`hpcnn.plan.published`: Narayanan
 et al. SC 2021, Korthikanti et al. MLSys 2023, BLOOM 176B, NVIDIA NeMo on H100), on the machine
-file of its device (``machines/dgx-a100-cluster.toml``, ``machines/dgx-h100-cluster.toml``: public
-specifications only, nothing fitted to these runs) cut to its device count:
+file of its device (``machines/dgx-a100-cluster.toml``, ``machines/dgx-h100-cluster.toml``), or of
+its own system where the run names one (BLOOM: ``machines/jean-zay-a100.toml``), public figures
+only, nothing fitted to these runs, cut to its device count:
 
 - the **published layout** as the planner prices it: tp, pp, dp, ZeRO stage, sequence
   parallelism and recomputation as published (selective recomputation priced by
@@ -64,8 +65,9 @@ def parser():
 
 
 def machine_for(run):
-    """The machine file of the run's device, cut to its devices, with the run's data-parallel
-    overlap where its source (or its software's default) says it (``dp_overlap``)."""
+    """The run's machine file (its own system's or its device's), cut to its devices, with
+    its data-parallel overlap where its source (or its software's default) says it
+    (``dp_overlap``)."""
     machine = load(published.machine_name(run)).with_devices(run.devices)
     if run.dp_overlap is None:
         return machine

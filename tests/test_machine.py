@@ -781,7 +781,8 @@ def test_a_gemm_table_round_trips_is_checked_and_files_without_it_have_none(tmp_
     for f in FILES:                     # only the public GPU files carry published GEMM rates
         gemm = hm.load(f).device.gemm
         assert bool(gemm) == (os.path.basename(f) in ("dgx-a100-cluster.toml",
-                                                      "dgx-h100-cluster.toml")), f
+                                                      "dgx-h100-cluster.toml",
+                                                      "jean-zay-a100.toml")), f
     a100 = hm.load(GPU).device.gemm
     assert a100["bfloat16"] == a100["float16"] == ((1024, 10240, 5120, 271.2e12),)
     text = m.to_toml()
@@ -834,7 +835,7 @@ def test_a_gemms_waves_fill_by_hand_and_set_its_rate_by_its_shape():
         2 * gemm.pass_seconds(plain, "float32", shapes, True)[0], rel=1e-12)
 
 
-def test_a_waves_table_is_checked_and_only_the_a100_file_has_one():
+def test_a_waves_table_is_checked_and_only_the_a100_files_have_one():
     text = replace(with_gemm(((1024, 10240, 5120, 2.7e11),)).device, waves=(108, 256, 128))
     toml = replace(with_gemm(), device=text).to_toml()
     assert "[device.waves]" in toml and "processors = 108" in toml
@@ -851,8 +852,13 @@ def test_a_waves_table_is_checked_and_only_the_a100_file_has_one():
         replace(small().device, waves=(108, 256))
     for f in FILES:
         waves = hm.load(f).device.waves
-        assert bool(waves) == (os.path.basename(f) == "dgx-a100-cluster.toml"), f
+        assert bool(waves) == (os.path.basename(f) in ("dgx-a100-cluster.toml",
+                                                       "jean-zay-a100.toml")), f
     assert hm.load(GPU).device.waves == (108, 256, 128)
+    # Jean Zay's nodes: the DGX A100 file's device, its own network (4 x 100 Gb/s a node)
+    jz = hm.load(os.path.join(ROOT, "machines", "jean-zay-a100.toml"))
+    assert jz.device == hm.load(GPU).device
+    assert jz.levels[-1].bandwidth == ((math.inf, 4 * 100e9 / 8 / 8),)
 
 
 def test_a_gemms_seconds_are_its_roofline():

@@ -49,6 +49,16 @@ def test_the_published_figures_agree_with_each_other():
                                                                                    abs=0.003)
 
 
+def test_a_run_priced_on_its_own_system_names_its_machine_file():
+    """BLOOM ran on Jean Zay's A100 nodes (4 x 100 Gb/s Omni-Path a node), not on the DGX A100
+    cluster the other A100 runs are priced on."""
+    runs = {r.name: r for r in published.load()}
+    assert published.machine_name(runs["bloom2022-176b"]) == "jean-zay-a100"
+    assert published.machine_name(runs["narayanan2021-t1-1.7b"]) == "dgx-a100-cluster"
+    assert published.machine_name(runs["nemo2407-gpt3-5b-64"]) == "dgx-h100-cluster"
+    assert [r.name for r in runs.values() if r.machine] == ["bloom2022-176b"]
+
+
 def test_the_new_machine_files_load():
     h100 = machine.load(os.path.join(ROOT, "machines", "dgx-h100-cluster.toml"))
     assert h100.device.flops["bfloat16"] == 989.5e12 and h100.p == 4096
@@ -83,6 +93,8 @@ def _corrupt(tmp_path, *pairs):
     ("mfu = 0.514", "mfu = 51.4", "'korthikanti2023-175b-selective': mfu = 51.4"),
     ("virtual = 3\nglobal_batch = 64", "virtual = 5\nglobal_batch = 64",
      "'korthikanti2023-175b-selective': virtual = 5: layers = 96 do not split"),
+    ('machine = "jean-zay-a100"', 'machine = "jean-zay"',
+     "'bloom2022-176b': machine = 'jean-zay': expected the name of a file of"),
 ])
 def test_a_corrupted_copy_is_refused_naming_the_run_and_the_field(tmp_path, old, new, message):
     path = _corrupt(tmp_path, (old, new))

@@ -14,8 +14,9 @@ import os
 import tomllib
 from dataclasses import MISSING, dataclass, fields
 
-RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "experiments", "published_runs.toml")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUNS = os.path.join(ROOT, "experiments", "published_runs.toml")
+MACHINE_DIR = os.path.join(ROOT, "machines")
 
 PRECISIONS = ("fp16", "bf16", "fp8", "mixed")      # "mixed": the 16-bit type is not stated
 RECOMPUTE = ("none", "selective", "full")
@@ -33,7 +34,9 @@ class PublishedRun:
     published: ``tflops_per_device`` in ``flops_convention`` ("model" or "hardware", the latter
     counting recomputation), ``mfu``/``hfu``/``peak_fraction`` as fractions of the device's
     peak, ``iteration_seconds``, ``tokens_per_s_per_device``, ``aggregate_pflops``.
-    ``derived``: the fields computed from other published numbers rather than read."""
+    ``machine``: the machine file (``machines/<machine>.toml``) of the system the run used,
+    where it is not its device's cluster (:data:`MACHINES`). ``derived``: the fields computed
+    from other published numbers rather than read."""
     name: str
     source: str
     where: str
@@ -67,6 +70,7 @@ class PublishedRun:
     iteration_seconds: float | None = None
     tokens_per_s_per_device: float | None = None
     aggregate_pflops: float | None = None
+    machine: str | None = None
     derived: tuple = ()
 
     @property
@@ -171,6 +175,10 @@ def _run(row: dict, sources: set) -> PublishedRun:
     for key in ("source", "where", "model", "device"):
         if not isinstance(row[key], str) or not row[key]:
             _fail(name, key, row[key], "expected a non-empty string")
+    machine = row.get("machine")
+    if machine is not None and (not isinstance(machine, str) or not os.path.isfile(
+            os.path.join(MACHINE_DIR, f"{machine}.toml"))):
+        _fail(name, "machine", machine, f"expected the name of a file of {MACHINE_DIR}")
     run = PublishedRun(**{**row, "derived": tuple(row.get("derived", ()))})
     _check_layout(run)
     _check_throughput(run, sources)
@@ -209,7 +217,10 @@ PRECISION = {"bf16": "bfloat16", "fp16": "float16", "mixed": "float16", "fp8": "
 
 
 def machine_name(run: PublishedRun) -> str:
-    """The machine file (:data:`MACHINES`) of the run's device; ValueError if none."""
+    """The run's own machine file where it names one, else its device's (:data:`MACHINES`);
+    ValueError if none."""
+    if run.machine is not None:
+        return run.machine
     for key, name in MACHINES.items():
         if key in run.device:
             return name
