@@ -811,9 +811,13 @@ def test_a_gemms_waves_fill_by_hand_and_set_its_rate_by_its_shape():
     waves = (108, 256, 128)                                   # the A100 file's
     assert gemm.fill(1024, 10240, 1, waves) == pytest.approx(1024 * 10240 / (3 * 108 * 32768))
     assert gemm.fill(2048, 2304, 1, waves) == pytest.approx(2048 * 2304 / (2 * 108 * 32768))
-    # 300 x 128: 2 x 1 tiles of 256 x 128 (fill 300*128 / (108*32768)), or 3 x 1 of 128 x 256
-    # with half of each tile past n (worse): the first
+    # 300 x 128: 2 tiles of 256 x 128 or 3 of 128 x 256, one wave either way
     assert gemm.fill(300, 128, 1, waves) == pytest.approx(300 * 128 / (108 * 32768))
+    # where the orientations differ, the better: on 3 processors, 256 x 384 is 3 tiles of
+    # 256 x 128 (one full wave) or 4 of 128 x 256 (two waves, half full); 384 x 256 the reverse
+    three = (3, 256, 128)
+    assert gemm.fill(256, 384, 1, three) == 1.0 and gemm.fill(384, 256, 1, three) == 1.0
+    assert gemm.fill(256, 384, 1, (3, 128, 256)) == 1.0 and gemm.fill(0, 5, 1, three) == 1.0
     assert gemm.fill(256, 128, 216, waves) == 1.0 and gemm.fill(5, 5, 1, ()) == 1.0
     m = with_gemm(((1024, 10240, 5120, 2.7e11),))
     dev = replace(m.device, waves=waves)
@@ -836,8 +840,8 @@ def test_a_gemms_waves_fill_by_hand_and_set_its_rate_by_its_shape():
 
 
 def test_a_waves_table_is_checked_and_only_the_a100_files_have_one():
-    text = replace(with_gemm(((1024, 10240, 5120, 2.7e11),)).device, waves=(108, 256, 128))
-    toml = replace(with_gemm(), device=text).to_toml()
+    device = replace(with_gemm(((1024, 10240, 5120, 2.7e11),)).device, waves=(108, 256, 128))
+    toml = replace(with_gemm(), device=device).to_toml()
     assert "[device.waves]" in toml and "processors = 108" in toml
     for old, new, message in (
             ("processors = 108", "processors = 0", r"waves: processors = 0, tile = \[256, 128\]"),
@@ -850,6 +854,11 @@ def test_a_waves_table_is_checked_and_only_the_a100_files_have_one():
             hm.loads(bad.replace(old, new))
     with pytest.raises(ValueError, match=r"waves = \(108, 256\): expected \(processors"):
         replace(small().device, waves=(108, 256))
+    with pytest.raises(ValueError, match="waves = 5: expected a table"):
+        replace(small().device, waves=5)
+    # a point whose full-wave rate is the peak itself, slowed: not refused by rounding
+    at_peak = replace(with_gemm(((256, 128, 64, 1e12 / 108),)).device, waves=(108, 256, 128))
+    assert at_peak.slowed(0.3).waves == (108, 256, 128)
     for f in FILES:
         waves = hm.load(f).device.waves
         assert bool(waves) == (os.path.basename(f) in ("dgx-a100-cluster.toml",

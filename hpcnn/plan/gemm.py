@@ -64,7 +64,7 @@ def read_table(table, peaks: dict, where: str) -> dict:
             if isinstance(pt, (str, bytes)) or not hasattr(pt, "__len__") or len(pt) != 4:
                 raise ValueError(f"{at}[{i}] = {pt!r}: expected [m, n, k, flop_per_s]")
             sizes = pt[:3]
-            if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes):
+            if not _counts(sizes):
                 raise ValueError(f"{at}[{i}] = {list(pt)!r}: m, n, k must be integers >= 1")
             rate = tables.finite_positive(pt[3], f"{at}[{i}] flop_per_s")
             if rate > peaks[dtype]:
@@ -90,17 +90,22 @@ def read_waves(table, where: str) -> tuple:
     if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
         raise ValueError(f"{at}.tile = {tile!r}: expected [rows, columns]")
     values = (procs, *tile)
-    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
+    if not _counts(values):
         raise ValueError(f"{at}: processors = {procs!r}, tile = {list(tile)!r}: expected "
                          "integers >= 1")
     return values
 
 
+def _counts(values) -> bool:
+    """Whether every one of ``values`` is an integer >= 1 (not a bool)."""
+    return all(not isinstance(x, bool) and isinstance(x, int) and x >= 1 for x in values)
+
+
 def fill(m: int, n: int, batch: int, waves: tuple) -> float:
     """The useful fraction of the processors' work on ``batch`` m x n results cut into
     ``waves``' tiles (module docstring), the better of the tile and its transpose; 1 without
-    waves."""
-    if not waves:
+    waves or without work."""
+    if not waves or min(m, n, batch) <= 0:
         return 1.0
     procs, tm, tn = waves
     best = 0.0

@@ -401,8 +401,8 @@ def dp_allreduce_s(nbytes: float, layout, machine, after: float = 0.0) -> float:
     """The data-parallel gradient allreduce of ``nbytes`` as ``auto`` would run it: the
     cheaper of :func:`dp_allreduce_forms`. At ZeRO-2 and 3 the gradients are reduce-scattered
     instead, and ``auto`` leaves a parts collective to the MPI library (only ``hier`` takes
-    the two-level form: ``Comm._levels``), as it does the parameters' gathers
-    (:func:`sharded_update_seconds`): the flat ring."""
+    the two-level form: ``Comm._levels``): the flat ring, the form the parameters' gathers are
+    priced in too (:func:`sharded_update_seconds`)."""
     forms = _dp_forms_of(nbytes, layout, machine, after)
     if layout.zero >= 2:
         return dict(forms)["flat"]

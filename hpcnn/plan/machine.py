@@ -347,25 +347,25 @@ class Device:
         self._check_waves()
 
     def _check_waves(self):
-        """``waves`` as read_waves gives it, and no GEMM point's rate beyond its dtype's peak
-        once its own shape's unfilled waves are taken out (a point's full-wave rate)."""
-        waves = self.waves
-        if isinstance(waves, dict):
-            waves = gemm.read_waves(waves, f"device {self.name!r}")
-        elif waves and (len(waves) != 3 or any(
-                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in waves)):
-            raise ValueError(f"device {self.name!r}: waves = {waves!r}: expected (processors, "
-                             "tile_m, tile_n), integers >= 1")
-        object.__setattr__(self, "waves", tuple(waves))
+        """``waves`` as read_waves gives it (from a table or a (processors, tile_m, tile_n)
+        tuple), and no GEMM point's rate beyond its dtype's peak once its own shape's unfilled
+        waves are taken out (a point's full-wave rate)."""
+        where, waves = f"device {self.name!r}", self.waves
+        if isinstance(waves, (list, tuple)):
+            if waves and len(waves) != 3:
+                raise ValueError(f"{where}: waves = {waves!r}: expected (processors, tile_m, "
+                                 "tile_n), integers >= 1")
+            waves = {"processors": waves[0], "tile": list(waves[1:])} if waves else {}
+        waves = gemm.read_waves(waves, where)
+        object.__setattr__(self, "waves", waves)
         for dtype, points in self.gemm.items():
             for m, n, _, rate in points:
-                full = rate / gemm.fill(m, n, 1, self.waves)
-                if full > self.flops[dtype]:
+                share = gemm.fill(m, n, 1, waves)
+                if rate / share > self.flops[dtype] * (1 + 1e-12):
                     raise ValueError(
-                        f"device {self.name!r}: gemm.{dtype} point [{m}, {n}, ...] at "
-                        f"{rate!r} FLOP/s fills {gemm.fill(m, n, 1, self.waves):.3f} of its "
-                        f"waves: {full!r} FLOP/s a full wave, above the {dtype} peak "
-                        f"{self.flops[dtype]!r}")
+                        f"{where}: gemm.{dtype} point [{m}, {n}, ...] at {rate!r} FLOP/s fills "
+                        f"{share:.3f} of its waves: {rate / share!r} FLOP/s a full wave, above "
+                        f"the {dtype} peak {self.flops[dtype]!r}")
 
     def rate(self, dtype: str = "float32", kind: str | None = None) -> float:
         """FLOP/s a block of ``kind`` attains in ``dtype``: the dtype's rate times the kind's

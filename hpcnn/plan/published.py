@@ -14,9 +14,10 @@ import os
 import tomllib
 from dataclasses import MISSING, dataclass, fields
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUNS = os.path.join(ROOT, "experiments", "published_runs.toml")
-MACHINE_DIR = os.path.join(ROOT, "machines")
+from hpcnn.plan.machine import MACHINES as MACHINE_DIR
+
+RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "experiments", "published_runs.toml")
 
 PRECISIONS = ("fp16", "bf16", "fp8", "mixed")      # "mixed": the 16-bit type is not stated
 RECOMPUTE = ("none", "selective", "full")
