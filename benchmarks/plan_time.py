@@ -2,9 +2,9 @@
 
 Cases: GPT-3 175B (96 layers, width 12288, 96 heads, seq 2048, batch 1536) on 64, 256, 1024 and
 4096 devices, and every model of the published runs (`experiments/published_runs.toml`: its
-shape, global batch and device count) on the machine file of its device, each planned as
-`hpcnn plan` plans by default (ZeRO 0, every schedule, micro-batch count, recomputation and
-sequence parallelism). Each round plans every case once, in order, with the planner's caches
+shape, global batch and device count) on its machine file (its device's, or its own system's
+where the run names one: BLOOM's Jean Zay), each planned as `hpcnn plan` plans by default
+(ZeRO 0, every schedule, micro-batch count, recomputation and sequence parallelism). Each round plans every case once, in order, with the planner's caches
 emptied before each plan (so every plan builds its block specs and prices anew, as a fresh
 `hpcnn plan` does); the table gives each case's median over the rounds and the load average
 before and after. Module imports (NumPy, the blocks) are not in the times: a process pays them

@@ -948,15 +948,15 @@ def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
 
 def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=None):
     """(span, pp messages, busiest stage's (t_f, t_b, t_w, tp_s), dp allreduce + update of the
-    fullest stage as (dp_s, opt_s), the fullest stage's memory by kind) of a layout with explicit
-    ``stages``.
+    fullest stage as (dp_s, opt_s)) of a layout with explicit ``stages`` (its memory:
+    :func:`_staged_memory`).
 
     Our choices (the thesis is silent on stage cuts): each stage's times from its own block
     count (:func:`_pass_times`), the LM head's on the stages in ``heads`` (default: the last
     only; the embedding's gather is free, as in the uniform price); the span is the schedule
     simulated with these per-stage times (:func:`hpcnn.schedule.pipeline.simulate`); the
     stages reduce their gradients and update in parallel, the slowest of them counting;
-    memory per rank is the fullest stage's (:func:`_stage_memory`).
+    memory per rank is the fullest stage's (:func:`_staged_memory`).
     ``heads`` = every stage is the uniform price's convention (every stage priced as the last):
     with uniform stages this prices exactly as :func:`price` prices the uniform layout."""
     pp, m_count, word = layout.pp, layout.microbatches, model.word
@@ -974,8 +974,7 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     reduce = [(dp_seconds(model, layout, machine, q, max(t_b)),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
     busiest = max(times, key=lambda t: t[0] + t[1])
-    return (span, pp_s, busiest, max(reduce, key=sum),
-            _staged_memory(model, layout, heads, optimizer))
+    return span, pp_s, busiest, max(reduce, key=sum)
 
 
 def _staged_memory(model: Transformer, layout: Layout, heads: set, optimizer: str) -> dict:
@@ -1070,8 +1069,7 @@ def _step_times(model: Transformer, layout: Layout, machine, optimizer: str) -> 
     (:func:`_staged`)."""
     if not layout.stages:
         return _priced_parts(model, layout, machine, optimizer)
-    span, pp_s, (t_f, t_b, _, tp_s), (dp_s, opt_s), _ = _staged(model, layout, machine,
-                                                                 optimizer)
+    span, pp_s, (t_f, t_b, _, tp_s), (dp_s, opt_s) = _staged(model, layout, machine, optimizer)
     return StageTimes(t_f, t_b, 0.0, tp_s, span, 0.0, pp_s, dp_s, opt_s,
                       held_seconds(model, layout, machine, layout.stages))
 
