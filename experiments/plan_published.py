@@ -129,9 +129,10 @@ def predicted_throughput(run, model, q) -> tuple:
 def rank_of(run, model, machine, q) -> tuple:
     """(1-based rank of the published tp x pp x dp among the layouts its setting could run
     (:data:`SETTINGS`, :data:`ZERO`; a ZeRO-3 run among ZeRO-3 layouts), the best of those,
-    the best of every layout the planner prices at ZeRO stages 0-3)."""
-    every = hybrid.plan(model, machine, run.devices, zero=(0, 1, 2, 3),
-                        remat=hybrid.PRICED_REMAT)
+    the best of every layout the planner prices at ZeRO stages 0-3 (0 and 1 where the run
+    reduces its gradients in 16 bits, which hpcnn's ZeRO-2 and 3 do not))."""
+    stages = (0, 1) if model.grad_reduce == "param" else (0, 1, 2, 3)
+    every = hybrid.plan(model, machine, run.devices, zero=stages, remat=hybrid.PRICED_REMAT)
     setting, zero = SETTINGS[run.source], (3,) if run.zero == 3 else ZERO[run.source]
     ok = [r for r in every if r.layout.zero in zero and all(
         getattr(r.layout, dim) in allowed for dim, allowed in setting.items())]

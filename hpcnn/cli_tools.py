@@ -287,6 +287,9 @@ PLAN = {"model": ("gpt", str, "gpt (the transformer layout search)"),
                                    "float32 | float64"),
         "dropout": (0.0, float, "the blocks' dropout probability, as hpcnn train's --dropout "
                                 "(its masks held and moved)"),
+        "grad_reduce_dtype": ("fp32", str, "the data-parallel gradient reduction's type, as "
+                                           "hpcnn train's: fp32, or param (the 16-bit "
+                                           "parameters' type, half the bytes; ZeRO 0 and 1)"),
         "machine": ("", str, "machine file (machines/*.toml); '' = this machine's, as hpcnn "
                              "train: $HPCNN_MACHINE, else machines/local.toml, else "
                              "machines/local-2vcpu.toml"),
@@ -347,7 +350,8 @@ def cmd_plan(args) -> int:
     try:
         mach = load_machine(o["machine"])
         model = hybrid.Transformer(o["n_layers"], o["dim"], o["n_heads"], o["seq"], o["vocab"],
-                                   o["batch"], o["dtype"], o["dropout"])
+                                   o["batch"], o["dtype"], o["dropout"],
+                                   o["grad_reduce_dtype"])
         if o["explain"]:
             return _explain(model, mach, o)
         ranked = hybrid.plan(model, mach, o["devices"] or mach.p,

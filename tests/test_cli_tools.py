@@ -231,6 +231,29 @@ def test_plan_explains_one_layout_term_by_term(capsys):
     assert "'tq=2': expected KEY=VALUE" in capsys.readouterr().err
 
 
+def test_plan_prices_the_gradient_reduction_at_16_bits_when_asked(capsys):
+    """``--grad_reduce_dtype=param``: the data-parallel reduction moves 2-byte gradients, so
+    its seconds fall on a machine that does not overlap it; at ZeRO-2 or with float32, or an
+    unknown type, one line and exit 2."""
+    from hpcnn.cli_tools import cmd_plan
+    small = ["--n_layers=4", "--dim=256", "--n_heads=4", "--seq=64", "--vocab=65", "--batch=32",
+             "--machine=local-2vcpu", "--explain=dp=2,microbatches=2"]
+    seconds = {}
+    for g in ("fp32", "param"):
+        assert cmd_plan(small + [f"--grad_reduce_dtype={g}"]) == 0
+        line = [x for x in capsys.readouterr().out.splitlines() if x.split()[0] == "dp_comm"]
+        seconds[g] = float(line[0].split()[1])
+    assert 0 < seconds["param"] < seconds["fp32"]
+    for bad, says in (("--grad_reduce_dtype=fp16", "grad_reduce fp32 or param"),
+                      ("--zero=0,2", "grad_reduce='param' with ZeRO stage 2"),
+                      ("--dtype=float32", "param with a 16-bit dtype")):
+        extra = ["--grad_reduce_dtype=param"] if bad != "--grad_reduce_dtype=fp16" else []
+        args = (small[:-1] if bad.startswith("--zero") else small) + extra + [bad]
+        assert cmd_plan(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hpcnn plan: ") and says in err and err.count("\n") == 1
+
+
 def test_plan_offers_interleaving_and_sequence_parallelism_as_bounded_dimensions(capsys):
     """``--schedule=interleaved --virtual=2`` keeps interleaved layouts of two chunks a rank;
     ``--sequence_parallel=true`` keeps sequence-parallel ones (tp > 1), ``false`` none;

@@ -705,6 +705,36 @@ def test_the_dp_reduction_hides_behind_the_backward_where_the_machine_overlaps_i
     assert st.dp_s < whole / 2         # the larger model's: many buckets, most hidden
 
 
+def test_gradients_reduced_at_the_parameters_16_bits_move_half_the_bytes():
+    """grad_reduce="param" (hpcnn train's --grad_reduce_dtype=param): the dp reduction of
+    2-byte gradients, the float32 reduction's bytes halved, the memory unchanged; refused at a
+    32-bit dtype, at an unknown type and with ZeRO-2 or 3, in one line."""
+    from hpcnn.plan.hybrid import dp_allreduce_s
+    serial = Machine()
+    wide = Transformer(n_layers=8, dim=1024, n_heads=16, seq=512, batch=64)
+    narrow = replace(wide, grad_reduce="param")
+    assert (wide.reduce_word, narrow.reduce_word) == (4, 2)
+    lay = Layout(8, 2, 2, 4)
+    a, b = price(wide, lay, serial), price(narrow, lay, serial)
+    st_w, st_n = stage_times(wide, lay, serial), stage_times(narrow, lay, serial)
+    from hpcnn.plan.hybrid import _stage_params
+    params = _stage_params(wide, lay, 0, 4, True)
+    assert st_w.dp_s == pytest.approx(dp_allreduce_s(4 * params, lay, serial, after=st_w.t_b))
+    assert st_n.dp_s == pytest.approx(dp_allreduce_s(2 * params, lay, serial, after=st_n.t_b))
+    assert st_n.dp_s < st_w.dp_s and b.step_s < a.step_s
+    assert b.memory_parts == a.memory_parts          # the gradients are held in float32 still
+    assert (st_n.t_f, st_n.t_b, st_n.opt_s) == (st_w.t_f, st_w.t_b, st_w.opt_s)
+    with pytest.raises(ValueError, match="grad_reduce fp32 or param"):
+        replace(wide, dtype="float32", grad_reduce="param")
+    with pytest.raises(ValueError, match="grad_reduce fp32 or param"):
+        replace(wide, grad_reduce="fp16")
+    with pytest.raises(ValueError, match="grad_reduce='param' with ZeRO stage 2"):
+        plan(narrow, serial, 16, zero=(0, 2))
+    with pytest.raises(ValueError, match="grad_reduce='param' with ZeRO stage 3"):
+        price(narrow, Layout(16, 1, 1, 4, zero=3), serial)
+    assert plan(narrow, serial, 16, zero=(0, 1))
+
+
 def test_published_gemm_rates_price_the_blocks_gemms_on_their_roofline():
     """With a dtype's [device.gemm] table, a block pass is its GEMMs' roofline seconds (the
     backward's two GEMMs each twice the forward's) plus the rest of its FLOPs at the rate;

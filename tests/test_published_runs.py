@@ -49,6 +49,26 @@ def test_the_published_figures_agree_with_each_other():
                                                                                    abs=0.003)
 
 
+def test_table_1s_rows_take_the_authors_scripts_flags_and_agree_with_the_table():
+    """Narayanan et al.'s Table 1 rows: micro-batch, chunks and the fp16 gradient reduction
+    from their scripts (examples/sc21/run_table_1.sh), priced by the model the planner gets;
+    the published per-GPU teraFLOP/s, fraction of peak and aggregate agree."""
+    rows = [r for r in published.load() if r.name.startswith("narayanan2021-t1-")]
+    assert len(rows) == 10
+    for r in rows:
+        assert r.micro_batch and r.precision == "fp16" and r.recompute == "full", r.name
+        assert published.model_of(r).grad_reduce == "param", r.name
+        assert r.tflops_per_device / 312 == pytest.approx(r.peak_fraction, abs=0.006), r.name
+        assert r.tflops_per_device * r.devices / 1e3 == pytest.approx(r.aggregate_pflops,
+                                                                       rel=0.01), r.name
+    by = {r.name.split("-")[-1]: r for r in rows}
+    assert [by[k].virtual for k in ("76.1b", "145.6b", "310.1b", "529.6b")] == [3, 2, 2, 3]
+    assert by["39.1b"].virtual is None and by["1008b"].schedule == "1f1b"
+    assert [by[k].dp_overlap for k in ("1.7b", "18.4b", "39.1b")] == [True, True, False]
+    others = [r for r in published.load() if not r.name.startswith("narayanan2021-t1-")]
+    assert all(published.model_of(r).grad_reduce == "fp32" for r in others)
+
+
 def test_a_run_priced_on_its_own_system_names_its_machine_file():
     """BLOOM ran on Jean Zay's A100 nodes (4 x 100 Gb/s Omni-Path a node), not on the DGX A100
     cluster the other A100 runs are priced on."""
@@ -95,6 +115,10 @@ def _corrupt(tmp_path, *pairs):
      "'korthikanti2023-175b-selective': virtual = 5: layers = 96 do not split"),
     ('machine = "jean-zay-a100"', 'machine = "jean-zay"',
      "'bloom2022-176b': machine = 'jean-zay': expected the name of a file of"),
+    ('grad_reduce = "param"\nrecompute', 'grad_reduce = "bf16"\nrecompute',
+     "'narayanan2021-t1-1.7b': grad_reduce = 'bf16': expected one of fp32, param"),
+    ('micro_batch = 4\nzero = 3', 'micro_batch = 4\nzero = 3\ngrad_reduce = "param"',
+     "'narayanan2021-t2-zero3-174.6b-384': grad_reduce = 'param': ZeRO-3 reduce-scatters"),
 ])
 def test_a_corrupted_copy_is_refused_naming_the_run_and_the_field(tmp_path, old, new, message):
     path = _corrupt(tmp_path, (old, new))

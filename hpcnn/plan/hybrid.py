@@ -125,7 +125,9 @@ def update_seconds(n_params: float, word: int, device, optimizer: str = "adamw")
 class Transformer:
     """A GPT's shape: ``n_layers`` blocks of width ``dim`` with ``n_heads`` heads, context
     ``seq``, vocabulary ``vocab``, global ``batch`` sequences per step, in ``dtype``, its
-    blocks' dropout probability ``dropout`` (their masks cached and moved)."""
+    blocks' dropout probability ``dropout`` (their masks cached and moved), its gradients
+    reduced over dp in ``grad_reduce`` (hpcnn train's ``--grad_reduce_dtype``: "fp32", or
+    "param", the 16-bit parameters' type, half the bytes; not at ZeRO-2 and 3)."""
 
     n_layers: int
     dim: int
@@ -135,15 +137,18 @@ class Transformer:
     batch: int = 512
     dtype: str = "bfloat16"
     dropout: float = 0.0    # the blocks' dropout probability (hpcnn train's --dropout)
+    grad_reduce: str = "fp32"   # hpcnn train's --grad_reduce_dtype: fp32, or param (16 bits)
 
     def __post_init__(self):
-        bad = {k: v for k, v in vars(self).items() if k not in ("dtype", "dropout") and not (
-            isinstance(v, int) and v >= 1)}
+        bad = {k: v for k, v in vars(self).items() if k not in (
+            "dtype", "dropout", "grad_reduce") and not (isinstance(v, int) and v >= 1)}
         if (bad or self.dim % self.n_heads or self.dtype not in DTYPE_BYTES
-                or not 0.0 <= self.dropout < 1.0):
+                or not 0.0 <= self.dropout < 1.0 or self.grad_reduce not in ("fp32", "param")
+                or (self.grad_reduce == "param" and DTYPE_BYTES[self.dtype] != 2)):
             raise ValueError(f"transformer shape: {dict(vars(self))}: every size an integer "
                              f">= 1, n_heads dividing dim, dtype one of {list(DTYPE_BYTES)}, "
-                             f"0 <= dropout < 1")
+                             f"0 <= dropout < 1, grad_reduce fp32 or param (param with a "
+                             f"16-bit dtype)")
 
     __hash__ = cached_hash
     __getstate__ = unhashed_state
@@ -152,6 +157,13 @@ class Transformer:
     def word(self) -> int:
         """Bytes of one number in ``dtype``."""
         return DTYPE_BYTES[self.dtype]
+
+    @cached_property
+    def reduce_word(self) -> int:
+        """Bytes of one gradient in the data-parallel reduction: float32 under 16-bit
+        parameters (hpcnn's float32 gradients), or the parameters' own word where
+        ``grad_reduce`` is "param"."""
+        return self.word if self.grad_reduce == "param" else max(self.word, 4)
 
     def params(self) -> int:
         """Parameters of the whole model (blocks, embeddings, head)."""
@@ -744,14 +756,15 @@ def dp_seconds(model: Transformer, layout: Layout, machine, params: float,
                window: float) -> float:
     """The data-parallel reduction of ``params`` gradients left on the step (float32 gradients
     under 16-bit parameters, as hpcnn's engine holds and reduces them: ``Parameter.grad_dtype``,
-    ``--grad_reduce_dtype=fp32``; at ZeRO-2 and 3 its reduce-scatter half,
+    ``--grad_reduce_dtype=fp32``; in 16 bits under ``param``: ``Transformer.reduce_word``;
+    at ZeRO-2 and 3 its reduce-scatter half,
     :func:`reduced_share`). Where the machine file says ``dp_overlap`` (its collectives on their
     own stream, hpcnn train's default ``--overlap``: a bucket's reduction launched as the last
     micro-batch's backward fills it, :mod:`hpcnn.parallel.data.bucketed`), what the backward
     of ``window`` seconds does not hide, plus the last bucket's (``--bucket_mb``'s default),
     at most the whole; else the whole, after the step (the machine files where ranks share
     cores: what their validation measured)."""
-    nbytes = params * (4 if model.word == 2 else model.word)
+    nbytes = params * model.reduce_word
     share = reduced_share(layout)
     whole = dp_allreduce_s(nbytes, layout, machine, after=window) * share
     if not getattr(machine, "dp_overlap", False) or whole == 0:
@@ -1037,6 +1050,16 @@ def _check_fits(model: Transformer, layout: Layout) -> None:
                          f"virtual = {pp * v} equal chunks and micro-batches a multiple of pp")
     if layout.sequence_parallel and model.seq % layout.tp:
         raise ValueError(f"{layout}: sequence parallelism needs tp dividing seq = {model.seq}")
+    _check_reduce(model, (layout.zero,))
+
+
+def _check_reduce(model: Transformer, zero) -> None:
+    """ValueError where the gradients reduced at the parameters' 16 bits meet ZeRO-2 or 3,
+    whose reduce-scatter hpcnn runs on the float32 gradients (as ``hpcnn train`` refuses)."""
+    if model.grad_reduce == "param" and max(zero) >= 2:
+        raise ValueError(f"grad_reduce='param' with ZeRO stage {max(zero)}: ZeRO-2 and 3 "
+                         f"reduce-scatter the float32 gradients; use grad_reduce='fp32' or "
+                         f"ZeRO stages 0 and 1")
 
 
 def price(model: Transformer, layout: Layout, machine, memory_bytes: float | None = None,
@@ -1266,6 +1289,7 @@ def plan(model: Transformer, machine, devices: int | None = None, *,
     devices = machine.p if devices is None else int(devices)
     if devices < 1 or devices > machine.p:
         raise ValueError(f"devices={devices}: the machine {machine.name!r} has {machine.p}")
+    _check_reduce(model, zero)
     out = [price(model, lay, machine, memory_bytes)
            for lay in layouts(model, devices, machine=machine, memory_bytes=memory_bytes,
                               zero=zero, allow=allow, remat=remat)]

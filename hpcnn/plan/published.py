@@ -22,6 +22,7 @@ RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 PRECISIONS = ("fp16", "bf16", "fp8", "mixed")      # "mixed": the 16-bit type is not stated
 RECOMPUTE = ("none", "selective", "full")
 CONVENTIONS = ("model", "hardware")                # FLOPs without / with the recomputed passes
+GRAD_REDUCE = ("fp32", "param")                    # hpcnn train's --grad_reduce_dtype
 THROUGHPUTS = ("tflops_per_device", "mfu", "hfu", "peak_fraction", "iteration_seconds",
                "tokens_per_s_per_device", "aggregate_pflops")
 
@@ -35,8 +36,10 @@ class PublishedRun:
     published: ``tflops_per_device`` in ``flops_convention`` ("model" or "hardware", the latter
     counting recomputation), ``mfu``/``hfu``/``peak_fraction`` as fractions of the device's
     peak, ``iteration_seconds``, ``tokens_per_s_per_device``, ``aggregate_pflops``.
-    ``machine``: the machine file (``machines/<machine>.toml``) of the system the run used,
-    where it is not its device's cluster (:data:`MACHINES`). ``derived``: the fields computed
+    ``grad_reduce``: the data-parallel gradient reduction's type, "fp32" or "param" (the
+    16-bit parameters' type: hpcnn train's ``--grad_reduce_dtype``). ``machine``: the machine
+    file (``machines/<machine>.toml``) of the system the run used, where it is not its
+    device's cluster (:data:`MACHINES`). ``derived``: the fields computed
     from other published numbers rather than read."""
     name: str
     source: str
@@ -63,6 +66,7 @@ class PublishedRun:
     sequence_parallel: bool | None = None
     recompute: str | None = None
     dp_overlap: bool | None = None
+    grad_reduce: str | None = None
     tflops_per_device: float | None = None
     flops_convention: str | None = None
     mfu: float | None = None
@@ -109,7 +113,7 @@ def _check_types(name: str, row: dict) -> None:
         if row.get(key) is not None and row[key] > 1:
             _fail(name, key, row[key], "expected a fraction of the peak in (0, 1]")
     for key, allowed in (("precision", PRECISIONS), ("recompute", RECOMPUTE),
-                         ("flops_convention", CONVENTIONS)):
+                         ("flops_convention", CONVENTIONS), ("grad_reduce", GRAD_REDUCE)):
         if row.get(key) is not None and row[key] not in allowed:
             _fail(name, key, row[key], f"expected one of {', '.join(allowed)}")
     v = row.get("dropout")
@@ -142,6 +146,9 @@ def _check_layout(run: PublishedRun) -> None:
                   f"multiple of pp = {run.pp}")
     if run.hidden % run.heads:
         _fail(n, "heads", run.heads, f"expected a divisor of hidden = {run.hidden}")
+    if run.grad_reduce == "param" and (run.zero or 0) >= 2:
+        _fail(n, "grad_reduce", run.grad_reduce, f"ZeRO-{run.zero} reduce-scatters the float32 "
+              f"gradients: expected 'fp32'")
 
 
 def _check_throughput(run: PublishedRun, sources: set) -> None:
@@ -230,8 +237,9 @@ def machine_name(run: PublishedRun) -> str:
 
 def model_of(run: PublishedRun):
     """The run's model as the planner prices it (:class:`hpcnn.plan.hybrid.Transformer`): its
-    shape, vocabulary (51,200 where unstated), global batch, precision and dropout."""
+    shape, vocabulary (51,200 where unstated), global batch, precision, dropout and gradient
+    reduction's type (float32 where unstated, hpcnn's default)."""
     from hpcnn.plan.hybrid import Transformer
     return Transformer(run.layers, run.hidden, run.heads, run.sequence, run.vocabulary or 51200,
                        run.global_batch, PRECISION.get(run.precision or "mixed", "float16"),
-                       run.dropout or 0.0)
+                       run.dropout or 0.0, run.grad_reduce or "fp32")
