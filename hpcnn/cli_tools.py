@@ -475,7 +475,7 @@ def _truth(key: str, value: str) -> bool:
 
 EXPLAIN = {"compute": "the stage passes' GEMMs and other FLOPs (blocks and head)",
            "memory_bound": "their memory-bound operations (LayerNorm, softmax, GELU, dropout, "
-                           "residuals, the loss)",
+                           "residuals, the loss, the gradients' accumulation)",
            "tp_comm": "tensor parallelism's allreduces, two per block each way",
            "bubble": "the pipeline's fill and drain (the schedule's span beyond its passes)",
            "pp_comm": "activation messages between stages on the critical path",

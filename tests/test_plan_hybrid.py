@@ -5,7 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from hpcnn.plan.hybrid import (Layout, Transformer, _block, flops_per_step, layouts, plan, price,
+from hpcnn.plan.hybrid import (Layout, Transformer, _accumulated_params, _block,
+                               accumulate_seconds, flops_per_step, layouts, plan, price,
                                stage_cut, stage_times, update_seconds)
 from hpcnn.plan.machine import Device, Level, Machine as Hsm
 
@@ -397,6 +398,8 @@ def test_the_handoff_follows_the_compute_before_it_and_the_fill_and_drain_their_
     linear = replace(one, levels=(replace(one.levels[0], handoff=((0.0, 0.0), (1.0, k))),))
     lay = Layout(1, 1, 4, 8)
     st, sl = stage_times(SMALL, lay, one), stage_times(SMALL, lay, linear)
+    # a calibrated file's measured backward holds the gradients' accumulation
+    assert accumulate_seconds(SMALL, lay, one, _accumulated_params(SMALL, lay, 2, True)) == 0
     assert (sl.t_f, sl.t_b) == pytest.approx(((1 + k) * st.t_f, (1 + k) * st.t_b), rel=1e-12)
     tp = Layout(1, 4, 1, 1)
     st, sl = stage_times(SMALL, tp, one), stage_times(SMALL, tp, linear)

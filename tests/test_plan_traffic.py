@@ -70,11 +70,43 @@ def test_the_step_pays_the_bytes_moved_at_the_machine_files_rate(remat):
     f, b, core = hybrid._moved(64, 4, 32, 2, 2, False, 0.1)
     f_tail, b_tail = hybrid._tail_moved(64, 32, 4, 96, 2, 2)
     again = {"none": 0, "full": 4 * f, "selective": 4 * core}[remat]
-    expected = 2 * (4 * 4 * (f + b) + 4 * again + f_tail + b_tail) * 1e-12
+    # the second micro-batch's gradients added to the first's: 3 float32 words a parameter
+    acc = 3 * 4 * hybrid._accumulated_params(gpt, lay, 4, True)
+    expected = 2 * (4 * 4 * (f + b) + 4 * again + f_tail + b_tail) * 1e-12 + acc * 1e-12
     assert with_it.parts["memory_bound"] == pytest.approx(expected, rel=1e-9)
     assert bare.parts["memory_bound"] == 0.0
     # tp's allreduces wait on the compute between them, the rest is the bytes moved
     assert with_it.step_s - bare.step_s == pytest.approx(expected, rel=1e-2)
+
+
+def test_the_gradients_accumulation_is_three_words_a_parameter_after_the_first():
+    """hpcnn's engine writes the first micro-batch's weight gradients in place and adds each
+    later one (Parameter.add_matmul): 3 gradient words (float32 under 16 bits) a parameter of
+    the blocks and the LM head, the embedding's tables apart, on m - 1 of the m passes; in the
+    backward pass (zero bubble: its weight half), and nothing with one micro-batch, nor on a
+    file whose measured passes hold it (no ``moved``)."""
+    gpt = Transformer(n_layers=4, dim=64, n_heads=4, seq=32, vocab=96, batch=8)
+    gpu = _gpu(1e-12)
+    one, four = Layout(1, 1, 2, 1), Layout(1, 1, 2, 4)
+    per_block = 12 * 64 * 64 + 13 * 64          # QKV, projection, MLP (4 x wide), biases, norms
+    params = hybrid._accumulated_params(gpt, four, 2, True)
+    assert params == 2 * per_block + 96 * 64
+    assert hybrid.accumulate_seconds(gpt, one, gpu, params) == 0.0
+    assert hybrid.accumulate_seconds(gpt, four, _gpu(None), params) == 0.0
+    assert hybrid.accumulate_seconds(gpt, four, gpu, params) == pytest.approx(
+        3 * 4 * params * 3 / 4 * 1e-12, rel=1e-12)
+    wide = Transformer(n_layers=4, dim=64, n_heads=4, seq=32, vocab=96, batch=8,
+                       dtype="float64")
+    assert hybrid.accumulate_seconds(wide, four, gpu, params) == pytest.approx(
+        3 * 8 * params * 3 / 4 * 1e-12, rel=1e-12)
+    acc = 3 * 4 * params * 3 / 4 * 1e-12
+    for schedule in ("1f1b", "zb_h1"):
+        lay = Layout(1, 1, 2, 4, schedule)
+        with_it = hybrid.stage_times(gpt, lay, gpu)
+        key = hybrid._pass_times(gpt, lay, gpu, 2, True)
+        assert with_it.t_b == pytest.approx(key[1] + acc, rel=1e-12)
+        assert with_it.t_w == pytest.approx(key[2] + (acc if schedule == "zb_h1" else 0.0),
+                                            rel=1e-12)
 
 
 def test_dropout_caches_its_masks_and_is_checked():

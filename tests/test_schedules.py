@@ -1,6 +1,7 @@
 """Pipeline schedules as data: validity on a grid of sizes, textbook orders, simulated makespans,
 in-flight memory, and a validator that rejects broken schedules with the right message."""
 import itertools
+import random
 
 import pytest
 
@@ -184,9 +185,26 @@ def test_formula_makespan_is_simulated(name):
             applied += 1
     assert applied >= 10
     assert sch.formula_makespan("zb_h1", 4, 3, 1, 1, 1) is None              # M < p
-    assert sch.formula_makespan("zb_h1", 4, 8, 1, 1, 2) is None              # t_w > t_f
+    assert sch.formula_makespan("zb_h1", 4, 8, 1, 1, 2) == 8 * 4 + 3 * 1     # t_w > t_f
     assert sch.formula_makespan("zb_v", 4, 8, 1, 2, 1, 2) is None            # unequal costs
     assert sch.formula_makespan("zb_v", 4, 8, 1, 1, 1, 2) == 51
+
+
+def test_zb_h1s_closed_form_holds_with_a_long_weight_half():
+    """Where the weight half is longer than a forward or an input half (the published form's
+    condition fails), the makespan is M (t_f + t_b + t_w) + (p - 1) max(t_f, t_b, t_f + t_b -
+    t_w): equal to the simulation on random times, p up to 16, M from p to 3p + 2."""
+    rng = random.Random(40)
+    long_w = 0
+    for _ in range(400):
+        p = rng.choice((1, 2, 3, 4, 5, 8, 16))
+        M = rng.randint(p, 3 * p + 2)
+        f, b, w = rng.uniform(0.1, 3), rng.uniform(0.1, 3), rng.uniform(0.0, 4)
+        long_w += w > min(f, b)
+        sim = sch.simulate(sch.zb_h1(p, M, p), f, b, w).makespan
+        assert sch.formula_makespan("zb_h1", p, M, f, b, w) == pytest.approx(sim, rel=1e-12), \
+            (p, M, f, b, w)
+    assert long_w > 100
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

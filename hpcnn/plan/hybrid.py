@@ -684,11 +684,14 @@ def memory_bound_seconds(model: Transformer, layout: Layout, machine) -> float:
     micro-batches' passes through the busiest stage (the uniform stage, priced as the last, or
     the largest of explicit ``stages``, with the head), as those passes are priced
     (:func:`_pass_priced`'s fifth term: :func:`_block_memory_s`, the head's and the loss
-    tail's, what the recomputation runs again)."""
+    tail's, what the recomputation runs again) and their gradients' accumulation
+    (:func:`accumulate_seconds`, of the fullest stage's parameters)."""
     rows = model.batch // (layout.dp * layout.microbatches)
     blocks = max(layout.stages) if layout.stages else model.n_layers / layout.pp
-    return layout.microbatches * _pass_core(model, _pass_key(layout), machine, rows, blocks,
-                                            True)[4]
+    acc = accumulate_seconds(model, layout, machine, _accumulated_params(model, layout, blocks,
+                                                                         True))
+    return layout.microbatches * (_pass_core(model, _pass_key(layout), machine, rows, blocks,
+                                             True)[4] + acc)
 
 
 def recomputed_forward(blocks_f: float, blocks: float, head: bool) -> float:
@@ -752,6 +755,27 @@ def _chunk_times(model: Transformer, layout: Layout, machine, per_stage: float) 
     return tuple(c + (w - b) / v for c, w, b in zip(chunk, whole, bare))
 
 
+def accumulate_seconds(model: Transformer, layout: Layout, machine, params: float) -> float:
+    """Seconds a stage pass's backward spends adding its micro-batch's weight gradients of
+    ``params`` parameters into the gradients held, averaged over the step's micro-batches, as
+    hpcnn's engine runs it (:meth:`hpcnn.nn.core.Parameter.add_matmul`): the first
+    micro-batch's GEMM writes the gradient itself, each later one's result is added to it
+    (``grad += a @ b``: two gradients read, one written, in the gradients' type, float32 under
+    16-bit parameters), so 3 words a parameter on (m - 1) / m of the passes (the product's own
+    write is its GEMM's, on its roofline), at the device's ``moved`` seconds per byte. Only on
+    the machine files that price memory-bound operations by the bytes they move (``moved``):
+    on a calibrated file the measured backward of a block already holds it, the calibration's
+    passes adding their gradients as every pass after a step's first does
+    (:func:`hpcnn.plan.calibrate.blocks.blocks_pass`). Zero bubble runs it in the weight half.
+    Our choice: it follows the pass and the pass's wait on its neighbour
+    (:meth:`~hpcnn.plan.machine.Level.handoff_after`, of the pass without it)."""
+    per_byte = machine.device.elementwise.get("moved")
+    m_count = layout.microbatches
+    if m_count <= 1 or per_byte is None:
+        return 0.0
+    return 3 * max(model.word, 4) * params * (m_count - 1) / m_count * per_byte
+
+
 def dp_seconds(model: Transformer, layout: Layout, machine, params: float,
                window: float) -> float:
     """The data-parallel reduction of ``params`` gradients left on the step (float32 gradients
@@ -801,6 +825,9 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
     depend on its ZeRO stage, once for a plan's ZeRO stages of one layout."""
     pp, m_count, v = layout.pp, layout.microbatches, layout.virtual
     c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, model.n_layers / pp)
+    acc = accumulate_seconds(model, layout, machine,
+                             _accumulated_params(model, layout, model.n_layers / pp, True) / v)
+    c_b, c_w = c_b + acc, c_w + (acc if layout.schedule == "zb_h1" else 0.0)
     span = pipeline.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
     if span is None:
         n = pp * v
@@ -880,6 +907,16 @@ def _stage_params(model: Transformer, layout: Layout, stage: int, blocks: float,
     table = model.vocab * model.dim / layout.tp
     first = table + model.seq * model.dim if stage == 0 else 0
     return blocks * pbytes / model.word + (table if head else 0) + first
+
+
+def _accumulated_params(model: Transformer, layout: Layout, blocks: float,
+                        head: bool) -> float:
+    """Parameters of one rank's ``blocks`` transformer blocks and, with ``head``, its
+    vocab x dim / tp LM head: those whose gradients a micro-batch's GEMMs add to
+    (:func:`accumulate_seconds`); the embedding's and position tables' are scatter-added
+    by token, not in a pass over the table (:class:`hpcnn.nn.transformer.Embedding`)."""
+    pbytes = _block(model.dim, model.n_heads, model.seq, 1, model.word, layout.tp)[3]
+    return blocks * pbytes / model.word + (model.vocab * model.dim / layout.tp if head else 0)
 
 
 def _stage_memory(model: Transformer, layout: Layout, stage: int, blocks: float, head: bool,
@@ -976,7 +1013,11 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     heads = {pp - 1} if heads is None else set(heads)
     once = {key: _pass_times(model, layout, machine, *key)       # a few distinct stages
             for key in {(n, s in heads) for s, n in enumerate(layout.stages)}}
-    times = [once[n, s in heads] for s, n in enumerate(layout.stages)]
+    zb = layout.schedule == "zb_h1"
+    times = [(f, b + acc, w + (acc if zb else 0.0), tp) for s, n in enumerate(layout.stages)
+             for f, b, w, tp in [once[n, s in heads]]
+             for acc in [accumulate_seconds(model, layout, machine,
+                                            _accumulated_params(model, layout, n, s in heads))]]
     t_f, t_b, t_w, _ = (tuple(t) for t in zip(*times))
     span = _staged_span(layout.schedule, pp, m_count, t_f,
                         tuple(b - w for b, w in zip(t_b, t_w)), t_w)
@@ -1325,7 +1366,8 @@ def hardware_flops_per_step(model: Transformer, layout: Layout) -> float:
 
 
 __all__ = ["DIMENSIONS", "Layout", "ONE_STAGE_PER_RANK", "PRICED_REMAT", "Priced", "StageTimes",
-           "Transformer", "attention_core", "dp_allreduce_forms", "dp_seconds",
+           "Transformer", "accumulate_seconds", "attention_core", "dp_allreduce_forms",
+           "dp_seconds",
            "flops_per_step", "hardware_flops_per_step",
            "held_microbatches", "memory_bound_seconds",
            "layouts", "plan", "price", "recomputed_forward", "ring_allreduce_s", "stage_cut",

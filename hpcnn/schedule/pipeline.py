@@ -251,8 +251,11 @@ def formula_makespan(name, n_ranks, n_micro, t_f, t_b, t_w=0.0, virtual=1):
     t_b + t_w) and messages free; None where the literature gives none (outside its conditions).
 
     GPipe, 1F1B (v = 1): (M + p - 1)(t_f + t_b + t_w). Interleaved (M % p == 0): (vM + p - 1)
-    (t_f + t_b + t_w). ZB-H1 (M >= p, t_w <= t_f, t_b): M (t_f + t_b + t_w) + (p - 1)(t_f + t_b
-    - t_w). ZB-V (M >= 2p - 1, t_f = t_b = t_w): (6M + p - 1) t_f. :func:`simulate` reaches
+    (t_f + t_b + t_w). ZB-H1 (M >= p): M (t_f + t_b + t_w) + (p - 1) max(t_f, t_b, t_f + t_b
+    - t_w), the published form (p - 1)(t_f + t_b - t_w) where t_w <= t_f, t_b; beyond it (a
+    weight half longer than a forward or an input half) the max is our extension, equal to the
+    simulated makespan of :func:`zb_h1`'s lists (tests/test_schedules.py checks it on random
+    times). ZB-V (M >= 2p - 1, t_f = t_b = t_w): (6M + p - 1) t_f. :func:`simulate` reaches
     each exactly (tests/test_schedules.py).
     """
     p, M, v, whole = n_ranks, n_micro, virtual, t_f + t_b + t_w
@@ -260,8 +263,8 @@ def formula_makespan(name, n_ranks, n_micro, t_f, t_b, t_w=0.0, virtual=1):
         return (M + p - 1) * whole
     if name == "interleaved" and (v == 1 or M % p == 0):
         return (v * M + p - 1) * whole
-    if name == "zb_h1" and v == 1 and M >= p and t_w <= min(t_f, t_b):
-        return M * whole + (p - 1) * (t_f + t_b - t_w)
+    if name == "zb_h1" and v == 1 and M >= p:
+        return M * whole + (p - 1) * max(t_f, t_b, t_f + t_b - t_w)
     if name == "zb_v" and v == 2 and M >= 2 * p - 1 and t_f == t_b == t_w:
         return (6 * M + p - 1) * t_f
     return None
