@@ -186,7 +186,8 @@ def zb_h1(n_stages, n_micro, n_ranks):
     inputs and output gradients W needs), so at most S micro-batches anywhere: the peak of
     1F1B's first stage. Makespan, for M >= S and t_w <= t_f, t_b:
     M (t_f + t_b + t_w) + (S - 1)(t_f + t_b - t_w), i.e. 3M + S - 1 at unit costs, against
-    3(M + S - 1) for 1F1B.
+    3(M + S - 1) for 1F1B; with a longer W, (S - 1) max(t_f, t_b, t_f + t_b - t_w)
+    (:func:`formula_makespan`).
     """
     _check_sizes(n_stages, n_micro, n_ranks, same=True)
     compute = [_zb_h1_order(s, n_stages, n_micro) for s in range(n_stages)]
