@@ -723,8 +723,18 @@ def test_gradients_reduced_at_the_parameters_16_bits_move_half_the_bytes():
     from hpcnn.plan.hybrid import _stage_params
     params = _stage_params(wide, lay, 0, 4, True)
     assert st_w.dp_s == pytest.approx(dp_allreduce_s(4 * params, lay, serial, after=st_w.t_b))
-    assert st_n.dp_s == pytest.approx(dp_allreduce_s(2 * params, lay, serial, after=st_n.t_b))
-    assert st_n.dp_s < st_w.dp_s and b.step_s < a.step_s
+    # the engine's 16-bit ring (narrow_allreduce): the flat form, half the float32 one's bytes
+    from hpcnn.plan.hybrid import dp_allreduce_forms
+    flat = {w: dp_allreduce_forms(w * params, lay, serial, after=st_n.t_b)["flat"]
+            for w in (2, 4)}
+    assert st_n.dp_s == pytest.approx(flat[2], rel=1e-12) and flat[2] < flat[4]
+    assert b.step_s - a.step_s == pytest.approx(st_n.dp_s - st_w.dp_s, rel=1e-9)
+    # it blocks the compute's thread: never hidden behind the backward
+    overlapped = replace(serial, dp_overlap=True)
+    st_o = stage_times(narrow, lay, overlapped)
+    assert st_o.dp_s == pytest.approx(dp_allreduce_forms(2 * params, lay, overlapped,
+                                                         after=st_o.t_b)["flat"], rel=1e-12)
+    assert st_o.dp_s > stage_times(wide, lay, overlapped).dp_s
     assert b.memory_parts == a.memory_parts          # the gradients are held in float32 still
     assert (st_n.t_f, st_n.t_b, st_n.opt_s) == (st_w.t_f, st_w.t_b, st_w.opt_s)
     with pytest.raises(ValueError, match="grad_reduce fp32 or param"):

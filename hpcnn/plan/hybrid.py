@@ -780,8 +780,9 @@ def dp_seconds(model: Transformer, layout: Layout, machine, params: float,
                window: float) -> float:
     """The data-parallel reduction of ``params`` gradients left on the step (float32 gradients
     under 16-bit parameters, as hpcnn's engine holds and reduces them: ``Parameter.grad_dtype``,
-    ``--grad_reduce_dtype=fp32``; in 16 bits under ``param``: ``Transformer.reduce_word``;
-    at ZeRO-2 and 3 its reduce-scatter half,
+    ``--grad_reduce_dtype=fp32``; in 16 bits under ``param``, ``Transformer.reduce_word``,
+    as the engine runs it: the flat ring, blocking, never overlapped; at ZeRO-2 and 3 its
+    reduce-scatter half,
     :func:`reduced_share`). Where the machine file says ``dp_overlap`` (its collectives on their
     own stream, hpcnn train's default ``--overlap``: a bucket's reduction launched as the last
     micro-batch's backward fills it, :mod:`hpcnn.parallel.data.bucketed`), what the backward
@@ -789,6 +790,10 @@ def dp_seconds(model: Transformer, layout: Layout, machine, params: float,
     at most the whole; else the whole, after the step (the machine files where ranks share
     cores: what their validation measured)."""
     nbytes = params * model.reduce_word
+    if model.grad_reduce == "param":
+        # hpcnn's 16-bit reduction: a blocking ring on the compute's thread, whatever the
+        # overlap and the algorithm (hpcnn.parallel.data.bucketed.narrow_allreduce)
+        return dict(_dp_forms_of(nbytes, layout, machine, window))["flat"]
     share = reduced_share(layout)
     whole = dp_allreduce_s(nbytes, layout, machine, after=window) * share
     if not getattr(machine, "dp_overlap", False) or whole == 0:
