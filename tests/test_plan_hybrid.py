@@ -275,12 +275,18 @@ HEAVY_HEAD = Transformer(n_layers=8, dim=64, n_heads=4, seq=128, vocab=4096, bat
 @pytest.mark.parametrize("lay", [Layout(1, 1, 2, 4), Layout(1, 1, 4, 8, "gpipe"),
                                  Layout(1, 1, 4, 4, "zb_h1"), Layout(2, 2, 2, 4, "1f1b", "full"),
                                  Layout(2, 1, 4, 2, "1f1b"), Layout(1, 2, 2, 2, "gpipe", "full")])
-def test_the_per_stage_path_prices_uniform_stages_as_the_uniform_price(lay):
+@pytest.mark.parametrize("moved", [None, 5e-12])
+def test_the_per_stage_path_prices_uniform_stages_as_the_uniform_price(lay, moved):
     """With uniform stages and the uniform price's convention (the head's time and table on every
     stage) the per-stage path (simulated span, per-stage memory and reduction) is the uniform
-    price; with the head on the last stage only it is never dearer."""
+    price; with the head on the last stage only it is never dearer. Also where the file prices
+    memory-bound work by the bytes moved, the gradients' accumulation with it."""
     from hpcnn.plan.hybrid import _staged, _staged_memory
     m = Machine()
+    if moved is not None:
+        m = replace(m, device=replace(m.device, elementwise={**m.device.elementwise,
+                                                             "moved": moved}))
+        assert accumulate_seconds(SMALL, lay, m, 1.0) > 0 or lay.microbatches == 1
     uniform = price(SMALL, lay, m)
     staged = replace(lay, stages=(SMALL.n_layers // lay.pp,) * lay.pp)
     span, pp_s, _, (dp_s, opt_s) = _staged(SMALL, staged, m, "adamw", range(lay.pp))

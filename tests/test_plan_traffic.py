@@ -103,7 +103,8 @@ def test_the_gradients_accumulation_is_three_words_a_parameter_after_the_first()
     for schedule in ("1f1b", "zb_h1"):
         lay = Layout(1, 1, 2, 4, schedule)
         with_it = hybrid.stage_times(gpt, lay, gpu)
-        key = hybrid._pass_times(gpt, lay, gpu, 2, True)
+        k, rows, lvl = hybrid._pass_args(gpt, lay, gpu)
+        key = hybrid._pass_with(gpt, k, gpu, rows, 2, True, lvl)      # the pass without it
         assert with_it.t_b == pytest.approx(key[1] + acc, rel=1e-12)
         assert with_it.t_w == pytest.approx(key[2] + (acc if schedule == "zb_h1" else 0.0),
                                             rel=1e-12)

@@ -494,11 +494,24 @@ def _pass_times(model: Transformer, layout: Layout, machine, blocks: float, head
     """(t_f, t_b, t_w, tp_s) of one micro-batch's pass through a stage of ``blocks`` transformer
     blocks, with the LM head when ``head`` (module docstring: compute, tp allreduces, remat,
     zero bubble's halves, the pass's fixed cost; where pp > 1 the wait on the neighbour's
-    message). Affine in ``blocks``: a block's figures times their count, plus the pass's own.
-    The pass itself is priced once for every layout that shares its micro-batch's rows, tp,
-    sequence parallelism, recomputation and zero-bubble split (:func:`_pass_core`)."""
+    message; the gradients' accumulation, :func:`_with_accumulation`). Affine in ``blocks``: a
+    block's figures times their count, plus the pass's own. The pass itself is priced once for
+    every layout that shares its micro-batch's rows, tp, sequence parallelism, recomputation
+    and zero-bubble split (:func:`_pass_core`)."""
     key, rows, lvl = _pass_args(model, layout, machine)
-    return _pass_with(model, key, machine, rows, blocks, head, lvl)
+    return _with_accumulation(model, layout, machine,
+                              _pass_with(model, key, machine, rows, blocks, head, lvl),
+                              _accumulated_params(model, layout, blocks, head))
+
+
+def _with_accumulation(model: Transformer, layout: Layout, machine, times: tuple,
+                       params: float) -> tuple:
+    """A pass's (t_f, t_b, t_w, tp_s) with the accumulation of its ``params`` parameters'
+    gradients (:func:`accumulate_seconds`) in its backward, in the weight half under zero
+    bubble."""
+    acc = accumulate_seconds(model, layout, machine, params)
+    t_f, t_b, t_w, tp_s = times
+    return t_f, t_b + acc, t_w + (acc if layout.schedule == "zb_h1" else 0.0), tp_s
 
 
 def _pass_args(model: Transformer, layout: Layout, machine) -> tuple:
@@ -752,7 +765,9 @@ def _chunk_times(model: Transformer, layout: Layout, machine, per_stage: float) 
     key, rows, lvl = _pass_args(model, layout, machine)
     chunk = _pass_with(model, key, machine, rows, per_stage / v, False, lvl)
     whole, bare = (_pass_with(model, key, machine, rows, per_stage, h, lvl) for h in (True, False))
-    return tuple(c + (w - b) / v for c, w, b in zip(chunk, whole, bare))
+    return _with_accumulation(model, layout, machine,
+                              tuple(c + (w - b) / v for c, w, b in zip(chunk, whole, bare)),
+                              _accumulated_params(model, layout, per_stage, True) / v)
 
 
 def accumulate_seconds(model: Transformer, layout: Layout, machine, params: float) -> float:
@@ -830,9 +845,6 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
     depend on its ZeRO stage, once for a plan's ZeRO stages of one layout."""
     pp, m_count, v = layout.pp, layout.microbatches, layout.virtual
     c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, model.n_layers / pp)
-    acc = accumulate_seconds(model, layout, machine,
-                             _accumulated_params(model, layout, model.n_layers / pp, True) / v)
-    c_b, c_w = c_b + acc, c_w + (acc if layout.schedule == "zb_h1" else 0.0)
     span = pipeline.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
     if span is None:
         n = pp * v
@@ -1018,11 +1030,7 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     heads = {pp - 1} if heads is None else set(heads)
     once = {key: _pass_times(model, layout, machine, *key)       # a few distinct stages
             for key in {(n, s in heads) for s, n in enumerate(layout.stages)}}
-    zb = layout.schedule == "zb_h1"
-    times = [(f, b + acc, w + (acc if zb else 0.0), tp) for s, n in enumerate(layout.stages)
-             for f, b, w, tp in [once[n, s in heads]]
-             for acc in [accumulate_seconds(model, layout, machine,
-                                            _accumulated_params(model, layout, n, s in heads))]]
+    times = [once[n, s in heads] for s, n in enumerate(layout.stages)]
     t_f, t_b, t_w, _ = (tuple(t) for t in zip(*times))
     span = _staged_span(layout.schedule, pp, m_count, t_f,
                         tuple(b - w for b, w in zip(t_b, t_w)), t_w)
