@@ -502,15 +502,27 @@ def test_zero1_is_a_layout_dimension_that_memory_can_decide():
 
 
 def test_zero2_prices_the_gradient_s_part_and_a_reduce_scatter():
-    """At zero 2 a rank also holds 1/dp of the gradient (float32 under 16-bit parameters), and
-    its reduction is the reduce-scatter half of the allreduce."""
-    from hpcnn.plan.hybrid import state_words
+    """At zero 2 a rank also holds 1/dp of the gradient (float32 under 16-bit parameters) and
+    the buffers its reduction holds whole (three blocks and a bucket each at one micro-batch),
+    and its reduction is the reduce-scatter half of the allreduce."""
+    from hpcnn.plan.hybrid import _block, _bucket_bytes, state_words
     m = Machine()
     lay1, lay2 = Layout(8, 1, 1, 1, zero=1), Layout(8, 1, 1, 1, zero=2)
     assert state_words("adamw", lay2) == 1 + 3 / 8 and state_words("sgd", lay2) == 1 + 2 / 8
+    deep = replace(SMALL, n_layers=32)
+    q1, q2 = price(deep, lay1, m), price(deep, lay2, m)
+    block = _block(deep.dim, deep.n_heads, deep.seq, 1, deep.word)[3] / deep.word
+    buffers = 3 * (max(block, deep.vocab * deep.dim) + _bucket_bytes() / 4)
+    assert buffers < deep.params() / 3
+    assert q1.memory_bytes - q2.memory_bytes == pytest.approx(
+        (1 - 1 / 8) * deep.params() * 4 - buffers * 4, rel=1e-9)
+    assert q2.memory_parts["gradients"] - q1.memory_parts["gradients"] == pytest.approx(
+        buffers * 4 - (1 - 1 / 8) * deep.params() * 4, rel=1e-9)
+    # accumulating micro-batches: every gradient held whole until the last one reduces them
+    acc1, acc2 = (price(deep, replace(lay, microbatches=4), m) for lay in (lay1, lay2))
+    assert acc2.memory_parts["gradients"] == pytest.approx(
+        (1 + 1 / 8) * acc1.memory_parts["gradients"], rel=1e-9)
     q1, q2 = price(SMALL, lay1, m), price(SMALL, lay2, m)
-    assert q1.memory_bytes - q2.memory_bytes == pytest.approx((1 - 1 / 8) * SMALL.params()
-                                                              * 4, rel=1e-9)
     assert q2.parts["dp_comm"] == pytest.approx(q1.parts["dp_comm"] / 2, rel=1e-12)
     assert q2.parts["optimizer"] == q1.parts["optimizer"] and "zero 2" in str(lay2)
 

@@ -157,3 +157,45 @@ def test_a_parameter_two_blocks_share_is_refused_at_stage_3():
     model = Chain([lin, lin], SoftmaxCrossEntropy())
     with pytest.raises(ValueError, match="parameter tied.weight is shared by blocks 0 and 1"):
         ShardedParameters(model, Communicator.single(), bucket_mb=1.0)
+
+
+def test_stage_2_holds_three_blocks_of_gradients_however_slow_the_reductions():
+    """Stage 2 waits, after each block's backward, for the reductions launched two blocks
+    before: with reductions that never complete unless waited for, a one-micro-batch step
+    still binds at most three blocks' gradients and a bucket each (what the planner prices,
+    ``hybrid.grad_buffer_params``), not the whole model's, and reduces them as the plain
+    chain does."""
+    from hpcnn.nn import models
+    from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.collectives.comm import _SelfRequest
+    from hpcnn.parallel.data.sharded import ShardedGradients
+    from hpcnn.plan.hybrid import grad_buffer_params
+
+    class Slow(_SelfRequest):               # done only once waited for
+        def test(self):
+            return self.done
+
+        def wait(self):
+            if not self.done:
+                self._finish(0.0)
+
+    comm = Communicator.single()
+    start = comm.ireduce_scatter_parts
+    comm.ireduce_scatter_parts = lambda *a, **k: (start(*a, **k),
+                                                  Slow(comm.stats, "ireduce_scatter"))[1]
+    x, y = np.random.default_rng(0).standard_normal((6, 8)), np.arange(6) % 4
+    plain, model = (models.mlp(8, (16,) * 6, 4, dtype=np.float64) for _ in range(2))
+    plain.backward(1.0, plain.forward(x, y)[1])
+    bucket = 1e-3
+    engine = ShardedGradients(model, comm, bucket_mb=bucket)
+    engine.backward(1.0, model.forward(x, y)[1])
+    engine.finish(0)
+    whole = sum(q.size for q in model.params)
+    block = max(sum(q.size for q in b.params) for b in model.blocks)
+    priced = grad_buffer_params(whole, block, 8, False, bucket=bucket * 2 ** 20)
+    assert block * 8 <= engine.peak_bytes <= priced * 8 < whole * 8, \
+        (engine.peak_bytes, block, priced, whole)
+    grads = {q.name: q.grad for q in plain.params}
+    for flat, (ps, _) in zip(engine.flats, engine.groups):
+        assert np.array_equal(flat, np.concatenate([grads[q.name].reshape(-1) for q in ps]))
+    engine.release()

@@ -947,28 +947,32 @@ def stage_memory_parts(model: Transformer, layout: Layout, stage: int, blocks: f
                        head: bool, optimizer: str, slots: int | None = None) -> dict:
     """Bytes one rank of stage ``stage`` holds at its peak, by kind: ``parameters``,
     ``gradients`` and ``optimizer`` (the slots and, at 16 bits, the master copy) of its
-    parameters (:func:`_stage_params`; 1/dp of them by the ZeRO stage, :func:`state_bytes`),
-    ``scratch`` (the optimizer's: an array the size of its largest parameter, an MLP weight,
+    parameters (:func:`_stage_params`; 1/dp of them by the ZeRO stage, :func:`state_bytes`;
+    at ZeRO-2 and 3 the gradients also count the buffers their reduction holds,
+    :func:`grad_buffer_params`), ``scratch`` (the optimizer's: an array the size of its
+    largest parameter, an MLP weight,
     dim x 4 dim / tp, or a table; at zero >= 1 at most the rank's part), ``gathered`` (at zero
     3 the parameters of two blocks, one computing, the next prefetched: twice the largest of a
     transformer block, the embedding's tables, the LM head) and ``activations`` (the held
     ones, :func:`_held_bytes`)."""
-    state = _state_parts(model, _state_key(layout.dp, layout.tp, layout.zero), stage == 0,
-                         blocks, head, optimizer, slots)
+    key = _state_key(layout.dp, layout.tp, layout.zero, layout.microbatches > 1)
+    state = _state_parts(model, key, stage == 0, blocks, head, optimizer, slots)
     return {**state, "activations": _held_bytes(model, layout, stage, blocks)}
 
 
 @lru_cache(maxsize=4096)
-def _state_key(dp: int, tp: int, zero: int) -> Layout:
-    """What of a layout its state's memory reads (:func:`_state_parts`): dp, tp, ZeRO stage."""
-    return Layout(dp, tp, 1, 1, zero=zero)
+def _state_key(dp: int, tp: int, zero: int, accumulates: bool = False) -> Layout:
+    """What of a layout its state's memory reads (:func:`_state_parts`): dp, tp, ZeRO stage
+    and whether a step accumulates micro-batches (microbatches 2 for more than one)."""
+    return Layout(dp, tp, 1, 2 if accumulates else 1, zero=zero)
 
 
 @lru_cache(maxsize=4096)
 def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float, head: bool,
                  optimizer: str, slots: int | None) -> dict:
     """:func:`stage_memory_parts` but the activations, of the first stage (``first``) or
-    another: what depends on the layout's dp, tp and ZeRO stage alone, once per plan."""
+    another: what depends on the layout's dp, tp, ZeRO stage and accumulation alone, once
+    per plan."""
     stage = 0 if first else 1
     table = model.vocab * model.dim / layout.tp
     largest = max(4 * model.dim * model.dim / layout.tp, table if head or stage == 0 else 0,
@@ -977,18 +981,39 @@ def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float,
     gathered = 0.0
     if layout.zero:                          # the scratch: at most the rank's part
         largest = min(largest, params / layout.dp)
+    block = _block(model.dim, model.n_heads, model.seq, 1, model.word, layout.tp)[3]
+    chain = max(block / model.word, table if head else 0,      # the largest block of the chain
+                table + model.seq * model.dim if stage == 0 else 0)
     if layout.zero == 3 and layout.dp > 1:
-        block = _block(model.dim, model.n_heads, model.seq, 1, model.word, layout.tp)[3]
-        gathered = 2 * max(block / model.word, table if head else 0,
-                           table + model.seq * model.dim if stage == 0 else 0)
+        gathered = 2 * chain
     wide = 4 if model.word == 2 else model.word          # the optimizer's words (16 bits: fp32)
     dp, zero = layout.dp, layout.zero
     weights = params * model.word / (dp if zero >= 3 else 1)
     grads = params * wide / (dp if zero >= 2 else 1)
-    return {"parameters": weights, "gradients": grads,
+    buffers = (grad_buffer_params(params, chain, wide, layout.microbatches > 1) * wide
+               if zero >= 2 and dp > 1 else 0.0)
+    return {"parameters": weights, "gradients": grads + buffers,
             "optimizer": state_bytes(optimizer, layout, model.word, slots) * params
             - weights - grads,
             "scratch": largest * wide, "gathered": gathered * model.word}
+
+
+def grad_buffer_params(params: float, chain: float, word: int, accumulates: bool,
+                       bucket: float | None = None) -> float:
+    """Gradient elements the ZeRO-2 and 3 reduction holds whole at its peak, besides the rank's
+    reduced part, as hpcnn's engine runs it (:class:`hpcnn.parallel.data.sharded.
+    ShardedGradients`, ``--overlap``): a bucket's storage is bound when the backward first
+    writes it and freed once its reduce-scatter is done; after each block's backward the
+    engine launches the block's buckets and waits for those launched two blocks before. So a
+    step that accumulates micro-batches holds every one of its ``params`` gradients until
+    the last micro-batch reduces them; one micro-batch holds at most the block computing and
+    the two before it, whose reductions may be in flight, each rounded up to the buckets
+    (``--bucket_mb``) that cover it: 3 (``chain`` + a bucket), ``chain`` the chain's largest
+    block, at most all ``params``. ``word``: the gradients' bytes; ``bucket``: the buckets'
+    bytes (default ``hpcnn train``'s)."""
+    if accumulates:
+        return params
+    return min(params, 3 * (chain + (_bucket_bytes() if bucket is None else bucket) / word))
 
 
 def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",

@@ -122,9 +122,9 @@ for name, args in layouts.items():
         assert 0 < gathered <= 2 * 8 * max(sum(q.size for q in b.params)
                                            for b in zero3[0]["model"].blocks), (name, gathered)
 
-# the planner's price of what a rank holds (parameters, gradients or their part, optimizer state
-# and its scratch: hpcnn.plan.hybrid._stage_memory less the activations) is the runs' account
-# within 5 %, at each stage
+# the planner's price of what a rank holds (parameters, gradients or their part and, at zero 2
+# and 3, the reduction's buckets, optimizer state and its scratch: hpcnn.plan.hybrid.
+# _stage_memory less the activations) is the runs' account within 5 %, at each stage
 if rank == 0 and "gpt" in layouts:
     from hpcnn import datasets
     from hpcnn.config import padded_vocab
@@ -137,7 +137,8 @@ if rank == 0 and "gpt" in layouts:
         plan = read_run(os.path.join(tmp, f"gpt-z{zero}.h5")).plan
         held = max(map(sum, zip(*(plan[k] for k in ("param_bytes_per_rank", "grad_bytes_per_rank",
                                                      "optimizer_bytes_per_rank",
-                                                     "param_gather_peak_bytes_per_rank")))))
+                                                     "param_gather_peak_bytes_per_rank",
+                                                     "grad_buffer_peak_bytes_per_rank")))))
         lay = hybrid.Layout(p, 1, 1, 1, zero=zero)
         priced = (hybrid._stage_memory(model, lay, 0, cfg.n_layers, True, "adamw")
                   - hybrid._held_bytes(model, lay, 0, cfg.n_layers))
@@ -161,6 +162,30 @@ for first, then in ((1, 0), (0, 2), (2, 1), (3, 0), (0, 3)) if p == 2 or every e
     if rank == 0:
         a, b = read_run(whole).metrics["loss"][10:], read_run(resumed).metrics["loss"]
         assert len(b) == 10 and np.max(np.abs(a - b)) < 1e-10, (first, a - b)
+# the buckets stage 2 holds whole, as the planner prices them (hybrid.grad_buffer_params): with
+# small buckets, one micro-batch holds at least the largest block's gradient and at most three
+# blocks' and a bucket each; accumulating micro-batches holds every gradient
+if p == 2:
+    from hpcnn.plan.hybrid import grad_buffer_params
+    deep = [*GPT, "--n_layers=4", "--dp=2", "--zero=2", "--bucket_mb=0.001", "--steps=2",
+            "--eval_interval=0", "--progress=false", "--dtype=float64"]
+    logs = {accum: os.path.join(tmp, f"buckets-{accum}.h5") for accum in (1, 2)}
+    for accum, log in logs.items():
+        train(parse_overrides([*deep, f"--log={log}", f"--grad_accum={accum}"]), comm=world)
+    if rank == 0:
+        peak = {a: max(read_run(log).plan["grad_buffer_peak_bytes_per_rank"])
+                for a, log in logs.items()}
+        from hpcnn import datasets
+        from hpcnn.config import padded_vocab
+        cfg = parse_overrides(deep).resolved()
+        dim, vocab = cfg.dim, padded_vocab(datasets.for_config(cfg).vocab, cfg)
+        params = read_run(log).plan["param_bytes_per_rank"][0] / 8
+        block = 12 * dim * dim + 13 * dim        # a transformer block's weights and biases
+        assert block > (vocab + cfg.block_size) * dim, "the largest block is a transformer's"
+        priced = grad_buffer_params(params, block, 8, False, bucket=0.001 * 2 ** 20)
+        assert priced < params and block * 8 <= peak[1] <= priced * 8, (peak, block, priced)
+        assert peak[2] == params * 8 == grad_buffer_params(params, block, 8, True) * 8, peak
+
 # stage 2 on its own: a NaN in rank 1's batch is named on every rank (its part of the reduced
 # gradient is not finite), then the next step's parts are finite again; between steps no
 # gradient storage is bound

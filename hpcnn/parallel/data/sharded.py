@@ -278,22 +278,29 @@ class ShardedGradients(ShardedDataParallel):
         mine = self.flats[b.flat][b.at:b.at + b.counts[self.comm.rank]]
         req = self.comm.ireduce_scatter_parts(b.view, mine, b.counts, self.algorithm)
         self._reqs.append(req)
-        self._inflight.append((req, b))
+        self._inflight.append((req, b, self._at))
 
     def _launch_ready(self, i: int) -> None:
-        """As at stage 0, then free the storage of every bucket whose reduction is done."""
+        """As at stage 0, then free the storage of every bucket whose reduction is done, and
+        of those launched two blocks ago or earlier once done (waited for): at most the
+        buckets of the block computing next and of the two before it stay bound
+        (:func:`hpcnn.plan.hybrid.grad_buffer_params`), however slowly the reductions
+        progress."""
+        self._at = i
         super()._launch_ready(i)
         still = []
-        for r, b in self._inflight:
+        for r, b, at in self._inflight:
+            if at > i + 1 and i >= 0:
+                r.wait()
             if r.done:
                 self._free(b)
             else:
-                still.append((r, b))
+                still.append((r, b, at))
         self._inflight = still
 
     def _reset(self) -> None:
         super()._reset()
-        self._inflight = []
+        self._inflight, self._at = [], -1
 
     def _reduced(self) -> None:
         """Every bucket reduce-scattered: free the storage of those not freed yet."""
