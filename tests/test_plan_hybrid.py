@@ -503,7 +503,7 @@ def test_zero1_is_a_layout_dimension_that_memory_can_decide():
 
 def test_zero2_prices_the_gradient_s_part_and_a_reduce_scatter():
     """At zero 2 a rank also holds 1/dp of the gradient (float32 under 16-bit parameters) and
-    the buffers its reduction holds whole (three blocks and a bucket each at one micro-batch),
+    the buffers its reduction holds whole (three blocks and a bucket each without a pipeline),
     and its reduction is the reduce-scatter half of the allreduce."""
     from hpcnn.plan.hybrid import _block, _bucket_bytes, state_words
     m = Machine()
@@ -518,10 +518,13 @@ def test_zero2_prices_the_gradient_s_part_and_a_reduce_scatter():
         (1 - 1 / 8) * deep.params() * 4 - buffers * 4, rel=1e-9)
     assert q2.memory_parts["gradients"] - q1.memory_parts["gradients"] == pytest.approx(
         buffers * 4 - (1 - 1 / 8) * deep.params() * 4, rel=1e-9)
-    # accumulating micro-batches: every gradient held whole until the last one reduces them
-    acc1, acc2 = (price(deep, replace(lay, microbatches=4), m) for lay in (lay1, lay2))
-    assert acc2.memory_parts["gradients"] == pytest.approx(
-        (1 + 1 / 8) * acc1.memory_parts["gradients"], rel=1e-9)
+    # micro-batches reduced each in its backward: as many buffers; a pipeline reduces once,
+    # after its last micro-batch: every gradient held whole until then
+    acc2 = price(deep, replace(lay2, microbatches=4), m)
+    assert acc2.memory_parts["gradients"] == q2.memory_parts["gradients"]
+    piped1, piped2 = (price(deep, Layout(4, 1, 2, 4, zero=z), m) for z in (1, 2))
+    assert piped2.memory_parts["gradients"] == pytest.approx(
+        (1 + 1 / 4) * piped1.memory_parts["gradients"], rel=1e-9)
     q1, q2 = price(SMALL, lay1, m), price(SMALL, lay2, m)
     assert q2.parts["dp_comm"] == pytest.approx(q1.parts["dp_comm"] / 2, rel=1e-12)
     assert q2.parts["optimizer"] == q1.parts["optimizer"] and "zero 2" in str(lay2)
@@ -545,6 +548,29 @@ def test_zero3_and_mixed_precision_price_what_a_rank_holds():
     assert q2.memory_bytes - q3.memory_bytes == pytest.approx(
         (1 - 1 / 8) * SMALL.params() * SMALL.word - gathered, rel=1e-9)
     assert q3.parts["optimizer"] > q2.parts["optimizer"] and "zero 3" in str(lay[3])
+
+
+def test_zero2_and_3_reduce_and_gather_once_per_micro_batch_without_a_pipeline():
+    """Without a pipeline hpcnn's ZeRO-2 and 3 reduce-scatter each micro-batch's gradients in
+    its own backward, and ZeRO-3 gathers the parameters for each micro-batch's forward and
+    backward: m reductions and 2 m gathers a step (on a file without overlap, whole); at
+    ZeRO-1 one allreduce a step; a pipeline's ZeRO-2 reduces once, after its last
+    micro-batch."""
+    from hpcnn.plan.hybrid import _stage_params, ring_allreduce_s
+    m = Machine()
+    assert not m.dp_overlap
+    one, four = ({z: price(SMALL, Layout(8, 1, 1, mb, zero=z), m) for z in (1, 2, 3)}
+                 for mb in (1, 4))
+    assert four[1].parts["dp_comm"] == pytest.approx(one[1].parts["dp_comm"], rel=1e-12)
+    for z in (2, 3):
+        assert four[z].parts["dp_comm"] == pytest.approx(4 * one[z].parts["dp_comm"],
+                                                         rel=1e-12)
+    params = _stage_params(SMALL, Layout(8, 1, 1, 1), 0, SMALL.n_layers, True)
+    gather = ring_allreduce_s(params * SMALL.word, 8, m.level_for_group(8)) / 2
+    assert four[3].parts["optimizer"] - one[3].parts["optimizer"] == pytest.approx(
+        (8 - 2) * gather, rel=1e-9)
+    piped = {mb: price(SMALL, Layout(4, 1, 2, mb, zero=2), m) for mb in (2, 8)}
+    assert piped[8].parts["dp_comm"] == pytest.approx(piped[2].parts["dp_comm"], rel=1e-12)
 
 
 def test_data_parallelism_across_nodes_is_priced_in_two_levels_where_cheaper():

@@ -161,10 +161,11 @@ def test_a_parameter_two_blocks_share_is_refused_at_stage_3():
 
 def test_stage_2_holds_three_blocks_of_gradients_however_slow_the_reductions():
     """Stage 2 waits, after each block's backward, for the reductions launched two blocks
-    before: with reductions that never complete unless waited for, a one-micro-batch step
-    still binds at most three blocks' gradients and a bucket each (what the planner prices,
-    ``hybrid.grad_buffer_params``), not the whole model's, and reduces them as the plain
-    chain does."""
+    before, and reduces each micro-batch in its own backward: with reductions that never
+    complete unless waited for, a step of one or of three micro-batches still binds at most
+    three blocks' gradients and a bucket each (what the planner prices,
+    ``hybrid.grad_buffer_params``), not the whole model's, and its parts are the plain chain's
+    accumulated gradient."""
     from hpcnn.nn import models
     from hpcnn.parallel.collectives import Communicator
     from hpcnn.parallel.collectives.comm import _SelfRequest
@@ -183,19 +184,62 @@ def test_stage_2_holds_three_blocks_of_gradients_however_slow_the_reductions():
     start = comm.ireduce_scatter_parts
     comm.ireduce_scatter_parts = lambda *a, **k: (start(*a, **k),
                                                   Slow(comm.stats, "ireduce_scatter"))[1]
-    x, y = np.random.default_rng(0).standard_normal((6, 8)), np.arange(6) % 4
-    plain, model = (models.mlp(8, (16,) * 6, 4, dtype=np.float64) for _ in range(2))
+    rng = np.random.default_rng(0)
+    for micro in (1, 3):
+        xs, ys = rng.standard_normal((micro, 6, 8)), rng.integers(0, 4, (micro, 6))
+        plain, model = (models.mlp(8, (16,) * 6, 4, dtype=np.float64) for _ in range(2))
+        for x, y in zip(xs, ys):
+            plain.backward(0.5, plain.forward(x, y)[1])
+        bucket = 1e-3
+        engine = ShardedGradients(model, comm, bucket_mb=bucket)
+        for k, (x, y) in enumerate(zip(xs, ys)):
+            engine.backward(0.5, model.forward(x, y)[1], sync=k == micro - 1)
+        engine.finish(0)
+        whole = sum(q.size for q in model.params)
+        block = max(sum(q.size for q in b.params) for b in model.blocks)
+        priced = grad_buffer_params(whole, block, 8, False, bucket=bucket * 2 ** 20)
+        assert block * 8 <= engine.peak_bytes <= priced * 8 < whole * 8, \
+            (micro, engine.peak_bytes, block, priced, whole)
+        grads = {q.name: q.grad for q in plain.params}
+        for flat, (ps, _) in zip(engine.flats, engine.groups):
+            want = np.concatenate([grads[q.name].reshape(-1) for q in ps])
+            assert np.allclose(flat, want, rtol=1e-13, atol=0), micro
+        engine.release()
+
+
+def test_a_recomputed_block_is_gathered_once_for_its_recomputation_and_backward():
+    """Stage 3 under rematerialization: a forward between a micro-batch's backwards keeps its
+    block gathered for the backward that follows and prefetches nothing, so every block is
+    gathered once for the forward and once for the backward (the last block once), as
+    without recomputation: 2n - 1 gathers a micro-batch, and the plain chain's gradients."""
+    from hpcnn.memory.executor import Executor
+    from hpcnn.nn import models
+    from hpcnn.parallel.collectives import Communicator
+    from hpcnn.parallel.data.zero3 import ShardedParameters
+    from hpcnn.schedule import sequences
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 32, (6, 16))
+    x, y = tok, np.roll(tok, -1, axis=1)
+
+    def gpt():
+        return models.gpt(32, block_size=16, n_layers=3, dim=32, n_heads=4, seed=3,
+                          dtype=np.float64)
+    plain = gpt()
     plain.backward(1.0, plain.forward(x, y)[1])
-    bucket = 1e-3
-    engine = ShardedGradients(model, comm, bucket_mb=bucket)
-    engine.backward(1.0, model.forward(x, y)[1])
-    engine.finish(0)
-    whole = sum(q.size for q in model.params)
-    block = max(sum(q.size for q in b.params) for b in model.blocks)
-    priced = grad_buffer_params(whole, block, 8, False, bucket=bucket * 2 ** 20)
-    assert block * 8 <= engine.peak_bytes <= priced * 8 < whole * 8, \
-        (engine.peak_bytes, block, priced, whole)
-    grads = {q.name: q.grad for q in plain.params}
-    for flat, (ps, _) in zip(engine.flats, engine.groups):
-        assert np.array_equal(flat, np.concatenate([grads[q.name].reshape(-1) for q in ps]))
-    engine.release()
+    n = len(plain.blocks) + 1                     # the blocks and the loss
+    for seq in (sequences.store_all(n), sequences.segments(n, n - 1)):
+        model = gpt()
+        engine = ShardedParameters(model, Communicator.single(), bucket_mb=1e-3)
+        engine.broadcast_parameters()
+        wrapped = sum(1 for b in model.blocks if b.params)
+        model.zero_grad()
+        Executor(model, seq, need_dx=False).run(x, y)
+        engine.finish(0)
+        assert engine.gathers == 2 * wrapped - 1, (engine.gathers, wrapped)
+        assert engine.gather_peak <= 2 * max(8 * sum(q.size for q in b.params)
+                                             for b in model.blocks)
+        grads = {q.name: q.grad for q in plain.params}
+        for flat, (ps, _) in zip(engine.flats, engine.groups):
+            want = np.concatenate([grads[q.name].reshape(-1) for q in ps])
+            assert np.allclose(flat, want, rtol=0, atol=1e-12)
+        engine.release()

@@ -61,12 +61,11 @@ def forward_backward(ctx, task, x, y, shares, step: int, row0: int, t_start: flo
     # weighted: m/B (the replicas' sum is the full-batch gradient); uniform: m/(P b_i)
     dloss = [dloss_for(cfg.combine, m, shares, local=len(x)) * scale for m in sizes]
     draws = micro_draws(step, row0, sizes)
-    hook = ctx.engine.hook                               # buckets launched as blocks finish
-    last = len(xs) - 1
+    engine, last = ctx.engine, len(xs) - 1           # buckets launched as blocks finish
     out = run(ctx.schedule(len(xs)), ctx.stages, ctx.pp, xs, ys, dloss=dloss,
               shapes=ctx.shapes(a.shape for a in xs),
               dtype=ctx.dtype, t0=t_start, rank=ctx.rank, draws=draws,
-              hook=(lambda mb: hook if mb == last else None) if hook is not None else None,
+              hook=(lambda mb: engine.hook_for(mb, last)) if engine.overlap else None,
               trace=trace)
     ctx.peak_stage_bytes = max(ctx.peak_stage_bytes, int(out["peak_bytes"]))
     loss = sum(out["losses"][mb] * sizes[mb] for mb in sorted(out["losses"]))

@@ -98,12 +98,13 @@ def sharded_update_seconds(local_params: float, layout, machine, word: int,
     """The update of a rank's ``local_params``: the whole at zero 0; at zero 1 and 2 its 1/dp
     part, then the parts gathered over dp (our choice: a ring allgather, half the ring
     allreduce's 2(dp-1) steps, at the level spanning tp x dp); at zero 3 its part, and the
-    parameters gathered twice a step instead (before the forward and the backward of each
-    block), priced as not hidden behind the compute."""
+    parameters gathered twice a micro-batch instead (before the forward and the backward of
+    each block, a recomputation finding its block gathered: :mod:`hpcnn.parallel.data.zero3`),
+    priced as not hidden behind the compute."""
     if not layout.zero or layout.dp == 1:
         return update_seconds(local_params, word, machine.device, optimizer)
     level = machine.level_for_group(layout.tp * layout.dp)
-    gathers = 2 if layout.zero == 3 else 1
+    gathers = 2 * layout.microbatches if layout.zero == 3 else 1
     return (update_seconds(local_params / layout.dp, word, machine.device, optimizer)
             + gathers * ring_allreduce_s(local_params * word, layout.dp, level) / 2)
 
@@ -798,23 +799,26 @@ def dp_seconds(model: Transformer, layout: Layout, machine, params: float,
     ``--grad_reduce_dtype=fp32``; in 16 bits under ``param``, ``Transformer.reduce_word``,
     as the engine runs it: the flat ring, blocking, never overlapped; at ZeRO-2 and 3 its
     reduce-scatter half,
-    :func:`reduced_share`). Where the machine file says ``dp_overlap`` (its collectives on their
-    own stream, hpcnn train's default ``--overlap``: a bucket's reduction launched as the last
-    micro-batch's backward fills it, :mod:`hpcnn.parallel.data.bucketed`), what the backward
-    of ``window`` seconds does not hide, plus the last bucket's (``--bucket_mb``'s default),
-    at most the whole; else the whole, after the step (the machine files where ranks share
-    cores: what their validation measured)."""
+    :func:`reduced_share`, once per micro-batch without a pipeline:
+    :meth:`hpcnn.parallel.data.sharded.ShardedGradients.hook_for`). Where the machine file
+    says ``dp_overlap`` (its collectives on their own stream, hpcnn train's default
+    ``--overlap``: a bucket's reduction launched as the last micro-batch's backward fills it,
+    :mod:`hpcnn.parallel.data.bucketed`), what the backward of ``window`` seconds does not
+    hide, plus the last bucket's (``--bucket_mb``'s default), at most the whole; else the
+    whole, after the step (the machine files where ranks share cores: what their validation
+    measured)."""
     nbytes = params * model.reduce_word
     if model.grad_reduce == "param":
         # hpcnn's 16-bit reduction: a blocking ring on the compute's thread, whatever the
         # overlap and the algorithm (hpcnn.parallel.data.bucketed.narrow_allreduce)
         return dict(_dp_forms_of(nbytes, layout, machine, window))["flat"]
     share = reduced_share(layout)
+    times = layout.microbatches if share < 1 and layout.pp == 1 else 1
     whole = dp_allreduce_s(nbytes, layout, machine, after=window) * share
     if not getattr(machine, "dp_overlap", False) or whole == 0:
-        return whole
+        return times * whole
     last = dp_allreduce_s(min(nbytes, _bucket_bytes()), layout, machine, after=window) * share
-    return min(whole, max(0.0, whole - window) + last)
+    return times * min(whole, max(0.0, whole - window) + last)
 
 
 @lru_cache(maxsize=1)
@@ -955,24 +959,24 @@ def stage_memory_parts(model: Transformer, layout: Layout, stage: int, blocks: f
     3 the parameters of two blocks, one computing, the next prefetched: twice the largest of a
     transformer block, the embedding's tables, the LM head) and ``activations`` (the held
     ones, :func:`_held_bytes`)."""
-    key = _state_key(layout.dp, layout.tp, layout.zero, layout.microbatches > 1)
+    key = _state_key(layout.dp, layout.tp, layout.zero, layout.pp > 1)
     state = _state_parts(model, key, stage == 0, blocks, head, optimizer, slots)
     return {**state, "activations": _held_bytes(model, layout, stage, blocks)}
 
 
 @lru_cache(maxsize=4096)
-def _state_key(dp: int, tp: int, zero: int, accumulates: bool = False) -> Layout:
+def _state_key(dp: int, tp: int, zero: int, pipelined: bool = False) -> Layout:
     """What of a layout its state's memory reads (:func:`_state_parts`): dp, tp, ZeRO stage
-    and whether a step accumulates micro-batches (microbatches 2 for more than one)."""
-    return Layout(dp, tp, 1, 2 if accumulates else 1, zero=zero)
+    and whether it is a pipeline (pp 2 for any pp > 1)."""
+    return Layout(dp, tp, 2 if pipelined else 1, 1, zero=zero)
 
 
 @lru_cache(maxsize=4096)
 def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float, head: bool,
                  optimizer: str, slots: int | None) -> dict:
     """:func:`stage_memory_parts` but the activations, of the first stage (``first``) or
-    another: what depends on the layout's dp, tp, ZeRO stage and accumulation alone, once
-    per plan."""
+    another: what depends on the layout's dp, tp, ZeRO stage and whether it is a pipeline
+    alone, once per plan."""
     stage = 0 if first else 1
     table = model.vocab * model.dim / layout.tp
     largest = max(4 * model.dim * model.dim / layout.tp, table if head or stage == 0 else 0,
@@ -990,7 +994,7 @@ def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float,
     dp, zero = layout.dp, layout.zero
     weights = params * model.word / (dp if zero >= 3 else 1)
     grads = params * wide / (dp if zero >= 2 else 1)
-    buffers = (grad_buffer_params(params, chain, wide, layout.microbatches > 1) * wide
+    buffers = (grad_buffer_params(params, chain, wide, layout.pp > 1) * wide
                if zero >= 2 and dp > 1 else 0.0)
     return {"parameters": weights, "gradients": grads + buffers,
             "optimizer": state_bytes(optimizer, layout, model.word, slots) * params
@@ -998,20 +1002,20 @@ def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float,
             "scratch": largest * wide, "gathered": gathered * model.word}
 
 
-def grad_buffer_params(params: float, chain: float, word: int, accumulates: bool,
+def grad_buffer_params(params: float, chain: float, word: int, pipelined: bool,
                        bucket: float | None = None) -> float:
     """Gradient elements the ZeRO-2 and 3 reduction holds whole at its peak, besides the rank's
     reduced part, as hpcnn's engine runs it (:class:`hpcnn.parallel.data.sharded.
-    ShardedGradients`, ``--overlap``): a bucket's storage is bound when the backward first
-    writes it and freed once its reduce-scatter is done; after each block's backward the
-    engine launches the block's buckets and waits for those launched two blocks before. So a
-    step that accumulates micro-batches holds every one of its ``params`` gradients until
-    the last micro-batch reduces them; one micro-batch holds at most the block computing and
-    the two before it, whose reductions may be in flight, each rounded up to the buckets
-    (``--bucket_mb``) that cover it: 3 (``chain`` + a bucket), ``chain`` the chain's largest
-    block, at most all ``params``. ``word``: the gradients' bytes; ``bucket``: the buckets'
-    bytes (default ``hpcnn train``'s)."""
-    if accumulates:
+    ShardedGradients`): a bucket's storage is bound when the backward first writes it and
+    freed once its reduce-scatter is done. Without a pipeline (``--overlap``) every
+    micro-batch's buckets are reduce-scattered during its own backward, and after each block
+    the engine waits for those launched two blocks before: at most the block computing and
+    the two before it, each rounded up to the buckets (``--bucket_mb``) that cover it, 3
+    (``chain`` + a bucket), ``chain`` the chain's largest block, at most all ``params``. A
+    pipeline (``pipelined``) reduces once, after its last micro-batch: every one of its
+    ``params`` gradients is held until then. ``word``: the gradients' bytes; ``bucket``: the
+    buckets' bytes (default ``hpcnn train``'s)."""
+    if pipelined:
         return params
     return min(params, 3 * (chain + (_bucket_bytes() if bucket is None else bucket) / word))
 

@@ -257,6 +257,11 @@ class DataParallel:
         starts every bucket final after block i (None without overlap: :meth:`finish` reduces)."""
         return self._on_block_done if self.overlap else None
 
+    def hook_for(self, mb: int, last: int):
+        """The ``on_block_done`` callback for micro-batch ``mb``'s backward, ``last`` the step's
+        last micro-batch: :attr:`hook` for the last, None before it (only accumulates)."""
+        return self.hook if mb == last else None
+
     reduces = True             # a step waits for it (the loop times that wait)
     shards_gradients = False   # each rank holds the whole reduced gradient (ZeRO-2 does not)
     shards_parameters = False  # each rank holds the whole parameters (ZeRO-3 does not)
@@ -387,6 +392,7 @@ class LocalGradients:
     the same interface as :class:`DataParallel`, with nothing to reduce."""
 
     hook = None
+    hook_for = DataParallel.hook_for
     reduces = False
     overlap = False
     shards_gradients = shards_parameters = False

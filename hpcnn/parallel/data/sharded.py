@@ -276,9 +276,10 @@ class ShardedGradients(ShardedDataParallel):
         if self.check_finite and not self._local_bad:
             self._local_bad = not backend.finite(b.view, backend.square_sum(b.view))
         mine = self.flats[b.flat][b.at:b.at + b.counts[self.comm.rank]]
-        req = self.comm.ireduce_scatter_parts(b.view, mine, b.counts, self.algorithm)
+        into = backend.xp.empty_like(mine) if self._added else mine   # later micro-batches add
+        req = self.comm.ireduce_scatter_parts(b.view, into, b.counts, self.algorithm)
         self._reqs.append(req)
-        self._inflight.append((req, b, self._at))
+        self._inflight.append((req, b, self._at, None if into is mine else (into, mine)))
 
     def _launch_ready(self, i: int) -> None:
         """As at stage 0, then free the storage of every bucket whose reduction is done, and
@@ -289,21 +290,56 @@ class ShardedGradients(ShardedDataParallel):
         self._at = i
         super()._launch_ready(i)
         still = []
-        for r, b, at in self._inflight:
+        for r, b, at, add in self._inflight:
             if at > i + 1 and i >= 0:
                 r.wait()
             if r.done:
-                self._free(b)
+                self._complete(b, add)
             else:
-                still.append((r, b, at))
+                still.append((r, b, at, add))
         self._inflight = still
+
+    def _complete(self, b, add) -> None:
+        """Bucket ``b``'s reduction done: a later micro-batch's part added to the rank's
+        (``add`` = (received, part)), the bucket's storage freed."""
+        if add is not None:
+            received, part = add
+            part += received
+        self._free(b)
+
+    def hook_for(self, mb: int, last: int):
+        """With overlap, every micro-batch's buckets are reduce-scattered during its own
+        backward, a later micro-batch's parts added to the rank's (the previous micro-batch's
+        reductions completed first, so that its buckets may be written again): a step binds
+        three blocks' buckets at most, however many micro-batches it accumulates. Without
+        overlap (pipelines), as at stage 0: once, at the last micro-batch."""
+        if not self.overlap:
+            return super().hook_for(mb, last)
+        if self._next:                       # an earlier micro-batch of this step was reduced
+            for r, b, _, add in self._inflight:
+                r.wait()
+                self._complete(b, add)
+            self._inflight, self._reqs, self._next, self._added = [], [], 0, True
+        return self._on_block_done
+
+    def backward(self, dloss, caches, sync: bool = True) -> None:
+        """As at stage 0 (:meth:`DataParallel.backward`); with overlap every micro-batch is
+        reduced during its backward whatever ``sync`` (:meth:`hook_for`)."""
+        if not self.overlap:
+            super().backward(dloss, caches, sync)
+            return
+        self.model.backward(dloss, caches, need_dx=False, on_block_done=self.hook_for(0, 0))
 
     def _reset(self) -> None:
         super()._reset()
-        self._inflight, self._at = [], -1
+        self._inflight, self._at, self._added = [], -1, False
 
     def _reduced(self) -> None:
-        """Every bucket reduce-scattered: free the storage of those not freed yet."""
+        """Every bucket reduce-scattered: the later micro-batches' parts added, the storage
+        of every bucket not freed yet freed."""
+        for _, b, _, add in self._inflight:
+            self._complete(b, add)
+        self._inflight = []
         for b in self.buckets:
             self._free(b)
 

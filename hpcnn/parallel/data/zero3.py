@@ -75,11 +75,19 @@ class GatheredBlock(Block):
 
     def forward(self, x):
         """The last block's parameters stay gathered after a training forward: its backward
-        comes next (they are dropped then, or by the next block's gather)."""
+        comes next (they are dropped then, or by the next block's gather). A forward between
+        two backwards of a micro-batch is a recomputation (rematerialization), its own
+        backward or the segment's next recomputed block next: it keeps its parameters and
+        prefetches nothing, so a backward finds them gathered."""
+        if self._engine.recomputing:
+            return self._run(self.inner.forward, 0, x, keep=True)
         last = self._j == len(self._engine.spans) - 1
         return self._run(self.inner.forward, 1, x, keep=last and self.inner.training)
 
     def backward(self, dy, cache, **kw):
+        """The block's backward, the previous block's gather started; until the first
+        block's backward ends, a forward is a recomputation."""
+        self._engine.recomputing = self._j > 0
         return self._run(self.inner.backward, -1, dy, cache, **kw)
 
     def spec(self, x_shape):
@@ -115,7 +123,8 @@ class ShardedParameters(ShardedGradients):
     """ZeRO stage 3 (see the module docstring): :class:`~hpcnn.parallel.data.sharded.
     ShardedGradients` whose parameters live only as this rank's ``shards`` once
     :meth:`broadcast_parameters` has given every rank the same values; ``gather_bytes`` the
-    gather buffers alive now, ``gather_peak`` their peak."""
+    gather buffers alive now, ``gather_peak`` their peak, ``gathers`` the blocks' gathers
+    started so far."""
 
     shards_parameters = True
 
@@ -136,7 +145,8 @@ class ShardedParameters(ShardedGradients):
                 self.wrapped.append(i)
                 self.spans.append([Span(k, items, self.bounds[k]) for k, items in per.items()])
         self.shards, self._held, self._whole = None, {}, False
-        self.gather_bytes = self.gather_peak = 0
+        self.gather_bytes = self.gather_peak = self.gathers = 0
+        self.recomputing = False     # between a micro-batch's first and last block backwards
 
     def broadcast_parameters(self, root: int = 0) -> None:
         """Rank ``root``'s values everywhere (as at every stage), then keep only this rank's
@@ -173,6 +183,7 @@ class ShardedParameters(ShardedGradients):
             bufs.append(buf)
             self.gather_bytes += buf.nbytes
         self.gather_peak = max(self.gather_peak, self.gather_bytes)
+        self.gathers += 1
         self._held[j] = (reqs, bufs)
 
     def acquire(self, j: int, then: int) -> None:
@@ -208,8 +219,9 @@ class ShardedParameters(ShardedGradients):
                 p.data = placeholder(p.shape, p.data.dtype)
 
     def _reduced(self) -> None:
-        """The step's end: also drop a gather started but not used (a recomputation's)."""
+        """The step's end: also drop a gather started but not used."""
         super()._reduced()
+        self.recomputing = False
         for j in list(self._held):
             self.drop(j)
 
