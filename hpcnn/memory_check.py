@@ -6,7 +6,8 @@ NumPy die in a MemoryError traceback, or the kernel kill the run, once the model
 
 - **what a rank needs** (:func:`rank_need`): its parameters, gradients and optimizer state, and
   where the planner prices them its activations. The GPT as :func:`hpcnn.plan.hybrid.rank_memory`
-  prices it (its scratch and one micro-batch's held activations included); the MLP as
+  prices it (its scratch and one micro-batch's held activations included, at ZeRO-2 and 3 the
+  one block's gradient buckets a backward binds at least); the MLP as
   :func:`hpcnn.plan.cost.strategy_memory` prices it on one device (cached inputs, ReLU outputs,
   the loss's probabilities), divided by tp x pp; the CNN and the GCN their parameters
   (:func:`param_count`, from the configuration alone) only. The figure is meant as a floor of
@@ -93,7 +94,7 @@ def rank_need(cfg, data) -> tuple[float, str]:
                                    vocab=padded_vocab(data.vocab, cfg), dtype=dtype,
                                    batch=max(1, cfg.batch_size // micro))
         held = cfg.remat in ("none", "full")
-        return (hybrid.rank_memory(model, layout, cfg.optimizer, slots, held),
+        return (hybrid.rank_memory(model, layout, cfg.optimizer, slots, held, least=True),
                 state + (", one micro-batch's activations" if held else ""))
     params, split = param_count(cfg, data), (1 if cfg.model == "gcn" else cfg.tp * cfg.pp)
     if cfg.model == "mlp" and cfg.remat == "none":

@@ -7,7 +7,7 @@ import pytest
 
 from hpcnn.plan.hybrid import (Layout, Transformer, _accumulated_params, _block,
                                accumulate_seconds, flops_per_step, layouts, plan, price,
-                               stage_cut, stage_times, update_seconds)
+                               rank_memory, stage_cut, stage_times, update_seconds)
 from hpcnn.plan.machine import Device, Level, Machine as Hsm
 
 
@@ -518,6 +518,10 @@ def test_zero2_prices_the_gradient_s_part_and_a_reduce_scatter():
         (1 - 1 / 8) * deep.params() * 4 - buffers * 4, rel=1e-9)
     assert q2.memory_parts["gradients"] - q1.memory_parts["gradients"] == pytest.approx(
         buffers * 4 - (1 - 1 / 8) * deep.params() * 4, rel=1e-9)
+    # the least a backward binds (memory_check's floor): the block computing's buckets
+    assert rank_memory(deep, lay2, least=True) == pytest.approx(
+        q2.memory_bytes - (buffers - block) * 4, rel=1e-9)
+    assert rank_memory(deep, lay1, least=True) == q1.memory_bytes
     # micro-batches reduced each in its backward: as many buffers; a pipeline reduces once,
     # after its last micro-batch: every gradient held whole until then
     acc2 = price(deep, replace(lay2, microbatches=4), m)

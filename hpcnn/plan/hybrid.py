@@ -985,12 +985,10 @@ def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float,
     gathered = 0.0
     if layout.zero:                          # the scratch: at most the rank's part
         largest = min(largest, params / layout.dp)
-    block = _block(model.dim, model.n_heads, model.seq, 1, model.word, layout.tp)[3]
-    chain = max(block / model.word, table if head else 0,      # the largest block of the chain
-                table + model.seq * model.dim if stage == 0 else 0)
+    chain = _largest_block(model, layout.tp, stage == 0, head)
     if layout.zero == 3 and layout.dp > 1:
         gathered = 2 * chain
-    wide = 4 if model.word == 2 else model.word          # the optimizer's words (16 bits: fp32)
+    wide = _wide(model)
     dp, zero = layout.dp, layout.zero
     weights = params * model.word / (dp if zero >= 3 else 1)
     grads = params * wide / (dp if zero >= 2 else 1)
@@ -1000,6 +998,20 @@ def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float,
             "optimizer": state_bytes(optimizer, layout, model.word, slots) * params
             - weights - grads,
             "scratch": largest * wide, "gathered": gathered * model.word}
+
+
+def _largest_block(model: Transformer, tp: int, first: bool, head: bool) -> float:
+    """Parameters of the largest block of a stage's chain, as one of ``tp`` ranks holds them:
+    a transformer block, the LM head's table (``head``), the embedding's and position tables
+    (the ``first`` stage)."""
+    block = _block(model.dim, model.n_heads, model.seq, 1, model.word, tp)[3] / model.word
+    table = model.vocab * model.dim / tp
+    return max(block, table if head else 0, table + model.seq * model.dim if first else 0)
+
+
+def _wide(model: Transformer) -> int:
+    """Bytes of a gradient and an optimizer word: float32 under 16-bit parameters."""
+    return 4 if model.word == 2 else model.word
 
 
 def grad_buffer_params(params: float, chain: float, word: int, pipelined: bool,
@@ -1021,7 +1033,7 @@ def grad_buffer_params(params: float, chain: float, word: int, pipelined: bool,
 
 
 def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
-                slots: int | None = None, held: bool = True) -> float:
+                slots: int | None = None, held: bool = True, least: bool = False) -> float:
     """Bytes some rank of ``layout`` holds at least, however its stages are cut: the mean over
     its pp stages of :func:`_stage_memory` on the uniform cut (n_layers / pp transformer blocks
     each, the embedding's tables on the first stage, the LM head on the last only), which for
@@ -1031,7 +1043,9 @@ def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
     the least a stage holds). ``slots``: the optimizer's arrays per parameter (default
     :data:`STATE_WORDS` of ``optimizer`` less two; SGD without momentum holds none);
     ``held=False``: without the held activations (a rematerialization this module does not
-    price)."""
+    price); ``least``: at ZeRO-2 and 3 without a pipeline, one block's gradient buckets, the
+    least a backward binds (the block computing writes its gradients before any is reduced),
+    instead of the three :func:`grad_buffer_params` prices."""
     pp, blocks = layout.pp, model.n_layers / layout.pp
     total = 0.0
     for s in range(pp):
@@ -1039,6 +1053,11 @@ def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
         total += _stage_memory(model, layout, s, blocks, head, optimizer, slots)
         if not held:
             total -= _held_bytes(model, layout, s, blocks)
+    if least and layout.zero >= 2 and layout.dp > 1 and pp == 1:
+        params = _stage_params(model, layout, 0, blocks, True)
+        chain = _largest_block(model, layout.tp, True, True)
+        total -= (grad_buffer_params(params, chain, _wide(model), False)
+                  - min(params, chain)) * _wide(model)
     return total / pp
 
 
