@@ -130,6 +130,7 @@ def test_a_gathered_block_holds_its_parameters_only_while_it_runs():
     model.zero_grad()
     got, caches = model.forward(x, y)
     engine.backward(1.0, caches)
+    assert not engine.recomputing      # (the first Linear's backward: its weight half only)
     engine.finish(0)
     assert got == want and all(is_placeholder(q.data) for q in model.params)
     assert engine.gather_peak == 8 * (8 * 16 + 16 + 16 * 16 + 16)   # the first two Linears

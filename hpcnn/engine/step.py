@@ -117,7 +117,8 @@ def train_step(ctx, task, opt, step: int, t_start: float):
         loss_sum, events = forward_backward(ctx, task, xg[mine], yg[mine], shares, step,
                                             int(mine[0]) if len(mine) else 0, t_start, trace,
                                             scale)
-    compute = time.perf_counter() - t0
+    # (less the step's waits on dp collectives inside it, ZeRO-2 and 3's: not this replica's)
+    compute = time.perf_counter() - t0 - ctx.engine.waited_s
     pad = ctx.slowdown.pad(compute)
     if pad:
         events.append((ctx.rank, "emulated_slowdown", -1, t0 + compute - t_start,

@@ -4,7 +4,8 @@
 as it ran (:func:`hpcnn.engine.execute.run`), the rematerialization ops its stage's executor ran
 inside each F and B (:class:`hpcnn.memory.executor.Executor`), and the gradient buckets' allreduce
 launches: ``AR k`` right after the block whose backward completed bucket k (overlap: the
-data-parallel hook of the last micro-batch's backward), or after the list when they are reduced
+data-parallel hook of the last micro-batch's backward; at ZeRO-2 and 3 every micro-batch's
+backward launches its buckets, the last's shown), or after the list when they are reduced
 at the end (pipelines, blocking algorithms), then ``AR_WAIT``. A plain stage's B is shown as the
 chain's reverse loop, block by block, when buckets launch inside it. Rank 0 prints every rank's
 lines and the run log keeps them in ``/plan`` (``step_schedule``)::

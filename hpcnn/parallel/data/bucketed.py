@@ -210,6 +210,7 @@ class DataParallel:
         # (position in launch order, block whose backward completed it; -1: finish) per bucket
         self.last_launched, self.launched = getattr(self, "launched", []), []
         self._next, self._reqs, self._local_bad, self._reduce_s = 0, [], False, 0.0
+        self.waited_s = 0.0            # blocked in the step on dp collectives (ZeRO-2 and 3's)
         self._sq = [0.0] * len(self.flats)
 
     @property
@@ -393,6 +394,7 @@ class LocalGradients:
 
     hook = None
     hook_for = DataParallel.hook_for
+    waited_s = 0.0
     reduces = False
     overlap = False
     shards_gradients = shards_parameters = False

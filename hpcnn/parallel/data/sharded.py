@@ -22,6 +22,8 @@ a checkpoint moves between zero stages, dp sizes and layouts.
 """
 from __future__ import annotations
 
+import time
+
 import numpy
 
 from hpcnn import backend
@@ -289,7 +291,7 @@ class ShardedGradients(ShardedDataParallel):
         progress."""
         self._at = i
         super()._launch_ready(i)
-        still = []
+        still, t = [], time.perf_counter()
         for r, b, at, add in self._inflight:
             if at > i + 1 and i >= 0:
                 r.wait()
@@ -298,6 +300,7 @@ class ShardedGradients(ShardedDataParallel):
             else:
                 still.append((r, b, at, add))
         self._inflight = still
+        self.waited_s += time.perf_counter() - t
 
     def _complete(self, b, add) -> None:
         """Bucket ``b``'s reduction done: a later micro-batch's part added to the rank's
@@ -316,10 +319,13 @@ class ShardedGradients(ShardedDataParallel):
         if not self.overlap:
             return super().hook_for(mb, last)
         if self._next:                       # an earlier micro-batch of this step was reduced
+            t = time.perf_counter()
             for r, b, _, add in self._inflight:
                 r.wait()
                 self._complete(b, add)
+            self.waited_s += time.perf_counter() - t
             self._inflight, self._reqs, self._next, self._added = [], [], 0, True
+            self.launched = []               # (the last micro-batch's launches: --show_schedule)
         return self._on_block_done
 
     def backward(self, dloss, caches, sync: bool = True) -> None:

@@ -25,6 +25,7 @@ shares, whose sequences differ between ranks).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy
 
@@ -85,10 +86,7 @@ class GatheredBlock(Block):
         return self._run(self.inner.forward, 1, x, keep=last and self.inner.training)
 
     def backward(self, dy, cache, **kw):
-        """The block's backward, the previous block's gather started; until the first
-        block's backward ends, a forward is a recomputation."""
-        self._engine.recomputing = self._j > 0
-        return self._run(self.inner.backward, -1, dy, cache, **kw)
+        return self._backward(self.inner.backward, dy, cache, **kw)
 
     def spec(self, x_shape):
         return self.inner.spec(x_shape)
@@ -109,8 +107,14 @@ class GatheredBlock(Block):
     def __getattr__(self, name):
         attr = getattr(self.inner, name)
         if name in ("backward_input", "backward_weight"):
-            return lambda dy, cache: self._run(attr, -1, dy, cache)
+            return lambda dy, cache: self._backward(attr, dy, cache)
         return attr
+
+    def _backward(self, fn, dy, cache, **kw):
+        """A backward (or half of one) of the block, the previous block's gather started;
+        until the first block's backward ends, a forward is a recomputation."""
+        self._engine.recomputing = self._j > 0
+        return self._run(fn, -1, dy, cache, **kw)
 
     def __setattr__(self, name, value):       # (a GCN's evaluation swaps its blocks' operator)
         setattr(self.inner, name, value)
@@ -196,8 +200,10 @@ class ShardedParameters(ShardedGradients):
                 self.drop(k)
         self.prefetch(j)
         self.prefetch(then)
+        t = time.perf_counter()
         for req in self._held[j][0]:
             req.wait()
+        self.waited_s += time.perf_counter() - t
 
     def drop(self, j: int) -> None:
         """Free block ``j``'s gathered parameters."""
