@@ -216,8 +216,9 @@ class ShardedGradients(ShardedDataParallel):
     whole parameters (one larger than ``bucket_mb`` alone); a bucket's gradient storage is
     bound when the backward first writes one of its parameters (:meth:`hpcnn.nn.core.Parameter.
     lend_grad`), reduce-scattered over the ranks when it is final (``MPI_Ireduce_scatter``,
-    started during the backward as the allreduce is at stage 0), each rank receiving the
-    elements of its part into ``flats`` (its reduced gradient, 1/dp), and freed once reduced.
+    started during the backward as the allreduce is at stage 0; with overlap, during every
+    micro-batch's backward, :meth:`hook_for`), each rank receiving the elements of its part
+    into ``flats`` (its reduced gradient, 1/dp), and freed once reduced.
     Finite: each rank tests its part; one small allgather names the ranks whose own gradient
     was not. Clipping sums the parts' squares over dp (``shards_gradients``)."""
 
