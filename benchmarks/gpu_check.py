@@ -42,8 +42,10 @@ GPT = ["--model=gpt", "--dataset=sonnet", "--dim=16", "--n_heads=2", "--block_si
        "--batch_size=8", "--n_layers=2", "--steps=2", "--log_interval=2", "--eval_interval=2",
        "--eval_batches=1", "--optimizer=adamw", "--pad_vocab=2", "--dropout=0.1",
        "--progress=false"]
+# (ZeRO-2 and 3 with 2 micro-batches: each reduce-scattered in its own backward and added)
 LAYOUTS = {"dp=2": ["--dp=2"], "tp=2": ["--tp=2"], "pp=2": ["--pp=2", "--microbatches=2"],
-           **{f"zero={z}": ["--dp=2", f"--zero={z}"] for z in (1, 2, 3)}}
+           **{f"zero={z}": ["--dp=2", f"--zero={z}", *(["--grad_accum=2"] if z >= 2 else [])]
+              for z in (1, 2, 3)}}
 SIZES = {"full": dict(n_layers=12, dim=1024, n_heads=16, block_size=1024, batch_size=8,
                       steps=12, dataset="shakespeare"),
          "small": dict(n_layers=2, dim=64, n_heads=4, block_size=32, batch_size=4, steps=5,
