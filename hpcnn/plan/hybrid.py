@@ -789,7 +789,7 @@ def accumulate_seconds(model: Transformer, layout: Layout, machine, params: floa
     m_count = layout.microbatches
     if m_count <= 1 or per_byte is None:
         return 0.0
-    return 3 * max(model.word, 4) * params * (m_count - 1) / m_count * per_byte
+    return 3 * _wide(model) * params * (m_count - 1) / m_count * per_byte
 
 
 def dp_seconds(model: Transformer, layout: Layout, machine, params: float,
@@ -985,15 +985,13 @@ def _state_parts(model: Transformer, layout: Layout, first: bool, blocks: float,
     gathered = 0.0
     if layout.zero:                          # the scratch: at most the rank's part
         largest = min(largest, params / layout.dp)
-    chain = _largest_block(model, layout.tp, stage == 0, head)
     if layout.zero == 3 and layout.dp > 1:
-        gathered = 2 * chain
+        gathered = 2 * _largest_block(model, layout.tp, first, head)
     wide = _wide(model)
     dp, zero = layout.dp, layout.zero
     weights = params * model.word / (dp if zero >= 3 else 1)
     grads = params * wide / (dp if zero >= 2 else 1)
-    buffers = (grad_buffer_params(params, chain, wide, layout.pp > 1) * wide
-               if zero >= 2 and dp > 1 else 0.0)
+    buffers = _grad_buffers(model, layout, first, blocks, head)[0]
     return {"parameters": weights, "gradients": grads + buffers,
             "optimizer": state_bytes(optimizer, layout, model.word, slots) * params
             - weights - grads,
@@ -1012,6 +1010,21 @@ def _largest_block(model: Transformer, tp: int, first: bool, head: bool) -> floa
 def _wide(model: Transformer) -> int:
     """Bytes of a gradient and an optimizer word: float32 under 16-bit parameters."""
     return 4 if model.word == 2 else model.word
+
+
+def _grad_buffers(model: Transformer, layout: Layout, first: bool, blocks: float,
+                  head: bool) -> tuple:
+    """(priced, least) bytes of the buckets a rank's ZeRO-2 or 3 reduction binds whole, on
+    the ``first`` stage or another of ``blocks`` transformer blocks (``head``: with the LM
+    head): :func:`grad_buffer_params`'s, and without a pipeline the one block's a backward
+    binds at least (the block computing writes its gradients before any is reduced); (0, 0)
+    below ZeRO-2 or at dp 1."""
+    if layout.zero < 2 or layout.dp == 1:
+        return 0.0, 0.0
+    params = _stage_params(model, layout, 0 if first else 1, blocks, head)
+    chain, wide = _largest_block(model, layout.tp, first, head), _wide(model)
+    priced = grad_buffer_params(params, chain, wide, layout.pp > 1) * wide
+    return priced, priced if layout.pp > 1 else min(params, chain) * wide
 
 
 def grad_buffer_params(params: float, chain: float, word: int, pipelined: bool,
@@ -1043,9 +1056,8 @@ def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
     the least a stage holds). ``slots``: the optimizer's arrays per parameter (default
     :data:`STATE_WORDS` of ``optimizer`` less two; SGD without momentum holds none);
     ``held=False``: without the held activations (a rematerialization this module does not
-    price); ``least``: at ZeRO-2 and 3 without a pipeline, one block's gradient buckets, the
-    least a backward binds (the block computing writes its gradients before any is reduced),
-    instead of the three :func:`grad_buffer_params` prices."""
+    price); ``least``: at ZeRO-2 and 3 the least gradient buckets a backward binds
+    (:func:`_grad_buffers`), instead of those :func:`grad_buffer_params` prices."""
     pp, blocks = layout.pp, model.n_layers / layout.pp
     total = 0.0
     for s in range(pp):
@@ -1053,11 +1065,9 @@ def rank_memory(model: Transformer, layout: Layout, optimizer: str = "adamw",
         total += _stage_memory(model, layout, s, blocks, head, optimizer, slots)
         if not held:
             total -= _held_bytes(model, layout, s, blocks)
-    if least and layout.zero >= 2 and layout.dp > 1 and pp == 1:
-        params = _stage_params(model, layout, 0, blocks, True)
-        chain = _largest_block(model, layout.tp, True, True)
-        total -= (grad_buffer_params(params, chain, _wide(model), False)
-                  - min(params, chain)) * _wide(model)
+        if least:
+            priced, floor = _grad_buffers(model, layout, s == 0, blocks, head)
+            total -= priced - floor
     return total / pp
 
 

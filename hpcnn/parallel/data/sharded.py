@@ -321,11 +321,9 @@ class ShardedGradients(ShardedDataParallel):
             return super().hook_for(mb, last)
         if self._next:                       # an earlier micro-batch of this step was reduced
             t = time.perf_counter()
-            for r, b, _, add in self._inflight:
-                r.wait()
-                self._complete(b, add)
+            self._drain()
             self.waited_s += time.perf_counter() - t
-            self._inflight, self._reqs, self._next, self._added = [], [], 0, True
+            self._reqs, self._next, self._added = [], 0, True
             self.launched = []               # (the last micro-batch's launches: --show_schedule)
         return self._on_block_done
 
@@ -341,12 +339,17 @@ class ShardedGradients(ShardedDataParallel):
         super()._reset()
         self._inflight, self._at, self._added = [], -1, False
 
+    def _drain(self) -> None:
+        """Every reduction in flight waited for and completed (:meth:`_complete`)."""
+        for r, b, _, add in self._inflight:
+            r.wait()
+            self._complete(b, add)
+        self._inflight = []
+
     def _reduced(self) -> None:
         """Every bucket reduce-scattered: the later micro-batches' parts added, the storage
         of every bucket not freed yet freed."""
-        for _, b, _, add in self._inflight:
-            self._complete(b, add)
-        self._inflight = []
+        self._drain()
         for b in self.buckets:
             self._free(b)
 
