@@ -5,7 +5,7 @@
 Left: the chosen dp, tp and pp (log scale) against parameters; a hollow marker where even the best
 layout does not fit the device memory. Right: predicted model FLOP/s per device, as a fraction of
 the device's peak, and memory per device. Made only from the HDF5 table "scale"; predictions
-from datasheet figures, not measurements (the title says so).
+from the machine file's public figures, not measurements (the title says so).
 """
 import sys
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     bx.legend(loc="lower left")
     mx.legend(loc="lower right")
     bx.set_title("predicted per device")
-    fig.suptitle(f"hpcnn plan on {attrs.get('machine', '?')}: predictions from datasheet "
+    fig.suptitle(f"hpcnn plan on {attrs.get('machine', '?')}: predictions from public "
                  f"figures, not measured", fontsize=10)
     print(f"wrote {save_figure(fig, a.figure, rect=(0, 0, 1, 0.94))}")
     return 0

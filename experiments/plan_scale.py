@@ -8,7 +8,8 @@ profiling. Recorded per model: the chosen layout, its predicted step time, model
 (and the fraction of the device's peak), memory per device, how many layouts were priced and the
 search's wall time (the issue's bar: under a second each).
 
-These are predictions from datasheet figures; nothing here was measured on the GPUs. The
+These are predictions from the machine file's public figures (datasheets, published
+benchmarks); nothing here was measured on the GPUs. The
 comparison with Megatron's reported layouts (its Table 1: tp = 8 within a node from 39 B up, pp
 growing with the model) is the analysis's.
 
