@@ -784,7 +784,7 @@ def test_a_gemm_table_round_trips_is_checked_and_files_without_it_have_none(tmp_
                                                       "dgx-h100-cluster.toml",
                                                       "jean-zay-a100.toml")), f
     a100 = hm.load(GPU).device.gemm
-    assert a100["bfloat16"] == a100["float16"] == ((1024, 10240, 5120, 271.2e12),)
+    assert a100["bfloat16"] == a100["float16"] == ((16384, 16384, 16384, 256.5e12),)
     text = m.to_toml()
     for old, new, message in (
             ("8e+11", "2e12", r"gemm.float32\[0\] flop_per_s = 2000000000000.0: above the "
