@@ -190,6 +190,45 @@ def test_formula_makespan_is_simulated(name):
     assert sch.formula_makespan("zb_v", 4, 8, 1, 1, 1, 2) == 51
 
 
+def _waits(name, p, M, v, f, b, w, c):
+    """The simulated makespan's growth when every message takes c, in messages; the fast
+    makespan the planner uses grows alike."""
+    lists = sch.SCHEDULES[name](p * v, M, p)
+    grow = (sch.simulate(lists, f, b, w, c).makespan - sch.simulate(lists, f, b, w).makespan)
+    fast = sch.makespan(lists, *[[x] * (p * v) for x in (f, b, w)], c) - sch.makespan(
+        lists, *[[x] * (p * v) for x in (f, b, w)])
+    assert fast == pytest.approx(grow, rel=1e-9, abs=1e-12)
+    return grow / c
+
+
+def test_formula_messages_counts_the_simulated_waits_on_messages():
+    """Every stage alike and each message taking c: the makespan grows by formula_messages x c,
+    on random times, p up to 8, M up to 40: GPipe and 1F1B for c up to the shortest pass,
+    interleaved (v = 2-4) and ZB-H1 (t_w <= t_f, t_b) for c up to half of it; beyond that
+    condition ZB-H1 waits on 1/2 to 1 times its count; ZB-V has none."""
+    rng = random.Random(41)
+    for name, reach in (("gpipe", 1.0), ("1f1b", 1.0), ("interleaved", 0.5), ("zb_h1", 0.5)):
+        for _ in range(25):
+            p, v = rng.randint(2, 8), rng.choice((2, 3, 4)) if name == "interleaved" else 1
+            M = p * rng.randint(1, 5) if name == "interleaved" else rng.randint(1, 40)
+            f, b = rng.uniform(0.5, 2), rng.uniform(0.5, 3)
+            w = rng.uniform(0.1, 1.0) * min(f, b) if name == "zb_h1" else 0.0
+            c = rng.uniform(0.01, reach) * min(f, b, w or f) / v
+            count = sch.formula_messages(name, p, M, v)
+            assert _waits(name, p, M, v, f / v, b / v, w, c) == pytest.approx(count), \
+                (name, p, M, v, f, b, w, c)
+    assert sch.formula_messages("1f1b", 4, 8) == 2 * 3 + 2 * 5          # steady state: 7 x 3/4
+    assert sch.formula_messages("interleaved", 4, 8, 2) == 14
+    assert sch.formula_messages("zb_v", 4, 8, 2) is None
+    for _ in range(25):
+        p, M = rng.randint(2, 8), rng.randint(1, 30)
+        f, b = rng.uniform(0.5, 2), rng.uniform(0.5, 2)
+        w = rng.uniform(1.0, 2.0) * min(f, b)                             # the longer weight half
+        ratio = _waits("zb_h1", p, M, 1, f, b, w, 0.05 * min(f, b)) / sch.formula_messages(
+            "zb_h1", p, M)
+        assert 0.5 - 1e-9 <= ratio <= 1 + 1e-9, (p, M, f, b, w)
+
+
 def test_zb_h1s_closed_form_holds_with_a_long_weight_half():
     """Where the weight half is longer than a forward or an input half (the published form's
     condition fails), the makespan is M (t_f + t_b + t_w) + (p - 1) max(t_f, t_b, t_f + t_b -

@@ -19,7 +19,9 @@ built without storage) and the machine's rates, ranks ordered as
   same ring); **data parallelism**: the ring allreduce of the gradients after the step, or where
   the machine file says ``dp_overlap`` what the backward does not hide (:func:`dp_seconds`);
   **pipeline**: the schedule's makespan in stage passes (chunk passes when interleaved,
-  :mod:`hpcnn.schedule.pipeline`) plus one activation message per boundary each way;
+  :mod:`hpcnn.schedule.pipeline`) plus the activation messages the step waits on: one per
+  boundary each way in the fill and drain, and in 1F1B's steady state 2(pp - 1) / pp a
+  micro-batch (:func:`_messages`);
 - **where ranks share cores**: the level's handoffs (per allreduce, pp message and stage pass)
   and its ``bubble_weight`` on a pipeline's fill and drain;
 - **held activations**: the device's ``elementwise["held"]`` seconds per byte a stage holds beyond
@@ -466,7 +468,8 @@ class StageTimes(NamedTuple):
     0), each including ``tp_s``, the pass's tensor-parallel allreduces (the backward
     :func:`regather_share` times them); ``span`` the schedule's
     makespan in such passes (messages free), ``msg`` one activation message between stages,
-    ``pp_s`` the 2(pp - 1) of them on the critical path, ``dp_s`` the data-parallel allreduce,
+    ``pp_s`` the seconds the step waits on them (:func:`_messages`), ``dp_s`` the
+    data-parallel allreduce,
     ``opt_s`` the optimizer's update, ``held_s`` the fresh memory of the activations held beyond
     one micro-batch's (:func:`held_seconds`)."""
     t_f: float
@@ -732,16 +735,40 @@ def _level_for(machine, size: int):
     return machine.level_for_group(size)
 
 
-def _messages(model: Transformer, layout: Layout, machine, after: float = 0.0) -> tuple:
+def _messages(model: Transformer, layout: Layout, machine, after: float = 0.0,
+              slack: float = 0.0) -> tuple:
     """(one activation message between pp neighbours, sent after ``after`` seconds of a
-    chunk's pass, the 2(pp v - 1) on the critical path: the fill and drain cross every one of
-    the pp x v chunks' boundaries, v = ``layout.virtual``). Under sequence parallelism a rank
-    sends its seq/tp slice."""
+    chunk's pass; the step's seconds waiting on them, None where the schedule has no count;
+    one message's wire seconds). Under sequence parallelism a rank sends its seq/tp slice.
+    The step waits on the fill and drain's 2(pp v - 1) messages (wire and handoff, where ranks
+    share cores, :meth:`hpcnn.plan.machine.Level.handoff_after`; a pass's own wait on its
+    neighbour is in the pass, :func:`_pass_with`) and on the schedule's others
+    (:func:`hpcnn.schedule.pipeline.formula_messages`, on equal stages): 1F1B's steady state
+    waits on two wires a round of its pp - 1 in pp micro-batches, less the ``slack`` its
+    busiest stage's pass leaves the others (seconds: the last stage's LM head, in a uniform
+    price), which hides them: floor((M - 1)(pp - 1) / pp) max(0, 2 wire - slack), equal to
+    the simulated growth where one stage is ``slack`` slower (tests/test_plan_hybrid.py)."""
+    if layout.pp == 1:
+        return 0, 0, 0
     rows = model.batch // (layout.dp * layout.microbatches)
     act = rows * model.seq * model.dim * model.word / (layout.tp if layout.sequence_parallel
                                                         else 1)
-    msg = _neighbours(layout, machine).message_seconds(act, after) if layout.pp > 1 else 0
-    return msg, 2 * (layout.pp * layout.virtual - 1) * msg
+    lvl = _neighbours(layout, machine)
+    msg, wire = lvl.message_seconds(act, after), lvl.wire_seconds(act)
+    count = pipeline.formula_messages(layout.schedule, layout.pp, layout.microbatches,
+                                      layout.virtual)
+    if count is None:
+        return msg, None, wire
+    fill = _fill_messages(layout)
+    if layout.virtual == 1 and layout.schedule in ("1f1b", "interleaved"):
+        return msg, fill * msg + (count - fill) // 2 * max(0.0, 2 * wire - slack), wire
+    return msg, count * wire + fill * (msg - wire), wire
+
+
+def _fill_messages(layout: Layout) -> int:
+    """The fill and drain's messages: every one of the pp x v chunks' boundaries crossed by
+    the first micro-batch's forward and the last one's backward."""
+    return 2 * (layout.pp * layout.virtual - 1)
 
 
 def _weighted(layout: Layout, machine, span: float, busy: float) -> float:
@@ -856,7 +883,18 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
                                   (c_b - c_w,) * n, (c_w,) * n)
     t_f, t_b, t_w, tp_s = v * c_f, v * c_b, v * c_w, v * c_tp
     span = _weighted(layout, machine, span, m_count * (t_f + t_b))
-    msg, pp_s = _messages(model, layout, machine, c_f)
+    slack = 0.0
+    if pp > 1 and v == 1:                   # the middle stages' passes, without the LM head
+        mid = _pass_times(model, layout, machine, model.n_layers / pp, False)
+        slack = c_f + c_b - mid[0] - mid[1]
+    msg, pp_s, wire = _messages(model, layout, machine, c_f, slack)
+    bound = layout.schedule == "zb_h1" and c_w > min(c_f, c_b - c_w)    # the count a bound
+    if pp_s is None or (bound and pp * m_count <= SIMULATED_PASSES):  # the lists simulated
+        n = pp * v
+        times = ((c_f,) * n, (c_b - c_w,) * n, (c_w,) * n)
+        lists = _lists(layout.schedule, pp, m_count, v)
+        pp_s = (pipeline.makespan(lists, *times, wire) - pipeline.makespan(lists, *times)
+                + _fill_messages(layout) * (msg - wire))
     return t_f, t_b, t_w, tp_s, span, msg, pp_s, held_seconds(model, layout, machine)
 
 
@@ -1090,10 +1128,15 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
             for key in {(n, s in heads) for s, n in enumerate(layout.stages)}}
     times = [once[n, s in heads] for s, n in enumerate(layout.stages)]
     t_f, t_b, t_w, _ = (tuple(t) for t in zip(*times))
-    span = _staged_span(layout.schedule, pp, m_count, t_f,
-                        tuple(b - w for b, w in zip(t_b, t_w)), t_w)
+    halves = (t_f, tuple(b - w for b, w in zip(t_b, t_w)), t_w)
+    span = _staged_span(layout.schedule, pp, m_count, *halves)
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
-    _, pp_s = _messages(model, layout, machine, max(t_f))
+    whole = sorted(f + b for f, b in zip(t_f, t_b))
+    msg, pp_s, wire = _messages(model, layout, machine, max(t_f), whole[-1] - whole[-2])
+    if pp_s is None or pp * m_count <= SIMULATED_PASSES:   # the cut's own waits, simulated
+        pp_s = (_simulated_span(layout.schedule, pp, m_count, *halves, wire)
+                - _simulated_span(layout.schedule, pp, m_count, *halves)
+                + _fill_messages(layout) * (msg - wire))
     params = dict.fromkeys(_stage_params(model, layout, s, layout.stages[s], s in heads)
                            for s in _fullest_candidates(layout.stages, heads))
     reduce = [(dp_seconds(model, layout, machine, q, max(t_b)),
@@ -1145,10 +1188,11 @@ def _staged_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
 
 @lru_cache(maxsize=1024)
 def _simulated_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
-                    t_w: tuple) -> float:
-    """The makespan of ``schedule`` simulated with these per-stage times (messages free),
-    once for the layouts that share them (a plan's ZeRO stages cut alike)."""
-    return pipeline.makespan(_lists(schedule, pp, m_count), t_f, t_b, t_w)
+                    t_w: tuple, t_comm: float = 0.0) -> float:
+    """The makespan of ``schedule`` simulated with these per-stage times, each message taking
+    ``t_comm`` (0: messages free), once for the layouts that share them (a plan's ZeRO stages
+    cut alike)."""
+    return pipeline.makespan(_lists(schedule, pp, m_count), t_f, t_b, t_w, t_comm)
 
 
 def _check_fits(model: Transformer, layout: Layout) -> None:

@@ -176,9 +176,9 @@ class Level:
     def message_seconds(self, nbytes: int, after: float = 0.0) -> float:
         """H_l(c) + L_l + n g_l(n): one message of ``nbytes`` between two children of this level
         after c = ``after`` seconds of compute (H_l the handoff, :meth:`handoff_after`)."""
-        return self.handoff_after(after) + self._wire_seconds(nbytes)
+        return self.handoff_after(after) + self.wire_seconds(nbytes)
 
-    def _wire_seconds(self, nbytes: float) -> float:
+    def wire_seconds(self, nbytes: float) -> float:
         """L_l + n g_l(n): a message's latency and bytes, without the handoff."""
         return self.latency_s + nbytes * self.seconds_per_byte(nbytes)
 
@@ -186,7 +186,7 @@ class Level:
         """One step of a ring allreduce exchanging parts of ``nbytes``: L_l + n / its
         ``reduce_bandwidth`` piece's rate, or one message where the level has none."""
         if not self.reduce_bandwidth:
-            return self._wire_seconds(nbytes)
+            return self.wire_seconds(nbytes)
         if nbytes < 0:
             raise ValueError(f"level {self.name!r}: nbytes = {nbytes}: expected >= 0")
         rate = next(r for top, r in self.reduce_bandwidth if nbytes <= top)

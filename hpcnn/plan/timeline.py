@@ -7,9 +7,10 @@ t_end; :mod:`hpcnn.log.runlog`), so ``hpcnn report`` draws the two Gantt charts 
 - **a GPT layout** (:func:`gpt_events`, :mod:`.hybrid`): the schedule's per-rank instruction lists
   simulated (:func:`hpcnn.schedule.pipeline.simulate`, messages free) with the stage pass times
   that :func:`.hybrid.price` uses (:func:`.hybrid.stage_times`), the tensor-parallel allreduces
-  inside the passes. The 2(pp - 1) activation messages the price puts on the critical path are
-  drawn as it counts them: the first micro-batch's activation relayed down the pipeline before
-  the passes, the last gradient relayed up after them. Then every rank runs ``allreduce``
+  inside the passes. The price's pipeline messages are drawn as the fill and drain's: the
+  first micro-batch's activation relayed down the pipeline before the passes, the last
+  gradient relayed up after them, and the rest of the price's message seconds (1F1B's steady
+  state waits) after those. Then every rank runs ``allreduce``
   (data parallel) and ``optimizer``, after ``held`` where the price has one (one block, as the
   price adds it once per step). Where ranks share cores (``bubble_weight`` w < 1,
   :class:`.machine.Level`) the times are mapped t -> t - (1 - w) x (the first stage's idle time

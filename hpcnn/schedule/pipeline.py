@@ -271,6 +271,37 @@ def formula_makespan(name, n_ranks, n_micro, t_f, t_b, t_w=0.0, virtual=1):
     return None
 
 
+def formula_messages(name, n_ranks, n_micro, virtual=1):
+    """How many message times the makespan of schedule ``name`` grows by when each message
+    between ranks takes t_comm (:func:`simulate`'s eager sends and blocking receives), every
+    stage costing alike: the message delays on its longest path. None where we have no closed
+    form (ZB-V). Ours, each equal to the simulated count on random times
+    (tests/test_schedules.py), for t_comm up to half the shortest pass (1F1B and GPipe: up to
+    the shortest):
+
+    - GPipe: 2(p - 1), the first forward relayed down and the last backward up.
+    - 1F1B (v = 1): 2(p - 1) + 2 floor((M - 1)(p - 1) / p). Its steady state alternates F
+      and B on every rank, so a rank's backward waits for its successor's, whose forward
+      waited for this rank's: the waits chain across the pipeline, and a micro-batch costs
+      2(p - 1) / p messages beyond the fill and the drain.
+    - Interleaved (v > 1, M % p == 0): 2(pv - 1). The warm-up's extra forwards (its
+      (v - 1) p chunk passes) leave each wait slack, and only the fill and drain cross.
+    - ZB-H1: 2(p - 1) + 2 min(max(M - 2, 0), p - 1) where t_w <= t_f, t_b (the published
+      makespan's condition); beyond it the deferred W's cover more waits and the simulated
+      count is 1/2 to 1 times this one (checked), which is then an upper bound.
+    """
+    p, M, v = n_ranks, n_micro, virtual
+    if name == "gpipe" and v == 1:
+        return 2 * (p - 1)
+    if name in ("1f1b", "interleaved") and v == 1:
+        return 2 * (p - 1) + 2 * ((M - 1) * (p - 1) // p)
+    if name == "interleaved" and M % p == 0:
+        return 2 * (p * v - 1)
+    if name == "zb_h1" and v == 1:
+        return 2 * (p - 1) + 2 * min(max(M - 2, 0), p - 1)
+    return None
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb_h1": zb_h1,
              "zb_v": zb_v}
 
@@ -415,13 +446,14 @@ class PipelineCost(CostModel):
         raise ValueError(f"unknown op {op.kind!r} (one of {', '.join(OPS)})")
 
 
-def makespan(schedule_lists, t_f, t_b, t_w) -> float:
+def makespan(schedule_lists, t_f, t_b, t_w, t_comm=0.0) -> float:
     """The makespan :func:`simulate` gives ``schedule_lists`` (validated already) with these
-    per-stage times (lists, one per stage) and messages free, without its timelines, peaks and
-    checks: the planner prices many stage cuts' schedules and needs only this. Each rank runs
-    its list in order; a compute instruction takes its stage's time (B the whole backward
-    ``t_b + t_w`` where the lists have no W), a SEND stamps its message with the rank's clock,
-    a RECV waits for it; the ranks are swept until every list is done."""
+    per-stage times (lists, one per stage) and each message taking ``t_comm`` (0: messages
+    free), without its timelines, peaks and checks: the planner prices many stage cuts'
+    schedules and needs only this. Each rank runs its list in order; a compute instruction
+    takes its stage's time (B the whole backward ``t_b + t_w`` where the lists have no W), a
+    SEND stamps its message with the rank's clock plus ``t_comm``, a RECV waits for it; the
+    ranks are swept until every list is done."""
     split = any(op.kind == "W" for lst in schedule_lists for op in lst)
     seconds = {"F": t_f, "B": t_b if split else [b + w for b, w in zip(t_b, t_w)], "W": t_w}
     pos, clock, arrival = [0] * len(schedule_lists), [0.0] * len(schedule_lists), {}
@@ -436,7 +468,7 @@ def makespan(schedule_lists, t_f, t_b, t_w) -> float:
                 if kind in seconds:
                     t += seconds[kind][op.stage]
                 elif kind[0] == "S":                    # SEND_ACT, SEND_GRAD
-                    arrival[kind[5:], op.mb, op.stage] = t
+                    arrival[kind[5:], op.mb, op.stage] = t + t_comm
                 else:                                   # RECV_ACT, RECV_GRAD
                     sent = arrival.pop((kind[5:], op.mb, op.stage), None)
                     if sent is None:
