@@ -22,7 +22,9 @@ only, nothing fitted to these runs, cut to its device count:
   those, and the best of every layout priced.
 
 It prints one row per run and a summary (median and largest |error|, runs in the top 3, runs
-that fit), and saves the table ``plan_published`` to ``--out``. The runs at FP8 (NeMo's) are
+that fit), and saves the table ``plan_published`` to ``--out``, each row with the published
+layout's step seconds by part (``compute_s``, ``pp_comm_s``, ...: ``hpcnn plan --explain``'s
+terms). The runs at FP8 (NeMo's) are
 priced at bfloat16, hpcnn's narrowest precision, and kept out of the summary.
 
     python experiments/plan_published.py [--out=runs/plan_published.h5] [--only=NAME,...]
@@ -170,7 +172,8 @@ def row_of(run) -> dict:
             "fits": int(q.feasible), "rank": k, "best": str(best.layout),
             "best_step_s": best.step_s, "step_s": q.step_s, "plan_s": seconds,
             "overall_best": str(overall.layout), "overall_best_step_s": overall.step_s,
-            "notes": "; ".join(notes), "fp8": int(run.precision == "fp8")}
+            "notes": "; ".join(notes), "fp8": int(run.precision == "fp8"),
+            **{f"{part}_s": seconds for part, seconds in q.parts.items()}}
 
 
 def main(argv=None) -> int:

@@ -744,10 +744,11 @@ def _messages(model: Transformer, layout: Layout, machine, after: float = 0.0,
     share cores, :meth:`hpcnn.plan.machine.Level.handoff_after`; a pass's own wait on its
     neighbour is in the pass, :func:`_pass_with`) and on the schedule's others
     (:func:`hpcnn.schedule.pipeline.formula_messages`, on equal stages): 1F1B's steady state
-    waits on two wires a round of its pp - 1 in pp micro-batches, less the ``slack`` its
-    busiest stage's pass leaves the others (seconds: the last stage's LM head, in a uniform
+    waits on two wires a round of its pp - 1 in pp micro-batches, less the ``slack`` of a
+    last stage whose pass is that much longer than the others' (the LM head's, in a uniform
     price), which hides them: floor((M - 1)(pp - 1) / pp) max(0, 2 wire - slack), equal to
-    the simulated growth where one stage is ``slack`` slower (tests/test_plan_hybrid.py)."""
+    the simulated growth (tests/test_plan_hybrid.py). Where the count does not hold
+    (:func:`_counted`) the callers simulate the lists up to :data:`SIMULATED_PASSES`."""
     if layout.pp == 1:
         return 0, 0, 0
     rows = model.batch // (layout.dp * layout.microbatches)
@@ -763,6 +764,19 @@ def _messages(model: Transformer, layout: Layout, machine, after: float = 0.0,
     if layout.virtual == 1 and layout.schedule in ("1f1b", "interleaved"):
         return msg, fill * msg + (count - fill) // 2 * max(0.0, 2 * wire - slack), wire
     return msg, count * wire + fill * (msg - wire), wire
+
+
+def _counted(layout: Layout, wire: float, c_f: float, c_in: float, c_w: float) -> bool:
+    """Whether the schedule's count of messages waited on (:func:`_messages`) holds for these
+    chunk pass times (forward, input half, weight half): a ``wire`` up to the shortest pass
+    (1F1B, GPipe) or half of it (interleaved, ZB-H1), ZB-H1's weight half no longer than its
+    others (:func:`hpcnn.schedule.pipeline.formula_messages`)."""
+    name = "1f1b" if layout.virtual == 1 and layout.schedule == "interleaved" else layout.schedule
+    if name in ("1f1b", "gpipe"):
+        return wire <= min(c_f, c_in + c_w)
+    if name == "interleaved":
+        return wire <= 0.5 * min(c_f, c_in)
+    return name == "zb_h1" and c_w <= min(c_f, c_in) and wire <= 0.5 * min(c_f, c_in, c_w)
 
 
 def _fill_messages(layout: Layout) -> int:
@@ -888,8 +902,8 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
         mid = _pass_times(model, layout, machine, model.n_layers / pp, False)
         slack = c_f + c_b - mid[0] - mid[1]
     msg, pp_s, wire = _messages(model, layout, machine, c_f, slack)
-    bound = layout.schedule == "zb_h1" and c_w > min(c_f, c_b - c_w)    # the count a bound
-    if pp_s is None or (bound and pp * m_count <= SIMULATED_PASSES):  # the lists simulated
+    if pp_s is None or (not _counted(layout, wire, c_f, c_b - c_w, c_w)
+                        and pp * m_count <= SIMULATED_PASSES):     # the lists simulated
         n = pp * v
         times = ((c_f,) * n, (c_b - c_w,) * n, (c_w,) * n)
         lists = _lists(layout.schedule, pp, m_count, v)
@@ -1131,8 +1145,9 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     halves = (t_f, tuple(b - w for b, w in zip(t_b, t_w)), t_w)
     span = _staged_span(layout.schedule, pp, m_count, *halves)
     span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
-    whole = sorted(f + b for f, b in zip(t_f, t_b))
-    msg, pp_s, wire = _messages(model, layout, machine, max(t_f), whole[-1] - whole[-2])
+    passes = [f + b for f, b in zip(t_f, t_b)]         # the last stage's lead, where it leads
+    slack = max(0.0, passes[-1] - max(passes[:-1]))
+    msg, pp_s, wire = _messages(model, layout, machine, max(t_f), slack)
     if pp_s is None or pp * m_count <= SIMULATED_PASSES:   # the cut's own waits, simulated
         pp_s = (_simulated_span(layout.schedule, pp, m_count, *halves, wire)
                 - _simulated_span(layout.schedule, pp, m_count, *halves)

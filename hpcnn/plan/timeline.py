@@ -47,16 +47,18 @@ def gpt_events(model, layout, machine) -> list[Event]:
     lists = pipeline.SCHEDULES[layout.schedule](pp * v, m_count, pp)
     sim = pipeline.simulate(lists, st.t_f / v, (st.t_b - st.t_w) / v, st.t_w / v)
     warp = _warp(sim, hybrid._neighbours(layout, machine).bubble_weight if pp > 1 else 1.0)
-    fill = (pp - 1) * st.msg                       # activation of micro-batch 0, relayed down
+    # a relayed message, as long as the price's where it waits on the fill and drain's at least
+    msg = min(st.msg, st.pp_s / (2 * (pp - 1))) if pp > 1 else 0.0
+    fill = (pp - 1) * msg                          # activation of micro-batch 0, relayed down
     per_stage = []
     for s in range(pp):
-        evs = [("SEND_ACT", 0, s * st.msg, (s + 1) * st.msg)] if s < pp - 1 else []
+        evs = [("SEND_ACT", 0, s * msg, (s + 1) * msg)] if s < pp - 1 else []
         evs += [(ins.kind, ins.mb, fill + warp(t0), fill + warp(t1))
                 for ins, t0, t1 in sim.timelines[s]]
         end = fill + warp(sim.makespan)            # the last gradient, relayed up
         if s > 0:
             k = pp - 1 - s
-            evs.append(("SEND_GRAD", m_count - 1, end + k * st.msg, end + (k + 1) * st.msg))
+            evs.append(("SEND_GRAD", m_count - 1, end + k * msg, end + (k + 1) * msg))
         end += st.pp_s - fill
         if st.held_s > 0:                          # fresh memory of the activations held
             evs.append(("held", -1, end, end + st.held_s))
