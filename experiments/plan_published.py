@@ -173,7 +173,7 @@ def row_of(run) -> dict:
             "best_step_s": best.step_s, "step_s": q.step_s, "plan_s": seconds,
             "overall_best": str(overall.layout), "overall_best_step_s": overall.step_s,
             "notes": "; ".join(notes), "fp8": int(run.precision == "fp8"),
-            **{f"{part}_s": seconds for part, seconds in q.parts.items()}}
+            **{f"{part}_s": part_s for part, part_s in q.parts.items()}}
 
 
 def main(argv=None) -> int:

@@ -761,9 +761,14 @@ def _messages(model: Transformer, layout: Layout, machine, after: float = 0.0,
     if count is None:
         return msg, None, wire
     fill = _fill_messages(layout)
-    if layout.virtual == 1 and layout.schedule in ("1f1b", "interleaved"):
+    if _plain_1f1b(layout):
         return msg, fill * msg + (count - fill) // 2 * max(0.0, 2 * wire - slack), wire
     return msg, count * wire + fill * (msg - wire), wire
+
+
+def _plain_1f1b(layout: Layout) -> bool:
+    """Whether ``layout`` runs 1F1B without interleaving (interleaved with one chunk is it)."""
+    return layout.virtual == 1 and layout.schedule in ("1f1b", "interleaved")
 
 
 def _counted(layout: Layout, wire: float, c_f: float, c_in: float, c_w: float) -> bool:
@@ -771,12 +776,23 @@ def _counted(layout: Layout, wire: float, c_f: float, c_in: float, c_w: float) -
     chunk pass times (forward, input half, weight half): a ``wire`` up to the shortest pass
     (1F1B, GPipe) or half of it (interleaved, ZB-H1), ZB-H1's weight half no longer than its
     others (:func:`hpcnn.schedule.pipeline.formula_messages`)."""
-    name = "1f1b" if layout.virtual == 1 and layout.schedule == "interleaved" else layout.schedule
+    name = "1f1b" if _plain_1f1b(layout) else layout.schedule
     if name in ("1f1b", "gpipe"):
         return wire <= min(c_f, c_in + c_w)
     if name == "interleaved":
         return wire <= 0.5 * min(c_f, c_in)
     return name == "zb_h1" and c_w <= min(c_f, c_in) and wire <= 0.5 * min(c_f, c_in, c_w)
+
+
+def _simulated_waits(layout: Layout, halves: tuple, msg: float, wire: float) -> float:
+    """The seconds ``layout``'s step waits on its messages, its schedule simulated with these
+    per-stage (or per-chunk) ``halves`` (forward, input half, weight half): the makespan's
+    growth when every message takes its ``wire``, and the fill and drain's handoffs (the rest
+    of ``msg``), as :func:`_messages` counts them."""
+    args = (layout.schedule, layout.pp, layout.microbatches, *halves)
+    return (_simulated_span(*args, wire, virtual=layout.virtual)
+            - _simulated_span(*args, virtual=layout.virtual)
+            + _fill_messages(layout) * (msg - wire))
 
 
 def _fill_messages(layout: Layout) -> int:
@@ -890,25 +906,20 @@ def _unsharded_times(model: Transformer, layout: Layout, machine) -> tuple:
     depend on its ZeRO stage, once for a plan's ZeRO stages of one layout."""
     pp, m_count, v = layout.pp, layout.microbatches, layout.virtual
     c_f, c_b, c_w, c_tp = _chunk_times(model, layout, machine, model.n_layers / pp)
+    halves = tuple((c,) * (pp * v) for c in (c_f, c_b - c_w, c_w))    # every chunk alike
     span = pipeline.formula_makespan(layout.schedule, pp, m_count, c_f, c_b - c_w, c_w, v)
     if span is None:
-        n = pp * v
-        span = pipeline.makespan(_lists(layout.schedule, pp, m_count, v), (c_f,) * n,
-                                  (c_b - c_w,) * n, (c_w,) * n)
+        span = _simulated_span(layout.schedule, pp, m_count, *halves, virtual=v)
     t_f, t_b, t_w, tp_s = v * c_f, v * c_b, v * c_w, v * c_tp
     span = _weighted(layout, machine, span, m_count * (t_f + t_b))
     slack = 0.0
-    if pp > 1 and v == 1:                   # the middle stages' passes, without the LM head
+    if pp > 1 and _plain_1f1b(layout):      # the middle stages' passes, without the LM head
         mid = _pass_times(model, layout, machine, model.n_layers / pp, False)
         slack = c_f + c_b - mid[0] - mid[1]
     msg, pp_s, wire = _messages(model, layout, machine, c_f, slack)
     if pp_s is None or (not _counted(layout, wire, c_f, c_b - c_w, c_w)
-                        and pp * m_count <= SIMULATED_PASSES):     # the lists simulated
-        n = pp * v
-        times = ((c_f,) * n, (c_b - c_w,) * n, (c_w,) * n)
-        lists = _lists(layout.schedule, pp, m_count, v)
-        pp_s = (pipeline.makespan(lists, *times, wire) - pipeline.makespan(lists, *times)
-                + _fill_messages(layout) * (msg - wire))
+                        and pp * m_count <= SIMULATED_PASSES):
+        pp_s = _simulated_waits(layout, halves, msg, wire)
     return t_f, t_b, t_w, tp_s, span, msg, pp_s, held_seconds(model, layout, machine)
 
 
@@ -1143,20 +1154,18 @@ def _staged(model: Transformer, layout: Layout, machine, optimizer: str, heads=N
     times = [once[n, s in heads] for s, n in enumerate(layout.stages)]
     t_f, t_b, t_w, _ = (tuple(t) for t in zip(*times))
     halves = (t_f, tuple(b - w for b, w in zip(t_b, t_w)), t_w)
+    passes = [f + b for f, b in zip(t_f, t_b)]
     span = _staged_span(layout.schedule, pp, m_count, *halves)
-    span = _weighted(layout, machine, span, m_count * max(f + b for f, b in zip(t_f, t_b)))
-    passes = [f + b for f, b in zip(t_f, t_b)]         # the last stage's lead, where it leads
-    slack = max(0.0, passes[-1] - max(passes[:-1]))
+    span = _weighted(layout, machine, span, m_count * max(passes))
+    slack = max(0.0, passes[-1] - max(passes[:-1]))     # the last stage's lead, where it leads
     msg, pp_s, wire = _messages(model, layout, machine, max(t_f), slack)
     if pp_s is None or pp * m_count <= SIMULATED_PASSES:   # the cut's own waits, simulated
-        pp_s = (_simulated_span(layout.schedule, pp, m_count, *halves, wire)
-                - _simulated_span(layout.schedule, pp, m_count, *halves)
-                + _fill_messages(layout) * (msg - wire))
+        pp_s = _simulated_waits(layout, halves, msg, wire)
     params = dict.fromkeys(_stage_params(model, layout, s, layout.stages[s], s in heads)
                            for s in _fullest_candidates(layout.stages, heads))
     reduce = [(dp_seconds(model, layout, machine, q, max(t_b)),
                sharded_update_seconds(q, layout, machine, word, optimizer)) for q in params]
-    busiest = max(times, key=lambda t: t[0] + t[1])
+    busiest = times[passes.index(max(passes))]
     return span, pp_s, busiest, max(reduce, key=sum)
 
 
@@ -1203,11 +1212,11 @@ def _staged_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
 
 @lru_cache(maxsize=1024)
 def _simulated_span(schedule: str, pp: int, m_count: int, t_f: tuple, t_b: tuple,
-                    t_w: tuple, t_comm: float = 0.0) -> float:
-    """The makespan of ``schedule`` simulated with these per-stage times, each message taking
-    ``t_comm`` (0: messages free), once for the layouts that share them (a plan's ZeRO stages
-    cut alike)."""
-    return pipeline.makespan(_lists(schedule, pp, m_count), t_f, t_b, t_w, t_comm)
+                    t_w: tuple, t_comm: float = 0.0, virtual: int = 1) -> float:
+    """The makespan of ``schedule`` on pp ranks of ``virtual`` chunks each, simulated with
+    these per-stage (per-chunk) times, each message taking ``t_comm`` (0: messages free),
+    once for the layouts that share them (a plan's ZeRO stages cut alike)."""
+    return pipeline.makespan(_lists(schedule, pp, m_count, virtual), t_f, t_b, t_w, t_comm)
 
 
 def _check_fits(model: Transformer, layout: Layout) -> None:
