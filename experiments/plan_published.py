@@ -57,6 +57,16 @@ SETTINGS = {
                  "remat": {"none", "full", "selective"}},
 }
 ZERO = {"narayanan2021": (0,), "korthikanti2023": (0,), "bloom2022": (0, 1), "nemo2407": (0, 1)}
+# What Megatron-LM, the software of every source but BLOOM's, could not run: the fewest
+# pipeline stages interleaving takes (pp > 2 asserted from commit 182841f, 2021-03-20, to
+# 3ee489d, 2024-05-31: megatron/arguments.py at de7dc40, the sc21 scripts' commit, and at
+# 2755bcb, 2022-06-24), and in every version read a micro-batch count pp divides when
+# interleaving (megatron/schedules.py at de7dc40 and 2755bcb, megatron/core/pipeline_parallel/
+# schedules.py at 79c0f05, 2024-07-15, for NeMo 24.07) and stages of num_layers / pp layers
+# each (megatron/model/transformer.py at de7dc40, megatron/mpu/initialize.py at 2755bcb,
+# megatron/core/transformer/transformer_block.py at 79c0f05): no uneven cut. BLOOM's
+# Megatron-DeepSpeed cut its 70 layers unevenly (DeepSpeed's pipeline engine).
+MEGATRON = {"narayanan2021": 3, "korthikanti2023": 3, "nemo2407": 2}   # the fewest to interleave
 
 
 def parser():
@@ -128,6 +138,48 @@ def predicted_throughput(run, model, q) -> tuple:
     raise ValueError(f"{run.name}: no throughput the experiment can compare")
 
 
+def _local_ddp_pipelines(run, rows: list, zero: tuple) -> list:
+    """``rows`` (a setting's layouts) with the pipelined ones priced as Megatron-LM ran them
+    in 2021: it refused its PyTorch-DDP wrapper (``--DDP-impl torch``) with more than one
+    pipeline stage (megatron/training.py at de7dc40: "We only support local DDP with multiple
+    micro-batches"), so a pipeline reduced its fp16 gradients after the backward (the
+    published run's own reduction, not overlapped: :func:`model_for`'s change undone)."""
+    pps = {r.layout.pp for r in rows if r.layout.pp > 1}
+    if not pps:
+        return rows
+    local = dataclasses.replace(load(published.machine_name(run)).with_devices(run.devices),
+                                dp_overlap=False)
+    piped = hybrid.plan(published.model_of(run), local, run.devices, zero=zero,
+                        remat=hybrid.PRICED_REMAT, allow={"pp": pps})
+    keep = {r.layout for r in rows}
+    return sorted([r for r in rows if r.layout.pp == 1] + [r for r in piped if r.layout in keep],
+                  key=hybrid.plan_order)
+
+
+def could_run(source: str, lay) -> bool:
+    """Whether ``source``'s software could run ``lay``'s pipeline (:data:`MEGATRON`: uniform
+    stages; interleaving on at least its fewest stages, with a micro-batch count pp divides)."""
+    if source not in MEGATRON:
+        return True
+    if lay.stages and len(set(lay.stages)) > 1:
+        return False
+    if lay.schedule != "interleaved" or lay.virtual == 1:
+        return True
+    return lay.pp >= MEGATRON[source] and lay.microbatches % lay.pp == 0
+
+
+def of_setting(run, every: list) -> list:
+    """Those of ``every`` (priced layouts, in :func:`hybrid.plan`'s order) that ``run``'s
+    software could run (:data:`SETTINGS`, :data:`ZERO`, :func:`could_run`; a ZeRO-3 run's
+    among ZeRO-3 layouts), priced as it ran them (:func:`_local_ddp_pipelines`)."""
+    setting, zero = SETTINGS[run.source], (3,) if run.zero == 3 else ZERO[run.source]
+    ok = [r for r in every if r.layout.zero in zero and could_run(run.source, r.layout)
+          and all(getattr(r.layout, dim) in allowed for dim, allowed in setting.items())]
+    if run.source == "narayanan2021" and run.dp_overlap:
+        ok = _local_ddp_pipelines(run, ok, zero)
+    return ok
+
+
 def rank_of(run, model, machine, q) -> tuple:
     """(1-based rank of the published tp x pp x dp among the layouts its setting could run
     (:data:`SETTINGS`, :data:`ZERO`; a ZeRO-3 run among ZeRO-3 layouts), the best of those,
@@ -135,9 +187,7 @@ def rank_of(run, model, machine, q) -> tuple:
     reduces its gradients in 16 bits, which hpcnn's ZeRO-2 and 3 do not))."""
     stages = (0, 1) if model.grad_reduce == "param" else (0, 1, 2, 3)
     every = hybrid.plan(model, machine, run.devices, zero=stages, remat=hybrid.PRICED_REMAT)
-    setting, zero = SETTINGS[run.source], (3,) if run.zero == 3 else ZERO[run.source]
-    ok = [r for r in every if r.layout.zero in zero and all(
-        getattr(r.layout, dim) in allowed for dim, allowed in setting.items())]
+    ok = of_setting(run, every)
     feasible = [r for r in ok if r.feasible] or ok
     overall = [r for r in every if r.feasible] or every
     lay = q.layout

@@ -1478,7 +1478,13 @@ def plan(model: Transformer, machine, devices: int | None = None, *,
                          f"{model.n_heads} heads, pp the {model.n_layers} layers or be cut "
                          f"into stages, dp the batch)"
                          + (f" within {allow}" if allow else ""))
-    return sorted(out, key=lambda q: (not q.feasible, q.step_s if q.feasible else q.memory_bytes))
+    return sorted(out, key=plan_order)
+
+
+def plan_order(q: Priced) -> tuple:
+    """:func:`plan`'s order: the feasible layouts first, by predicted step time; the others by
+    memory."""
+    return not q.feasible, q.step_s if q.feasible else q.memory_bytes
 
 
 def flops_per_step(model: Transformer) -> float:
