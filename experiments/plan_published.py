@@ -18,8 +18,9 @@ only, nothing fitted to these runs, cut to its device count:
 - its predicted memory per device against the device's;
 - its rank among the layouts the planner prices for the same model, devices and batch that
   its setting could run (:data:`SETTINGS`: the schedules, sequence parallelism, recomputation
-  and ZeRO stages of its software; the first row of the same tp, pp and dp), the best of
-  those, and the best of every layout priced.
+  and ZeRO stages of its software; :data:`MEGATRON`: Megatron-LM's conditions on pipelines),
+  priced as that software ran them (:func:`of_setting`; the first row of the same tp, pp and
+  dp), the best of those, and the best of every layout priced.
 
 It prints one row per run and a summary (median and largest |error|, runs in the top 3, runs
 that fit), and saves the table ``plan_published`` to ``--out``, each row with the published
