@@ -139,22 +139,16 @@ def predicted_throughput(run, model, q) -> tuple:
     raise ValueError(f"{run.name}: no throughput the experiment can compare")
 
 
-def _local_ddp_pipelines(run, rows: list, zero: tuple) -> list:
+def _local_ddp_pipelines(run, rows: list) -> list:
     """``rows`` (a setting's layouts) with the pipelined ones priced as Megatron-LM ran them
     in 2021: it refused its PyTorch-DDP wrapper (``--DDP-impl torch``) with more than one
     pipeline stage (megatron/training.py at de7dc40: "We only support local DDP with multiple
     micro-batches"), so a pipeline reduced its fp16 gradients after the backward (the
     published run's own reduction, not overlapped: :func:`model_for`'s change undone)."""
-    pps = {r.layout.pp for r in rows if r.layout.pp > 1}
-    if not pps:
-        return rows
-    local = dataclasses.replace(load(published.machine_name(run)).with_devices(run.devices),
-                                dp_overlap=False)
-    piped = hybrid.plan(published.model_of(run), local, run.devices, zero=zero,
-                        remat=hybrid.PRICED_REMAT, allow={"pp": pps})
-    keep = {r.layout for r in rows}
-    return sorted([r for r in rows if r.layout.pp == 1] + [r for r in piped if r.layout in keep],
-                  key=hybrid.plan_order)
+    model, local = published.model_of(run), dataclasses.replace(machine_for(run),
+                                                                 dp_overlap=False)
+    return sorted([r if r.layout.pp == 1 else hybrid.price(model, r.layout, local)
+                   for r in rows], key=hybrid.plan_order)
 
 
 def could_run(source: str, lay) -> bool:
@@ -177,7 +171,7 @@ def of_setting(run, every: list) -> list:
     ok = [r for r in every if r.layout.zero in zero and could_run(run.source, r.layout)
           and all(getattr(r.layout, dim) in allowed for dim, allowed in setting.items())]
     if run.source == "narayanan2021" and run.dp_overlap:
-        ok = _local_ddp_pipelines(run, ok, zero)
+        ok = _local_ddp_pipelines(run, ok)
     return ok
 
 
